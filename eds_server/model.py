@@ -1,0 +1,73 @@
+"""Validated plain data for upstream groups: what every source produces and the store merges.
+
+Nothing here does IO or knows about protobuf; the values are already checked, so anything built from
+them is something Envoy accepts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Health(enum.IntEnum):
+    """Envoy's `config.core.v3.HealthStatus`, with the same numbers."""
+
+    UNKNOWN = 0
+    HEALTHY = 1
+    UNHEALTHY = 2
+    DRAINING = 3
+    TIMEOUT = 4
+    DEGRADED = 5
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Locality:
+    region: str = ""
+    zone: str = ""
+    subzone: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One upstream host. `address` is an IP literal (Envoy rejects hostnames in EDS)."""
+
+    address: str
+    port: int
+    weight: int | None = None  # None: leave load_balancing_weight unset (Envoy uses 1)
+    health: Health = Health.UNKNOWN
+    priority: int = 0
+    locality: Locality = Locality()
+    hostname: str = ""
+    # filter_metadata["envoy.lb"]: JSON-like values, for Envoy's subset load balancer
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.address, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A named set of endpoints: one ClusterLoadAssignment, named as Envoy asks for it."""
+
+    name: str
+    endpoints: tuple[Endpoint, ...] = ()
+    # per-locality load_balancing_weight, for Envoy's locality-weighted load balancing
+    locality_weights: Mapping[Locality, int] = field(default_factory=dict)
+
+
+def merge_groups(name: str, parts: list[Group]) -> Group:
+    """Union of one group's endpoints across sources; the first source wins a duplicate address."""
+    if len(parts) == 1:
+        return parts[0]
+    endpoints: dict[tuple[str, int], Endpoint] = {}
+    weights: dict[Locality, int] = {}
+    for part in parts:
+        for ep in part.endpoints:
+            endpoints.setdefault(ep.key, ep)
+        for loc, w in part.locality_weights.items():
+            weights.setdefault(loc, w)
+    return Group(name, tuple(endpoints.values()), weights)

@@ -1,0 +1,136 @@
+"""Groups merged across sources, each encoded once per change, with content-derived versions.
+
+The store knows nothing of gRPC or of who is listening: sources push whole states in, watchers are
+plain callbacks told which names changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .model import Group, merge_groups
+
+log = logging.getLogger(__name__)
+
+# Called with the names that changed, or None when everything should be looked at again
+# (the store just became ready).
+Watcher = Callable[[frozenset[str] | None], None]
+Encoder = Callable[[Group], bytes]
+
+
+def content_version(data: bytes) -> str:
+    """A version that never stands for two contents, across restarts and replicas alike."""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
+class Resource:
+    """One encoded ClusterLoadAssignment. Compared by identity; `version` says if content differs."""
+
+    name: str
+    version: str
+    body: bytes
+    group: Group
+
+
+class Store:
+    def __init__(self, encode: Encoder) -> None:
+        self._encode = encode
+        self._by_source: dict[str, dict[str, Group]] = {}
+        self._pending: list[str] = []  # sources that have not delivered their first state
+        self._resources: dict[str, Resource] = {}
+        self._watchers: list[Watcher] = []
+        self._forced_ready = False
+        self.encodes = 0  # how many groups were encoded, for tests and metrics
+
+    # -- sources -------------------------------------------------------------------------------
+    def add_source(self, name: str) -> None:
+        """Declare a source; the store is not ready until each declared source has delivered."""
+        if name in self._by_source or name in self._pending:
+            raise ValueError(f"source {name!r} added twice")
+        self._pending.append(name)
+
+    def update(self, source: str, groups: Mapping[str, Group]) -> frozenset[str]:
+        """Replace everything `source` provides; return (and announce) the names whose CLA changed."""
+        if source not in self._by_source and source not in self._pending:
+            raise KeyError(f"unknown source {source!r}")
+        was_ready = self.ready
+        old = self._by_source.get(source, {})
+        self._by_source[source] = dict(groups)
+        if source in self._pending:
+            self._pending.remove(source)
+        changed = frozenset(n for n in old.keys() | groups.keys() if self._refresh(n))
+        if not was_ready and self.ready:
+            log.info("all sources loaded: serving %d groups", len(self._resources))
+            self._announce(None)
+        elif changed and self.ready:
+            self._announce(changed)
+        return changed
+
+    def _refresh(self, name: str) -> bool:
+        parts = [g[name] for g in self._by_source.values() if name in g]
+        current = self._resources.get(name)
+        if not parts:
+            if current is None:
+                return False
+            del self._resources[name]
+            return True
+        group = merge_groups(name, parts)
+        if current is not None and current.group == group:
+            return False
+        body = self._encode(group)
+        self.encodes += 1
+        version = content_version(body)
+        if current is not None and current.version == version:
+            self._resources[name] = Resource(name, version, body, group)
+            return False  # e.g. endpoints reordered: same bytes, nothing to push
+        self._resources[name] = Resource(name, version, body, group)
+        return True
+
+    # -- readiness -----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._forced_ready or not self._pending
+
+    @property
+    def pending_sources(self) -> tuple[str, ...]:
+        return tuple(self._pending)
+
+    def force_ready(self) -> None:
+        """Serve what we have even though some sources never delivered (startup timeout)."""
+        if not self.ready:
+            self._forced_ready = True
+            self._announce(None)
+
+    # -- readers -------------------------------------------------------------------------------
+    def get(self, name: str) -> Resource:
+        """The CLA for `name`; a name with no group gets an empty CLA, so Envoy's cluster warms."""
+        found = self._resources.get(name)
+        if found is not None:
+            return found
+        group = Group(name)
+        body = self._encode(group)
+        return Resource(name, content_version(body), body, group)
+
+    def resources(self) -> Mapping[str, Resource]:
+        return self._resources
+
+    def sources_of(self, name: str) -> list[str]:
+        return [s for s, groups in self._by_source.items() if name in groups]
+
+    # -- watchers ------------------------------------------------------------------------------
+    def watch(self, watcher: Watcher) -> Callable[[], None]:
+        """Call `watcher` on every change; returns the function that stops it."""
+        self._watchers.append(watcher)
+        return lambda: self._watchers.remove(watcher)
+
+    def _announce(self, names: frozenset[str] | None) -> None:
+        for watcher in list(self._watchers):
+            watcher(names)
+
+    def watcher_count(self) -> int:
+        return len(self._watchers)
+

@@ -1,0 +1,209 @@
+"""State-of-the-world EDS stream logic, without sockets: requests and store changes in, responses out.
+
+One `SotwStream` per gRPC stream. It keeps at most one response in flight: changes that arrive
+while Envoy has not yet ACKed coalesce into the next response, so a slow client costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..store import Resource
+
+EDS_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+
+class ResourceView(Protocol):
+    """What a stream reads: the store, or anything shaped like it."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def get(self, name: str) -> Resource: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_names: int = 10_000
+    max_name_length: int = 1024
+
+
+class ProtocolError(Exception):
+    """The client broke the protocol; the stream ends with this gRPC status name and message."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    version_info: str = ""
+    has_node: bool = False
+    resource_names: tuple[str, ...] = ()
+    type_url: str = ""
+    response_nonce: str = ""
+    error_message: str | None = None  # set on a NACK (error_detail present)
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    version_info: str
+    resources: tuple[Resource, ...]
+    nonce: str
+
+
+# What `receive` reports, for logs and counters.
+@dataclass(frozen=True, slots=True)
+class Ack:
+    version_info: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    version_info: str
+    names: tuple[str, ...]
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StaleNonce:
+    nonce: str
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribed:
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
+Event = Ack | Nack | StaleNonce | Subscribed
+
+
+def response_version(resources: Iterable[Resource]) -> str:
+    """A response's version_info: the resource's own version for one, a digest of all for more."""
+    items = sorted((r.name, r.version) for r in resources)
+    if len(items) == 1:
+        return items[0][1]
+    digest = hashlib.blake2b(digest_size=8)
+    for name, version in items:
+        digest.update(f"{name}\0{version}\n".encode())
+    return digest.hexdigest()
+
+
+def check_request(req: Request, limits: Limits) -> None:
+    if req.type_url not in ("", EDS_TYPE_URL):
+        raise ProtocolError("INVALID_ARGUMENT", f"type_url {req.type_url!r} is not served here")
+    if len(req.resource_names) > limits.max_names:
+        raise ProtocolError(
+            "RESOURCE_EXHAUSTED",
+            f"{len(req.resource_names)} resource names in one request (limit {limits.max_names})",
+        )
+    for name in req.resource_names:
+        if len(name) > limits.max_name_length:
+            raise ProtocolError(
+                "INVALID_ARGUMENT",
+                f"resource name of {len(name)} characters (limit {limits.max_name_length})",
+            )
+
+
+@dataclass
+class SotwStream:
+    view: ResourceView
+    limits: Limits = field(default_factory=Limits)
+
+    subscribed: dict[str, None] = field(default_factory=dict)  # ordered set
+    sent: dict[str, str] = field(default_factory=dict)  # name -> version last sent
+    acked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy accepted
+    nacked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy rejected
+    last_nack: str | None = None
+    in_flight: Response | None = None
+    _dirty: set[str] = field(default_factory=set)
+    _started: bool = False
+    _resume_version: str = ""
+    _nonces: int = 0
+    _last_nonce: str = ""
+
+    def receive(self, req: Request) -> list[Event]:
+        """Take one request from Envoy; raise ProtocolError to end the stream."""
+        check_request(req, self.limits)
+        events: list[Event] = []
+        if not self._started:
+            if not req.has_node:
+                raise ProtocolError("INVALID_ARGUMENT", "the first request of a stream must carry a node")
+            self._started = True
+            self._resume_version = req.version_info
+        elif req.response_nonce and req.response_nonce != self._last_nonce:
+            return [StaleNonce(req.response_nonce)]  # superseded: a newer response is on its way
+        elif self.in_flight is not None and req.response_nonce == self.in_flight.nonce:
+            names = tuple(r.name for r in self.in_flight.resources)
+            if req.error_message is not None:
+                for r in self.in_flight.resources:
+                    self.nacked[r.name] = r.version
+                self.last_nack = req.error_message
+                events.append(Nack(self.in_flight.version_info, names, req.error_message))
+            else:
+                for r in self.in_flight.resources:
+                    self.acked[r.name] = r.version
+                    self.nacked.pop(r.name, None)
+                events.append(Ack(req.version_info, names))
+            self.in_flight = None
+        wanted = dict.fromkeys(req.resource_names)
+        added = tuple(n for n in wanted if n not in self.subscribed)
+        removed = tuple(n for n in self.subscribed if n not in wanted)
+        for name in removed:
+            for state in (self.sent, self.acked, self.nacked):
+                state.pop(name, None)
+            self._dirty.discard(name)
+        for name in added:
+            self.sent.pop(name, None)  # answered even if unchanged
+        self._dirty.update(added)
+        self.subscribed = wanted
+        if added or removed:
+            events.append(Subscribed(added, removed))
+        return events
+
+    def changed(self, names: Iterable[str] | None) -> None:
+        """The store changed these names (None: anything may have changed)."""
+        if names is None:
+            self._dirty.update(self.subscribed)
+        else:
+            self._dirty.update(n for n in names if n in self.subscribed)
+
+    @property
+    def wants_poll(self) -> bool:
+        return bool(self._dirty) and self.in_flight is None and self._started
+
+    def poll(self) -> Response | None:
+        """The next response to send, if one is due; it stays in flight until Envoy answers it."""
+        if not self.wants_poll or not self.view.ready:
+            return None
+        names = [n for n in self.subscribed if n in self._dirty]
+        self._dirty.clear()
+        current = [self.view.get(n) for n in names]
+        if self._resume_version:
+            # A reconnecting Envoy tells us what it has; content-derived versions make this exact.
+            resume, self._resume_version = self._resume_version, ""
+            if len(current) == len(self.subscribed) and response_version(current) == resume:
+                for r in current:
+                    self.sent[r.name] = self.acked[r.name] = r.version
+                return None
+        due = tuple(
+            r
+            for r in current
+            if self.sent.get(r.name) != r.version and self.nacked.get(r.name) != r.version
+        )
+        if not due:
+            return None
+        self._nonces += 1
+        self._last_nonce = str(self._nonces)
+        response = Response(response_version(due), due, self._last_nonce)
+        for r in due:
+            self.sent[r.name] = r.version
+        self.in_flight = response
+        return response

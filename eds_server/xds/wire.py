@@ -1,0 +1,65 @@
+"""DiscoveryResponse bytes assembled from cached pieces.
+
+A protobuf message is a concatenation of its fields, so a response is the bytes of its version,
+its (cached) `Any`-wrapped resources, its type URL and its nonce, laid end to end. Building it this
+way costs a few concatenations instead of a betterproto2 encode of every endpoint per subscriber.
+Tests check the result against the official generated code.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from ..store import Resource
+from .sotw import EDS_TYPE_URL
+
+CONTROL_PLANE_ID = "eds-server"
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def length_delimited(field_number: int, data: bytes) -> bytes:
+    return varint(field_number << 3 | 2) + varint(len(data)) + data
+
+
+def string_field(field_number: int, value: str) -> bytes:
+    return length_delimited(field_number, value.encode()) if value else b""
+
+
+_ANY_TYPE_URL = string_field(1, EDS_TYPE_URL)
+# DiscoveryResponse.type_url (4) and control_plane (6) = ControlPlane{identifier (1)}
+_RESPONSE_TAIL = string_field(4, EDS_TYPE_URL) + length_delimited(
+    6, string_field(1, CONTROL_PLANE_ID)
+)
+
+# resource -> its `resources` field (2) of a DiscoveryResponse: Any{type_url, value = CLA}.
+# Weak keys: the bytes live exactly as long as the store holds that version.
+_any_fields: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
+
+
+def any_field(resource: Resource) -> bytes:
+    cached = _any_fields.get(resource)
+    if cached is None:
+        cached = length_delimited(2, _ANY_TYPE_URL + length_delimited(2, resource.body))
+        _any_fields[resource] = cached
+    return cached
+
+
+def discovery_response(version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
+    """An encoded envoy.service.discovery.v3.DiscoveryResponse."""
+    parts = [string_field(1, version_info)]
+    parts.extend(any_field(r) for r in resources)
+    parts.append(_RESPONSE_TAIL)
+    parts.append(string_field(5, nonce))
+    return b"".join(parts)

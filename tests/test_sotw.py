@@ -1,0 +1,212 @@
+"""The SotW state machine, driven directly: no sockets, no store, just requests and changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from eds_server.model import Group
+from eds_server.store import Resource
+from eds_server.xds.sotw import (
+    EDS_TYPE_URL,
+    Ack,
+    Limits,
+    Nack,
+    ProtocolError,
+    Request,
+    SotwStream,
+    StaleNonce,
+    response_version,
+)
+
+
+class View:
+    def __init__(self) -> None:
+        self.ready = True
+        self.bodies: dict[str, bytes] = {}
+
+    def set(self, name: str, body: bytes) -> None:
+        self.bodies[name] = body
+
+    def get(self, name: str) -> Resource:
+        body = self.bodies.get(name, b"empty:" + name.encode())
+        return Resource(name, body.decode(), body, Group(name))
+
+
+def first(*names: str, version: str = "") -> Request:
+    return Request(version_info=version, has_node=True, resource_names=names, type_url=EDS_TYPE_URL)
+
+
+def ack(resp_nonce: str, *names: str, version: str = "", error: str | None = None) -> Request:
+    return Request(version_info=version, resource_names=names, response_nonce=resp_nonce,
+                   type_url=EDS_TYPE_URL, error_message=error)  # fmt: skip
+
+
+@pytest.fixture
+def view() -> View:
+    v = View()
+    v.set("web", b"web-1")
+    return v
+
+
+def test_first_request_answers_every_name_known_or_not(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web", "nope"))
+    r = s.poll()
+    assert r is not None
+    assert [x.name for x in r.resources] == ["web", "nope"]
+    assert r.resources[1].body == b"empty:nope"  # an unknown name still gets a (empty) CLA
+    assert r.version_info == response_version(r.resources)
+    assert s.poll() is None  # one response in flight at most
+
+
+def test_first_request_needs_node(view: View) -> None:
+    with pytest.raises(ProtocolError) as e:
+        SotwStream(view).receive(Request(resource_names=("web",)))
+    assert e.value.status == "INVALID_ARGUMENT"
+
+
+def test_later_requests_may_omit_node_and_type_url(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r = s.poll()
+    assert r is not None
+    events = s.receive(Request(version_info=r.version_info, resource_names=("web",),
+                               response_nonce=r.nonce))  # fmt: skip
+    assert events == [Ack(r.version_info, ("web",))]
+    assert s.acked == {"web": "web-1"}
+
+
+@pytest.mark.parametrize(
+    "req",
+    [
+        Request(has_node=True, type_url="type.googleapis.com/envoy.config.cluster.v3.Cluster"),
+        Request(has_node=True, resource_names=tuple(f"n{i}" for i in range(11))),
+        Request(has_node=True, resource_names=("x" * 101,)),
+    ],
+)
+def test_bad_requests_are_protocol_errors(view: View, req: Request) -> None:
+    with pytest.raises(ProtocolError):
+        SotwStream(view, Limits(max_names=10, max_name_length=100)).receive(req)
+
+
+def test_not_ready_sends_nothing_until_ready(view: View) -> None:
+    view.ready = False
+    s = SotwStream(view)
+    s.receive(first("web"))
+    assert s.poll() is None
+    view.ready = True
+    s.changed(None)
+    assert s.poll() is not None
+
+
+def test_changes_while_in_flight_coalesce(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r1 = s.poll()
+    assert r1 is not None
+    for body in (b"web-2", b"web-3", b"web-4"):
+        view.set("web", body)
+        s.changed({"web"})
+        assert s.poll() is None
+    s.receive(ack(r1.nonce, "web", version=r1.version_info))
+    r2 = s.poll()
+    assert r2 is not None and r2.version_info == "web-4" and r2.nonce != r1.nonce
+    assert s.poll() is None
+
+
+def test_only_subscribed_changes_are_pushed(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r = s.poll()
+    assert r is not None
+    s.receive(ack(r.nonce, "web"))
+    view.set("other", b"o-2")
+    s.changed({"other"})
+    assert s.poll() is None
+
+
+def test_unchanged_content_is_not_resent(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r = s.poll()
+    assert r is not None
+    s.receive(ack(r.nonce, "web"))
+    s.changed({"web"})  # told of a change whose content is the same
+    assert s.poll() is None
+
+
+def test_nack_is_recorded_and_that_version_not_resent(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r1 = s.poll()
+    assert r1 is not None
+    s.receive(ack(r1.nonce, "web"))
+    view.set("web", b"web-bad")
+    s.changed({"web"})
+    r2 = s.poll()
+    assert r2 is not None
+    events = s.receive(ack(r2.nonce, "web", version="web-1", error="bad endpoint"))
+    assert events == [Nack("web-bad", ("web",), "bad endpoint")]
+    assert s.nacked == {"web": "web-bad"} and s.acked == {"web": "web-1"}
+    s.changed({"web"})
+    assert s.poll() is None  # not sent again
+    view.set("web", b"web-good")
+    s.changed({"web"})
+    r3 = s.poll()
+    assert r3 is not None and r3.version_info == "web-good"
+
+
+def test_stale_nonce_is_ignored(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r = s.poll()
+    assert r is not None
+    assert s.receive(ack("not-" + r.nonce, "web", "api")) == [StaleNonce("not-" + r.nonce)]
+    assert list(s.subscribed) == ["web"] and s.in_flight is r
+
+
+def test_subscription_change_answers_added_and_drops_removed(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web", "api"))
+    r1 = s.poll()
+    assert r1 is not None
+    s.receive(ack(r1.nonce, "web", "api", "new"))
+    r2 = s.poll()
+    assert r2 is not None and [x.name for x in r2.resources] == ["new"]
+    s.receive(ack(r2.nonce, "new"))
+    view.set("web", b"web-2")
+    s.changed({"web"})
+    assert s.poll() is None  # web is no longer subscribed
+    s.receive(ack(r2.nonce, "new", "web"))
+    r3 = s.poll()
+    assert r3 is not None and [x.name for x in r3.resources] == ["web"]  # re-added: answered
+
+
+def test_group_appearing_later_is_pushed(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("late"))
+    r1 = s.poll()
+    assert r1 is not None and r1.resources[0].body == b"empty:late"
+    s.receive(ack(r1.nonce, "late"))
+    view.set("late", b"late-1")
+    s.changed({"late"})
+    r2 = s.poll()
+    assert r2 is not None and r2.resources[0].body == b"late-1"
+
+
+def test_reconnect_with_current_version_sends_nothing(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web", version="web-1"))
+    assert s.poll() is None
+    assert s.acked == {"web": "web-1"}
+    view.set("web", b"web-2")
+    s.changed({"web"})
+    r = s.poll()
+    assert r is not None and r.version_info == "web-2"
+
+
+def test_reconnect_with_old_version_gets_current(view: View) -> None:
+    s = SotwStream(view)
+    s.receive(first("web", version="web-0"))
+    r = s.poll()
+    assert r is not None and r.version_info == "web-1"
