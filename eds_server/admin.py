@@ -1,0 +1,73 @@
+"""Admin HTTP (aiohttp): liveness, readiness and what is being served, as JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from .model import Endpoint
+from .store import Resource, Store
+
+
+def endpoint_json(ep: Endpoint) -> dict[str, Any]:
+    out: dict[str, Any] = {"address": ep.address, "port": ep.port, "health": ep.health.name.lower()}
+    if ep.weight is not None:
+        out["weight"] = ep.weight
+    if ep.priority:
+        out["priority"] = ep.priority
+    for key in ("region", "zone", "subzone"):
+        if value := getattr(ep.locality, key):
+            out[key] = value
+    if ep.hostname:
+        out["hostname"] = ep.hostname
+    if ep.metadata:
+        out["metadata"] = dict(ep.metadata)
+    return out
+
+
+def group_json(store: Store, resource: Resource) -> dict[str, Any]:
+    group = resource.group
+    return {
+        "name": resource.name,
+        "version": resource.version,
+        "sources": store.sources_of(resource.name),
+        "endpoints": [endpoint_json(e) for e in group.endpoints],
+        "localities": [
+            {"region": loc.region, "zone": loc.zone, "subzone": loc.subzone, "weight": w}
+            for loc, w in group.locality_weights.items()
+        ],
+    }
+
+
+def make_app(store: Store, source_status: Callable[[], list[dict[str, Any]]]) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        body = {"ready": store.ready, "pending_sources": list(store.pending_sources)}
+        return web.json_response(body, status=200 if store.ready else 503)
+
+    async def groups(_: web.Request) -> web.Response:
+        resources = store.resources()
+        return web.json_response(
+            {"groups": [group_json(store, resources[n]) for n in sorted(resources)]}
+        )
+
+    async def group(request: web.Request) -> web.Response:
+        found = store.resources().get(request.match_info["name"])
+        if found is None:
+            return web.json_response({"error": "no such group"}, status=404)
+        return web.json_response(group_json(store, found))
+
+    async def sources(_: web.Request) -> web.Response:
+        return web.json_response({"sources": source_status()})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/v1/groups", groups)
+    app.router.add_get("/v1/groups/{name}", group)
+    app.router.add_get("/v1/sources", sources)
+    return app

@@ -1,0 +1,121 @@
+"""Assembly: sources feed the store, the store feeds the gRPC service; admin looks on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from . import admin
+from .encode import encode_group
+from .sources.upstreams_file import UpstreamsFileSource
+from .store import Store
+from .transport.grpc import EdsService, make_server
+from .xds.sotw import Limits
+
+log = logging.getLogger("eds_server")
+
+
+@dataclass
+class Settings:
+    upstreams: str | None = None
+    listen: tuple[str, int] = ("0.0.0.0", 18000)
+    admin: tuple[str, int] | None = ("127.0.0.1", 18001)
+    startup_timeout: float = 10.0
+    max_streams_per_connection: int = 10_000
+    keepalive_time: float = 30.0
+    keepalive_timeout: float = 10.0
+    max_message_size: int = 4 * 1024 * 1024
+    limits: Limits = field(default_factory=Limits)
+    shutdown_grace: float = 2.0
+
+
+class App:
+    """One running server. `start()` refuses a bad upstreams file by raising UpstreamsError."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = Store(encode_group)
+        self.file_source = (
+            UpstreamsFileSource(settings.upstreams, self.store) if settings.upstreams else None
+        )
+        self.service = EdsService(self.store, settings.limits)
+        self.grpc = make_server(
+            self.service,
+            max_streams_per_connection=settings.max_streams_per_connection,
+            keepalive_time=settings.keepalive_time,
+            keepalive_timeout=settings.keepalive_timeout,
+            max_message_size=settings.max_message_size,
+        )
+        self._admin: web.AppRunner | None = None
+        self._stop_sources = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.grpc_port: int | None = None
+        self.admin_port: int | None = None
+
+    def source_status(self) -> list[dict[str, Any]]:
+        out = []
+        if self.file_source is not None:
+            out.append({
+                "name": self.file_source.name,
+                "loaded": self.file_source.name not in self.store.pending_sources,
+                "last_error": self.file_source.last_error,
+            })  # fmt: skip
+        return out
+
+    async def start(self) -> None:
+        if self.file_source is not None:
+            self.file_source.load()
+            self._tasks.append(asyncio.create_task(self.file_source.run(self._stop_sources)))
+        self._tasks.append(asyncio.create_task(self._startup_deadline()))
+        host, port = self.settings.listen
+        await self.grpc.start(host, port)
+        self.grpc_port = _bound_port(self.grpc)
+        log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
+        if self.settings.admin is not None:
+            self._admin = web.AppRunner(
+                admin.make_app(self.store, self.source_status), access_log=None
+            )
+            await self._admin.setup()
+            site = web.TCPSite(self._admin, *self.settings.admin)
+            await site.start()
+            self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            log.info("admin on http://%s:%s", self.settings.admin[0], self.admin_port)
+
+    async def _startup_deadline(self) -> None:
+        if self.store.ready:
+            return
+        await asyncio.sleep(self.settings.startup_timeout)
+        if not self.store.ready:
+            log.warning(
+                "startup timeout (%.0fs): sources still empty: %s; serving what is loaded",
+                self.settings.startup_timeout, ", ".join(self.store.pending_sources),
+            )  # fmt: skip
+            self.store.force_ready()
+
+    async def stop(self) -> None:
+        """End streams cleanly (Envoy keeps its endpoints and reconnects), then close everything."""
+        self.service.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_grace
+        while self.service.open_streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.grpc_port is not None:
+            self.grpc.close()
+            try:
+                await asyncio.wait_for(self.grpc.wait_closed(), self.settings.shutdown_grace)
+            except TimeoutError:
+                log.warning("some gRPC handlers did not finish in time")
+        self._stop_sources.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._admin is not None:
+            await self._admin.cleanup()
+
+
+def _bound_port(server: Any) -> int:
+    return int(server._server.sockets[0].getsockname()[1])

@@ -1,0 +1,188 @@
+"""Command line: `eds-server serve | check | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import uvloop
+
+from . import upstreams
+from .app import App, Settings
+
+log = logging.getLogger("eds_server")
+
+
+def host_port(value: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[V6]:PORT` or `:PORT` (all interfaces)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (host or "0.0.0.0", int(port))
+
+
+def admin_address(value: str) -> tuple[str, int] | None:
+    return None if value.lower() in ("", "off", "none") else host_port(value)
+
+
+def duration(value: str) -> float:
+    """Seconds, with an optional unit: `10`, `10s`, `500ms`, `2m`."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0}
+    for unit in ("ms", "s", "m"):
+        if value.endswith(unit):
+            number, scale = value[: -len(unit)], units[unit]
+            break
+    else:
+        number, scale = value, 1.0
+    try:
+        seconds = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a duration (e.g. 10s, 500ms)") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is negative")
+    return seconds
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("grpclib", "watchfiles"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eds-server", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the EDS server")
+    serve.add_argument("--upstreams", metavar="FILE", default=_env("EDS_UPSTREAMS", None),
+                       help="upstreams YAML file, watched for changes [EDS_UPSTREAMS]")
+    serve.add_argument("--listen", type=host_port, metavar="HOST:PORT",
+                       default=_env("EDS_LISTEN", "0.0.0.0:18000"),
+                       help="gRPC address [EDS_LISTEN] (default 0.0.0.0:18000)")
+    serve.add_argument("--admin", type=admin_address, metavar="HOST:PORT",
+                       default=_env("EDS_ADMIN", "127.0.0.1:18001"),
+                       help="admin HTTP address, or 'off' [EDS_ADMIN] (default 127.0.0.1:18001)")
+    serve.add_argument("--startup-timeout", type=duration, metavar="DURATION",
+                       default=_env("EDS_STARTUP_TIMEOUT", "10s"),
+                       help="longest wait for sources before answering Envoy anyway (default 10s)")
+    serve.add_argument("--max-streams-per-connection", type=int, metavar="N",
+                       default=int(_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000") or 10000),
+                       help="HTTP/2 concurrent streams per connection (default 10000)")
+    serve.add_argument("--keepalive-time", type=duration, metavar="DURATION",
+                       default=_env("EDS_KEEPALIVE_TIME", "30s"),
+                       help="HTTP/2 ping interval towards clients (default 30s)")
+    serve.add_argument("--keepalive-timeout", type=duration, metavar="DURATION",
+                       default=_env("EDS_KEEPALIVE_TIMEOUT", "10s"),
+                       help="close a connection whose ping is not answered in this time (default 10s)")
+    _add_logging(serve)
+
+    check = sub.add_parser("check", help="validate an upstreams file (exit 1 on problems)")
+    check.add_argument("file")
+
+    demo = sub.add_parser("demo", help="run eds-server, sample backends and a real Envoy together")
+    demo.add_argument("--upstreams", metavar="FILE", default="examples/upstreams.yaml")
+    demo.add_argument("--envoy-config", metavar="FILE", default="envoy/envoy.yaml")
+    _add_logging(demo)
+    return parser  # fmt: skip
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default=_env("EDS_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"], help="[EDS_LOG_LEVEL]")
+    p.add_argument("--log-format", default=_env("EDS_LOG_FORMAT", "text"),
+                   choices=["text", "json"], help="[EDS_LOG_FORMAT]")  # fmt: skip
+
+
+def check(path: str) -> int:
+    try:
+        groups = upstreams.load(path)
+    except upstreams.UpstreamsError as e:
+        for problem in e.problems:
+            print(problem, file=sys.stderr)
+        return 1
+    n = sum(len(g.endpoints) for g in groups.values())
+    print(f"{path}: ok ({len(groups)} groups, {n} endpoints)")
+    return 0
+
+
+async def serve(settings: Settings) -> int:
+    app = App(settings)
+    try:
+        await app.start()
+    except upstreams.UpstreamsError as e:
+        for problem in e.problems:
+            log.error("%s", problem)
+        log.error("not starting: fix the upstreams file (check it with `eds-server check`)")
+        return 1
+    except OSError as e:
+        log.error("not starting: %s", e)
+        await app.stop()
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await app.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "check":
+        return check(args.file)
+    setup_logging(args.log_level, args.log_format)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
+    if not args.upstreams:
+        log.error("no source of endpoints: give --upstreams FILE (or set EDS_UPSTREAMS)")
+        return 2
+    settings = Settings(
+        upstreams=args.upstreams,
+        listen=args.listen,
+        admin=args.admin,
+        startup_timeout=args.startup_timeout,
+        max_streams_per_connection=args.max_streams_per_connection,
+        keepalive_time=args.keepalive_time,
+        keepalive_timeout=args.keepalive_timeout,
+    )
+    return int(uvloop.run(serve(settings)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

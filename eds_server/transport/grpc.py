@@ -1,0 +1,339 @@
+"""The gRPC face of the server: grpclib wiring around the sans-IO SotW state machine.
+
+Three things here exist because of grpclib's defaults: a codec that passes pre-encoded bytes
+through (responses are assembled from cached pieces), an HTTP/2 protocol that accepts far more
+than h2's default of 100 concurrent streams (Envoy opens one stream per EDS cluster on a single
+connection, and grpclib drops the whole connection on stream 101), and server keepalive pings
+much sooner than grpclib's two hours so half-open Envoy connections are noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import betterproto2
+import grpclib.const
+import grpclib.server
+from grpclib import GRPCError
+from grpclib.config import Configuration
+from grpclib.const import Cardinality, Status
+from grpclib.encoding.base import CodecBase
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodelay
+from h2.connection import H2Connection
+from h2.settings import SettingCodes, Settings
+
+from ..pb.eds_server.wire.v1 import LazyDiscoveryRequest
+from ..pb.envoy.config.core.v3 import Node
+from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
+from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
+from ..store import Store
+from ..xds import wire
+from ..xds.sotw import Ack, Limits, Nack, ProtocolError, Request, SotwStream, check_request
+from ..xds.sotw import response_version as sotw_version
+
+log = logging.getLogger("eds_server.grpc")
+
+EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
+
+
+class PassThroughCodec(CodecBase):
+    """Protobuf codec that sends `bytes` as they are and can leave requests undecoded."""
+
+    __content_subtype__ = "proto"
+
+    def __init__(self, max_message_size: int) -> None:
+        self.max_message_size = max_message_size
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        if isinstance(message, bytes):
+            return message
+        return bytes(cast(betterproto2.Message, message))
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        if len(data) > self.max_message_size:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"message of {len(data)} bytes (limit {self.max_message_size})",
+            )
+        if message_type is bytes:
+            return data
+        try:
+            return message_type.parse(data)
+        except Exception as e:  # betterproto2 raises assorted errors on garbage
+            raise GRPCError(Status.INVALID_ARGUMENT, f"cannot parse request: {e}") from None
+
+
+class _H2Protocol(H2Protocol):
+    """grpclib's protocol, advertising and enforcing our MAX_CONCURRENT_STREAMS from the start."""
+
+    max_streams = 10_000
+
+    def connection_made(self, transport: Any) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _set_nodelay(sock)
+        h2_conn = H2Connection(config=self.h2_config)
+        # Set before the first SETTINGS frame, so the limit holds before Envoy's ACK arrives too.
+        h2_conn.local_settings = Settings(
+            client=False,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
+                SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
+            },
+        )
+        h2_conn.initiate_connection()
+        initial = h2_conn.local_settings.initial_window_size
+        conn_delta = self.config.http2_connection_window_size - initial
+        if conn_delta:
+            h2_conn.increment_flow_control_window(conn_delta)
+        if self.config.http2_stream_window_size != initial:
+            h2_conn.update_settings(
+                {SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
+            )
+        self.connection = Connection(h2_conn, cast(asyncio.Transport, transport), config=self.config)
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = EventsProcessor(self.handler, self.connection)
+
+
+class Server(grpclib.server.Server):
+    def __init__(self, handlers: list[Any], *, max_streams: int, **kwargs: Any) -> None:
+        super().__init__(handlers, **kwargs)
+        self._max_streams = max_streams
+
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        mine = _H2Protocol(protocol.handler, protocol.config, protocol.h2_config)
+        mine.max_streams = self._max_streams
+        return mine
+
+
+@dataclass
+class Counters:
+    streams_opened: int = 0
+    streams_open: int = 0
+    requests: int = 0
+    responses: int = 0
+    acks: int = 0
+    nacks: int = 0
+
+
+@dataclass
+class EdsService:
+    """envoy.service.endpoint.v3.EndpointDiscoveryService over a Store."""
+
+    store: Store
+    limits: Limits = field(default_factory=Limits)
+    send_timeout: float = 30.0
+    counters: Counters = field(default_factory=Counters)
+    _wakers: set[asyncio.Event] = field(default_factory=set)
+    _stopping: bool = False
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.store.watch(self._on_store_change)
+        if self.store.ready:
+            self._ready.set()
+
+    def _on_store_change(self, names: frozenset[str] | None) -> None:
+        if self.store.ready:
+            self._ready.set()
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        prefix = f"/{EDS_SERVICE}/"
+        return {
+            prefix + "StreamEndpoints": grpclib.const.Handler(
+                self.stream_endpoints, Cardinality.STREAM_STREAM, LazyDiscoveryRequest, bytes
+            ),
+            prefix + "FetchEndpoints": grpclib.const.Handler(
+                self.fetch_endpoints, Cardinality.UNARY_UNARY, LazyDiscoveryRequest, bytes
+            ),
+            prefix + "DeltaEndpoints": grpclib.const.Handler(
+                self.delta_endpoints, Cardinality.STREAM_STREAM, bytes, bytes
+            ),
+        }
+
+    def stop(self) -> None:
+        """End every open stream cleanly (status OK); Envoy keeps its endpoints and reconnects."""
+        self._stopping = True
+        for wake in self._wakers:
+            wake.set()
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._wakers)
+
+    async def stream_endpoints(
+        self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
+    ) -> None:
+        if self._stopping:
+            raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
+        sm = SotwStream(self.store, self.limits)
+        wake = asyncio.Event()
+        peer = _peer(stream)
+        who: dict[str, str] = {"node": "?", "cluster": "?"}
+
+        def on_change(names: frozenset[str] | None) -> None:
+            sm.changed(names)
+            if sm.wants_poll:
+                wake.set()
+
+        async def read() -> None:
+            async for msg in stream:
+                self.counters.requests += 1
+                if not who.get("opened") and msg.node:
+                    who.update(_node_identity(msg.node))
+                for event in sm.receive(_request(msg)):
+                    if isinstance(event, Nack):
+                        self.counters.nacks += 1
+                        log.warning(
+                            "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
+                            who["node"], who["cluster"], peer, ",".join(event.names),
+                            event.version_info, event.message,
+                        )  # fmt: skip
+                    elif isinstance(event, Ack):
+                        self.counters.acks += 1
+                        log.debug("ACK from node=%s for %s", who["node"], ",".join(event.names))
+                if not who.get("opened"):
+                    who["opened"] = "1"
+                    log.info(
+                        "stream opened: node=%s cluster=%s peer=%s names=%s",
+                        who["node"], who["cluster"], peer, ",".join(sm.subscribed),
+                    )  # fmt: skip
+                wake.set()
+
+        unwatch = self.store.watch(on_change)
+        self._wakers.add(wake)
+        self.counters.streams_opened += 1
+        reader = asyncio.create_task(read())
+        reader.add_done_callback(lambda _: wake.set())
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if self._stopping:
+                    break
+                if reader.done():
+                    exc = reader.exception()
+                    if isinstance(exc, ProtocolError):
+                        raise GRPCError(Status[exc.status], exc.message)
+                    if exc is not None:
+                        raise exc
+                    break
+                response = sm.poll()
+                if response is not None:
+                    data = wire.discovery_response(
+                        response.version_info, response.resources, response.nonce
+                    )
+                    try:
+                        await asyncio.wait_for(stream.send_message(data), self.send_timeout)
+                    except TimeoutError:
+                        log.warning("dropping node=%s peer=%s: not reading", who["node"], peer)
+                        raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
+                    self.counters.responses += 1
+        finally:
+            self._wakers.discard(wake)
+            unwatch()
+            reader.cancel()
+            log.info("stream closed: node=%s peer=%s", who["node"], peer)
+
+    async def fetch_endpoints(
+        self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
+    ) -> None:
+        msg = await stream.recv_message()
+        assert msg is not None
+        req = _request(msg)
+        try:
+            check_request(req, self.limits)
+        except ProtocolError as e:
+            raise GRPCError(Status[e.status], e.message) from None
+        await self._ready.wait()
+        resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names)]
+        version = sotw_version(resources) if resources else ""
+        await stream.send_message(wire.discovery_response(version, resources, ""))
+
+    async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
+        raise GRPCError(Status.UNIMPLEMENTED, "delta xDS is not served yet; use api_type: GRPC")
+
+
+class HealthService(HealthBase):
+    """grpc.health.v1: SERVING once every source has delivered its first state."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def _status(self, service: str) -> HealthCheckResponse:
+        if service not in ("", EDS_SERVICE):
+            raise GRPCError(Status.NOT_FOUND, f"unknown service {service!r}")
+        return HealthCheckResponse(status=Serving.SERVING if self.store.ready else Serving.NOT_SERVING)
+
+    async def check(self, message: HealthCheckRequest) -> HealthCheckResponse:
+        return self._status(message.service)
+
+    async def watch(self, message: HealthCheckRequest) -> AsyncIterator[HealthCheckResponse]:
+        changed = asyncio.Event()
+        unwatch = self.store.watch(lambda _: changed.set())
+        try:
+            last = None
+            while True:
+                current = self._status(message.service)
+                if current != last:
+                    yield current
+                    last = current
+                await changed.wait()
+                changed.clear()
+        finally:
+            unwatch()
+
+
+def _request(msg: LazyDiscoveryRequest) -> Request:
+    return Request(
+        version_info=msg.version_info,
+        has_node=bool(msg.node),
+        resource_names=tuple(msg.resource_names),
+        type_url=msg.type_url,
+        response_nonce=msg.response_nonce,
+        error_message=msg.error_detail.message if msg.error_detail is not None else None,
+    )
+
+
+def _node_identity(raw: bytes) -> dict[str, str]:
+    """Parse the (large) Node once per stream, for logs."""
+    try:
+        node = Node.parse(raw)
+    except Exception:
+        raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
+    return {"node": node.id or "?", "cluster": node.cluster or "?"}
+
+
+def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:
+    addr = stream.peer.addr()
+    return f"{addr[0]}:{addr[1]}" if addr else "?"
+
+
+def make_server(
+    service: EdsService,
+    *,
+    max_streams_per_connection: int,
+    keepalive_time: float,
+    keepalive_timeout: float,
+    max_message_size: int,
+) -> Server:
+    config = Configuration(
+        _keepalive_time=keepalive_time,
+        _keepalive_timeout=keepalive_timeout,
+        _keepalive_permit_without_calls=True,
+        # EDS streams sit idle for hours: keep pinging however long no data flows.
+        _http2_max_pings_without_data=0,
+        _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
+    )
+    return Server(
+        [service, HealthService(service.store)],
+        codec=PassThroughCodec(max_message_size),
+        config=config,
+        max_streams=max_streams_per_connection,
+    )
