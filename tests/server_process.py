@@ -1,0 +1,99 @@
+"""eds-server run as a real process through its command line, for integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from envoy_harness import free_port
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """How careful tools write: a temp file renamed over the target."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class EdsServerProcess:
+    """`python -m eds_server serve` on loopback ports; restartable on the same ports."""
+
+    def __init__(self, upstreams: Path, *extra_args: str) -> None:
+        self.upstreams = upstreams
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.extra_args = extra_args
+        self.proc: asyncio.subprocess.Process | None = None
+        self.log_path = upstreams.parent / f"eds-server-{self.port}.log"  # kept for post-mortems
+        self._log = self.log_path.open("ab")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def start(self, wait_ready: bool = True) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "eds_server", "serve",
+            "--upstreams", str(self.upstreams),
+            "--listen", f"127.0.0.1:{self.port}",
+            "--admin", f"127.0.0.1:{self.admin_port}",
+            "--log-level", "debug",
+            *self.extra_args,
+            stdout=self._log, stderr=self._log,
+        )  # fmt: skip
+        if wait_ready:
+            await self.wait_ready()
+
+    async def wait_ready(self, timeout: float = 15.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with aiohttp.ClientSession() as session:
+            while loop.time() < deadline:
+                assert self.proc is not None
+                if self.proc.returncode is not None:
+                    raise RuntimeError(f"eds-server exited with {self.proc.returncode}:\n{self.log_text()}")
+                try:
+                    async with session.get(f"http://127.0.0.1:{self.admin_port}/readyz") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"eds-server not ready after {timeout}s:\n{self.log_text()}")
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, and the exit code it gave (killed after `timeout`, which fails the caller)."""
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+                raise AssertionError(f"eds-server ignored SIGTERM for {timeout}s") from None
+        assert self.proc.returncode is not None
+        return self.proc.returncode
+
+    async def admin(self, path: str) -> Any:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{self.admin_port}{path}") as r,
+        ):
+            return await r.json()
+
+    async def __aenter__(self) -> EdsServerProcess:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            if self.proc is not None and self.proc.returncode is None:
+                code = await self.stop()
+                assert code == 0, f"eds-server exited with {code}:\n{self.log_text()}"
+        finally:
+            self._log.close()
