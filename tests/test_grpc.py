@@ -1,0 +1,249 @@
+"""The gRPC service in-process, driven by a grpclib client speaking the wire protocol like Envoy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from envoy.config.endpoint.v3 import endpoint_pb2
+from grpclib import GRPCError
+from grpclib.client import Channel
+from grpclib.const import Cardinality, Status
+
+from eds_server.encode import encode_group
+from eds_server.model import Endpoint, Group
+from eds_server.pb.envoy.config.core.v3 import Node
+from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
+from eds_server.pb.envoy.service.endpoint.v3 import EndpointDiscoveryServiceStub
+from eds_server.pb.google.rpc import Status as RpcStatus
+from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
+from eds_server.pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
+from eds_server.store import Store
+from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
+from eds_server.xds.sotw import EDS_TYPE_URL
+
+STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
+SOURCE = "test"
+
+
+def group(name: str, *ports: int) -> Group:
+    return Group(name, tuple(Endpoint("127.0.0.1", p) for p in ports))
+
+
+class Harness:
+    def __init__(self, store: Store, service: EdsService, channel: Channel) -> None:
+        self.store, self.service, self.channel = store, service, channel
+
+    @contextlib.asynccontextmanager
+    async def stream(self) -> AsyncIterator[Any]:
+        """A StreamEndpoints stream, reset on exit as Envoy does when it goes away."""
+        request = self.channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse)
+        async with request as stream:
+            try:
+                yield stream
+            finally:
+                await stream.cancel()
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    store = Store(encode_group)
+    store.add_source(SOURCE)
+    service = EdsService(store, send_timeout=5)
+    server = make_server(
+        service, max_streams_per_connection=1000, keepalive_time=30, keepalive_timeout=10,
+        max_message_size=1 << 20,
+    )  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    channel = Channel("127.0.0.1", port)
+    try:
+        yield Harness(store, service, channel)
+    finally:
+        channel.close()
+        service.stop()
+        server.close()
+        await server.wait_closed()
+
+
+def first(*names: str, version: str = "") -> DiscoveryRequest:
+    return DiscoveryRequest(
+        node=Node(id="test-node", cluster="test"), resource_names=list(names),
+        type_url=EDS_TYPE_URL, version_info=version,
+    )  # fmt: skip
+
+
+def reply(resp: DiscoveryResponse, *names: str, error: str | None = None) -> DiscoveryRequest:
+    return DiscoveryRequest(
+        version_info=resp.version_info, resource_names=list(names), response_nonce=resp.nonce,
+        type_url=EDS_TYPE_URL, error_detail=RpcStatus(code=3, message=error) if error else None,
+    )  # fmt: skip
+
+
+async def recv(stream: Any, timeout: float = 5.0) -> DiscoveryResponse:
+    msg = await asyncio.wait_for(stream.recv_message(), timeout)
+    assert msg is not None
+    return msg  # type: ignore[no-any-return]
+
+
+async def no_message(stream: Any, wait: float = 0.3) -> None:
+    """Nothing arrives within `wait` (a count of messages, not a speed claim)."""
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(stream.recv_message(), wait)
+
+
+def cla_of(resp: DiscoveryResponse, i: int = 0) -> endpoint_pb2.ClusterLoadAssignment:
+    assert resp.resources[i].type_url == EDS_TYPE_URL
+    return endpoint_pb2.ClusterLoadAssignment.FromString(resp.resources[i].value)
+
+
+async def test_nothing_is_sent_before_sources_load(harness: Harness) -> None:
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        await no_message(stream)
+        harness.store.update(SOURCE, {"web": group("web", 1)})
+        resp = await recv(stream)
+        assert cla_of(resp).cluster_name == "web"
+        assert len(cla_of(resp).endpoints[0].lb_endpoints) == 1
+
+
+async def test_push_ack_change_and_one_encode_per_change(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with contextlib.AsyncExitStack() as stack:
+        opened = [await stack.enter_async_context(harness.stream()) for _ in range(5)]
+        firsts = []
+        for s in opened:
+            await s.send_message(first("web"))
+            firsts.append(await recv(s))
+            await s.send_message(reply(firsts[-1], "web"))
+        encodes = harness.store.encodes
+        harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+        for s, before in zip(opened, firsts, strict=True):
+            resp = await recv(s)
+            assert resp.version_info != before.version_info
+            assert len(cla_of(resp).endpoints[0].lb_endpoints) == 2
+        assert harness.store.encodes == encodes + 1  # once, whatever the number of subscribers
+
+
+async def test_nack_is_not_answered_with_the_same_version(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        r1 = await recv(stream)
+        await stream.send_message(reply(r1, "web", error="rejected for the test"))
+        await no_message(stream)  # no resend loop
+        assert harness.service.counters.nacks == 1
+        harness.store.update(SOURCE, {"web": group("web", 3)})
+        r2 = await recv(stream)
+        assert r2.version_info != r1.version_info
+        await stream.send_message(reply(r2, "web", error="again"))
+        await no_message(stream)
+        assert harness.service.counters.responses == 2
+
+
+async def test_stale_nonce_gets_no_response(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        r1 = await recv(stream)
+        stale = DiscoveryResponse(version_info=r1.version_info, nonce="stale")
+        await stream.send_message(reply(stale, "web", "other"))
+        await no_message(stream)
+        await stream.send_message(reply(r1, "web", "other"))  # current nonce: answered
+        r2 = await recv(stream)
+        assert [cla_of(r2, i).cluster_name for i in range(len(r2.resources))] == ["other"]
+
+
+async def test_reconnect_with_current_version_is_not_resent(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    version = harness.store.get("web").version
+    async with harness.stream() as stream:
+        await stream.send_message(first("web", version=version))
+        await no_message(stream)
+        harness.store.update(SOURCE, {"web": group("web", 2)})
+        assert (await recv(stream)).version_info == harness.store.get("web").version
+
+
+@pytest.mark.parametrize(
+    ("request_", "status"),
+    [
+        (DiscoveryRequest(resource_names=["web"]), Status.INVALID_ARGUMENT),  # no node
+        (DiscoveryRequest(node=Node(id="n"), type_url="type.googleapis.com/x.Y"), Status.INVALID_ARGUMENT),
+        (DiscoveryRequest(node=Node(id="n"), resource_names=["x" * 2000]), Status.INVALID_ARGUMENT),
+        (DiscoveryRequest(node=Node(id="n"), resource_names=["a"] * 10_001), Status.RESOURCE_EXHAUSTED),
+        (DiscoveryRequest(node=Node(id="n"), resource_names=["a" * 1000] * 1100), Status.RESOURCE_EXHAUSTED),
+    ],
+)
+async def test_bad_requests_get_grpc_errors(
+    harness: Harness, request_: DiscoveryRequest, status: Status
+) -> None:
+    harness.store.update(SOURCE, {})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_message(request_)
+            await recv(stream)
+    assert e.value.status == status
+    async with harness.stream() as stream:  # the server is fine
+        await stream.send_message(first("web"))
+        assert cla_of(await recv(stream)).cluster_name == "web"
+
+
+async def test_garbage_bytes_are_an_error_not_a_crash(harness: Harness) -> None:
+    harness.store.update(SOURCE, {})
+    harness.channel._codec = _RawCodec()  # type: ignore[assignment]
+    with pytest.raises(GRPCError) as e:
+        async with harness.channel.request(STREAM, Cardinality.STREAM_STREAM, bytes, bytes) as stream:
+            await stream.send_message(b"\xff\xff\xff\xff\x0f garbage")
+            await stream.recv_message()
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
+class _RawCodec:
+    __content_subtype__ = "proto"
+
+    def encode(self, message: bytes, message_type: Any) -> bytes:
+        return message
+
+    def decode(self, data: bytes, message_type: Any) -> bytes:
+        return data
+
+
+async def test_generated_stub_and_fetch(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+    stub = EndpointDiscoveryServiceStub(harness.channel)
+    resp = await stub.fetch_endpoints(first("web", "nope"))
+    assert [cla_of(resp, i).cluster_name for i in range(2)] == ["web", "nope"]
+    assert len(cla_of(resp, 1).endpoints) == 0
+
+
+async def test_delta_is_unimplemented_for_now(harness: Harness) -> None:
+    harness.store.update(SOURCE, {})
+    stub = EndpointDiscoveryServiceStub(harness.channel)
+    with pytest.raises(GRPCError) as e:
+        async for _ in stub.delta_endpoints([]):
+            pass
+    assert e.value.status == Status.UNIMPLEMENTED
+
+
+async def test_health_follows_readiness(harness: Harness) -> None:
+    health = HealthStub(harness.channel)
+    assert (await health.check(HealthCheckRequest())).status == Serving.NOT_SERVING
+    harness.store.update(SOURCE, {})
+    resp = await health.check(HealthCheckRequest(service=EDS_SERVICE))
+    assert resp.status == Serving.SERVING
+    with pytest.raises(GRPCError) as e:
+        await health.check(HealthCheckRequest(service="nope"))
+    assert e.value.status == Status.NOT_FOUND
+
+
+async def test_stop_ends_streams_cleanly(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        await recv(stream)
+        harness.service.stop()
+        assert await asyncio.wait_for(stream.recv_message(), 5) is None  # trailers, status OK
+    assert harness.service.open_streams == 0
