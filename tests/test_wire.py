@@ -5,6 +5,7 @@ from __future__ import annotations
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
+from test_upstreams import DOCUMENTED
 
 from eds_server import upstreams
 from eds_server.encode import cluster_load_assignment, encode_group
@@ -13,7 +14,6 @@ from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Resource, content_version
 from eds_server.xds import wire
 from eds_server.xds.sotw import EDS_TYPE_URL
-from test_upstreams import DOCUMENTED
 
 
 def resource(group: Group) -> Resource:
@@ -40,7 +40,7 @@ def test_response_bytes_match_official_parse_and_betterproto2() -> None:
 
 
 def test_large_varints_and_empty_fields() -> None:
-    big = Group("big", tuple(Endpoint("10.0.%d.%d" % (i // 250, i % 250), 1000 + i) for i in range(3000)))
+    big = Group("big", tuple(Endpoint(f"10.0.{i // 250}.{i % 250}", 1000 + i) for i in range(3000)))
     data = wire.discovery_response("", [resource(big)], "")
     official = discovery_pb2.DiscoveryResponse.FromString(data)
     assert official.version_info == "" and official.nonce == ""
