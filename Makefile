@@ -1,0 +1,30 @@
+# One venv, pinned by constraints.txt (the versions the tests passed with).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test lint protos clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine
+	$(VENV)/bin/eds-server demo
+
+test: $(STAMP)  ## the whole suite, real Envoy included
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+protos: $(STAMP)  ## regenerate eds_server/pb from proto/
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
