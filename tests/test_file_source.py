@@ -1,0 +1,118 @@
+"""The upstreams file source on a real filesystem: every way a file gets replaced is seen."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from eds_server import upstreams
+from eds_server.encode import encode_group
+from eds_server.sources.upstreams_file import UpstreamsFileSource
+from eds_server.store import Store
+
+
+def text(*ports: int) -> str:
+    return "groups:\n  web:\n    endpoints: [" + ", ".join(f"127.0.0.1:{p}" for p in ports) + "]\n"
+
+
+class Running:
+    def __init__(self, path: Path) -> None:
+        self.store = Store(encode_group)
+        self.source = UpstreamsFileSource(str(path), self.store, debounce_ms=20)
+
+    def ports(self) -> list[int]:
+        return [e.port for e in self.store.get("web").group.endpoints]
+
+    async def wait_ports(self, expected: list[int], timeout: float = 5.0) -> None:
+        for _ in range(int(timeout / 0.02)):  # bounded
+            if self.ports() == expected:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"ports {self.ports()} never became {expected}")
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[Running]:
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(text(1))
+    r = Running(path)
+    r.source.load()
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.source.run(stop))
+    await asyncio.sleep(0.2)  # let the watcher start
+    try:
+        yield r
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_in_place_write(running: Running) -> None:
+    Path(running.source.path).write_text(text(1, 2))
+    await running.wait_ports([1, 2])
+
+
+async def test_atomic_rename(running: Running, tmp_path: Path) -> None:
+    tmp = tmp_path / ".upstreams.yaml.swp"
+    tmp.write_text(text(3))
+    os.replace(tmp, running.source.path)
+    await running.wait_ports([3])
+
+
+async def test_bad_edit_keeps_last_good_state_then_recovers(running: Running) -> None:
+    path = Path(running.source.path)
+    path.write_text(text(1) + "    bogus: 1\n")
+    for _ in range(250):  # bounded
+        if running.source.last_error:
+            break
+        await asyncio.sleep(0.02)
+    assert running.source.last_error and "groups.web.bogus: unknown key" in running.source.last_error
+    assert running.ports() == [1]
+    path.write_text(text(4))
+    await running.wait_ports([4])
+    assert running.source.last_error is None
+
+
+async def test_deleted_file_keeps_last_good_state(running: Running) -> None:
+    os.unlink(running.source.path)
+    await asyncio.sleep(0.3)
+    assert running.ports() == [1] and "cannot read" in (running.source.last_error or "")
+    Path(running.source.path).write_text(text(5))
+    await running.wait_ports([5])
+
+
+async def test_configmap_symlink_swap(tmp_path: Path) -> None:
+    """Kubernetes mounts: upstreams.yaml -> ..data/upstreams.yaml, ..data -> ..<timestamp>."""
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    (mount / "..v1").mkdir()
+    (mount / "..v1" / "upstreams.yaml").write_text(text(6))
+    os.symlink("..v1", mount / "..data")
+    os.symlink("..data/upstreams.yaml", mount / "upstreams.yaml")
+    r = Running(mount / "upstreams.yaml")
+    r.source.load()
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.source.run(stop))
+    try:
+        await asyncio.sleep(0.2)
+        (mount / "..v2").mkdir()
+        (mount / "..v2" / "upstreams.yaml").write_text(text(7))
+        os.symlink("..v2", mount / "..data_tmp")
+        os.replace(mount / "..data_tmp", mount / "..data")  # the kubelet's atomic swap
+        await r.wait_ports([7])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+def test_first_load_refuses_a_bad_file(tmp_path: Path) -> None:
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups:\n  web:\n    endpoints: [1.2.3.4:0]\n")
+    source = UpstreamsFileSource(str(path), Store(encode_group))
+    with pytest.raises(upstreams.UpstreamsError) as e:
+        source.load()
+    assert str(e.value.problems[0]).startswith(f"{path}:3: groups.web.endpoints[0]")

@@ -1,0 +1,89 @@
+"""The store: versions from content, one encode per change, readiness, merging sources."""
+
+from __future__ import annotations
+
+from eds_server.encode import encode_group
+from eds_server.model import Endpoint, Group, Locality
+from eds_server.store import Store
+
+
+def group(name: str, *ports: int) -> Group:
+    return Group(name, tuple(Endpoint("127.0.0.1", p) for p in ports))
+
+
+def make(*sources: str) -> tuple[Store, list[frozenset[str] | None]]:
+    store = Store(encode_group)
+    for s in sources:
+        store.add_source(s)
+    seen: list[frozenset[str] | None] = []
+    store.watch(seen.append)
+    return store, seen
+
+
+def test_not_ready_until_every_source_delivered() -> None:
+    store, seen = make("a", "b")
+    store.update("a", {"web": group("web", 1)})
+    assert not store.ready and store.pending_sources == ("b",) and seen == []
+    store.update("b", {})
+    assert store.ready and seen == [None]  # everyone re-evaluates once on becoming ready
+
+
+def test_force_ready_after_startup_timeout() -> None:
+    store, seen = make("a")
+    store.force_ready()
+    assert store.ready and seen == [None]
+
+
+def test_versions_follow_content_only() -> None:
+    store, seen = make("a")
+    store.update("a", {"web": group("web", 1, 2)})
+    v1 = store.get("web").version
+    assert store.update("a", {"web": group("web", 1, 2)}) == frozenset()  # identical: no change
+    assert store.update("a", {"web": group("web", 2, 1)}) == frozenset()  # reordered: same bytes
+    assert store.update("a", {"web": group("web", 1)}) == {"web"}
+    assert store.update("a", {"web": group("web", 1, 2)}) == {"web"}
+    assert store.get("web").version == v1  # same content, same version, even later
+    other = Store(encode_group)  # another process or replica agrees
+    other.add_source("x")
+    other.update("x", {"web": group("web", 2, 1)})
+    assert other.get("web").version == v1
+    assert seen[-1] == {"web"}
+
+
+def test_one_encode_per_changed_group() -> None:
+    store, _ = make("a")
+    groups = {f"g{i}": group(f"g{i}", i + 1) for i in range(10)}
+    store.update("a", groups)
+    assert store.encodes == 10
+    store.update("a", {**groups, "g3": group("g3", 99)})
+    assert store.encodes == 11
+    store.update("a", {**groups, "g3": group("g3", 99)})
+    assert store.encodes == 11  # nothing changed, nothing encoded
+
+
+def test_removed_group_is_announced_and_served_empty() -> None:
+    store, seen = make("a")
+    store.update("a", {"web": group("web", 1)})
+    assert store.update("a", {}) == {"web"}
+    assert seen[-1] == {"web"}
+    assert store.get("web").group.endpoints == ()
+    assert "web" not in store.resources()
+
+
+def test_sources_are_merged_first_source_wins() -> None:
+    store, _ = make("a", "b")
+    store.update("a", {"web": Group("web", (Endpoint("10.0.0.1", 80, weight=5),))})
+    store.update("b", {"web": Group("web", (Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 80)),
+                                    {Locality("r"): 2})})  # fmt: skip
+    merged = store.get("web").group
+    assert [(e.address, e.weight) for e in merged.endpoints] == [("10.0.0.1", 5), ("10.0.0.2", None)]
+    assert merged.locality_weights == {Locality("r"): 2}
+    assert store.sources_of("web") == ["a", "b"]
+    assert store.update("b", {}) == {"web"}
+    assert len(store.get("web").group.endpoints) == 1
+
+
+def test_unknown_name_gets_an_empty_assignment() -> None:
+    store, _ = make()
+    res = store.get("nope")
+    assert res.group == Group("nope") and res.body == encode_group(Group("nope"))
