@@ -32,7 +32,7 @@ from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckRespo
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Store
 from ..xds import wire
-from ..xds.sotw import Ack, Limits, Nack, ProtocolError, Request, SotwStream, check_request
+from ..xds.sotw import Ack, Limits, Nack, ProtocolError, Request, Response, SotwStream, check_request
 from ..xds.sotw import response_version as sotw_version
 
 log = logging.getLogger("eds_server.grpc")
@@ -172,74 +172,16 @@ class EdsService:
     ) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        sm = SotwStream(self.store, self.limits)
-        wake = asyncio.Event()
-        peer = _peer(stream)
-        who: dict[str, str] = {"node": "?", "cluster": "?"}
-
-        def on_change(names: frozenset[str] | None) -> None:
-            sm.changed(names)
-            if sm.wants_poll:
-                wake.set()
-
-        async def read() -> None:
-            async for msg in stream:
-                self.counters.requests += 1
-                if not who.get("opened") and msg.node:
-                    who.update(_node_identity(msg.node))
-                for event in sm.receive(_request(msg)):
-                    if isinstance(event, Nack):
-                        self.counters.nacks += 1
-                        log.warning(
-                            "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
-                            who["node"], who["cluster"], peer, ",".join(event.names),
-                            event.version_info, event.message,
-                        )  # fmt: skip
-                    elif isinstance(event, Ack):
-                        self.counters.acks += 1
-                        log.debug("ACK from node=%s for %s", who["node"], ",".join(event.names))
-                if not who.get("opened"):
-                    who["opened"] = "1"
-                    log.info(
-                        "stream opened: node=%s cluster=%s peer=%s names=%s",
-                        who["node"], who["cluster"], peer, ",".join(sm.subscribed),
-                    )  # fmt: skip
-                wake.set()
-
-        unwatch = self.store.watch(on_change)
-        self._wakers.add(wake)
+        session = _SotwSession(self, stream)
+        unwatch = self.store.watch(session.on_change)
+        self._wakers.add(session.wake)
         self.counters.streams_opened += 1
-        reader = asyncio.create_task(read())
-        reader.add_done_callback(lambda _: wake.set())
         try:
-            while True:
-                await wake.wait()
-                wake.clear()
-                if self._stopping:
-                    break
-                if reader.done():
-                    exc = reader.exception()
-                    if isinstance(exc, ProtocolError):
-                        raise GRPCError(Status[exc.status], exc.message)
-                    if exc is not None:
-                        raise exc
-                    break
-                response = sm.poll()
-                if response is not None:
-                    data = wire.discovery_response(
-                        response.version_info, response.resources, response.nonce
-                    )
-                    try:
-                        await asyncio.wait_for(stream.send_message(data), self.send_timeout)
-                    except TimeoutError:
-                        log.warning("dropping node=%s peer=%s: not reading", who["node"], peer)
-                        raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
-                    self.counters.responses += 1
+            await session.run()
         finally:
-            self._wakers.discard(wake)
+            self._wakers.discard(session.wake)
             unwatch()
-            reader.cancel()
-            log.info("stream closed: node=%s peer=%s", who["node"], peer)
+            log.info("stream closed: node=%s peer=%s", session.node, session.peer)
 
     async def fetch_endpoints(
         self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
@@ -258,6 +200,81 @@ class EdsService:
 
     async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         raise GRPCError(Status.UNIMPLEMENTED, "delta xDS is not served yet; use api_type: GRPC")
+
+
+class _SotwSession:
+    """One StreamEndpoints call: a reader task feeds the state machine, the call's task writes."""
+
+    def __init__(self, service: EdsService, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]):
+        self.service = service
+        self.stream = stream
+        self.sm = SotwStream(service.store, service.limits)
+        self.wake = asyncio.Event()
+        self.peer = _peer(stream)
+        self.node = "?"
+        self.cluster = "?"
+
+    def on_change(self, names: frozenset[str] | None) -> None:
+        self.sm.changed(names)
+        if self.sm.wants_poll:
+            self.wake.set()
+
+    async def read(self) -> None:
+        counters = self.service.counters
+        first = True
+        async for msg in self.stream:
+            counters.requests += 1
+            if first and msg.node:
+                self.node, self.cluster = _node_identity(msg.node)
+            for event in self.sm.receive(_request(msg)):
+                if isinstance(event, Nack):
+                    counters.nacks += 1
+                    log.warning(
+                        "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
+                        self.node, self.cluster, self.peer, ",".join(event.names),
+                        event.version_info, event.message,
+                    )  # fmt: skip
+                elif isinstance(event, Ack):
+                    counters.acks += 1
+                    log.debug("ACK from node=%s for %s", self.node, ",".join(event.names))
+            if first:
+                log.info(
+                    "stream opened: node=%s cluster=%s peer=%s names=%s",
+                    self.node, self.cluster, self.peer, ",".join(self.sm.subscribed),
+                )  # fmt: skip
+                first = False
+            self.wake.set()
+
+    async def run(self) -> None:
+        reader = asyncio.create_task(self.read())
+        reader.add_done_callback(lambda _: self.wake.set())
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if self.service._stopping:
+                    return
+                if reader.done():
+                    exc = reader.exception()
+                    if isinstance(exc, ProtocolError):
+                        raise GRPCError(Status[exc.status], exc.message)
+                    if exc is not None:
+                        raise exc
+                    return  # the client ended its side
+                response = self.sm.poll()
+                if response is not None:
+                    await self.send(response)
+        finally:
+            reader.cancel()
+
+    async def send(self, response: Response) -> None:
+        data = wire.discovery_response(response.version_info, response.resources, response.nonce)
+        try:
+            await asyncio.wait_for(self.stream.send_message(data), self.service.send_timeout)
+        except TimeoutError:
+            log.warning("dropping node=%s peer=%s: not reading", self.node, self.peer)
+            raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
+        self.service.counters.responses += 1
 
 
 class HealthService(HealthBase):
@@ -301,13 +318,13 @@ def _request(msg: LazyDiscoveryRequest) -> Request:
     )
 
 
-def _node_identity(raw: bytes) -> dict[str, str]:
-    """Parse the (large) Node once per stream, for logs."""
+def _node_identity(raw: bytes) -> tuple[str, str]:
+    """Parse the (large) Node once per stream, for logs: (id, cluster)."""
     try:
         node = Node.parse(raw)
     except Exception:
         raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
-    return {"node": node.id or "?", "cluster": node.cluster or "?"}
+    return node.id or "?", node.cluster or "?"
 
 
 def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:
