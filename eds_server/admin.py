@@ -33,6 +33,7 @@ def group_json(store: Store, resource: Resource) -> dict[str, Any]:
         "name": resource.name,
         "version": resource.version,
         "sources": store.sources_of(resource.name),
+        "stale": store.is_stale(resource.name),
         "endpoints": [endpoint_json(e) for e in group.endpoints],
         "localities": [
             {"region": loc.region, "zone": loc.zone, "subzone": loc.subzone, "weight": w}

@@ -11,6 +11,8 @@ from aiohttp import web
 
 from . import admin
 from .encode import encode_group
+from .sources.containers import DockerOptions
+from .sources.docker import DockerSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
@@ -22,6 +24,9 @@ log = logging.getLogger("eds_server")
 @dataclass
 class Settings:
     upstreams: str | None = None
+    docker: DockerOptions | None = None  # None: no Docker discovery
+    docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
+    debounce: float = 0.05
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
     startup_timeout: float = 10.0
@@ -39,8 +44,16 @@ class App:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.store = Store(encode_group)
+        debounce_ms = round(settings.debounce * 1000)
         self.file_source = (
-            UpstreamsFileSource(settings.upstreams, self.store) if settings.upstreams else None
+            UpstreamsFileSource(settings.upstreams, self.store, debounce_ms=max(1, debounce_ms))
+            if settings.upstreams
+            else None
+        )
+        self.docker_source = (
+            DockerSource(self.store, settings.docker, host=settings.docker_host, debounce=settings.debounce)
+            if settings.docker is not None
+            else None
         )
         self.service = EdsService(self.store, settings.limits)
         self.grpc = make_server(
@@ -64,12 +77,24 @@ class App:
                 "loaded": self.file_source.name not in self.store.pending_sources,
                 "last_error": self.file_source.last_error,
             })  # fmt: skip
+        if self.docker_source is not None:
+            d = self.docker_source
+            out.append({
+                "name": d.name,
+                "loaded": d.name not in self.store.pending_sources,
+                "connected": d.connected,
+                "stale": not d.connected,
+                "containers": len(d._inspects),
+                "last_error": d.last_error,
+            })  # fmt: skip
         return out
 
     async def start(self) -> None:
         if self.file_source is not None:
             self.file_source.load()
             self._tasks.append(asyncio.create_task(self.file_source.run(self._stop_sources)))
+        if self.docker_source is not None:
+            self._tasks.append(asyncio.create_task(self.docker_source.run(self._stop_sources)))
         self._tasks.append(asyncio.create_task(self._startup_deadline()))
         host, port = self.settings.listen
         await self.grpc.start(host, port)

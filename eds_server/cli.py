@@ -14,8 +14,9 @@ from typing import Any
 
 import uvloop
 
-from . import upstreams
+from . import fields, upstreams
 from .app import App, Settings
+from .sources.containers import DockerOptions
 
 log = logging.getLogger("eds_server")
 
@@ -81,6 +82,17 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def _ip(value: str) -> str:
+    try:
+        return fields.ip(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eds-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keepalive-timeout", type=duration, metavar="DURATION",
                        default=_env("EDS_KEEPALIVE_TIMEOUT", "10s"),
                        help="close a connection whose ping is not answered in this time (default 10s)")
+    serve.add_argument("--debounce", type=duration, metavar="DURATION",
+                       default=_env("EDS_DEBOUNCE", "50ms"),
+                       help="coalesce bursts of source changes into one version (default 50ms)")
+    docker = serve.add_argument_group("Docker discovery")
+    docker.add_argument("--docker", action="store_true", default=_flag("EDS_DOCKER"),
+                        help="follow labelled containers [EDS_DOCKER=1]")
+    docker.add_argument("--docker-host", metavar="URL", default=_env("EDS_DOCKER_HOST", None),
+                        help="engine address (default: DOCKER_HOST, else the local socket)")
+    docker.add_argument("--docker-label-prefix", metavar="PREFIX",
+                        default=_env("EDS_DOCKER_LABEL_PREFIX", "eds"), help="label prefix (default eds)")
+    docker.add_argument("--docker-network", metavar="NAME", default=_env("EDS_DOCKER_NETWORK", None),
+                        help="network whose address is used when a container has several")
+    docker.add_argument("--docker-host-address", metavar="IP", type=_ip,
+                        default=_env("EDS_DOCKER_HOST_ADDRESS", "127.0.0.1"),
+                        help="address of host-network (and published) ports (default 127.0.0.1)")
+    docker.add_argument("--docker-address-mode", choices=["network", "published"],
+                        default=_env("EDS_DOCKER_ADDRESS_MODE", "network"),
+                        help="container IP and port (network), or the published host port (published)")
     _add_logging(serve)
 
     check = sub.add_parser("check", help="validate an upstreams file (exit 1 on problems)")
@@ -169,11 +199,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not args.upstreams:
-        log.error("no source of endpoints: give --upstreams FILE (or set EDS_UPSTREAMS)")
+    if not args.upstreams and not args.docker:
+        log.error("no source of endpoints: give --upstreams FILE and/or --docker (EDS_UPSTREAMS, EDS_DOCKER)")
         return 2
+    docker = DockerOptions(
+        label_prefix=args.docker_label_prefix,
+        network=args.docker_network,
+        host_address=args.docker_host_address,
+        address_mode=args.docker_address_mode,
+    )
     settings = Settings(
         upstreams=args.upstreams,
+        docker=docker if args.docker else None,
+        docker_host=args.docker_host,
+        debounce=args.debounce,
         listen=args.listen,
         admin=args.admin,
         startup_timeout=args.startup_timeout,

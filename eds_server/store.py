@@ -44,6 +44,7 @@ class Store:
         self._resources: dict[str, Resource] = {}
         self._watchers: list[Watcher] = []
         self._forced_ready = False
+        self._stale: set[str] = set()  # sources that cannot currently reach what they follow
         self.encodes = 0  # how many groups were encoded, for tests and metrics
 
     # -- sources -------------------------------------------------------------------------------
@@ -89,6 +90,16 @@ class Store:
             return False  # e.g. endpoints reordered: same bytes, nothing to push
         self._resources[name] = Resource(name, version, body, group)
         return True
+
+    def mark_stale(self, source: str, stale: bool) -> None:
+        """A source lost (or regained) what it follows; its last state keeps being served."""
+        if stale:
+            self._stale.add(source)
+        else:
+            self._stale.discard(source)
+
+    def is_stale(self, name: str) -> bool:
+        return any(s in self._stale for s in self.sources_of(name))
 
     # -- readiness -----------------------------------------------------------------------------
     @property

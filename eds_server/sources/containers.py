@@ -1,0 +1,194 @@
+"""Docker containers -> endpoints: labels, addresses and health, from `docker inspect` JSON alone.
+
+No IO here, so every rule (label syntax, address selection per network mode, health mapping) is
+unit-tested from recorded inspect output. A container with a bad label is skipped with one
+warning that names it and the label; nothing else is affected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .. import fields
+from ..model import Endpoint, Group, Health, Locality
+
+AddressMode = Literal["network", "published"]
+SETTING_KEYS = ("port", "weight", "priority", "region", "zone", "subzone", "hostname", "network", "address")
+
+
+@dataclass(frozen=True)
+class DockerOptions:
+    label_prefix: str = "eds"
+    network: str | None = None  # default for eds.network
+    host_address: str = "127.0.0.1"  # where host-network (and published) ports are reached
+    address_mode: AddressMode = "network"
+
+
+class Skip(Exception):
+    """This container gives no endpoints; the message says why (logged as a warning)."""
+
+
+@dataclass
+class ContainerEndpoints:
+    name: str
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)  # group -> endpoint
+    warning: str | None = None
+
+
+def container_name(inspect: Mapping[str, Any]) -> str:
+    return str(inspect.get("Name") or inspect.get("Id", "?")[:12]).lstrip("/")
+
+
+def opted_in(labels: Mapping[str, str] | None, options: DockerOptions) -> bool:
+    return bool(labels) and f"{options.label_prefix}.group" in labels  # type: ignore[operator]
+
+
+def health_of(inspect: Mapping[str, Any], draining: bool) -> Health | None:
+    """None: no endpoint (not running, or its health check has not passed yet)."""
+    state = inspect.get("State") or {}
+    if state.get("Paused") or state.get("Status") == "paused":
+        return Health.UNHEALTHY
+    if state.get("Status") != "running":
+        return None
+    if draining:
+        return Health.DRAINING
+    status = (state.get("Health") or {}).get("Status", "none")
+    return {"none": Health.HEALTHY, "healthy": Health.HEALTHY, "unhealthy": Health.UNHEALTHY}.get(status)
+
+
+def _settings(labels: Mapping[str, str], prefix: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """Groups, and per group the settings that apply: eds.<group>.<key> over eds.<key>."""
+    ours = {k[len(prefix) + 1 :]: v for k, v in labels.items() if k.startswith(prefix + ".")}
+    groups = [g.strip() for g in ours.pop("group", "").split(",") if g.strip()]
+    if not groups:
+        raise Skip(f"label {prefix}.group is empty")
+    common: dict[str, str] = {}
+    own: dict[str, dict[str, str]] = {g: {} for g in groups}
+    by_length = sorted(groups, key=len, reverse=True)  # a group name may contain dots
+    for key, value in ours.items():
+        if key in SETTING_KEYS or key.startswith("metadata."):
+            common[key] = value
+            continue
+        group = next((g for g in by_length if key.startswith(g + ".")), None)
+        rest = key[len(group) + 1 :] if group else ""
+        if group is None or not (rest in SETTING_KEYS or rest.startswith("metadata.")):
+            raise Skip(
+                f"unknown label {prefix}.{key} (expected {prefix}.<key> or {prefix}.<group>.<key>, "
+                f"keys: {', '.join(SETTING_KEYS)}, metadata.<name>)"
+            )
+        own[group][rest] = value
+    return groups, {g: {**common, **own[g]} for g in groups}
+
+
+def _check(prefix: str, key: str, value: str, check: Any) -> Any:
+    try:
+        return check(value)
+    except ValueError as e:
+        raise Skip(f"label {prefix}.{key}: {e}") from None
+
+
+def _container_port(inspect: Mapping[str, Any], settings: Mapping[str, str], prefix: str) -> int:
+    if "port" in settings:
+        return int(_check(prefix, "port", settings["port"], fields.port))
+    exposed = sorted(
+        {int(p.split("/")[0]) for p in ((inspect.get("Config") or {}).get("ExposedPorts") or {})
+         if p.endswith("/tcp")}
+    )  # fmt: skip
+    if len(exposed) == 1:
+        return exposed[0]
+    if not exposed:
+        raise Skip(f"no {prefix}.port label and no exposed TCP port")
+    raise Skip(f"exposes several ports ({', '.join(map(str, exposed))}): set {prefix}.port")
+
+
+def _network_ip(inspect: Mapping[str, Any], wanted: str | None, prefix: str) -> str:
+    networks: dict[str, Any] = (inspect.get("NetworkSettings") or {}).get("Networks") or {}
+    with_ip = {
+        name: n.get("IPAddress") or n.get("GlobalIPv6Address")
+        for name, n in networks.items()
+        if n and (n.get("IPAddress") or n.get("GlobalIPv6Address"))
+    }
+    if wanted:
+        # Compose prefixes network names with the project: accept "backend" for "shop_backend".
+        matches = [n for n in with_ip if n == wanted] or [n for n in with_ip if n.endswith("_" + wanted)]
+        if len(matches) != 1:
+            on = ", ".join(sorted(networks)) or "none"
+            raise Skip(f"has no address on network {wanted!r} (its networks: {on})")
+        return str(with_ip[matches[0]])
+    if len(with_ip) == 1:
+        return str(next(iter(with_ip.values())))
+    if not with_ip:
+        raise Skip("has no IP address on any network")
+    raise Skip(f"is on several networks ({', '.join(sorted(with_ip))}): set {prefix}.network")
+
+
+def _published(inspect: Mapping[str, Any], port: int, host_address: str) -> tuple[str, int]:
+    bindings = ((inspect.get("NetworkSettings") or {}).get("Ports") or {}).get(f"{port}/tcp") or []
+    for b in sorted(bindings, key=lambda b: ":" in (b.get("HostIp") or "")):  # IPv4 first
+        ip, host_port = b.get("HostIp") or "", b.get("HostPort")
+        if not host_port:
+            continue
+        return (host_address if ip in ("", "0.0.0.0", "::") else ip), int(host_port)
+    raise Skip(f"port {port}/tcp is not published (needed with --docker-address-mode published)")
+
+
+def _endpoint(
+    inspect: Mapping[str, Any], settings: Mapping[str, str], health: Health, options: DockerOptions
+) -> Endpoint:
+    prefix = options.label_prefix
+    port = _container_port(inspect, settings, prefix)
+    host_mode = ((inspect.get("HostConfig") or {}).get("NetworkMode")) == "host"
+    if "address" in settings:
+        address = str(_check(prefix, "address", settings["address"], fields.ip))
+        if options.address_mode == "published" and not host_mode:
+            port = _published(inspect, port, options.host_address)[1]
+    elif host_mode:
+        address = options.host_address
+    elif options.address_mode == "published":
+        address, port = _published(inspect, port, options.host_address)
+    else:
+        address = _network_ip(inspect, settings.get("network") or options.network, prefix)
+    checks = {"weight": fields.weight, "priority": fields.priority}
+    values = {k: _check(prefix, k, settings[k], c) for k, c in checks.items() if k in settings}
+    return Endpoint(
+        address=str(fields.ip(address)),
+        port=port,
+        weight=values.get("weight"),
+        health=health,
+        priority=values.get("priority", 0),
+        locality=Locality(settings.get("region", ""), settings.get("zone", ""), settings.get("subzone", "")),
+        hostname=settings.get("hostname", container_name(inspect)),
+        metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
+    )
+
+
+def container_endpoints(
+    inspect: Mapping[str, Any], options: DockerOptions, *, draining: bool = False
+) -> ContainerEndpoints:
+    """The endpoints one container contributes, one per group it is in (or a warning)."""
+    out = ContainerEndpoints(container_name(inspect))
+    labels = (inspect.get("Config") or {}).get("Labels") or {}
+    if not opted_in(labels, options):
+        return out
+    health = health_of(inspect, draining)
+    try:
+        groups, settings = _settings(labels, options.label_prefix)
+        if health is None:
+            return out
+        for group in groups:
+            out.endpoints[group] = _endpoint(inspect, settings[group], health, options)
+    except Skip as e:
+        out.endpoints = {}
+        out.warning = f"container {out.name}: {e}; skipped"
+    return out
+
+
+def groups_of(containers: Iterable[ContainerEndpoints]) -> dict[str, Group]:
+    """Merge per-container endpoints into groups; a repeated address:port keeps the first."""
+    merged: dict[str, dict[tuple[str, int], Endpoint]] = {}
+    for c in containers:
+        for group, ep in c.endpoints.items():
+            merged.setdefault(group, {}).setdefault(ep.key, ep)
+    return {name: Group(name, tuple(eps.values())) for name, eps in merged.items()}

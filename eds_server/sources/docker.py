@@ -1,0 +1,238 @@
+"""Docker as a source: list labelled containers once, then follow the engine's event stream.
+
+aiodocker's event stream neither reconnects nor times out, so each connection gets a fresh client,
+an idle stream is checked with a bounded ping, and the containers are listed again after every
+reconnect and on a slow periodic resync (the engine keeps only a short event history). While the
+engine is away the last known endpoints keep being served, marked stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import aiodocker
+import aiohttp
+
+from ..store import Store
+from .containers import DockerOptions, container_endpoints, groups_of, opted_in
+
+log = logging.getLogger("eds_server.sources.docker")
+
+# Container events after which its inspect output may have changed.
+REINSPECT = {"start", "restart", "unpause", "pause", "rename", "update", "oom"}
+STOP_SIGNALS = {"15", "SIGTERM", "9", "SIGKILL", "2", "SIGINT", "3", "SIGQUIT"}
+
+
+class EngineGone(Exception):
+    pass
+
+
+class Backoff:
+    """Full-jitter exponential backoff, capped."""
+
+    def __init__(self, initial: float = 0.2, cap: float = 5.0) -> None:
+        self.initial, self.cap, self.attempt = initial, cap, 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.initial * 2**self.attempt)
+        self.attempt += 1
+        return random.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class DockerSource:
+    def __init__(
+        self,
+        store: Store,
+        options: DockerOptions,
+        *,
+        host: str | None = None,
+        debounce: float = 0.05,
+        resync_interval: float = 60.0,
+        ping_interval: float = 10.0,
+        request_timeout: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.options = options
+        self.host = host
+        self.name = "docker"
+        self.debounce = debounce
+        self.resync_interval = max(30.0, resync_interval)
+        self.ping_interval = ping_interval
+        self.request_timeout = request_timeout
+        self.connected = False
+        self.last_error: str | None = None
+        self.last_sync: float | None = None
+        self._inspects: dict[str, Mapping[str, Any]] = {}  # container id -> docker inspect
+        self._draining: set[str] = set()
+        self._warned: dict[str, str] = {}  # container id -> last warning logged
+        store.add_source(self.name)
+
+    # -- state ---------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Hand the store the whole current state (it works out what changed)."""
+        per_container = []
+        for cid in sorted(self._inspects):
+            c = container_endpoints(self._inspects[cid], self.options, draining=cid in self._draining)
+            if c.warning and self._warned.get(cid) != c.warning:
+                log.warning("%s", c.warning)
+            if c.warning:
+                self._warned[cid] = c.warning
+            else:
+                self._warned.pop(cid, None)
+            per_container.append(c)
+        changed = self.store.update(self.name, groups_of(per_container))
+        if changed:
+            log.info("docker: groups changed: %s", ", ".join(sorted(changed)))
+
+    def forget(self, cid: str) -> None:
+        self._inspects.pop(cid, None)
+        self._draining.discard(cid)
+        self._warned.pop(cid, None)
+
+    # -- engine --------------------------------------------------------------------------------
+    async def _request(self, coro: Any) -> Any:
+        return await asyncio.wait_for(coro, self.request_timeout)
+
+    async def _inspect(self, docker: aiodocker.Docker, cid: str) -> Mapping[str, Any] | None:
+        try:
+            data: Mapping[str, Any] = await self._request(docker.containers.container(cid).show())
+        except aiodocker.DockerError as e:
+            if e.status == 404:
+                return None  # gone meanwhile
+            raise
+        return data
+
+    async def relist(self, docker: aiodocker.Docker) -> None:
+        """Replace what we know with a fresh listing of running, labelled containers."""
+        label = f"{self.options.label_prefix}.group"
+        listed = await self._request(docker.containers.list(filters=json.dumps({"label": [label]})))
+        inspects: dict[str, Mapping[str, Any]] = {}
+        for container in listed:
+            data = await self._inspect(docker, container.id)
+            if data is not None:
+                inspects[container.id] = data
+        self._draining &= inspects.keys()
+        self._inspects = inspects
+        self.last_sync = asyncio.get_running_loop().time()
+        self.publish()
+
+    async def handle(self, docker: aiodocker.Docker, event: Mapping[str, Any]) -> bool:
+        """Apply one engine event; True when our state changed."""
+        actor = event.get("Actor") or {}
+        attrs = actor.get("Attributes") or {}
+        action = str(event.get("Action") or event.get("status") or "")
+        if event.get("Type") == "network":
+            cid = attrs.get("container")
+            if action not in ("connect", "disconnect") or not cid:
+                return False
+        else:
+            cid = actor.get("ID") or event.get("id")
+            if not cid or action.startswith("exec_"):  # health checks run as execs: noise
+                return False
+            if not opted_in(attrs, self.options) and cid not in self._inspects:
+                return False
+            if action in ("die", "destroy"):
+                known = cid in self._inspects
+                self.forget(cid)
+                return known
+            if action == "kill":
+                if attrs.get("signal") in STOP_SIGNALS and cid in self._inspects:
+                    self._draining.add(cid)  # `docker stop`: drain until `die`
+                    return True
+                return False
+            if action not in REINSPECT and not action.startswith("health_status"):
+                return False
+            if action in ("start", "restart", "unpause"):
+                self._draining.discard(cid)
+        data = await self._inspect(docker, cid)
+        labels = ((data or {}).get("Config") or {}).get("Labels") or {}
+        status = ((data or {}).get("State") or {}).get("Status")
+        if data is None or status not in ("running", "paused") or not opted_in(labels, self.options):
+            known = cid in self._inspects
+            self.forget(cid)
+            return known
+        self._inspects[cid] = data
+        return True
+
+    async def _follow(self, docker: aiodocker.Docker, stop: asyncio.Event, backoff: Backoff) -> None:
+        subscriber = docker.events.subscribe(  # type: ignore[no-untyped-call]
+            filters=json.dumps({"type": ["container", "network"]})
+        )
+        await self.relist(docker)  # after subscribing, so nothing falls between the two
+        if not self.connected:
+            log.info("docker: connected: %d labelled containers", len(self._inspects))
+        self.connected, self.last_error = True, None
+        self.store.mark_stale(self.name, False)
+        backoff.reset()
+        loop = asyncio.get_running_loop()
+        dirty_since: float | None = None
+        last_seen = loop.time()
+        while not stop.is_set():
+            now = loop.time()
+            timeout = self.ping_interval
+            if dirty_since is not None:
+                timeout = max(0.0, min(timeout, self.debounce - (now - dirty_since)))
+            try:
+                event = await asyncio.wait_for(subscriber.get(), timeout)
+            except TimeoutError:
+                event = False
+            now = loop.time()
+            if event is None:
+                raise EngineGone("event stream ended")
+            if event is not False:
+                last_seen = now
+                if await self.handle(docker, event) and dirty_since is None:
+                    dirty_since = now
+            if dirty_since is not None and now - dirty_since >= self.debounce:
+                dirty_since = None
+                self.publish()
+            if now - last_seen >= self.ping_interval:
+                await self._request(docker.version())  # a half-open connection fails here
+                last_seen = now
+            if self.last_sync is not None and now - self.last_sync >= self.resync_interval:
+                await self.relist(docker)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the engine until `stop` is set, reconnecting for as long as it takes."""
+        backoff = Backoff()
+        while not stop.is_set():
+            docker: aiodocker.Docker | None = None
+            try:
+                docker = aiodocker.Docker(url=self.host)
+                await self._follow(docker, stop, backoff)
+            except (aiodocker.DockerError, aiohttp.ClientError, OSError, TimeoutError, EngineGone,
+                    ValueError) as e:  # fmt: skip
+                self._lost(f"{type(e).__name__}: {e}")
+            finally:
+                if docker is not None:
+                    await _close(docker)
+            if not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff.next())
+
+    def _lost(self, reason: str) -> None:
+        if self.connected or self.last_error is None:
+            log.warning(
+                "docker: engine unreachable (%s); serving the last known endpoints (stale) and retrying",
+                reason,
+            )
+        self.connected = False
+        self.last_error = reason
+        self.store.mark_stale(self.name, True)
+
+
+async def _close(docker: aiodocker.Docker) -> None:
+    # Stopping a broken stream re-raises its error; it is closed either way.
+    with contextlib.suppress(Exception):
+        await docker.events.stop()  # type: ignore[no-untyped-call]
+    with contextlib.suppress(Exception):
+        await docker.close()
