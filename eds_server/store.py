@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 # (the store just became ready).
 Watcher = Callable[[frozenset[str] | None], None]
 Encoder = Callable[[Group], bytes]
+EMPTY_CACHE_SIZE = 4096
 
 
 def content_version(data: bytes) -> str:
@@ -42,7 +44,8 @@ class Store:
         self._by_source: dict[str, dict[str, Group]] = {}
         self._pending: list[str] = []  # sources that have not delivered their first state
         self._resources: dict[str, Resource] = {}
-        self._watchers: list[Watcher] = []
+        self._watchers: dict[Watcher, None] = {}  # ordered set: O(1) removal of a closing stream
+        self._empty: OrderedDict[str, Resource] = OrderedDict()  # LRU of empty CLAs for unknown names
         self._forced_ready = False
         self._stale: set[str] = set()  # sources that cannot currently reach what they follow
         self.encodes = 0  # how many groups were encoded, for tests and metrics
@@ -119,12 +122,15 @@ class Store:
     # -- readers -------------------------------------------------------------------------------
     def get(self, name: str) -> Resource:
         """The CLA for `name`; a name with no group gets an empty CLA, so Envoy's cluster warms."""
-        found = self._resources.get(name)
+        found = self._resources.get(name) or self._empty.get(name)
         if found is not None:
             return found
         group = Group(name)
         body = self._encode(group)
-        return Resource(name, content_version(body), body, group)
+        empty = self._empty[name] = Resource(name, content_version(body), body, group)
+        if len(self._empty) > EMPTY_CACHE_SIZE:
+            self._empty.popitem(last=False)
+        return empty
 
     def resources(self) -> Mapping[str, Resource]:
         return self._resources
@@ -135,13 +141,14 @@ class Store:
     # -- watchers ------------------------------------------------------------------------------
     def watch(self, watcher: Watcher) -> Callable[[], None]:
         """Call `watcher` on every change; returns the function that stops it."""
-        self._watchers.append(watcher)
-        return lambda: self._watchers.remove(watcher)
+        self._watchers[watcher] = None
+
+        def stop() -> None:
+            self._watchers.pop(watcher, None)
+
+        return stop
 
     def _announce(self, names: frozenset[str] | None) -> None:
         for watcher in list(self._watchers):
             watcher(names)
-
-    def watcher_count(self) -> int:
-        return len(self._watchers)
 

@@ -288,11 +288,20 @@ def _check_weight_sums(w: _Walker, node: yaml.Node, path: str, endpoints: list[E
             )  # fmt: skip
 
 
+def parse_bytes(data: bytes, filename: str) -> dict[str, Group]:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UpstreamsError([Problem(filename, line, "", f"not UTF-8 text: {e.reason}")]) from None
+    return parse(text, filename)
+
+
 def load(path: str) -> dict[str, Group]:
     """Read and parse a file; an unreadable file is one Problem too."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e}")]) from None
-    return parse(text, path)
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+    return parse_bytes(data, path)

@@ -22,7 +22,9 @@ def text(*ports: int) -> str:
 class Running:
     def __init__(self, path: Path) -> None:
         self.store = Store(encode_group)
-        self.source = UpstreamsFileSource(str(path), self.store, debounce_ms=20)
+        self.source = UpstreamsFileSource(str(path), self.store, debounce_ms=50, poll_interval=0.3)
+        self.seen: list[list[int]] = []
+        self.store.watch(lambda _: self.seen.append(self.ports()))
 
     def ports(self) -> list[int]:
         return [e.port for e in self.store.get("web").group.endpoints]
@@ -80,7 +82,7 @@ async def test_bad_edit_keeps_last_good_state_then_recovers(running: Running) ->
 async def test_deleted_file_keeps_last_good_state(running: Running) -> None:
     os.unlink(running.source.path)
     await asyncio.sleep(0.3)
-    assert running.ports() == [1] and "cannot read" in (running.source.last_error or "")
+    assert running.ports() == [1] and "missing" in (running.source.last_error or "")
     Path(running.source.path).write_text(text(5))
     await running.wait_ports([5])
 
@@ -104,6 +106,37 @@ async def test_configmap_symlink_swap(tmp_path: Path) -> None:
         os.symlink("..v2", mount / "..data_tmp")
         os.replace(mount / "..data_tmp", mount / "..data")  # the kubelet's atomic swap
         await r.wait_ports([7])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_slow_in_place_write_is_not_applied_half_done(running: Running) -> None:
+    with open(running.source.path, "w") as f:
+        f.write("groups:\n  web:\n    endpoints:\n      - 127.0.0.1:2\n")  # valid on its own
+        f.flush()
+        await asyncio.sleep(0.01)
+        f.write("      - 127.0.0.1:3\n")
+    await running.wait_ports([2, 3])
+    assert [2] not in running.seen
+
+
+async def test_replaced_directory_is_watched_anew(tmp_path: Path) -> None:
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "upstreams.yaml").write_text(text(1))
+    r = Running(conf / "upstreams.yaml")
+    r.source.load()
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.source.run(stop))
+    try:
+        await asyncio.sleep(0.2)
+        os.rename(conf, tmp_path / "conf.old")
+        conf.mkdir()
+        (conf / "upstreams.yaml").write_text(text(8))
+        await r.wait_ports([8])
+        (conf / "upstreams.yaml").write_text(text(9))  # and the new directory is followed
+        await r.wait_ports([9])
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)

@@ -247,3 +247,31 @@ async def test_stop_ends_streams_cleanly(harness: Harness) -> None:
         harness.service.stop()
         assert await asyncio.wait_for(stream.recv_message(), 5) is None  # trailers, status OK
     assert harness.service.open_streams == 0
+
+
+async def test_oversize_length_prefix_is_refused_before_the_body(harness: Harness) -> None:
+    harness.store.update(SOURCE, {})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_request()
+            # announce a 1 GiB message and send none of it: the server must not wait for it
+            await stream._stream.send_data(b"\x00" + (1 << 30).to_bytes(4, "big"))
+            await recv(stream)
+    assert e.value.status == Status.RESOURCE_EXHAUSTED
+
+
+async def test_streams_reset_right_after_a_response_leave_nothing_behind(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    watchers_before = len(harness.store._watchers)
+    for _ in range(50):  # bounded
+        async with harness.stream() as stream:
+            await stream.send_message(first("web"))
+            await recv(stream)
+        # the context manager resets the stream, as a departing Envoy does
+    for _ in range(250):  # bounded wait for the server side to notice
+        if harness.service.open_streams == 0 and len(harness.store._watchers) == watchers_before:
+            break
+        await asyncio.sleep(0.02)
+    assert harness.service.open_streams == 0
+    assert len(harness.store._watchers) == watchers_before
+    assert harness.service.counters.streams_opened == 50

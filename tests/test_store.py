@@ -87,3 +87,11 @@ def test_unknown_name_gets_an_empty_assignment() -> None:
     store, _ = make()
     res = store.get("nope")
     assert res.group == Group("nope") and res.body == encode_group(Group("nope"))
+
+
+def test_empty_assignments_for_unknown_names_are_cached_and_bounded() -> None:
+    store, _ = make()
+    assert store.get("x") is store.get("x")
+    for i in range(5000):
+        store.get(f"n{i}")
+    assert len(store._empty) <= 4096

@@ -58,3 +58,20 @@ def test_encoding_is_canonical() -> None:
     assert [e.endpoint.address.socket_address.address for e in cla.endpoints[0].lb_endpoints] == [
         "10.0.0.1", "10.0.0.2",
     ]  # fmt: skip
+
+
+def test_node_id_and_cluster_read_off_the_wire() -> None:
+    from envoy.config.core.v3 import base_pb2
+
+    node = base_pb2.Node(id="envoy-1", cluster="edge", user_agent_name="envoy")
+    for i in range(50):
+        node.extensions.add(name=f"ext-{i}", category="c")
+    node.metadata.fields["k"].string_value = "v" * 1000
+    assert wire.string_fields(node.SerializeToString(), {1, 2}) == {1: "envoy-1", 2: "edge"}
+    assert wire.string_fields(b"", {1, 2}) == {}
+
+
+def test_metadata_order_does_not_change_the_version() -> None:
+    a = Group("g", (Endpoint("10.0.0.1", 1, metadata={"a": 1, "b": {"x": 1, "y": 2}}),))
+    b = Group("g", (Endpoint("10.0.0.1", 1, metadata={"b": {"y": 2, "x": 1}, "a": 1}),))
+    assert encode_group(a) == encode_group(b)

@@ -1,64 +1,94 @@
 """The upstreams file as a source: read at start, then re-read whenever its directory changes.
 
 The directory is watched rather than the file so that atomic renames, editors that replace the
-file, and Kubernetes ConfigMap symlink swaps are all seen. A bad version is reported and ignored:
-the last good state keeps being served.
+file, and Kubernetes ConfigMap symlink swaps are all seen; a slow poll backs the watch up, and the
+watch is re-armed if the directory itself is replaced. A bad version is reported and ignored: the
+last good state keeps being served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
 import watchfiles
 
 from .. import upstreams
-from ..model import Group
 from ..store import Store
 
 log = logging.getLogger("eds_server.sources.file")
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 class UpstreamsFileSource:
-    def __init__(self, path: str, store: Store, *, debounce_ms: int = 50) -> None:
+    def __init__(
+        self, path: str, store: Store, *, debounce_ms: int = 50, poll_interval: float = 5.0
+    ) -> None:
         self.path = path
         self.name = f"file:{path}"
         self.store = store
         self.debounce_ms = debounce_ms
+        self.poll_interval = poll_interval
         self.last_error: str | None = None
-        self.reloads = 0
-        self._last_text: bytes | None = None
+        self._last_bytes: bytes | None = None
         store.add_source(self.name)
 
-    def load(self) -> dict[str, Group]:
-        """First load: raise UpstreamsError so a bad file stops the server from starting."""
+    def _read(self) -> bytes:
         with open(self.path, "rb") as f:
-            data = f.read()
-        groups = upstreams.parse(data.decode("utf-8", errors="replace"), self.path)
-        self._last_text = data
+            return f.read()
+
+    def load(self) -> None:
+        """First load: raise UpstreamsError so a bad file stops the server from starting."""
+        groups = upstreams.load(self.path)
+        self._last_bytes = self._read()
         self.store.update(self.name, groups)
         log.info("loaded %s: %d groups", self.path, len(groups))
-        return groups
 
-    def reload(self) -> bool:
+    async def _read_settled(self) -> bytes:
+        """The file's bytes once a writer has stopped changing them (a slow in-place write
+        must not be applied half-written)."""
+        data = self._read()
+        for _ in range(20):  # bounded: a file rewritten non-stop is taken as last read
+            await asyncio.sleep(max(0.02, self.debounce_ms / 1000))
+            again = self._read()
+            if again == data:
+                break
+            data = again
+        return data
+
+    async def reload(self) -> bool:
         """Re-read the file; apply it if it changed and is valid. True when the store changed."""
         try:
-            with open(self.path, "rb") as f:
-                data = f.read()
+            data = self._read()
+            if data == self._last_bytes:
+                return False
+            data = await self._read_settled()
+        except FileNotFoundError:
+            # Usually transient: an editor moved the file aside and is about to write it again.
+            self._error(f"{self.path}:1: missing", level=logging.WARNING)
+            return False
         except OSError as e:
             self._error(f"{self.path}:1: cannot read: {e.strerror or e}")
             return False
-        if data == self._last_text:
+        if data == self._last_bytes:
             return False
         try:
-            groups = upstreams.parse(data.decode("utf-8", errors="replace"), self.path)
+            groups = upstreams.parse_bytes(data, self.path)
         except upstreams.UpstreamsError as e:
+            self._last_bytes = data  # reported once; the next edit is looked at afresh
             self._error(str(e))
             return False
-        self._last_text = data
+        self._last_bytes = data
         self.last_error = None
-        self.reloads += 1
         changed = self.store.update(self.name, groups)
         log.info(
             "reloaded %s: %d groups, changed: %s",
@@ -66,21 +96,36 @@ class UpstreamsFileSource:
         )  # fmt: skip
         return bool(changed)
 
-    def _error(self, message: str) -> None:
+    def _error(self, message: str, level: int = logging.ERROR) -> None:
         if message != self.last_error:
             for line in message.splitlines():
-                log.error("%s (still serving the last good version)", line)
+                log.log(level, "%s (still serving the last good version)", line)
         self.last_error = message
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the file until `stop` is set."""
         directory = os.path.dirname(os.path.abspath(self.path))
-        async for _ in watchfiles.awatch(
-            directory,
-            watch_filter=None,  # reloads are cheap and compare bytes first; never miss a rename
-            stop_event=stop,
-            debounce=self.debounce_ms,
-            step=20,
-            recursive=False,
-        ):
-            self.reload()
+        while not stop.is_set():
+            identity = _identity(directory)
+            try:
+                async for _ in watchfiles.awatch(
+                    directory,
+                    watch_filter=None,  # reloads are cheap and compare bytes first
+                    stop_event=stop,
+                    debounce=self.debounce_ms,
+                    step=20,
+                    recursive=False,
+                    rust_timeout=round(self.poll_interval * 1000),
+                    yield_on_timeout=True,  # a slow poll, in case an event was missed
+                ):
+                    await self.reload()
+                    if _identity(directory) != identity:
+                        log.info("%s was replaced: watching it anew", directory)
+                        break
+            except Exception as e:  # e.g. the directory is gone, or inotify limits are reached
+                self._error(f"{self.path}:1: cannot watch {directory}: {e}", level=logging.WARNING)
+            if not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                with contextlib.suppress(Exception):
+                    await self.reload()

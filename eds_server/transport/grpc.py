@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,12 +27,11 @@ from h2.connection import H2Connection
 from h2.settings import SettingCodes, Settings
 
 from ..pb.eds_server.wire.v1 import LazyDiscoveryRequest
-from ..pb.envoy.config.core.v3 import Node
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Store
 from ..xds import wire
-from ..xds.sotw import Ack, Limits, Nack, ProtocolError, Request, Response, SotwStream, check_request
+from ..xds.sotw import Ack, Limits, Nack, ProtocolError, Request, Response, SotwStream, Subscribed, check_request
 from ..xds.sotw import response_version as sotw_version
 
 log = logging.getLogger("eds_server.grpc")
@@ -45,20 +44,12 @@ class PassThroughCodec(CodecBase):
 
     __content_subtype__ = "proto"
 
-    def __init__(self, max_message_size: int) -> None:
-        self.max_message_size = max_message_size
-
     def encode(self, message: Any, message_type: Any) -> bytes:
         if isinstance(message, bytes):
             return message
         return bytes(cast(betterproto2.Message, message))
 
     def decode(self, data: bytes, message_type: Any) -> Any:
-        if len(data) > self.max_message_size:
-            raise GRPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"message of {len(data)} bytes (limit {self.max_message_size})",
-            )
         if message_type is bytes:
             return data
         try:
@@ -68,7 +59,11 @@ class PassThroughCodec(CodecBase):
 
 
 class _H2Protocol(H2Protocol):
-    """grpclib's protocol, advertising and enforcing our MAX_CONCURRENT_STREAMS from the start."""
+    """grpclib's protocol, advertising and enforcing our MAX_CONCURRENT_STREAMS from the start.
+
+    `connection_made` follows grpclib 0.4.9's own (pinned in constraints.txt); only the local
+    settings differ. The 150-cluster Envoy test fails if this stops taking effect.
+    """
 
     max_streams = 10_000
 
@@ -112,10 +107,29 @@ class Server(grpclib.server.Server):
         return mine
 
 
+async def recv_limited(
+    stream: grpclib.server.Stream[Any, Any], message_type: Any, max_size: int
+) -> Any | None:
+    """grpclib's recv_message, but refusing an oversize message from its length prefix.
+
+    grpclib would buffer (and acknowledge to the sender) whatever length a client announces.
+    """
+    raw = stream._stream
+    header = await raw.recv_data(5)
+    if not header:
+        return None
+    if header[0]:
+        raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+    size = int.from_bytes(header[1:5], "big")
+    if size > max_size:
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {max_size})")
+    data = await raw.recv_data(size)
+    return stream._codec.decode(data, message_type)
+
+
 @dataclass
 class Counters:
     streams_opened: int = 0
-    streams_open: int = 0
     requests: int = 0
     responses: int = 0
     acks: int = 0
@@ -129,6 +143,7 @@ class EdsService:
     store: Store
     limits: Limits = field(default_factory=Limits)
     send_timeout: float = 30.0
+    max_message_size: int = 4 * 1024 * 1024
     counters: Counters = field(default_factory=Counters)
     _wakers: set[asyncio.Event] = field(default_factory=set)
     _stopping: bool = False
@@ -186,8 +201,9 @@ class EdsService:
     async def fetch_endpoints(
         self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
     ) -> None:
-        msg = await stream.recv_message()
-        assert msg is not None
+        msg = await recv_limited(stream, LazyDiscoveryRequest, self.max_message_size)
+        if msg is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
         req = _request(msg)
         try:
             check_request(req, self.limits)
@@ -222,7 +238,10 @@ class _SotwSession:
     async def read(self) -> None:
         counters = self.service.counters
         first = True
-        async for msg in self.stream:
+        while True:
+            msg = await recv_limited(self.stream, LazyDiscoveryRequest, self.service.max_message_size)
+            if msg is None:
+                return  # the client ended its side
             counters.requests += 1
             if first and msg.node:
                 self.node, self.cluster = _node_identity(msg.node)
@@ -231,16 +250,19 @@ class _SotwSession:
                     counters.nacks += 1
                     log.warning(
                         "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
-                        self.node, self.cluster, self.peer, ",".join(event.names),
-                        event.version_info, event.message,
+                        self.node, self.cluster, self.peer, _names(event.names),
+                        event.version_info, _clip(event.message),
                     )  # fmt: skip
                 elif isinstance(event, Ack):
                     counters.acks += 1
-                    log.debug("ACK from node=%s for %s", self.node, ",".join(event.names))
+                    log.debug("ACK from node=%s for %s", self.node, _names(event.names))
+                elif isinstance(event, Subscribed) and not first:
+                    log.debug("node=%s subscribed %s, unsubscribed %s", self.node,
+                              _names(event.added), _names(event.removed))  # fmt: skip
             if first:
                 log.info(
                     "stream opened: node=%s cluster=%s peer=%s names=%s",
-                    self.node, self.cluster, self.peer, ",".join(self.sm.subscribed),
+                    self.node, self.cluster, self.peer, _names(self.sm.subscribed),
                 )  # fmt: skip
                 first = False
             self.wake.set()
@@ -270,7 +292,10 @@ class _SotwSession:
     async def send(self, response: Response) -> None:
         data = wire.discovery_response(response.version_info, response.resources, response.nonce)
         try:
-            await asyncio.wait_for(self.stream.send_message(data), self.service.send_timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the send completes, leaving this stream's tasks behind.
+            async with asyncio.timeout(self.service.send_timeout):
+                await self.stream.send_message(data)
         except TimeoutError:
             log.warning("dropping node=%s peer=%s: not reading", self.node, self.peer)
             raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
@@ -319,12 +344,25 @@ def _request(msg: LazyDiscoveryRequest) -> Request:
 
 
 def _node_identity(raw: bytes) -> tuple[str, str]:
-    """Parse the (large) Node once per stream, for logs: (id, cluster)."""
+    """The node's id and cluster, for logs, read off the wire without parsing the whole Node."""
     try:
-        node = Node.parse(raw)
-    except Exception:
+        found = wire.string_fields(raw, {1, 2})
+    except ValueError:
         raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
-    return node.id or "?", node.cluster or "?"
+    return _clip(found.get(1) or "?", 200), _clip(found.get(2) or "?", 200)
+
+
+def _names(names: Iterable[str], most: int = 10) -> str:
+    """A bounded rendering of a client-chosen list of names, for logs."""
+    names = list(names)
+    shown = ",".join(_clip(n, 100) for n in names[:most])
+    return shown + (f",... ({len(names)} names)" if len(names) > most else "")
+
+
+def _clip(text: str, most: int = 1000) -> str:
+    """Client-supplied text made safe for a one-line log entry."""
+    text = text if len(text) <= most else text[:most] + "..."
+    return text.encode("unicode_escape").decode("ascii")
 
 
 def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:
@@ -348,9 +386,10 @@ def make_server(
         _http2_max_pings_without_data=0,
         _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
     )
+    service.max_message_size = max_message_size
     return Server(
         [service, HealthService(service.store)],
-        codec=PassThroughCodec(max_message_size),
+        codec=PassThroughCodec(),
         config=config,
         max_streams=max_streams_per_connection,
     )

@@ -121,7 +121,6 @@ class SotwStream:
     sent: dict[str, str] = field(default_factory=dict)  # name -> version last sent
     acked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy accepted
     nacked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy rejected
-    last_nack: str | None = None
     in_flight: Response | None = None
     _dirty: set[str] = field(default_factory=set)
     _started: bool = False
@@ -145,7 +144,6 @@ class SotwStream:
             if req.error_message is not None:
                 for r in self.in_flight.resources:
                     self.nacked[r.name] = r.version
-                self.last_nack = req.error_message
                 events.append(Nack(self.in_flight.version_info, names, req.error_message))
             else:
                 for r in self.in_flight.resources:
