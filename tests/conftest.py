@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import uvloop
 
+pytest_plugins = ["docker_engine"]
+
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Any]:
     return {"uvloop": uvloop.new_event_loop}
