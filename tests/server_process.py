@@ -23,13 +23,14 @@ def write_atomically(path: Path, text: str) -> None:
 class EdsServerProcess:
     """`python -m eds_server serve` on loopback ports; restartable on the same ports."""
 
-    def __init__(self, upstreams: Path, *extra_args: str) -> None:
+    def __init__(self, upstreams: Path | None, *extra_args: str, workdir: Path | None = None) -> None:
         self.upstreams = upstreams
         self.port = free_port()
         self.admin_port = free_port()
         self.extra_args = extra_args
         self.proc: asyncio.subprocess.Process | None = None
-        self.log_path = upstreams.parent / f"eds-server-{self.port}.log"  # kept for post-mortems
+        logs = workdir or (upstreams.parent if upstreams else Path("."))
+        self.log_path = logs / f"eds-server-{self.port}.log"  # kept for post-mortems
         self._log = self.log_path.open("ab")
 
     def log_text(self) -> str:
@@ -38,7 +39,7 @@ class EdsServerProcess:
     async def start(self, wait_ready: bool = True) -> None:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "eds_server", "serve",
-            "--upstreams", str(self.upstreams),
+            *(["--upstreams", str(self.upstreams)] if self.upstreams else []),
             "--listen", f"127.0.0.1:{self.port}",
             "--admin", f"127.0.0.1:{self.admin_port}",
             "--log-level", "debug",
