@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 from collections.abc import Mapping
 from typing import Any
 
 import aiodocker
-import aiohttp
 
 from ..store import Store
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
@@ -207,10 +207,12 @@ class DockerSource:
         while not stop.is_set():
             docker: aiodocker.Docker | None = None
             try:
-                docker = aiodocker.Docker(url=self.host)
+                # DOCKER_HOST first, as the docker CLI does (aiodocker alone prefers the context).
+                docker = aiodocker.Docker(url=self.host or os.environ.get("DOCKER_HOST") or None)
                 await self._follow(docker, stop, backoff)
-            except (aiodocker.DockerError, aiohttp.ClientError, OSError, TimeoutError, EngineGone,
-                    ValueError) as e:  # fmt: skip
+            except AssertionError:  # aiodocker's way of saying it found no engine address
+                self._lost("no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock")
+            except Exception as e:  # whatever it was, keep serving and try again
                 self._lost(f"{type(e).__name__}: {e}")
             finally:
                 if docker is not None:
