@@ -275,3 +275,33 @@ async def test_streams_reset_right_after_a_response_leave_nothing_behind(harness
     assert harness.service.open_streams == 0
     assert len(harness.store._watchers) == watchers_before
     assert harness.service.counters.streams_opened == 50
+
+
+async def test_keepalive_pings_close_a_silent_connection() -> None:
+    """A half-open client (one that never answers PING) is dropped by the server's keepalive."""
+    store = Store(encode_group)
+    server = make_server(EdsService(store), max_streams_per_connection=10, keepalive_time=0.2,
+                         keepalive_timeout=0.3, max_message_size=1 << 20)  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # preface, SETTINGS
+        await writer.drain()
+        frame_types: list[int] = []
+        buffer = b""
+        for _ in range(200):  # bounded: at most ~10 s
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            if not chunk:
+                break  # the server closed the connection
+            buffer += chunk
+            while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+                size = int.from_bytes(buffer[:3], "big")
+                frame_types.append(buffer[3])
+                buffer = buffer[9 + size :]
+        assert 6 in frame_types  # PING
+        assert not chunk  # closed, since we never answered it
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
