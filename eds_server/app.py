@@ -18,7 +18,7 @@ from .sources.docker import DockerSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
-from .xds.sotw import Limits
+from .xds.common import Limits
 
 log = logging.getLogger("eds_server")
 

@@ -23,7 +23,7 @@ from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from eds_server.store import Store
 from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
-from eds_server.xds.sotw import EDS_TYPE_URL
+from eds_server.xds.common import EDS_TYPE_URL
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 SOURCE = "test"

@@ -6,17 +6,8 @@ import pytest
 
 from eds_server.model import Group
 from eds_server.store import Resource
-from eds_server.xds.sotw import (
-    EDS_TYPE_URL,
-    Ack,
-    Limits,
-    Nack,
-    ProtocolError,
-    Request,
-    SotwStream,
-    StaleNonce,
-    response_version,
-)
+from eds_server.xds.common import EDS_TYPE_URL, Ack, Limits, Nack, ProtocolError, StaleNonce, response_version
+from eds_server.xds.sotw import Request, SotwStream
 
 
 class View:

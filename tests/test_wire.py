@@ -13,7 +13,7 @@ from eds_server.model import Endpoint, Group
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Resource, content_version
 from eds_server.xds import wire
-from eds_server.xds.sotw import EDS_TYPE_URL
+from eds_server.xds.common import EDS_TYPE_URL
 
 
 def resource(group: Group) -> Resource:

@@ -31,8 +31,8 @@ from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckRespo
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Store
 from ..xds import wire
-from ..xds.sotw import Ack, Limits, Nack, ProtocolError, Request, Response, SotwStream, Subscribed, check_request
-from ..xds.sotw import response_version as sotw_version
+from ..xds.common import Ack, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
+from ..xds.sotw import Request, Response, SotwStream
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -206,12 +206,12 @@ class EdsService:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
         req = _request(msg)
         try:
-            check_request(req, self.limits)
+            check_request(req.type_url, req.resource_names, self.limits)
         except ProtocolError as e:
             raise GRPCError(Status[e.status], e.message) from None
         await self._ready.wait()
         resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names)]
-        version = sotw_version(resources) if resources else ""
+        version = response_version(resources) if resources else ""
         await stream.send_message(wire.discovery_response(version, resources, ""))
 
     async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:

@@ -6,38 +6,22 @@ while Envoy has not yet ACKed coalesce into the next response, so a slow client 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ..store import Resource
-
-EDS_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-
-
-class ResourceView(Protocol):
-    """What a stream reads: the store, or anything shaped like it."""
-
-    @property
-    def ready(self) -> bool: ...
-
-    def get(self, name: str) -> Resource: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_names: int = 10_000
-    max_name_length: int = 1024
-
-
-class ProtocolError(Exception):
-    """The client broke the protocol; the stream ends with this gRPC status name and message."""
-
-    def __init__(self, status: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+from .common import (
+    Ack,
+    Event,
+    Limits,
+    Nack,
+    ProtocolError,
+    ResourceView,
+    StaleNonce,
+    Subscribed,
+    check_request,
+    response_version,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,61 +39,6 @@ class Response:
     version_info: str
     resources: tuple[Resource, ...]
     nonce: str
-
-
-# What `receive` reports, for logs and counters.
-@dataclass(frozen=True, slots=True)
-class Ack:
-    version_info: str
-    names: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Nack:
-    version_info: str
-    names: tuple[str, ...]
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class StaleNonce:
-    nonce: str
-
-
-@dataclass(frozen=True, slots=True)
-class Subscribed:
-    added: tuple[str, ...]
-    removed: tuple[str, ...]
-
-
-Event = Ack | Nack | StaleNonce | Subscribed
-
-
-def response_version(resources: Iterable[Resource]) -> str:
-    """A response's version_info: the resource's own version for one, a digest of all for more."""
-    items = sorted((r.name, r.version) for r in resources)
-    if len(items) == 1:
-        return items[0][1]
-    digest = hashlib.blake2b(digest_size=8)
-    for name, version in items:
-        digest.update(f"{name}\0{version}\n".encode())
-    return digest.hexdigest()
-
-
-def check_request(req: Request, limits: Limits) -> None:
-    if req.type_url not in ("", EDS_TYPE_URL):
-        raise ProtocolError("INVALID_ARGUMENT", f"type_url {req.type_url!r} is not served here")
-    if len(req.resource_names) > limits.max_names:
-        raise ProtocolError(
-            "RESOURCE_EXHAUSTED",
-            f"{len(req.resource_names)} resource names in one request (limit {limits.max_names})",
-        )
-    for name in req.resource_names:
-        if len(name) > limits.max_name_length:
-            raise ProtocolError(
-                "INVALID_ARGUMENT",
-                f"resource name of {len(name)} characters (limit {limits.max_name_length})",
-            )
 
 
 @dataclass
@@ -130,7 +59,7 @@ class SotwStream:
 
     def receive(self, req: Request) -> list[Event]:
         """Take one request from Envoy; raise ProtocolError to end the stream."""
-        check_request(req, self.limits)
+        check_request(req.type_url, req.resource_names, self.limits)
         events: list[Event] = []
         if not self._started:
             if not req.has_node:

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Sequence
 
 from ..store import Resource
-from .sotw import EDS_TYPE_URL
+from .common import EDS_TYPE_URL
 
 CONTROL_PLANE_ID = "eds-server"
 
