@@ -16,7 +16,12 @@ from grpclib.const import Cardinality, Status
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
 from eds_server.pb.envoy.config.core.v3 import Node
-from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
+from eds_server.pb.envoy.service.discovery.v3 import (
+    DeltaDiscoveryRequest,
+    DeltaDiscoveryResponse,
+    DiscoveryRequest,
+    DiscoveryResponse,
+)
 from eds_server.pb.envoy.service.endpoint.v3 import EndpointDiscoveryServiceStub
 from eds_server.pb.google.rpc import Status as RpcStatus
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
@@ -219,13 +224,24 @@ async def test_generated_stub_and_fetch(harness: Harness) -> None:
     assert len(cla_of(resp, 1).endpoints) == 0
 
 
-async def test_delta_is_unimplemented_for_now(harness: Harness) -> None:
-    harness.store.update(SOURCE, {})
-    stub = EndpointDiscoveryServiceStub(harness.channel)
-    with pytest.raises(GRPCError) as e:
-        async for _ in stub.delta_endpoints([]):
-            pass
-    assert e.value.status == Status.UNIMPLEMENTED
+async def test_delta_stream(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    path = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
+    async with harness.channel.request(path, Cardinality.STREAM_STREAM, DeltaDiscoveryRequest,
+                                       DeltaDiscoveryResponse) as stream:  # fmt: skip
+        await stream.send_message(DeltaDiscoveryRequest(
+            node=Node(id="d"), type_url=EDS_TYPE_URL, resource_names_subscribe=["web", "nope"],
+            initial_resource_versions={"nope": harness.store.get("nope").version},
+        ))  # fmt: skip
+        r1 = await recv(stream)
+        assert [r.name for r in r1.resources] == ["web"]  # "nope" was current already
+        assert r1.resources[0].version == harness.store.get("web").version
+        await stream.send_message(DeltaDiscoveryRequest(response_nonce=r1.nonce))
+        harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+        r2 = await recv(stream)
+        cla = endpoint_pb2.ClusterLoadAssignment.FromString(r2.resources[0].resource.value)
+        assert len(cla.endpoints[0].lb_endpoints) == 2
+        await stream.cancel()
 
 
 async def test_health_follows_readiness(harness: Harness) -> None:

@@ -75,3 +75,14 @@ def test_metadata_order_does_not_change_the_version() -> None:
     a = Group("g", (Endpoint("10.0.0.1", 1, metadata={"a": 1, "b": {"x": 1, "y": 2}}),))
     b = Group("g", (Endpoint("10.0.0.1", 1, metadata={"b": {"y": 2, "x": 1}, "a": 1}),))
     assert encode_group(a) == encode_group(b)
+
+
+def test_delta_response_bytes_match_official_parse() -> None:
+    res = [resource(upstreams.parse(DOCUMENTED)["web"]), resource(Group("empty"))]
+    data = wire.delta_discovery_response("sys-1", res, "7")
+    official = discovery_pb2.DeltaDiscoveryResponse.FromString(data)
+    assert (official.system_version_info, official.nonce, official.type_url) == ("sys-1", "7", EDS_TYPE_URL)
+    assert official.control_plane.identifier == wire.CONTROL_PLANE_ID
+    assert [(r.name, r.version) for r in official.resources] == [(r.name, r.version) for r in res]
+    assert [r.resource.value for r in official.resources] == [r.body for r in res]
+    assert [r.resource.type_url for r in official.resources] == [EDS_TYPE_URL] * 2

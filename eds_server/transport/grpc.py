@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import betterproto2
 import grpclib.const
@@ -26,13 +26,14 @@ from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodel
 from h2.connection import H2Connection
 from h2.settings import SettingCodes, Settings
 
-from ..pb.eds_server.wire.v1 import LazyDiscoveryRequest
+from ..pb.eds_server.wire.v1 import LazyDeltaDiscoveryRequest, LazyDiscoveryRequest
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Store
 from ..xds import wire
-from ..xds.common import Ack, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
-from ..xds.sotw import Request, Response, SotwStream
+from ..xds.common import Ack, Event, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
+from ..xds.delta import DeltaRequest, DeltaStream
+from ..xds.sotw import Request, SotwStream
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -168,7 +169,7 @@ class EdsService:
                 self.fetch_endpoints, Cardinality.UNARY_UNARY, LazyDiscoveryRequest, bytes
             ),
             prefix + "DeltaEndpoints": grpclib.const.Handler(
-                self.delta_endpoints, Cardinality.STREAM_STREAM, bytes, bytes
+                self.delta_endpoints, Cardinality.STREAM_STREAM, LazyDeltaDiscoveryRequest, bytes
             ),
         }
 
@@ -182,12 +183,15 @@ class EdsService:
     def open_streams(self) -> int:
         return len(self._wakers)
 
-    async def stream_endpoints(
-        self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
-    ) -> None:
+    async def stream_endpoints(self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]) -> None:
+        await self._serve(_Session(self, stream, SOTW))
+
+    async def delta_endpoints(self, stream: grpclib.server.Stream[LazyDeltaDiscoveryRequest, bytes]) -> None:
+        await self._serve(_Session(self, stream, DELTA))
+
+    async def _serve(self, session: _Session) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        session = _SotwSession(self, stream)
         unwatch = self.store.watch(session.on_change)
         self._wakers.add(session.wake)
         self.counters.streams_opened += 1
@@ -196,7 +200,7 @@ class EdsService:
         finally:
             self._wakers.discard(session.wake)
             unwatch()
-            log.info("stream closed: node=%s peer=%s", session.node, session.peer)
+            log.info("%s stream closed: node=%s peer=%s", session.kind.name, session.node, session.peer)
 
     async def fetch_endpoints(
         self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
@@ -204,7 +208,7 @@ class EdsService:
         msg = await recv_limited(stream, LazyDiscoveryRequest, self.max_message_size)
         if msg is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
-        req = _request(msg)
+        req = _sotw_request(msg)
         try:
             check_request(req.type_url, req.resource_names, self.limits)
         except ProtocolError as e:
@@ -214,17 +218,70 @@ class EdsService:
         version = response_version(resources) if resources else ""
         await stream.send_message(wire.discovery_response(version, resources, ""))
 
-    async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "delta xDS is not served yet; use api_type: GRPC")
+class Machine(Protocol):
+    """What SotwStream and DeltaStream have in common, as the transport drives them."""
+
+    subscribed: dict[str, None]
+
+    def receive(self, req: Any) -> list[Event]: ...
+    def changed(self, names: Iterable[str] | None) -> None: ...
+    @property
+    def wants_poll(self) -> bool: ...
+    def poll(self) -> Any: ...
 
 
-class _SotwSession:
-    """One StreamEndpoints call: a reader task feeds the state machine, the call's task writes."""
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between a StreamEndpoints and a DeltaEndpoints call."""
 
-    def __init__(self, service: EdsService, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]):
+    name: str
+    message_type: type[betterproto2.Message]
+    machine: Callable[[Store, Limits], Machine]
+    request: Callable[[Any], Any]  # decoded message -> the state machine's request
+    encode: Callable[[Any], bytes]  # the state machine's response -> wire bytes
+
+
+def _sotw_request(msg: LazyDiscoveryRequest) -> Request:
+    return Request(
+        version_info=msg.version_info,
+        has_node=bool(msg.node),
+        resource_names=tuple(msg.resource_names),
+        type_url=msg.type_url,
+        response_nonce=msg.response_nonce,
+        error_message=msg.error_detail.message if msg.error_detail is not None else None,
+    )
+
+
+def _delta_request(msg: LazyDeltaDiscoveryRequest) -> DeltaRequest:
+    return DeltaRequest(
+        has_node=bool(msg.node),
+        type_url=msg.type_url,
+        subscribe=tuple(msg.resource_names_subscribe),
+        unsubscribe=tuple(msg.resource_names_unsubscribe),
+        initial_versions=dict(msg.initial_resource_versions),
+        response_nonce=msg.response_nonce,
+        error_message=msg.error_detail.message if msg.error_detail is not None else None,
+    )
+
+
+SOTW = _Kind(
+    "sotw", LazyDiscoveryRequest, SotwStream, _sotw_request,
+    lambda r: wire.discovery_response(r.version_info, r.resources, r.nonce),
+)  # fmt: skip
+DELTA = _Kind(
+    "delta", LazyDeltaDiscoveryRequest, DeltaStream, _delta_request,
+    lambda r: wire.delta_discovery_response(r.system_version_info, r.resources, r.nonce),
+)  # fmt: skip
+
+
+class _Session:
+    """One stream call: a reader task feeds the state machine, the call's own task writes."""
+
+    def __init__(self, service: EdsService, stream: grpclib.server.Stream[Any, bytes], kind: _Kind):
         self.service = service
         self.stream = stream
-        self.sm = SotwStream(service.store, service.limits)
+        self.kind = kind
+        self.sm = kind.machine(service.store, service.limits)
         self.wake = asyncio.Event()
         self.peer = _peer(stream)
         self.node = "?"
@@ -239,13 +296,13 @@ class _SotwSession:
         counters = self.service.counters
         first = True
         while True:
-            msg = await recv_limited(self.stream, LazyDiscoveryRequest, self.service.max_message_size)
+            msg = await recv_limited(self.stream, self.kind.message_type, self.service.max_message_size)
             if msg is None:
                 return  # the client ended its side
             counters.requests += 1
             if first and msg.node:
                 self.node, self.cluster = _node_identity(msg.node)
-            for event in self.sm.receive(_request(msg)):
+            for event in self.sm.receive(self.kind.request(msg)):
                 if isinstance(event, Nack):
                     counters.nacks += 1
                     log.warning(
@@ -261,8 +318,8 @@ class _SotwSession:
                               _names(event.added), _names(event.removed))  # fmt: skip
             if first:
                 log.info(
-                    "stream opened: node=%s cluster=%s peer=%s names=%s",
-                    self.node, self.cluster, self.peer, _names(self.sm.subscribed),
+                    "%s stream opened: node=%s cluster=%s peer=%s names=%s",
+                    self.kind.name, self.node, self.cluster, self.peer, _names(self.sm.subscribed),
                 )  # fmt: skip
                 first = False
             self.wake.set()
@@ -285,12 +342,11 @@ class _SotwSession:
                     return  # the client ended its side
                 response = self.sm.poll()
                 if response is not None:
-                    await self.send(response)
+                    await self.send(self.kind.encode(response))
         finally:
             reader.cancel()
 
-    async def send(self, response: Response) -> None:
-        data = wire.discovery_response(response.version_info, response.resources, response.nonce)
+    async def send(self, data: bytes) -> None:
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
             # arrives as the send completes, leaving this stream's tasks behind.
@@ -330,17 +386,6 @@ class HealthService(HealthBase):
                 changed.clear()
         finally:
             unwatch()
-
-
-def _request(msg: LazyDiscoveryRequest) -> Request:
-    return Request(
-        version_info=msg.version_info,
-        has_node=bool(msg.node),
-        resource_names=tuple(msg.resource_names),
-        type_url=msg.type_url,
-        response_nonce=msg.response_nonce,
-        error_message=msg.error_detail.message if msg.error_detail is not None else None,
-    )
 
 
 def _node_identity(raw: bytes) -> tuple[str, str]:

@@ -80,21 +80,35 @@ def string_field(field_number: int, value: str) -> bytes:
 
 
 _ANY_TYPE_URL = string_field(1, EDS_TYPE_URL)
-# DiscoveryResponse.type_url (4) and control_plane (6) = ControlPlane{identifier (1)}
-_RESPONSE_TAIL = string_field(4, EDS_TYPE_URL) + length_delimited(
-    6, string_field(1, CONTROL_PLANE_ID)
-)
+_TYPE_URL = string_field(4, EDS_TYPE_URL)  # type_url (4) of both response kinds
+_CONTROL_PLANE = string_field(1, CONTROL_PLANE_ID)  # ControlPlane{identifier (1)}
+_SOTW_TAIL = _TYPE_URL + length_delimited(6, _CONTROL_PLANE)
+_DELTA_TAIL = _TYPE_URL + length_delimited(7, _CONTROL_PLANE)
 
-# resource -> its `resources` field (2) of a DiscoveryResponse: Any{type_url, value = CLA}.
-# Weak keys: the bytes live exactly as long as the store holds that version.
-_any_fields: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
+# resource -> its encoded field in each kind of response. Weak keys: the bytes live exactly as
+# long as the store holds that version, and are built once however many streams send them.
+_sotw_fields: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
+_delta_fields: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
+
+
+def _any(resource: Resource) -> bytes:
+    return _ANY_TYPE_URL + length_delimited(2, resource.body)
 
 
 def any_field(resource: Resource) -> bytes:
-    cached = _any_fields.get(resource)
+    """DiscoveryResponse.resources (2): Any{type_url, value = CLA}."""
+    cached = _sotw_fields.get(resource)
     if cached is None:
-        cached = length_delimited(2, _ANY_TYPE_URL + length_delimited(2, resource.body))
-        _any_fields[resource] = cached
+        cached = _sotw_fields[resource] = length_delimited(2, _any(resource))
+    return cached
+
+
+def delta_resource_field(resource: Resource) -> bytes:
+    """DeltaDiscoveryResponse.resources (2): Resource{version (1), resource (2), name (3)}."""
+    cached = _delta_fields.get(resource)
+    if cached is None:
+        inner = string_field(1, resource.version) + length_delimited(2, _any(resource))
+        cached = _delta_fields[resource] = length_delimited(2, inner + string_field(3, resource.name))
     return cached
 
 
@@ -102,6 +116,15 @@ def discovery_response(version_info: str, resources: Sequence[Resource], nonce: 
     """An encoded envoy.service.discovery.v3.DiscoveryResponse."""
     parts = [string_field(1, version_info)]
     parts.extend(any_field(r) for r in resources)
-    parts.append(_RESPONSE_TAIL)
+    parts.append(_SOTW_TAIL)
+    parts.append(string_field(5, nonce))
+    return b"".join(parts)
+
+
+def delta_discovery_response(system_version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
+    """An encoded envoy.service.discovery.v3.DeltaDiscoveryResponse."""
+    parts = [string_field(1, system_version_info)]
+    parts.extend(delta_resource_field(r) for r in resources)
+    parts.append(_DELTA_TAIL)
     parts.append(string_field(5, nonce))
     return b"".join(parts)

@@ -1,4 +1,5 @@
-"""A real Envoy, subscribed over SotW gRPC, against eds-server run through its command line."""
+"""A real Envoy, subscribed over each transport (SotW gRPC, delta gRPC), against eds-server run through
+its command line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from backends import Backend, http_backends
-from envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap, free_port
+from envoy_harness import ApiType, EdsCluster, EnvoyProcess, Host, envoy_bootstrap, free_port
 from server_process import EdsServerProcess, write_atomically
 
 pytestmark = pytest.mark.envoy
@@ -29,17 +30,19 @@ async def backends() -> AsyncIterator[list[Backend]]:
         yield started
 
 
-@pytest.fixture
+@pytest.fixture(params=["GRPC", "DELTA_GRPC"])
 async def stack(
-    tmp_path: Path, backends: list[Backend]
+    request: pytest.FixtureRequest, tmp_path: Path, backends: list[Backend]
 ) -> AsyncIterator[tuple[EdsServerProcess, EnvoyProcess, Path]]:
     """eds-server serving web (backends 0, 1) and api (backend 2) to an Envoy with a listener."""
     path = tmp_path / "upstreams.yaml"
     path.write_text(upstreams_yaml(backends[:2], backends[2:]))
+    api: ApiType = request.param
     async with EdsServerProcess(path) as server:
         bootstrap = envoy_bootstrap(
             server.port,
-            [EdsCluster("web"), EdsCluster("api-cluster", service_name="api"), EdsCluster("later")],
+            [EdsCluster("web", api_type=api), EdsCluster("api-cluster", service_name="api", api_type=api),
+             EdsCluster("later", api_type=api)],
             free_port(),
             routes={"/api": "api-cluster", "/later": "later", "/": "web"},
         )
@@ -48,6 +51,7 @@ async def stack(
             yield server, envoy, path
             for cluster in ("web", "api-cluster", "later"):
                 assert await envoy.update_rejected(cluster) == 0
+            assert ("delta" if api == "DELTA_GRPC" else "sotw") + " stream opened" in server.log_text()
 
 
 async def ports(envoy: EnvoyProcess, cluster: str) -> set[int]:
