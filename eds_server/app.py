@@ -18,6 +18,7 @@ from .sources.docker import DockerSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
+from .transport.rest import make_rest_app
 from .xds.common import Limits
 
 log = logging.getLogger("eds_server")
@@ -31,6 +32,7 @@ class Settings:
     debounce: float = 0.05
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
+    rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
     startup_timeout: float = 10.0
     max_streams_per_connection: int = 10_000
     keepalive_time: float = 30.0
@@ -65,11 +67,12 @@ class App:
             keepalive_timeout=settings.keepalive_timeout,
             max_message_size=settings.max_message_size,
         )
-        self._admin: web.AppRunner | None = None
+        self._http: list[web.AppRunner] = []
         self._stop_sources = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.grpc_port: int | None = None
         self.admin_port: int | None = None
+        self.rest_port: int | None = None
 
     def source_status(self) -> list[dict[str, Any]]:
         out = []
@@ -107,14 +110,21 @@ class App:
         self.grpc_port = _bound_port(self.grpc)
         log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         if self.settings.admin is not None:
-            self._admin = web.AppRunner(
-                admin.make_app(self.store, self.source_status, self.stats), access_log=None
-            )
-            await self._admin.setup()
-            site = web.TCPSite(self._admin, *self.settings.admin)
-            await site.start()
-            self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            log.info("admin on http://%s:%s", self.settings.admin[0], self.admin_port)
+            app = admin.make_app(self.store, self.source_status, self.stats)
+            self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
+        if self.settings.rest_listen is not None:
+            app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)
+            self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
+
+    async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._http.append(runner)
+        site = web.TCPSite(runner, *address)
+        await site.start()
+        port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        log.info("%s on http://%s:%s", what, address[0], port)
+        return port
 
     async def _startup_deadline(self) -> None:
         if self.store.ready:
@@ -147,8 +157,8 @@ class App:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._admin is not None:
-            await self._admin.cleanup()
+        for runner in self._http:
+            await runner.cleanup()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
         """Run a background task; a failure is logged at once, not found at shutdown."""

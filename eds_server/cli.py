@@ -30,7 +30,7 @@ def host_port(value: str) -> tuple[str, int]:
     return (host or "0.0.0.0", int(port))
 
 
-def admin_address(value: str) -> tuple[str, int] | None:
+def optional_address(value: str) -> tuple[str, int] | None:
     return None if value.lower() in ("", "off", "none") else host_port(value)
 
 
@@ -109,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", type=host_port, metavar="HOST:PORT",
                        default=_env("EDS_LISTEN", "0.0.0.0:18000"),
                        help="gRPC address [EDS_LISTEN] (default 0.0.0.0:18000)")
-    serve.add_argument("--admin", type=admin_address, metavar="HOST:PORT",
+    serve.add_argument("--admin", type=optional_address, metavar="HOST:PORT",
                        default=_env("EDS_ADMIN", "127.0.0.1:18001"),
                        help="admin HTTP address, or 'off' [EDS_ADMIN] (default 127.0.0.1:18001)")
+    serve.add_argument("--rest-listen", type=optional_address, metavar="HOST:PORT",
+                       default=_env("EDS_REST_LISTEN", "off"),
+                       help="REST-JSON EDS for api_type: REST, or 'off' [EDS_REST_LISTEN] (default off)")
     serve.add_argument("--startup-timeout", type=duration, metavar="DURATION",
                        default=_env("EDS_STARTUP_TIMEOUT", "10s"),
                        help="longest wait for sources before answering Envoy anyway (default 10s)")
@@ -221,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         debounce=args.debounce,
         listen=args.listen,
         admin=args.admin,
+        rest_listen=args.rest_listen,
         startup_timeout=args.startup_timeout,
         max_streams_per_connection=args.max_streams_per_connection,
         keepalive_time=args.keepalive_time,

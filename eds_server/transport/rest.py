@@ -1,0 +1,66 @@
+"""REST-JSON EDS (`api_type: REST`): Envoy POSTs a DiscoveryRequest every `refresh_delay`.
+
+Envoy treats any status but 200 and 304 as a failure (and keeps what it has), so unknown names get
+an empty assignment rather than a 404, and a server that has not loaded its sources yet answers
+503. There is no NACK: Envoy simply asks for the version it has again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from typing import Any
+
+from aiohttp import web
+
+from ..encode import cluster_load_assignment
+from ..store import Resource, Store
+from ..xds.common import EDS_TYPE_URL, Limits, ProtocolError, check_request, response_version
+from ..xds.wire import CONTROL_PLANE_ID
+
+log = logging.getLogger("eds_server.rest")
+
+PATH = "/v3/discovery:endpoints"
+
+# resource -> its proto3-JSON `Any`, built once per version
+_json: weakref.WeakKeyDictionary[Resource, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def resource_json(resource: Resource) -> dict[str, Any]:
+    cached = _json.get(resource)
+    if cached is None:
+        cached = _json[resource] = {"@type": EDS_TYPE_URL, **cluster_load_assignment(resource.group).to_dict()}
+    return cached
+
+
+def make_rest_app(store: Store, limits: Limits, max_body: int) -> web.Application:
+    async def discovery(request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+            names = body.get("resourceNames", body.get("resource_names", []))
+            version = body.get("versionInfo", body.get("version_info", ""))
+            type_url = body.get("typeUrl", body.get("type_url", ""))
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError("resourceNames must be a list of strings")
+            check_request(type_url, names, limits)
+        except ProtocolError as e:
+            return web.json_response({"code": e.status, "message": e.message}, status=400)
+        except (ValueError, AttributeError) as e:
+            return web.json_response({"message": f"not a DiscoveryRequest: {e}"}, status=400)
+        if not store.ready:
+            return web.json_response({"message": "sources not loaded yet"}, status=503)
+        resources = [store.get(n) for n in dict.fromkeys(names)]
+        current = response_version(resources) if resources else ""
+        if version and version == current:
+            return web.Response(status=304)
+        return web.json_response({
+            "versionInfo": current,
+            "resources": [resource_json(r) for r in resources],
+            "typeUrl": EDS_TYPE_URL,
+            "controlPlane": {"identifier": CONTROL_PLANE_ID},
+        })  # fmt: skip
+
+    app = web.Application(client_max_size=max_body)
+    app.router.add_post(PATH, discovery)
+    return app

@@ -1,0 +1,78 @@
+"""REST-JSON EDS: status codes Envoy depends on, and JSON the official parser accepts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from envoy.config.endpoint.v3 import endpoint_pb2  # registers the CLA type for Any in JSON
+from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import json_format
+
+from eds_server.encode import encode_group
+from eds_server.model import Endpoint, Group
+from eds_server.store import Store
+from eds_server.transport.rest import PATH, make_rest_app
+from eds_server.xds.common import EDS_TYPE_URL, Limits
+
+
+@pytest.fixture
+async def rest() -> AsyncIterator[tuple[Store, str]]:
+    store = Store(encode_group)
+    store.add_source("t")
+    runner = web.AppRunner(make_rest_app(store, Limits(max_names=10), 64 * 1024))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield store, f"http://127.0.0.1:{port}{PATH}"
+    finally:
+        await runner.cleanup()
+
+
+async def post(url: str, body: object) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.post(url, data=json.dumps(body)) as r:
+        return r.status, await r.text()
+
+
+REQ = {"node": {"id": "n", "cluster": "c"}, "resourceNames": ["web", "nope"], "typeUrl": EDS_TYPE_URL}
+
+
+async def test_not_ready_is_503_then_200_then_304(rest: tuple[Store, str]) -> None:
+    store, url = rest
+    assert (await post(url, REQ))[0] == 503
+    store.update("t", {"web": Group("web", (Endpoint("10.0.0.1", 80, weight=2),))})
+    status, text = await post(url, REQ)
+    assert status == 200
+    official = json_format.Parse(text, discovery_pb2.DiscoveryResponse())
+    assert official.type_url == EDS_TYPE_URL
+    clas = [endpoint_pb2.ClusterLoadAssignment() for _ in official.resources]
+    for any_, cla in zip(official.resources, clas, strict=True):
+        any_.Unpack(cla)
+    assert [c.cluster_name for c in clas] == ["web", "nope"]
+    assert clas[0].endpoints[0].lb_endpoints[0].load_balancing_weight.value == 2
+    assert not clas[1].endpoints  # unknown: empty, never 404
+    assert (await post(url, {**REQ, "versionInfo": official.version_info}))[0] == 304
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["not json", {**REQ, "typeUrl": "type.googleapis.com/envoy.config.cluster.v3.Cluster"},
+     {**REQ, "resourceNames": "web"}, {**REQ, "resourceNames": [f"n{i}" for i in range(11)]}],
+)  # fmt: skip
+async def test_bad_requests_are_400(rest: tuple[Store, str], body: object) -> None:
+    store, url = rest
+    store.update("t", {})
+    async with aiohttp.ClientSession() as s, s.post(url, data=body if isinstance(body, str) else json.dumps(body)) as r:
+        assert r.status == 400
+
+
+async def test_oversize_body_is_refused(rest: tuple[Store, str]) -> None:
+    store, url = rest
+    store.update("t", {})
+    status, _ = await post(url, {**REQ, "node": {"id": "x" * 100_000}})
+    assert status == 413
