@@ -1,27 +1,39 @@
 """Groups -> encoded ClusterLoadAssignment bytes: the only place that builds CLAs.
 
-The output is canonical (localities and endpoints sorted), so the same content always encodes to
-the same bytes and therefore the same version, whatever order sources listed it in.
+`encode_group` assembles the wire bytes from per-endpoint pieces kept in a bounded cache, so a
+change to one endpoint of a 10,000-endpoint group encodes one endpoint, not 10,000 (a repeated
+protobuf field is the concatenation of its elements). `cluster_load_assignment` builds the same
+message with the generated classes: it serves the JSON of REST responses, and tests check that
+both agree. The output is canonical (localities and endpoints sorted, metadata keys ordered), so
+the same content always gives the same bytes and therefore the same version.
 """
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import groupby
 from typing import Any
 
-from .model import Endpoint, Group, Locality
+from .model import Endpoint, Group, Health, Locality
 from .pb.envoy.config.core.v3 import Address, HealthStatus, Metadata, SocketAddress
 from .pb.envoy.config.core.v3 import Locality as PbLocality
 from .pb.envoy.config.endpoint.v3 import ClusterLoadAssignment, LbEndpoint, LocalityLbEndpoints
 from .pb.envoy.config.endpoint.v3 import Endpoint as PbEndpoint
 from .pb.google.protobuf import Struct
+from .protowire import length_delimited, string_field, varint
 
 LB_METADATA_KEY = "envoy.lb"
+ENDPOINT_CACHE_SIZE = 200_000  # encoded LbEndpoints kept; about 100 bytes each
 
 
 def _bucket(ep: Endpoint) -> tuple[int, Locality]:
     return (ep.priority, ep.locality)
+
+
+def _ordered(group: Group) -> list[Endpoint]:
+    return sorted(group.endpoints, key=lambda e: (_bucket(e), e.address, e.port))
 
 
 def _sorted(value: Any) -> Any:
@@ -33,6 +45,13 @@ def _sorted(value: Any) -> Any:
     return value
 
 
+def _metadata(ep: Endpoint) -> Metadata | None:
+    if not ep.metadata:
+        return None
+    return Metadata(filter_metadata={LB_METADATA_KEY: Struct.from_dict(_sorted(ep.metadata))})
+
+
+# -- the generated classes -----------------------------------------------------------------------
 def lb_endpoint(ep: Endpoint) -> LbEndpoint:
     return LbEndpoint(
         endpoint=PbEndpoint(
@@ -40,19 +59,14 @@ def lb_endpoint(ep: Endpoint) -> LbEndpoint:
             hostname=ep.hostname,
         ),
         health_status=HealthStatus(int(ep.health)),
-        metadata=(
-            Metadata(filter_metadata={LB_METADATA_KEY: Struct.from_dict(_sorted(ep.metadata))})
-            if ep.metadata
-            else None
-        ),
+        metadata=_metadata(ep),
         load_balancing_weight=ep.weight,
     )
 
 
 def cluster_load_assignment(group: Group) -> ClusterLoadAssignment:
-    ordered = sorted(group.endpoints, key=lambda e: (_bucket(e), e.address, e.port))
     localities = []
-    for (priority, loc), eps in groupby(ordered, key=_bucket):
+    for (priority, loc), eps in groupby(_ordered(group), key=_bucket):
         localities.append(
             LocalityLbEndpoints(
                 locality=PbLocality(region=loc.region, zone=loc.zone, sub_zone=loc.subzone),
@@ -64,5 +78,53 @@ def cluster_load_assignment(group: Group) -> ClusterLoadAssignment:
     return ClusterLoadAssignment(cluster_name=group.name, endpoints=localities)
 
 
+# -- the same bytes from cached pieces -------------------------------------------------------------
+_endpoint_cache: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
+
+
+def _uint32_value(field_number: int, value: int) -> bytes:
+    """A google.protobuf.UInt32Value field: a message holding the value as field 1."""
+    return length_delimited(field_number, (varint(1 << 3) + varint(value)) if value else b"")
+
+
+def _encode_lb_endpoint(ep: Endpoint) -> bytes:
+    socket = string_field(2, ep.address) + (varint(3 << 3) + varint(ep.port) if ep.port else b"")
+    endpoint = length_delimited(1, length_delimited(1, socket)) + string_field(3, ep.hostname)
+    out = length_delimited(1, endpoint)  # LbEndpoint.endpoint
+    if ep.health != Health.UNKNOWN:
+        out += varint(2 << 3) + varint(int(ep.health))  # health_status
+    metadata = _metadata(ep)
+    if metadata is not None:
+        out += length_delimited(3, bytes(metadata))
+    if ep.weight is not None:
+        out += _uint32_value(4, ep.weight)  # load_balancing_weight
+    return out
+
+
+def lb_endpoint_bytes(ep: Endpoint) -> bytes:
+    """One encoded LbEndpoint, from the cache when this exact endpoint was encoded before."""
+    key = (ep.address, ep.port, ep.weight, ep.health, ep.hostname,
+           json.dumps(ep.metadata, sort_keys=True) if ep.metadata else "")  # fmt: skip
+    cached = _endpoint_cache.get(key)
+    if cached is not None:
+        _endpoint_cache.move_to_end(key)
+    else:
+        cached = _endpoint_cache[key] = _encode_lb_endpoint(ep)
+        if len(_endpoint_cache) > ENDPOINT_CACHE_SIZE:
+            _endpoint_cache.popitem(last=False)
+    return cached
+
+
 def encode_group(group: Group) -> bytes:
-    return bytes(cluster_load_assignment(group))
+    out = [string_field(1, group.name)]
+    for (priority, loc), eps in groupby(_ordered(group), key=_bucket):
+        locality = string_field(1, loc.region) + string_field(2, loc.zone) + string_field(3, loc.subzone)
+        parts = [length_delimited(1, locality)]
+        parts.extend(length_delimited(2, lb_endpoint_bytes(e)) for e in eps)
+        weight = group.locality_weights.get(loc)
+        if weight is not None:
+            parts.append(_uint32_value(3, weight))
+        if priority:
+            parts.append(varint(5 << 3) + varint(priority))
+        out.append(length_delimited(2, b"".join(parts)))
+    return b"".join(out)

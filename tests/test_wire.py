@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 from test_upstreams import DOCUMENTED
 
-from eds_server import upstreams
+from eds_server import protowire, upstreams
 from eds_server.encode import cluster_load_assignment, encode_group
-from eds_server.model import Endpoint, Group
+from eds_server.model import Endpoint, Group, Health, Locality
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Resource, content_version
 from eds_server.xds import wire
@@ -67,8 +69,8 @@ def test_node_id_and_cluster_read_off_the_wire() -> None:
     for i in range(50):
         node.extensions.add(name=f"ext-{i}", category="c")
     node.metadata.fields["k"].string_value = "v" * 1000
-    assert wire.string_fields(node.SerializeToString(), {1, 2}) == {1: "envoy-1", 2: "edge"}
-    assert wire.string_fields(b"", {1, 2}) == {}
+    assert protowire.string_fields(node.SerializeToString(), {1, 2}) == {1: "envoy-1", 2: "edge"}
+    assert protowire.string_fields(b"", {1, 2}) == {}
 
 
 def test_metadata_order_does_not_change_the_version() -> None:
@@ -86,3 +88,30 @@ def test_delta_response_bytes_match_official_parse() -> None:
     assert [(r.name, r.version) for r in official.resources] == [(r.name, r.version) for r in res]
     assert [r.resource.value for r in official.resources] == [r.body for r in res]
     assert [r.resource.type_url for r in official.resources] == [EDS_TYPE_URL] * 2
+
+
+def random_group(rng: random.Random, name: str, n: int) -> Group:
+    eps = []
+    for i in range(n):
+        eps.append(Endpoint(
+            address=rng.choice([f"10.{i // 250}.{i % 250}.1", f"2001:db8::{i:x}"]),
+            port=rng.randint(1, 65535),
+            weight=rng.choice([None, 1, 7, 2**32 - 1]),
+            health=rng.choice(list(Health)),
+            priority=rng.choice([0, 0, 1, 128]),
+            locality=rng.choice([Locality(), Locality("eu"), Locality("eu", "eu-1a", "r1")]),
+            hostname=rng.choice(["", f"h{i}"]),
+            metadata=rng.choice([{}, {"v": "2", "canary": True, "n": 1.5, "l": [1, "a"], "m": {"b": 1, "a": None}}]),
+        ))  # fmt: skip
+    weights = rng.choice([{}, {Locality("eu"): 3}, {Locality(): 1, Locality("eu", "eu-1a", "r1"): 9}])
+    return Group(name, tuple(eps), weights)
+
+
+def test_cached_piece_encoding_equals_the_generated_classes() -> None:
+    rng = random.Random(7)
+    groups = [random_group(rng, f"g{i}", rng.randint(0, 40)) for i in range(200)]
+    groups += [Group(""), Group("x", (Endpoint("0.0.0.0", 1),))]
+    for g in groups:
+        ours = endpoint_pb2.ClusterLoadAssignment.FromString(encode_group(g))
+        generated = endpoint_pb2.ClusterLoadAssignment.FromString(bytes(cluster_load_assignment(g)))
+        assert ours == generated, g.name

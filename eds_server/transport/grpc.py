@@ -26,6 +26,7 @@ from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodel
 from h2.connection import H2Connection
 from h2.settings import SettingCodes, Settings
 
+from .. import protowire
 from ..pb.eds_server.wire.v1 import LazyDeltaDiscoveryRequest, LazyDiscoveryRequest
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
@@ -391,7 +392,7 @@ class HealthService(HealthBase):
 def _node_identity(raw: bytes) -> tuple[str, str]:
     """The node's id and cluster, for logs, read off the wire without parsing the whole Node."""
     try:
-        found = wire.string_fields(raw, {1, 2})
+        found = protowire.string_fields(raw, {1, 2})
     except ValueError:
         raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
     return _clip(found.get(1) or "?", 200), _clip(found.get(2) or "?", 200)
