@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .model import Group, merge_groups
@@ -44,7 +44,9 @@ class Store:
         self._by_source: dict[str, dict[str, Group]] = {}
         self._pending: list[str] = []  # sources that have not delivered their first state
         self._resources: dict[str, Resource] = {}
-        self._watchers: dict[Watcher, None] = {}  # ordered set: O(1) removal of a closing stream
+        self._watchers: dict[Watcher, None] = {}  # told of every change (ordered set)
+        self._by_name: dict[str, dict[Watcher, None]] = {}  # told only of the names they follow
+        self._following: dict[Watcher, set[str]] = {}
         self._empty: OrderedDict[str, Resource] = OrderedDict()  # LRU of empty CLAs for unknown names
         self._forced_ready = False
         self._stale: set[str] = set()  # sources that cannot currently reach what they follow
@@ -148,7 +150,41 @@ class Store:
 
         return stop
 
+    def follow(self, watcher: Watcher, add: Iterable[str] = (), remove: Iterable[str] = ()) -> None:
+        """Tell `watcher` of changes to these names only (and when the store becomes ready).
+
+        A change then costs its subscribers, not every open stream.
+        """
+        names = self._following.setdefault(watcher, set())
+        for name in add:
+            names.add(name)
+            self._by_name.setdefault(name, {})[watcher] = None
+        for name in remove:
+            names.discard(name)
+            self._drop(name, watcher)
+
+    def unfollow(self, watcher: Watcher) -> None:
+        for name in self._following.pop(watcher, ()):
+            self._drop(name, watcher)
+
+    def _drop(self, name: str, watcher: Watcher) -> None:
+        followers = self._by_name.get(name)
+        if followers is not None:
+            followers.pop(watcher, None)
+            if not followers:
+                del self._by_name[name]
+
     def _announce(self, names: frozenset[str] | None) -> None:
         for watcher in list(self._watchers):
             watcher(names)
+        if names is None:
+            for watcher in list(self._following):
+                watcher(None)
+            return
+        followers: dict[Watcher, list[str]] = {}
+        for name in names:
+            for watcher in self._by_name.get(name, ()):
+                followers.setdefault(watcher, []).append(name)
+        for watcher, theirs in followers.items():
+            watcher(frozenset(theirs))
 

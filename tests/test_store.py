@@ -95,3 +95,27 @@ def test_empty_assignments_for_unknown_names_are_cached_and_bounded() -> None:
     for i in range(5000):
         store.get(f"n{i}")
     assert len(store._empty) <= 4096
+
+
+def test_followers_hear_only_of_their_names() -> None:
+    store, _ = make("a")
+    heard: dict[str, list[frozenset[str] | None]] = {"x": [], "y": []}
+
+    def x(names: frozenset[str] | None) -> None:
+        heard["x"].append(names)
+
+    def y(names: frozenset[str] | None) -> None:
+        heard["y"].append(names)
+
+    store.follow(x, ["web", "api"])
+    store.follow(y, ["api"])
+    store.update("a", {"web": group("web", 1)})  # becomes ready: everyone hears None
+    assert heard == {"x": [None], "y": [None]}
+    store.update("a", {"web": group("web", 2), "api": group("api", 1)})
+    assert heard["x"][-1] == {"web", "api"} and heard["y"][-1] == {"api"}
+    store.follow(x, remove=["api"])
+    store.update("a", {"web": group("web", 2), "api": group("api", 2)})
+    assert heard["x"][-1] == {"web", "api"} and heard["y"][-1] == {"api"} and len(heard["x"]) == 2
+    store.unfollow(x)
+    store.unfollow(y)
+    assert not store._by_name and not store._following

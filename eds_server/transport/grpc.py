@@ -193,14 +193,13 @@ class EdsService:
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        unwatch = self.store.watch(session.on_change)
         self._wakers.add(session.wake)
         self.counters.streams_opened += 1
         try:
             await session.run()
         finally:
             self._wakers.discard(session.wake)
-            unwatch()
+            self.store.unfollow(session.on_change)
             log.info("%s stream closed: node=%s peer=%s", session.kind.name, session.node, session.peer)
 
     async def fetch_endpoints(
@@ -314,9 +313,11 @@ class _Session:
                 elif isinstance(event, Ack):
                     counters.acks += 1
                     log.debug("ACK from node=%s for %s", self.node, _names(event.names))
-                elif isinstance(event, Subscribed) and not first:
-                    log.debug("node=%s subscribed %s, unsubscribed %s", self.node,
-                              _names(event.added), _names(event.removed))  # fmt: skip
+                elif isinstance(event, Subscribed):
+                    self.service.store.follow(self.on_change, event.added, event.removed)
+                    if not first:
+                        log.debug("node=%s subscribed %s, unsubscribed %s", self.node,
+                                  _names(event.added), _names(event.removed))  # fmt: skip
             if first:
                 log.info(
                     "%s stream opened: node=%s cluster=%s peer=%s names=%s",
