@@ -57,7 +57,7 @@ class Harness:
 async def harness() -> AsyncIterator[Harness]:
     store = Store(encode_group)
     store.add_source(SOURCE)
-    service = EdsService(store, send_timeout=5)
+    service = EdsService(store, send_timeout=1)
     server = make_server(
         service, max_streams_per_connection=1000, keepalive_time=30, keepalive_timeout=10,
         max_message_size=1 << 20,
@@ -320,3 +320,46 @@ async def test_keepalive_pings_close_a_silent_connection() -> None:
         writer.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    import h2.config
+    import h2.connection
+    from h2.settings import SettingCodes
+
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    port = harness.channel._port
+    # A raw HTTP/2 client that opens a StreamEndpoints call with a 10-byte flow-control window
+    # and never reads: the server's first response cannot be sent.
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 10})
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
+               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    conn.send_headers(1, headers)
+    body = bytes(first("web"))
+    conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(conn.data_to_send())
+    await writer.drain()
+    try:
+        for _ in range(100):  # bounded: the stuck stream is open
+            if harness.service.open_streams == 1:
+                break
+            await asyncio.sleep(0.02)
+        async with harness.stream() as stream:  # meanwhile a healthy client is served normally
+            await stream.send_message(first("web"))
+            r1 = await recv(stream)
+            await stream.send_message(reply(r1, "web"))
+            harness.store.update(SOURCE, {"web": group("web", 2)})
+            assert (await recv(stream)).version_info != r1.version_info
+            for _ in range(250):  # bounded: dropped after the send timeout (1 s here)
+                if harness.service.open_streams == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert harness.service.open_streams == 1  # only the healthy one is left
+            assert "dropping node=test-node" in caplog.text and "not reading" in caplog.text
+    finally:
+        writer.close()
