@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,10 +38,9 @@ class Running:
         raise AssertionError(f"ports {self.ports()} never became {expected}")
 
 
-@pytest.fixture
-async def running(tmp_path: Path) -> AsyncIterator[Running]:
-    path = tmp_path / "upstreams.yaml"
-    path.write_text(text(1))
+@contextlib.asynccontextmanager
+async def following(path: Path) -> AsyncIterator[Running]:
+    """The source loaded from `path` and following it, until the block ends."""
     r = Running(path)
     r.source.load()
     stop = asyncio.Event()
@@ -51,6 +51,14 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[Running]:
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(text(1))
+    async with following(path) as r:
+        yield r
 
 
 async def test_in_place_write(running: Running) -> None:
@@ -95,20 +103,12 @@ async def test_configmap_symlink_swap(tmp_path: Path) -> None:
     (mount / "..v1" / "upstreams.yaml").write_text(text(6))
     os.symlink("..v1", mount / "..data")
     os.symlink("..data/upstreams.yaml", mount / "upstreams.yaml")
-    r = Running(mount / "upstreams.yaml")
-    r.source.load()
-    stop = asyncio.Event()
-    task = asyncio.create_task(r.source.run(stop))
-    try:
-        await asyncio.sleep(0.2)
+    async with following(mount / "upstreams.yaml") as r:
         (mount / "..v2").mkdir()
         (mount / "..v2" / "upstreams.yaml").write_text(text(7))
         os.symlink("..v2", mount / "..data_tmp")
         os.replace(mount / "..data_tmp", mount / "..data")  # the kubelet's atomic swap
         await r.wait_ports([7])
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
 
 
 async def test_slow_in_place_write_is_not_applied_half_done(running: Running) -> None:
@@ -125,21 +125,13 @@ async def test_replaced_directory_is_watched_anew(tmp_path: Path) -> None:
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "upstreams.yaml").write_text(text(1))
-    r = Running(conf / "upstreams.yaml")
-    r.source.load()
-    stop = asyncio.Event()
-    task = asyncio.create_task(r.source.run(stop))
-    try:
-        await asyncio.sleep(0.2)
+    async with following(conf / "upstreams.yaml") as r:
         os.rename(conf, tmp_path / "conf.old")
         conf.mkdir()
         (conf / "upstreams.yaml").write_text(text(8))
         await r.wait_ports([8])
         (conf / "upstreams.yaml").write_text(text(9))  # and the new directory is followed
         await r.wait_ports([9])
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
 
 
 def test_first_load_refuses_a_bad_file(tmp_path: Path) -> None:

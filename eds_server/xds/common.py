@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from ..store import Resource
 
@@ -88,3 +88,67 @@ def check_request(type_url: str, names: Collection[str], limits: Limits) -> None
             raise ProtocolError(
                 "INVALID_ARGUMENT", f"resource name of {len(name)} characters (limit {limits.max_name_length})"
             )
+
+
+R = TypeVar("R")
+
+
+@dataclass
+class StreamState(Generic[R]):
+    """Bookkeeping both stream kinds share: subscriptions, what was sent or rejected, what is due.
+
+    At most one response (`R`) is in flight; changes meanwhile only mark names dirty, so they
+    coalesce into the next response.
+    """
+
+    view: ResourceView
+    limits: Limits = field(default_factory=Limits)
+
+    subscribed: dict[str, None] = field(default_factory=dict)  # ordered set
+    sent: dict[str, str] = field(default_factory=dict)  # name -> version sent (Envoy has it, or soon)
+    nacked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy rejected
+    in_flight: R | None = None
+    _dirty: set[str] = field(default_factory=set)
+    _started: bool = False
+    _nonces: int = 0
+
+    def changed(self, names: Iterable[str] | None) -> None:
+        """The store changed these names (None: anything may have changed)."""
+        if names is None:
+            self._dirty.update(self.subscribed)
+        else:
+            self._dirty.update(n for n in names if n in self.subscribed)
+
+    @property
+    def wants_poll(self) -> bool:
+        return bool(self._dirty) and self.in_flight is None and self._started
+
+    def _start(self, has_node: bool) -> None:
+        if not has_node:
+            raise ProtocolError("INVALID_ARGUMENT", "the first request of a stream must carry a node")
+        self._started = True
+
+    def _forget(self, name: str) -> None:
+        self.subscribed.pop(name, None)
+        self.sent.pop(name, None)
+        self.nacked.pop(name, None)
+        self._dirty.discard(name)
+
+    def _take_dirty(self) -> list[Resource] | None:
+        """The current resources of the dirty names, if a response may go out now."""
+        if not self.wants_poll or not self.view.ready:
+            return None
+        names = [n for n in self.subscribed if n in self._dirty]
+        self._dirty.clear()
+        return [self.view.get(n) for n in names]
+
+    def _due(self, current: Iterable[Resource]) -> tuple[Resource, ...]:
+        """What Envoy lacks: not sent already, and not a version it rejected."""
+        due = tuple(r for r in current if self.sent.get(r.name) != r.version and self.nacked.get(r.name) != r.version)
+        for r in due:
+            self.sent[r.name] = r.version
+        return due
+
+    def _next_nonce(self) -> str:
+        self._nonces += 1
+        return str(self._nonces)

@@ -6,18 +6,15 @@ while Envoy has not yet ACKed coalesce into the next response, so a slow client 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..store import Resource
 from .common import (
     Ack,
     Event,
-    Limits,
     Nack,
-    ProtocolError,
-    ResourceView,
     StaleNonce,
+    StreamState,
     Subscribed,
     check_request,
     response_version,
@@ -42,19 +39,9 @@ class Response:
 
 
 @dataclass
-class SotwStream:
-    view: ResourceView
-    limits: Limits = field(default_factory=Limits)
-
-    subscribed: dict[str, None] = field(default_factory=dict)  # ordered set
-    sent: dict[str, str] = field(default_factory=dict)  # name -> version last sent
+class SotwStream(StreamState[Response]):
     acked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy accepted
-    nacked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy rejected
-    in_flight: Response | None = None
-    _dirty: set[str] = field(default_factory=set)
-    _started: bool = False
     _resume_version: str = ""
-    _nonces: int = 0
     _last_nonce: str = ""
 
     def receive(self, req: Request) -> list[Event]:
@@ -62,9 +49,7 @@ class SotwStream:
         check_request(req.type_url, req.resource_names, self.limits)
         events: list[Event] = []
         if not self._started:
-            if not req.has_node:
-                raise ProtocolError("INVALID_ARGUMENT", "the first request of a stream must carry a node")
-            self._started = True
+            self._start(req.has_node)
             self._resume_version = req.version_info
         elif req.response_nonce and req.response_nonce != self._last_nonce:
             return [StaleNonce(req.response_nonce)]  # superseded: a newer response is on its way
@@ -84,9 +69,8 @@ class SotwStream:
         added = tuple(n for n in wanted if n not in self.subscribed)
         removed = tuple(n for n in self.subscribed if n not in wanted)
         for name in removed:
-            for state in (self.sent, self.acked, self.nacked):
-                state.pop(name, None)
-            self._dirty.discard(name)
+            self._forget(name)
+            self.acked.pop(name, None)
         for name in added:
             self.sent.pop(name, None)  # answered even if unchanged
         self._dirty.update(added)
@@ -95,24 +79,11 @@ class SotwStream:
             events.append(Subscribed(added, removed))
         return events
 
-    def changed(self, names: Iterable[str] | None) -> None:
-        """The store changed these names (None: anything may have changed)."""
-        if names is None:
-            self._dirty.update(self.subscribed)
-        else:
-            self._dirty.update(n for n in names if n in self.subscribed)
-
-    @property
-    def wants_poll(self) -> bool:
-        return bool(self._dirty) and self.in_flight is None and self._started
-
     def poll(self) -> Response | None:
         """The next response to send, if one is due; it stays in flight until Envoy answers it."""
-        if not self.wants_poll or not self.view.ready:
+        current = self._take_dirty()
+        if current is None:
             return None
-        names = [n for n in self.subscribed if n in self._dirty]
-        self._dirty.clear()
-        current = [self.view.get(n) for n in names]
         if self._resume_version:
             # A reconnecting Envoy tells us what it has; content-derived versions make this exact.
             resume, self._resume_version = self._resume_version, ""
@@ -120,17 +91,9 @@ class SotwStream:
                 for r in current:
                     self.sent[r.name] = self.acked[r.name] = r.version
                 return None
-        due = tuple(
-            r
-            for r in current
-            if self.sent.get(r.name) != r.version and self.nacked.get(r.name) != r.version
-        )
+        due = self._due(current)
         if not due:
             return None
-        self._nonces += 1
-        self._last_nonce = str(self._nonces)
-        response = Response(response_version(due), due, self._last_nonce)
-        for r in due:
-            self.sent[r.name] = r.version
-        self.in_flight = response
-        return response
+        self._last_nonce = self._next_nonce()
+        self.in_flight = Response(response_version(due), due, self._last_nonce)
+        return self.in_flight

@@ -9,7 +9,7 @@ Tests check the result against the official generated code.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ..protowire import length_delimited, string_field
 from ..store import Resource
@@ -51,19 +51,15 @@ def delta_resource_field(resource: Resource) -> bytes:
     return cached
 
 
+def _response(version: str, resource_fields: Iterable[bytes], tail: bytes, nonce: str) -> bytes:
+    return b"".join([string_field(1, version), *resource_fields, tail, string_field(5, nonce)])
+
+
 def discovery_response(version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
     """An encoded envoy.service.discovery.v3.DiscoveryResponse."""
-    parts = [string_field(1, version_info)]
-    parts.extend(any_field(r) for r in resources)
-    parts.append(_SOTW_TAIL)
-    parts.append(string_field(5, nonce))
-    return b"".join(parts)
+    return _response(version_info, map(any_field, resources), _SOTW_TAIL, nonce)
 
 
 def delta_discovery_response(system_version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
     """An encoded envoy.service.discovery.v3.DeltaDiscoveryResponse."""
-    parts = [string_field(1, system_version_info)]
-    parts.extend(delta_resource_field(r) for r in resources)
-    parts.append(_DELTA_TAIL)
-    parts.append(string_field(5, nonce))
-    return b"".join(parts)
+    return _response(system_version_info, map(delta_resource_field, resources), _DELTA_TAIL, nonce)
