@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .model import Endpoint
 from .store import Resource, Store
@@ -46,6 +47,8 @@ def make_app(
     store: Store,
     source_status: Callable[[], list[dict[str, Any]]],
     stats: Callable[[], dict[str, Any]],
+    streams: Callable[[], list[dict[str, Any]]],
+    registry: CollectorRegistry,
 ) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -72,6 +75,12 @@ def make_app(
     async def stats_handler(_: web.Request) -> web.Response:
         return web.json_response(stats())
 
+    async def streams_handler(_: web.Request) -> web.Response:
+        return web.json_response({"streams": streams()})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -79,4 +88,6 @@ def make_app(
     app.router.add_get("/v1/groups/{name}", group)
     app.router.add_get("/v1/sources", sources)
     app.router.add_get("/v1/stats", stats_handler)
+    app.router.add_get("/v1/streams", streams_handler)
+    app.router.add_get("/metrics", metrics)
     return app

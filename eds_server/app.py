@@ -13,6 +13,7 @@ from aiohttp import web
 
 from . import admin
 from .encode import encode_group
+from .metrics import make_registry
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
 from .sources.upstreams_file import UpstreamsFileSource
@@ -110,7 +111,11 @@ class App:
         self.grpc_port = _bound_port(self.grpc)
         log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         if self.settings.admin is not None:
-            app = admin.make_app(self.store, self.source_status, self.stats)
+            app = admin.make_app(
+                self.store, self.source_status, self.stats,
+                lambda: [s.describe() for s in self.service.sessions],
+                make_registry(self.store, self.service, self.source_status),
+            )  # fmt: skip
             self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
         if self.settings.rest_listen is not None:
             app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)

@@ -58,7 +58,12 @@ def duration(value: str) -> float:
     return seconds
 
 
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line; fields passed with `extra=` become keys of their own."""
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
@@ -66,9 +71,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        out.update((k, v) for k, v in vars(record).items() if k not in _STANDARD)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
+        return json.dumps(out, default=str)
 
 
 def setup_logging(level: str, fmt: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class Resource:
     version: str
     body: bytes
     group: Group
+    changed_at: float = 0.0  # time.monotonic() when this version entered the store
 
 
 class Store:
@@ -93,7 +95,7 @@ class Store:
         if current is not None and current.version == version:
             self._resources[name] = Resource(name, version, body, group)
             return False  # e.g. endpoints reordered: same bytes, nothing to push
-        self._resources[name] = Resource(name, version, body, group)
+        self._resources[name] = Resource(name, version, body, group, time.monotonic())
         return True
 
     def mark_stale(self, source: str, stale: bool) -> None:

@@ -8,6 +8,7 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from backends import Backend, http_backends
 from envoy_harness import ApiType, EdsCluster, EnvoyProcess, Host, envoy_bootstrap, free_port
@@ -220,3 +221,26 @@ async def test_150_clusters_on_one_connection(tmp_path: Path) -> None:
             with_hosts = [c for c in clusters if c["name"].startswith("c") and c.get("host_statuses")]
             assert len(with_hosts) == n
     assert len(re.findall("stream opened", server.log_text())) == n
+
+
+async def test_admin_shows_streams_and_metrics(
+    stack: tuple[EdsServerProcess, EnvoyProcess, Path], backends: list[Backend]
+) -> None:
+    server, envoy, path = stack
+    if "REST" in str(envoy.bootstrap):  # REST polls hold no stream
+        return
+    streams = (await server.admin("/v1/streams"))["streams"]
+    by_name = {n: (s, v) for s in streams for n, v in s["names"].items()}
+    web_stream, web = by_name["web"]
+    assert web_stream["node"] == envoy.bootstrap["node"]["id"]
+    version = await envoy.version_text("web")
+    assert web["sent"] == web["acked"] == version and web["nacked"] is None
+    write_atomically(path, upstreams_yaml(backends[:1], backends[2:]))
+    await envoy.wait_for(lambda: ports(envoy, "web"), lambda p: p == {backends[0].port})
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{server.admin_port}/metrics") as r:
+        text = await r.text()
+    kind = web_stream["transport"]
+    assert f'eds_streams_open{{transport="{kind}"}} 3.0' in text
+    assert "eds_push_latency_seconds_count 1.0" in text  # the one change, to its one subscriber
+    assert 'eds_group_endpoints{group="web"} 1.0' in text
+    assert 'eds_source_loaded{source="file:' in text and "eds_ready 1.0" in text

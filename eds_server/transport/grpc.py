@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -30,7 +31,7 @@ from .. import protowire
 from ..pb.eds_server.wire.v1 import LazyDeltaDiscoveryRequest, LazyDiscoveryRequest
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
-from ..store import Store
+from ..store import Resource, Store
 from ..xds import wire
 from ..xds.common import Ack, Event, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
 from ..xds.delta import DeltaRequest, DeltaStream
@@ -132,6 +133,8 @@ async def recv_limited(
 @dataclass
 class Counters:
     streams_opened: int = 0
+    dropped: int = 0  # streams ended for not reading (send timeout)
+    nacks_by_group: dict[str, int] = field(default_factory=dict)  # known groups only: bounded
     requests: int = 0
     responses: int = 0
     acks: int = 0
@@ -147,7 +150,9 @@ class EdsService:
     send_timeout: float = 30.0
     max_message_size: int = 4 * 1024 * 1024
     counters: Counters = field(default_factory=Counters)
-    _wakers: set[asyncio.Event] = field(default_factory=set)
+    sessions: set[_Session] = field(default_factory=set)
+    # seconds from a change entering the store to a stream being sent it (metrics hook)
+    observe_push_latency: Callable[[float], None] | None = None
     _stopping: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -177,12 +182,12 @@ class EdsService:
     def stop(self) -> None:
         """End every open stream cleanly (status OK); Envoy keeps its endpoints and reconnects."""
         self._stopping = True
-        for wake in self._wakers:
-            wake.set()
+        for session in self.sessions:
+            session.wake.set()
 
     @property
     def open_streams(self) -> int:
-        return len(self._wakers)
+        return len(self.sessions)
 
     async def stream_endpoints(self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]) -> None:
         await self._serve(_Session(self, stream, SOTW))
@@ -193,14 +198,15 @@ class EdsService:
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        self._wakers.add(session.wake)
+        self.sessions.add(session)
         self.counters.streams_opened += 1
         try:
             await session.run()
         finally:
-            self._wakers.discard(session.wake)
+            self.sessions.discard(session)
             self.store.unfollow(session.on_change)
-            log.info("%s stream closed: node=%s peer=%s", session.kind.name, session.node, session.peer)
+            log.info("%s stream closed: node=%s peer=%s", session.kind.name, session.node, session.peer,
+                     extra=session._fields("stream_closed"))  # fmt: skip
 
     async def fetch_endpoints(
         self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
@@ -222,8 +228,11 @@ class Machine(Protocol):
     """What SotwStream and DeltaStream have in common, as the transport drives them."""
 
     subscribed: dict[str, None]
+    sent: dict[str, str]
+    nacked: dict[str, str]
 
     def receive(self, req: Any) -> list[Event]: ...
+    def acked_version(self, name: str) -> str | None: ...
     def changed(self, names: Iterable[str] | None) -> None: ...
     @property
     def wants_poll(self) -> bool: ...
@@ -286,6 +295,23 @@ class _Session:
         self.peer = _peer(stream)
         self.node = "?"
         self.cluster = "?"
+        self.opened_at = time.monotonic()
+        self.last_nack: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/streams shows of this client."""
+        names = {
+            name: {"sent": self.sm.sent.get(name), "acked": self.sm.acked_version(name),
+                   "nacked": self.sm.nacked.get(name)}
+            for name in self.sm.subscribed
+        }  # fmt: skip
+        return {"node": self.node, "cluster": self.cluster, "peer": self.peer, "transport": self.kind.name,
+                "names": names, "last_nack": self.last_nack}  # fmt: skip
+
+    def _fields(self, event: str) -> dict[str, str]:
+        """Structured fields for JSON logs."""
+        return {"event": event, "transport": self.kind.name, "node": self.node, "node_cluster": self.cluster,
+                "peer": self.peer}  # fmt: skip
 
     def on_change(self, names: frozenset[str] | None) -> None:
         self.sm.changed(names)
@@ -305,10 +331,15 @@ class _Session:
             for event in self.sm.receive(self.kind.request(msg)):
                 if isinstance(event, Nack):
                     counters.nacks += 1
+                    self.last_nack = _clip(event.message)
+                    known = self.service.store.resources()
+                    for name in event.names:
+                        group = name if name in known else "(unknown name)"
+                        counters.nacks_by_group[group] = counters.nacks_by_group.get(group, 0) + 1
                     log.warning(
                         "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
                         self.node, self.cluster, self.peer, _names(event.names),
-                        event.version_info, _clip(event.message),
+                        event.version_info, _clip(event.message), extra=self._fields("nack"),
                     )  # fmt: skip
                 elif isinstance(event, Ack):
                     counters.acks += 1
@@ -322,6 +353,7 @@ class _Session:
                 log.info(
                     "%s stream opened: node=%s cluster=%s peer=%s names=%s",
                     self.kind.name, self.node, self.cluster, self.peer, _names(self.sm.subscribed),
+                    extra=self._fields("stream_opened"),
                 )  # fmt: skip
                 first = False
             self.wake.set()
@@ -344,20 +376,27 @@ class _Session:
                     return  # the client ended its side
                 response = self.sm.poll()
                 if response is not None:
-                    await self.send(self.kind.encode(response))
+                    await self.send(self.kind.encode(response), response.resources)
         finally:
             reader.cancel()
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: bytes, resources: Iterable[Resource]) -> None:
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
             # arrives as the send completes, leaving this stream's tasks behind.
             async with asyncio.timeout(self.service.send_timeout):
                 await self.stream.send_message(data)
         except TimeoutError:
+            self.service.counters.dropped += 1
             log.warning("dropping node=%s peer=%s: not reading", self.node, self.peer)
             raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
         self.service.counters.responses += 1
+        observe = self.service.observe_push_latency
+        if observe is not None:
+            now = time.monotonic()
+            for r in resources:
+                if r.changed_at >= self.opened_at:  # a change, not a first answer
+                    observe(now - r.changed_at)
 
 
 class HealthService(HealthBase):

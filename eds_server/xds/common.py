@@ -90,7 +90,14 @@ def check_request(type_url: str, names: Collection[str], limits: Limits) -> None
             )
 
 
-R = TypeVar("R")
+class SentResponse(Protocol):
+    @property
+    def resources(self) -> tuple[Resource, ...]: ...
+    @property
+    def nonce(self) -> str: ...
+
+
+R = TypeVar("R", bound=SentResponse)
 
 
 @dataclass
@@ -122,6 +129,11 @@ class StreamState(Generic[R]):
     @property
     def wants_poll(self) -> bool:
         return bool(self._dirty) and self.in_flight is None and self._started
+
+    def acked_version(self, name: str) -> str | None:
+        """The version of `name` Envoy has accepted, as far as this stream knows."""
+        in_flight = self.in_flight is not None and any(r.name == name for r in self.in_flight.resources)
+        return None if in_flight else self.sent.get(name)
 
     def _start(self, has_node: bool) -> None:
         if not has_node:

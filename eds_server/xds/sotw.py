@@ -79,6 +79,9 @@ class SotwStream(StreamState[Response]):
             events.append(Subscribed(added, removed))
         return events
 
+    def acked_version(self, name: str) -> str | None:
+        return self.acked.get(name)
+
     def poll(self) -> Response | None:
         """The next response to send, if one is due; it stays in flight until Envoy answers it."""
         current = self._take_dirty()
