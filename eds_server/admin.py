@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .model import Endpoint
 from .store import Resource, Store
+
+if TYPE_CHECKING:
+    from .sources.registrations import RegistrationSource
 
 
 def endpoint_json(ep: Endpoint) -> dict[str, Any]:
@@ -49,6 +52,8 @@ def make_app(
     stats: Callable[[], dict[str, Any]],
     streams: Callable[[], list[dict[str, Any]]],
     registry: CollectorRegistry,
+    registrations: RegistrationSource | None = None,
+    admin_token: str | None = None,
 ) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -90,4 +95,8 @@ def make_app(
     app.router.add_get("/v1/stats", stats_handler)
     app.router.add_get("/v1/streams", streams_handler)
     app.router.add_get("/metrics", metrics)
+    if registrations is not None:
+        from .registration_api import add_routes  # not at the top: registration_api imports this module
+
+        add_routes(app, registrations, admin_token)
     return app

@@ -7,15 +7,18 @@ import dataclasses
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any
 
 from aiohttp import web
 
-from . import admin
+from . import admin, security
 from .encode import encode_group
 from .metrics import make_registry
+from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
+from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
@@ -39,12 +42,23 @@ class Settings:
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
     max_message_size: int = 4 * 1024 * 1024
+    max_streams: int = 100_000
+    send_timeout: float = 30.0
+    reset_budget: int = 10_000
     limits: Limits = field(default_factory=Limits)
     shutdown_grace: float = 2.0
+    tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
+    tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
+    tls_client_ca: str | None = None  # require client certificates issued by this CA (mTLS)
+    authz: str | None = None  # authorization file: which groups a client may read
+    state: str | None = None  # the registrations' state file (None: registrations kept in memory only)
+    admin_token: str | None = None  # turns the registration API's writes on
+    max_registrations: int = MAX_REGISTRATIONS
 
 
 class App:
-    """One running server. `start()` refuses a bad upstreams file by raising UpstreamsError."""
+    """One running server. `start()` refuses a bad upstreams file by raising UpstreamsError, and
+    unusable TLS or authorization files by raising SecurityConfigError."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -60,13 +74,22 @@ class App:
             if settings.docker is not None
             else None
         )
-        self.service = EdsService(self.store, settings.limits)
+        # after the file and Docker: on a duplicate address in a group, the first source wins
+        self.registrations = (
+            RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
+            if settings.state or settings.admin_token
+            else None
+        )
+        self.service = EdsService(
+            self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams
+        )
         self.grpc = make_server(
             self.service,
             max_streams_per_connection=settings.max_streams_per_connection,
             keepalive_time=settings.keepalive_time,
             keepalive_timeout=settings.keepalive_timeout,
             max_message_size=settings.max_message_size,
+            reset_budget=settings.reset_budget,
         )
         self._http: list[web.AppRunner] = []
         self._stop_sources = asyncio.Event()
@@ -93,6 +116,8 @@ class App:
                 "containers": len(d._inspects),
                 "last_error": d.last_error,
             })  # fmt: skip
+        if self.registrations is not None:
+            out.append(self.registrations.status())
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -100,14 +125,18 @@ class App:
         return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes}
 
     async def start(self) -> None:
+        ssl = self._security()
         if self.file_source is not None:
             self.file_source.load()
             self._spawn(self.file_source.run(self._stop_sources), "upstreams file watcher")
         if self.docker_source is not None:
             self._spawn(self.docker_source.run(self._stop_sources), "docker source")
+        if self.registrations is not None:
+            self.registrations.load()  # raises RegistrationStateError: refuse to start
+            self._spawn(self.registrations.run(self._stop_sources), "registration expiry")
         self._spawn(self._startup_deadline(), "startup deadline")
         host, port = self.settings.listen
-        await self.grpc.start(host, port)
+        await self.grpc.start(host, port, ssl=ssl)
         self.grpc_port = _bound_port(self.grpc)
         log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         if self.settings.admin is not None:
@@ -115,11 +144,30 @@ class App:
                 self.store, self.source_status, self.stats,
                 lambda: [s.describe() for s in self.service.sessions],
                 make_registry(self.store, self.service, self.source_status),
+                self.registrations, self.settings.admin_token,
             )  # fmt: skip
             self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
         if self.settings.rest_listen is not None:
             app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)
             self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
+
+    def _security(self) -> SSLContext | None:
+        """The gRPC port's TLS context, and the authorization hook, from the settings."""
+        s = self.settings
+        if not s.tls_cert and (s.tls_key or s.tls_client_ca):
+            raise SecurityConfigError(["a TLS key or client CA needs a TLS certificate (--tls-cert)"])
+        ssl = security.server_ssl_context(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert else None
+        if ssl is not None:
+            mtls = f"client certificates required (CA {s.tls_client_ca})" if s.tls_client_ca else "no client certs"
+            log.info("gRPC over TLS: certificate %s, %s", s.tls_cert, mtls)
+        if s.authz:
+            policy = security.load_authz(s.authz)
+            self.service.authorize = policy.for_client
+            log.info("authorization: %s: %d rules, default %s", s.authz, len(policy.rules), policy.default)
+            if policy.uses_certificates and not s.tls_client_ca:
+                log.warning("authorization: without --tls-client-ca no client has a certificate: "
+                            "san_uri and san_dns rules match nobody")  # fmt: skip
+        return ssl
 
     async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
         runner = web.AppRunner(app, access_log=None)

@@ -16,7 +16,10 @@ import uvloop
 
 from . import fields, upstreams
 from .app import App, Settings
+from .security import SecurityConfigError
 from .sources.containers import DockerOptions
+from .sources.registrations import RegistrationStateError
+from .xds.common import Limits
 
 log = logging.getLogger("eds_server")
 
@@ -127,6 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-streams-per-connection", type=positive_int, metavar="N",
                        default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
                        help="HTTP/2 concurrent streams per connection (default 10000)")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-streams", type=positive_int, metavar="N", default=_env("EDS_MAX_STREAMS", "100000"),
+                        help="open xDS streams in total (default 100000)")
+    limits.add_argument("--max-message-size", type=positive_int, metavar="BYTES",
+                        default=_env("EDS_MAX_MESSAGE_SIZE", str(4 * 1024 * 1024)),
+                        help="largest request accepted, judged from its length prefix (default 4 MiB)")
+    limits.add_argument("--max-names", type=positive_int, metavar="N", default=_env("EDS_MAX_NAMES", "10000"),
+                        help="resource names in one request (default 10000)")
+    limits.add_argument("--max-name-length", type=positive_int, metavar="N",
+                        default=_env("EDS_MAX_NAME_LENGTH", "1024"), help="characters in a name (default 1024)")
+    limits.add_argument("--send-timeout", type=duration, metavar="DURATION", default=_env("EDS_SEND_TIMEOUT", "30s"),
+                        help="drop a client that has not taken a response in this time (default 30s)")
+    limits.add_argument("--reset-budget", type=positive_int, metavar="N", default=_env("EDS_RESET_BUDGET", "10000"),
+                        help="client stream resets per connection per 10 s before GOAWAY (default 10000)")
     serve.add_argument("--keepalive-time", type=duration, metavar="DURATION",
                        default=_env("EDS_KEEPALIVE_TIME", "30s"),
                        help="HTTP/2 ping interval towards clients (default 30s)")
@@ -151,6 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
     docker.add_argument("--docker-address-mode", choices=["network", "published"],
                         default=_env("EDS_DOCKER_ADDRESS_MODE", "network"),
                         help="container IP and port (network), or the published host port (published)")
+    sec = serve.add_argument_group("TLS and authorization (gRPC port)")
+    sec.add_argument("--tls-cert", metavar="FILE", default=_env("EDS_TLS_CERT", None),
+                     help="PEM certificate chain: serve gRPC over TLS (1.2+, ALPN h2) [EDS_TLS_CERT]")
+    sec.add_argument("--tls-key", metavar="FILE", default=_env("EDS_TLS_KEY", None),
+                     help="PEM private key, unencrypted (default: in --tls-cert) [EDS_TLS_KEY]")
+    sec.add_argument("--tls-client-ca", metavar="FILE", default=_env("EDS_TLS_CLIENT_CA", None),
+                     help="require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]")
+    sec.add_argument("--authz", metavar="FILE", default=_env("EDS_AUTHZ", None),
+                     help="which groups each client may read, by certificate or node [EDS_AUTHZ]")
+    reg = serve.add_argument_group("registration API (endpoints that are not containers)")
+    reg.add_argument("--state", metavar="FILE", default=_env("EDS_STATE", None),
+                     help="registrations' state file, kept across restarts [EDS_STATE]")
+    reg.add_argument("--admin-token", metavar="TOKEN", default=_env("EDS_ADMIN_TOKEN", None),
+                     help="bearer token for registration writes on the admin HTTP; prefer EDS_ADMIN_TOKEN, "
+                          "as arguments are visible to other local users [EDS_ADMIN_TOKEN]")
+    reg.add_argument("--max-registrations", type=positive_int, metavar="N",
+                     default=_env("EDS_MAX_REGISTRATIONS", "10000"),
+                     help="most registrations kept; more are refused with 409 (default 10000)")
     _add_logging(serve)
 
     check = sub.add_parser("check", help="validate an upstreams file (exit 1 on problems)")
@@ -191,6 +226,15 @@ async def serve(settings: Settings) -> int:
             log.error("%s", problem)
         log.error("not starting: fix the upstreams file (check it with `eds-server check`)")
         return 1
+    except SecurityConfigError as e:
+        for reason in e.problems:
+            log.error("%s", reason)
+        log.error("not starting: fix the TLS or authorization settings")
+        return 1
+    except RegistrationStateError as e:
+        log.error("not starting: %s", e)
+        await app.stop()
+        return 1
     except OSError as e:
         log.error("not starting: %s", e)
         await app.stop()
@@ -214,8 +258,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not args.upstreams and not args.docker:
-        log.error("no source of endpoints: give --upstreams FILE and/or --docker (EDS_UPSTREAMS, EDS_DOCKER)")
+    if not args.upstreams and not args.docker and not args.state and not args.admin_token:
+        log.error("no source of endpoints: give --upstreams FILE, --docker and/or --state FILE with --admin-token "
+                  "(EDS_UPSTREAMS, EDS_DOCKER, EDS_STATE, EDS_ADMIN_TOKEN)")
+        return 2
+    if args.admin_token and args.admin is None:
+        log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
+        return 2
+    if (args.tls_key or args.tls_client_ca) and not args.tls_cert:
+        log.error("--tls-key and --tls-client-ca need --tls-cert (EDS_TLS_CERT)")
+        return 2
+    if args.authz and args.rest_listen is not None:
+        log.error("--authz does not cover --rest-listen: REST would serve every group to anyone; use one of them")
         return 2
     docker = DockerOptions(
         label_prefix=args.docker_label_prefix,
@@ -224,6 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         address_mode=args.docker_address_mode,
     )
     settings = Settings(
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        authz=args.authz,
         upstreams=args.upstreams,
         docker=docker if args.docker else None,
         docker_host=args.docker_host,
@@ -235,6 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_streams_per_connection=args.max_streams_per_connection,
         keepalive_time=args.keepalive_time,
         keepalive_timeout=args.keepalive_timeout,
+        max_streams=args.max_streams,
+        max_message_size=args.max_message_size,
+        limits=Limits(max_names=args.max_names, max_name_length=args.max_name_length),
+        send_timeout=args.send_timeout,
+        reset_budget=args.reset_budget,
+        state=args.state,
+        admin_token=args.admin_token or None,
+        max_registrations=args.max_registrations,
     )
     return int(uvloop.run(serve(settings)))
 

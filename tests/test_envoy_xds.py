@@ -244,3 +244,17 @@ async def test_admin_shows_streams_and_metrics(
     assert "eds_push_latency_seconds_count 1.0" in text  # the one change, to its one subscriber
     assert 'eds_group_endpoints{group="web"} 1.0' in text
     assert 'eds_source_loaded{source="file:' in text and "eds_ready 1.0" in text
+
+
+async def test_envoy_restart_converges_and_leaves_no_streams_behind(
+    stack: tuple[EdsServerProcess, EnvoyProcess, Path], backends: list[Backend]
+) -> None:
+    server, envoy, _ = stack
+    before = len((await server.admin("/v1/streams"))["streams"])
+    async with EnvoyProcess(envoy.bootstrap | {"admin": {"address": {"socket_address":
+                            {"address": "127.0.0.1", "port_value": 0}}}}) as second:  # fmt: skip
+        await second.wait_live()
+        assert await ports(second, "web") == {backends[0].port, backends[1].port}
+        assert await second.version_text("web") == await envoy.version_text("web")
+    # the second Envoy has gone: its streams are closed on the server
+    await envoy.wait_for(lambda: server.admin("/v1/streams"), lambda s: len(s["streams"]) == before)

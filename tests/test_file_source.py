@@ -141,3 +141,30 @@ def test_first_load_refuses_a_bad_file(tmp_path: Path) -> None:
     with pytest.raises(upstreams.UpstreamsError) as e:
         source.load()
     assert str(e.value.problems[0]).startswith(f"{path}:3: groups.web.endpoints[0]")
+
+
+async def test_unreadable_file_keeps_last_good_state(running: Running) -> None:
+    path = Path(running.source.path)
+    os.unlink(path)
+    path.mkdir()  # as root, permissions do not stop reads: a directory in its place does
+    for _ in range(100):  # bounded
+        if "cannot read" in (running.source.last_error or ""):
+            break
+        await asyncio.sleep(0.05)
+    assert "cannot read" in (running.source.last_error or "") and running.ports() == [1]
+    path.rmdir()
+    path.write_text(text(6))
+    await running.wait_ports([6])
+
+
+async def test_truncated_mid_write_then_completed(running: Running) -> None:
+    path = Path(running.source.path)
+    full = text(2, 3)
+    path.write_text(full[: len(full) // 2])  # a writer that stopped half-way: invalid YAML
+    for _ in range(100):  # bounded
+        if running.source.last_error:
+            break
+        await asyncio.sleep(0.05)
+    assert running.source.last_error and running.ports() == [1]
+    path.write_text(full)
+    await running.wait_ports([2, 3])

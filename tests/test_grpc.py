@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import h2.exceptions
 import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
 from grpclib import GRPCError
@@ -50,7 +51,8 @@ class Harness:
             try:
                 yield stream
             finally:
-                await stream.cancel()
+                with contextlib.suppress(h2.exceptions.StreamClosedError):  # the server ended it first
+                    await stream.cancel()
 
 
 @pytest.fixture
@@ -363,3 +365,116 @@ async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
             assert "dropping node=test-node" in caplog.text and "not reading" in caplog.text
     finally:
         writer.close()
+
+
+async def test_reset_flood_gets_goaway() -> None:
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    store = Store(encode_group)
+    store.add_source(SOURCE)
+    store.update(SOURCE, {})
+    server = make_server(EdsService(store), max_streams_per_connection=100, keepalive_time=30,
+                         keepalive_timeout=10, max_message_size=1 << 20, reset_budget=20)  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
+               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    for i in range(50):  # open and reset at once, as in an HTTP/2 rapid-reset attack
+        conn.send_headers(1 + 2 * i, headers)
+        conn.reset_stream(1 + 2 * i)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(conn.data_to_send())
+        await writer.drain()
+        goaway = None
+        for _ in range(100):  # bounded
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ConnectionTerminated):
+                    goaway = event
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_total_stream_limit(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    harness.service.max_streams = 2
+    async with harness.stream() as a, harness.stream() as b:
+        for s in (a, b):
+            await s.send_message(first("web"))
+            await recv(s)
+        with pytest.raises(GRPCError) as e:
+            async with harness.stream() as c:
+                await c.send_message(first("web"))
+                await recv(c)
+        assert e.value.status == Status.RESOURCE_EXHAUSTED
+    assert harness.service.counters.refused == 1
+
+
+async def test_truncated_grpc_frame_is_an_error_not_a_hang(harness: Harness) -> None:
+    harness.store.update(SOURCE, {})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_request()
+            # announce 100 bytes, send 10, end the stream
+            await stream._stream.send_data(b"\x00" + (100).to_bytes(4, "big") + b"\x0a" * 10, end_stream=True)
+            await asyncio.wait_for(stream.recv_message(), 5)
+    assert e.value.status == Status.INVALID_ARGUMENT
+    async with harness.stream() as stream:  # the server is fine
+        await stream.send_message(first("web"))
+        assert cla_of(await recv(stream)).cluster_name == "web"
+
+
+async def test_ten_thousand_names_in_one_request(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"n7": group("n7", 1)})
+    names = [f"n{i}" for i in range(10_000)]
+    async with harness.stream() as stream:
+        await stream.send_message(first(*names))
+        resp = await recv(stream, timeout=30)
+        assert len(resp.resources) == 10_000
+        assert len(cla_of(resp, 7).endpoints) == 1 and not cla_of(resp, 8).endpoints
+
+
+async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harness) -> None:
+    import gc
+    import os
+
+    from eds_server.transport.grpc import _Session
+
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+
+    def counts() -> tuple[int, int, int]:
+        gc.collect()
+        sessions = sum(1 for o in gc.get_objects() if isinstance(o, _Session))
+        return len(asyncio.all_tasks()), len(os.listdir("/proc/self/fd")), sessions
+
+    async def one_round(n: int) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(harness.stream()) for _ in range(n)]
+            for s in streams:
+                await s.send_message(first("web"))
+            for s in streams:
+                await recv(s)
+
+    await one_round(50)  # warm up: the connection and caches exist from here on
+    await asyncio.sleep(0.2)
+    before = counts()
+    for _ in range(5):  # 1,000 streams, 200 at a time
+        await one_round(200)
+    for _ in range(250):  # bounded wait for the server side to finish closing
+        if harness.service.open_streams == 0:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+    after = counts()
+    assert after == before, (before, after)  # tasks, file descriptors, sessions
+    assert not harness.store._following

@@ -10,10 +10,12 @@ much sooner than grpclib's two hours so half-open Envoy connections are noticed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any, Protocol, cast
 
 import betterproto2
@@ -25,6 +27,9 @@ from grpclib.const import Cardinality, Status
 from grpclib.encoding.base import CodecBase
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodelay
 from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.events import StreamReset
+from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.settings import SettingCodes, Settings
 
 from .. import protowire
@@ -40,6 +45,7 @@ from ..xds.sotw import Request, SotwStream
 log = logging.getLogger("eds_server.grpc")
 
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
+RESET_WINDOW = 10.0  # seconds
 
 
 class PassThroughCodec(CodecBase):
@@ -69,6 +75,45 @@ class _H2Protocol(H2Protocol):
     """
 
     max_streams = 10_000
+    reset_budget = 10_000  # client stream resets per connection per RESET_WINDOW before GOAWAY
+    _resets: collections.deque[float] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        # grpclib's own, plus a count of the client's stream resets: a flood gets GOAWAY.
+        try:
+            events = self.connection.feed(data)
+        except H2ProtocolError:
+            log.debug("HTTP/2 protocol error from %s", self._peer, exc_info=True)
+            self.processor.close("Protocol error")
+            return
+        self.connection.flush()
+        for event in events:
+            self.processor.process(event)
+        self.connection.flush()
+        resets = sum(1 for e in events if isinstance(e, StreamReset) and e.remote_reset)
+        if resets:
+            self._count_resets(resets)
+
+    def _count_resets(self, n: int) -> None:
+        if self._resets is None:
+            self._resets = collections.deque()
+        now = time.monotonic()
+        self._resets.extend([now] * min(n, self.reset_budget + 1))
+        while self._resets and now - self._resets[0] > RESET_WINDOW:
+            self._resets.popleft()
+        if len(self._resets) > self.reset_budget:
+            log.warning("GOAWAY to %s: over %d stream resets in %.0fs", self._peer, self.reset_budget, RESET_WINDOW)
+            self.connection._connection.close_connection(
+                error_code=ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many stream resets"
+            )
+            self.connection.flush()
+            self.connection._transport.close()
+            self._resets.clear()
+
+    @property
+    def _peer(self) -> str:
+        addr = self.connection.get_peer().addr()
+        return f"{addr[0]}:{addr[1]}" if addr else "?"
 
     def connection_made(self, transport: Any) -> None:
         sock = transport.get_extra_info("socket")
@@ -99,14 +144,20 @@ class _H2Protocol(H2Protocol):
 
 
 class Server(grpclib.server.Server):
-    def __init__(self, handlers: list[Any], *, max_streams: int, **kwargs: Any) -> None:
+    def __init__(self, handlers: list[Any], *, max_streams: int, reset_budget: int, **kwargs: Any) -> None:
         super().__init__(handlers, **kwargs)
         self._max_streams = max_streams
+        self._reset_budget = reset_budget
+        self.ssl: SSLContext | None = None  # TLS for start() when it is given none
+
+    async def start(self, *args: Any, ssl: SSLContext | None = None, **kwargs: Any) -> None:
+        await super().start(*args, ssl=ssl or self.ssl, **kwargs)
 
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
         mine = _H2Protocol(protocol.handler, protocol.config, protocol.h2_config)
         mine.max_streams = self._max_streams
+        mine.reset_budget = self._reset_budget
         return mine
 
 
@@ -118,27 +169,37 @@ async def recv_limited(
     grpclib would buffer (and acknowledge to the sender) whatever length a client announces.
     """
     raw = stream._stream
-    header = await raw.recv_data(5)
-    if not header:
-        return None
-    if header[0]:
-        raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
-    size = int.from_bytes(header[1:5], "big")
-    if size > max_size:
-        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {max_size})")
-    data = await raw.recv_data(size)
+    try:
+        header = await raw.recv_data(5)
+        if not header:
+            return None
+        if header[0]:
+            raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+        size = int.from_bytes(header[1:5], "big")
+        if size > max_size:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {max_size})")
+        data = await raw.recv_data(size)
+    except AssertionError:  # grpclib's way of saying the stream ended inside a message
+        raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
     return stream._codec.decode(data, message_type)
 
 
 @dataclass
 class Counters:
     streams_opened: int = 0
+    denied: int = 0  # streams and fetches refused by the authorization hook
     dropped: int = 0  # streams ended for not reading (send timeout)
+    refused: int = 0  # streams refused at the total limit
     nacks_by_group: dict[str, int] = field(default_factory=dict)  # known groups only: bounded
     requests: int = 0
     responses: int = 0
     acks: int = 0
     nacks: int = 0
+
+
+# (peer certificate as ssl's getpeercert() gives it, or None; node id; node cluster) -> whether that client
+# may read a name. `str()` of the returned check is logged on a denial. security.Policy.for_client is one.
+Authorize = Callable[[dict[str, Any] | None, str, str], Callable[[str], bool]]
 
 
 @dataclass
@@ -149,10 +210,12 @@ class EdsService:
     limits: Limits = field(default_factory=Limits)
     send_timeout: float = 30.0
     max_message_size: int = 4 * 1024 * 1024
+    max_streams: int = 100_000  # open streams in total, across connections
     counters: Counters = field(default_factory=Counters)
     sessions: set[_Session] = field(default_factory=set)
     # seconds from a change entering the store to a stream being sent it (metrics hook)
     observe_push_latency: Callable[[float], None] | None = None
+    authorize: Authorize | None = None  # None: every client may read every name
     _stopping: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -198,6 +261,9 @@ class EdsService:
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
+        if len(self.sessions) >= self.max_streams:
+            self.counters.refused += 1
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
         self.sessions.add(session)
         self.counters.streams_opened += 1
         try:
@@ -219,6 +285,15 @@ class EdsService:
             check_request(req.type_url, req.resource_names, self.limits)
         except ProtocolError as e:
             raise GRPCError(Status[e.status], e.message) from None
+        if self.authorize is not None:
+            access = self.authorize(stream.peer.cert(), *_node_fields(msg.node))
+            refused = [n for n in dict.fromkeys(req.resource_names) if not access(n)]
+            if refused:
+                self.counters.denied += 1
+                node, cluster = _node_identity(msg.node) if msg.node else ("?", "?")
+                log.warning("PERMISSION_DENIED fetch: node=%s cluster=%s peer=%s (%s) may not read %s",
+                            node, cluster, _peer(stream), access, _names(refused))  # fmt: skip
+                raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {_names(refused)}")
         await self._ready.wait()
         resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names)]
         version = response_version(resources) if resources else ""
@@ -297,6 +372,7 @@ class _Session:
         self.cluster = "?"
         self.opened_at = time.monotonic()
         self.last_nack: str | None = None
+        self.access: Callable[[str], bool] | None = None  # set from the first request, with authorize
 
     def describe(self) -> dict[str, Any]:
         """What /v1/streams shows of this client."""
@@ -318,6 +394,20 @@ class _Session:
         if self.sm.wants_poll:
             self.wake.set()
 
+    def _check_access(self, names: Iterable[str]) -> None:
+        """End the stream (PERMISSION_DENIED) before anything is sent if a name may not be read."""
+        if self.access is None:
+            return
+        refused = [n for n in names if not self.access(n)]
+        if refused:
+            self.service.counters.denied += 1
+            log.warning(
+                "PERMISSION_DENIED %s stream: node=%s cluster=%s peer=%s (%s) may not read %s",
+                self.kind.name, self.node, self.cluster, self.peer, self.access, _names(refused),
+                extra=self._fields("denied"),
+            )  # fmt: skip
+            raise ProtocolError("PERMISSION_DENIED", f"not allowed to read {_names(refused)}")
+
     async def read(self) -> None:
         counters = self.service.counters
         first = True
@@ -328,6 +418,8 @@ class _Session:
             counters.requests += 1
             if first and msg.node:
                 self.node, self.cluster = _node_identity(msg.node)
+            if first and self.service.authorize is not None:
+                self.access = self.service.authorize(self.stream.peer.cert(), *_node_fields(msg.node))
             for event in self.sm.receive(self.kind.request(msg)):
                 if isinstance(event, Nack):
                     counters.nacks += 1
@@ -345,6 +437,7 @@ class _Session:
                     counters.acks += 1
                     log.debug("ACK from node=%s for %s", self.node, _names(event.names))
                 elif isinstance(event, Subscribed):
+                    self._check_access(event.added)
                     self.service.store.follow(self.on_change, event.added, event.removed)
                     if not first:
                         log.debug("node=%s subscribed %s, unsubscribed %s", self.node,
@@ -438,6 +531,15 @@ def _node_identity(raw: bytes) -> tuple[str, str]:
     return _clip(found.get(1) or "?", 200), _clip(found.get(2) or "?", 200)
 
 
+def _node_fields(raw: bytes) -> tuple[str, str]:
+    """The node's id and cluster as sent ("" if absent), for authorization."""
+    try:
+        found = protowire.string_fields(raw, {1, 2}) if raw else {}
+    except ValueError:
+        raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
+    return found.get(1, ""), found.get(2, "")
+
+
 def _names(names: Iterable[str], most: int = 10) -> str:
     """A bounded rendering of a client-chosen list of names, for logs."""
     names = list(names)
@@ -463,6 +565,8 @@ def make_server(
     keepalive_time: float,
     keepalive_timeout: float,
     max_message_size: int,
+    reset_budget: int = 10_000,
+    ssl: SSLContext | None = None,
 ) -> Server:
     config = Configuration(
         _keepalive_time=keepalive_time,
@@ -473,9 +577,12 @@ def make_server(
         _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
     )
     service.max_message_size = max_message_size
-    return Server(
+    server = Server(
         [service, HealthService(service.store)],
         codec=PassThroughCodec(),
         config=config,
         max_streams=max_streams_per_connection,
+        reset_budget=reset_budget,
     )
+    server.ssl = ssl  # e.g. security.server_ssl_context(...): TLS 1.2+, ALPN h2, client certs
+    return server
