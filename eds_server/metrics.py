@@ -42,6 +42,8 @@ class _StateCollector(Collector):
             ("eds_acks", c.acks, "Responses Envoy accepted"),
             ("eds_nacks", c.nacks, "Responses Envoy rejected"),
             ("eds_clients_dropped", c.dropped, "Streams ended because the client stopped reading"),
+            ("eds_streams_refused", c.refused, "Streams refused at the --max-streams limit"),
+            ("eds_requests_denied", c.denied, "Streams and fetches refused by --authz"),
             ("eds_encodes", self.store.encodes, "Groups encoded (once per changed group)"),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -528,23 +528,23 @@ async def test_the_store_changes_only_after_the_file_is_durable(
 ) -> None:
     seen: list[tuple[list[int], bytes]] = []
     replace, fsync = os.replace, os.fsync
-    synced: list[int] = []
+    synced: list[str] = []  # what each fsync was of
 
     def watching_replace(src: str, dst: str) -> None:
         seen.append((server.ports("web"), Path(src).read_bytes()))
-        assert synced, "the temp file is fsynced before it is renamed"
+        assert os.path.abspath(src) in synced, "the temp file is fsynced before it is renamed"
         replace(src, dst)
 
     def counting_fsync(fd: int) -> None:
-        synced.append(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         fsync(fd)
 
     monkeypatch.setattr(os, "replace", watching_replace)
     monkeypatch.setattr(os, "fsync", counting_fsync)
     assert (await server.put("web", "a", ep(1))).status == 201
-    assert seen[0][0] == []  # when the file was renamed into place, the store did not have it yet
-    assert b'"id":"a"' in seen[0][1]
-    assert len(synced) == 2  # the file, then its directory
+    ours = [(ports, data) for ports, data in seen if b'"id":"a"' in data]
+    assert ours and ours[0][0] == []  # when the file was renamed into place, the store did not have it yet
+    assert str(state.parent.resolve()) in synced  # the directory too, after the rename
     assert server.ports("web") == [1]
 
 
