@@ -6,6 +6,10 @@ around cached endpoints) and to read a few fields without parsing a whole messag
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+FieldValue = int | memoryview  # a varint's value, or a length-delimited field's bytes (not copied)
+
 
 def varint(n: int) -> bytes:
     out = bytearray()
@@ -19,8 +23,10 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
     """(value, next position); ValueError on a truncated or overlong varint."""
+    if pos < len(data) and data[pos] < 0x80:  # the common one-byte case
+        return data[pos], pos + 1
     result = shift = 0
     while pos < len(data) and shift < 64:
         byte = data[pos]
@@ -32,33 +38,55 @@ def read_varint(data: bytes, pos: int) -> tuple[int, int]:
     raise ValueError("bad varint")
 
 
-def string_fields(message: bytes, wanted: set[int]) -> dict[int, str]:
+def fields(message: bytes | memoryview) -> Iterator[tuple[int, FieldValue]]:
+    """(field number, value) for each field of an encoded message; fixed-width fields are skipped.
+
+    Length-delimited values are memoryviews into `message`, so a large field that is never looked
+    at (Envoy's Node, in every request) is never copied. ValueError on malformed input.
+    """
+    data = memoryview(message)
+    end = len(data)
+    pos = 0
+    while pos < end:
+        key, pos = read_varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 2:
+            size, pos = read_varint(data, pos)
+            if pos + size > end:
+                raise ValueError("truncated message")
+            yield number, data[pos : pos + size]
+            pos += size
+        elif wire_type == 0:
+            value, pos = read_varint(data, pos)
+            yield number, value
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+    if pos > end:
+        raise ValueError("truncated message")
+
+
+def text(value: FieldValue) -> str:
+    """A string field's value; ValueError if it is not one (or not UTF-8)."""
+    if isinstance(value, int):
+        raise ValueError("expected a string, found a varint")
+    return str(value, "utf-8")
+
+
+def string_fields(message: bytes | memoryview, wanted: set[int]) -> dict[int, str]:
     """The top-level string fields `wanted` of an encoded message, skipping everything else.
 
     Reading a Node's id and cluster this way costs a scan of its field headers, not a parse of
     its (often tens of kilobytes of) extensions and metadata.
     """
-    found: dict[int, str] = {}
-    pos = 0
-    while pos < len(message):
-        key, pos = read_varint(message, pos)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            _, pos = read_varint(message, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            size, pos = read_varint(message, pos)
-            if number in wanted:
-                found[number] = message[pos : pos + size].decode("utf-8", errors="replace")
-            pos += size
-        else:
-            raise ValueError(f"unsupported wire type {wire_type}")
-        if pos > len(message):
-            raise ValueError("truncated message")
-    return found
+    return {
+        number: str(value, "utf-8", errors="replace")
+        for number, value in fields(message)
+        if number in wanted and not isinstance(value, int)
+    }
 
 
 def length_delimited(field_number: int, data: bytes) -> bytes:

@@ -5,7 +5,8 @@
   (xds-protos, googleapis, grpclib's grpc.health.v1) field by field;
 * messages encoded by either side decode to the same thing on the other, and
   betterproto2's JSON mapping matches google.protobuf.json_format;
-* the Lazy*DiscoveryRequest wire helpers keep the Node as its exact bytes.
+* our hand-written request decoders (eds_server.xds.wire) read what the official code encodes,
+  and keep the Node as its exact bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor, FileDescriptor
 
-from eds_server.pb.eds_server.wire.v1 import LazyDeltaDiscoveryRequest, LazyDiscoveryRequest
 from eds_server.pb.envoy.config.core.v3 import (
     Address,
     BuildVersion,
@@ -76,6 +76,7 @@ from eds_server.pb.google.rpc import Status
 from eds_server.pb.grpc.health.v1 import HealthBase
 from eds_server.pb.message_pool import default_message_pool
 from eds_server.pb.xds.core.v3 import ContextParams
+from eds_server.xds import wire
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO_DIR = REPO / "proto"
@@ -105,18 +106,6 @@ UPSTREAM_POOL = descriptor_pool.Default()
 
 # Our files whose upstream copy is registered under another path.
 UPSTREAM_FILE_ALIASES = {"grpc/health/v1/health.proto": "grpclib/health/v1/health.proto"}
-
-# Our wire helpers and the upstream message each is wire-compatible with, and
-# their fields that are `bytes` in ours but a message upstream (same number,
-# both length-delimited).
-LAZY_COUNTERPARTS = {
-    "eds_server.wire.v1.LazyDiscoveryRequest": "envoy.service.discovery.v3.DiscoveryRequest",
-    "eds_server.wire.v1.LazyDeltaDiscoveryRequest": "envoy.service.discovery.v3.DeltaDiscoveryRequest",
-}
-LAZY_BYTES_FIELDS = {
-    ("eds_server.wire.v1.LazyDiscoveryRequest", "node"),
-    ("eds_server.wire.v1.LazyDeltaDiscoveryRequest", "node"),
-}
 
 # Upstream fields that our subset deliberately leaves out (in messages we do define).
 EXPECTED_OMISSIONS = {
@@ -218,9 +207,6 @@ def _enums(file: FileDescriptor) -> Iterator[EnumDescriptor]:
 
 def _counterpart_name(full_name: str) -> str:
     """Full name of the upstream counterpart of one of our messages or enums."""
-    for ours, theirs in LAZY_COUNTERPARTS.items():
-        if full_name == ours or full_name.startswith(ours + "."):
-            return theirs + full_name[len(ours) :]
     return full_name
 
 
@@ -263,12 +249,7 @@ def test_messages_match_upstream(our_pool: descriptor_pool.DescriptorPool) -> No
                 where = f"{msg.full_name}.{field.name}"
                 assert field.name in upstream.fields_by_name, f"{where} has no upstream counterpart"
                 theirs = upstream.fields_by_name[field.name]
-                if (msg.full_name, field.name) in LAZY_BYTES_FIELDS:
-                    assert field.type == FieldDescriptor.TYPE_BYTES, where
-                    assert theirs.type == FieldDescriptor.TYPE_MESSAGE, where
-                    assert (field.number, field.is_repeated) == (theirs.number, theirs.is_repeated)
-                else:
-                    assert _field_signature(field) == _field_signature(theirs), where
+                assert _field_signature(field) == _field_signature(theirs), where
                 checked += 1
             omitted |= {
                 (msg.full_name, name) for name in set(upstream.fields_by_name) - set(msg.fields_by_name)
@@ -1041,7 +1022,7 @@ def test_oneof_zero_values_are_encoded() -> None:
 
 
 # --------------------------------------------------------------------------
-# Lazy*DiscoveryRequest
+# Our request decoders (eds_server.xds.wire), against the official encoding
 
 
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -1077,59 +1058,43 @@ def _raw_field(data: bytes, number: int) -> bytes | None:
     return found
 
 
-def _big_node_json() -> dict[str, AnyType]:
-    # Roughly the size of a real Envoy's Node (hundreds of extensions).
-    return node_json(extensions=500)
-
-
 @pytest.mark.parametrize(
-    ("lazy_cls", "full_cls", "upstream_name", "node_field", "canonical"),
+    ("decode", "upstream_name", "node_field", "canonical"),
     [
-        (
-            LazyDiscoveryRequest,
-            DiscoveryRequest,
-            "envoy.service.discovery.v3.DiscoveryRequest",
-            2,
-            DISCOVERY_REQUEST_JSON,
-        ),
-        (
-            LazyDeltaDiscoveryRequest,
-            DeltaDiscoveryRequest,
-            "envoy.service.discovery.v3.DeltaDiscoveryRequest",
-            1,
-            DELTA_REQUEST_JSON,
-        ),
+        (wire.sotw_request, "envoy.service.discovery.v3.DiscoveryRequest", 2, DISCOVERY_REQUEST_JSON),
+        (wire.delta_request, "envoy.service.discovery.v3.DeltaDiscoveryRequest", 1, DELTA_REQUEST_JSON),
     ],
     ids=["sotw", "delta"],
 )
-def test_lazy_request_keeps_node_bytes(
-    lazy_cls: AnyType,
-    full_cls: AnyType,
-    upstream_name: str,
-    node_field: int,
-    canonical: dict[str, AnyType],
+def test_request_decoders_read_the_official_encoding(
+    decode: AnyType, upstream_name: str, node_field: int, canonical: dict[str, AnyType]
 ) -> None:
     upstream_cls = up(upstream_name)
-    upstream = json_format.ParseDict({**canonical, "node": _big_node_json()}, upstream_cls())
+    upstream = json_format.ParseDict({**canonical, "node": node_json(extensions=500)}, upstream_cls())
     data = upstream.SerializeToString()
     raw_node = _raw_field(data, node_field)
     assert raw_node is not None and len(raw_node) > 30_000
 
-    lazy = lazy_cls.parse(data)
-    assert isinstance(lazy.node, bytes)
-    assert lazy.node == raw_node
-    assert lazy.node == upstream.node.SerializeToString()
-    assert Node.parse(lazy.node) == make_node(extensions=500)
+    request, node = decode(data)
+    assert node is not None and bytes(node) == raw_node == upstream.node.SerializeToString()
+    assert request.has_node and request.type_url == upstream.type_url
+    assert request.response_nonce == upstream.response_nonce
+    assert request.error_message == (upstream.error_detail.message if upstream.HasField("error_detail") else None)
+    if decode is wire.sotw_request:
+        assert request.version_info == upstream.version_info
+        assert list(request.resource_names) == list(upstream.resource_names)
+    else:
+        assert list(request.subscribe) == list(upstream.resource_names_subscribe)
+        assert list(request.unsubscribe) == list(upstream.resource_names_unsubscribe)
+        assert dict(request.initial_versions) == dict(upstream.initial_resource_versions)
 
-    # Every other field parses as in the full message.
-    full = full_cls.parse(data)
-    for field in lazy_cls.__dataclass_fields__:
-        if field != "node":
-            assert getattr(lazy, field) == getattr(full, field), field
-
-    # Re-encoding gives the same message to an upstream parser.
-    assert upstream_cls.FromString(bytes(lazy)) == upstream
-
-    # Without a node, node is empty bytes.
     upstream.ClearField("node")
-    assert lazy_cls.parse(upstream.SerializeToString()).node == b""
+    request, node = decode(upstream.SerializeToString())
+    assert node is None and not request.has_node
+
+
+@pytest.mark.parametrize("data", [b"\x0a\x05ab", b"\x1a\x02\xff\xfe", b"\x0b", b"\xff" * 11])
+def test_request_decoders_refuse_malformed_input(data: bytes) -> None:
+    for decode in (wire.sotw_request, wire.delta_request):
+        with pytest.raises(ValueError):
+            decode(data)

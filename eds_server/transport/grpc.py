@@ -33,14 +33,13 @@ from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.settings import SettingCodes, Settings
 
 from .. import protowire
-from ..pb.eds_server.wire.v1 import LazyDeltaDiscoveryRequest, LazyDiscoveryRequest
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Resource, Store
 from ..xds import wire
 from ..xds.common import Ack, Event, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
-from ..xds.delta import DeltaRequest, DeltaStream
-from ..xds.sotw import Request, SotwStream
+from ..xds.delta import DeltaStream
+from ..xds.sotw import SotwStream
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -232,13 +231,13 @@ class EdsService:
         prefix = f"/{EDS_SERVICE}/"
         return {
             prefix + "StreamEndpoints": grpclib.const.Handler(
-                self.stream_endpoints, Cardinality.STREAM_STREAM, LazyDiscoveryRequest, bytes
+                self.stream_endpoints, Cardinality.STREAM_STREAM, bytes, bytes
             ),
             prefix + "FetchEndpoints": grpclib.const.Handler(
-                self.fetch_endpoints, Cardinality.UNARY_UNARY, LazyDiscoveryRequest, bytes
+                self.fetch_endpoints, Cardinality.UNARY_UNARY, bytes, bytes
             ),
             prefix + "DeltaEndpoints": grpclib.const.Handler(
-                self.delta_endpoints, Cardinality.STREAM_STREAM, LazyDeltaDiscoveryRequest, bytes
+                self.delta_endpoints, Cardinality.STREAM_STREAM, bytes, bytes
             ),
         }
 
@@ -252,10 +251,10 @@ class EdsService:
     def open_streams(self) -> int:
         return len(self.sessions)
 
-    async def stream_endpoints(self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]) -> None:
+    async def stream_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         await self._serve(_Session(self, stream, SOTW))
 
-    async def delta_endpoints(self, stream: grpclib.server.Stream[LazyDeltaDiscoveryRequest, bytes]) -> None:
+    async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         await self._serve(_Session(self, stream, DELTA))
 
     async def _serve(self, session: _Session) -> None:
@@ -274,25 +273,23 @@ class EdsService:
             log.info("%s stream closed: node=%s peer=%s", session.kind.name, session.node, session.peer,
                      extra=session._fields("stream_closed"))  # fmt: skip
 
-    async def fetch_endpoints(
-        self, stream: grpclib.server.Stream[LazyDiscoveryRequest, bytes]
-    ) -> None:
-        msg = await recv_limited(stream, LazyDiscoveryRequest, self.max_message_size)
-        if msg is None:
+    async def fetch_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
+        data = await recv_limited(stream, bytes, self.max_message_size)
+        if data is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
-        req = _sotw_request(msg)
+        req, node = _decode(wire.sotw_request, data)
         try:
             check_request(req.type_url, req.resource_names, self.limits)
         except ProtocolError as e:
             raise GRPCError(Status[e.status], e.message) from None
         if self.authorize is not None:
-            access = self.authorize(stream.peer.cert(), *_node_fields(msg.node))
+            access = self.authorize(stream.peer.cert(), *_node_fields(node))
             refused = [n for n in dict.fromkeys(req.resource_names) if not access(n)]
             if refused:
                 self.counters.denied += 1
-                node, cluster = _node_identity(msg.node) if msg.node else ("?", "?")
+                node_id, cluster = _shown(*_node_fields(node))
                 log.warning("PERMISSION_DENIED fetch: node=%s cluster=%s peer=%s (%s) may not read %s",
-                            node, cluster, _peer(stream), access, _names(refused))  # fmt: skip
+                            node_id, cluster, _peer(stream), access, _names(refused))  # fmt: skip
                 raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {_names(refused)}")
         await self._ready.wait()
         resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names)]
@@ -319,43 +316,26 @@ class _Kind:
     """What differs between a StreamEndpoints and a DeltaEndpoints call."""
 
     name: str
-    message_type: type[betterproto2.Message]
+    decode: Callable[[bytes], tuple[Any, memoryview | None]]  # request bytes -> (request, encoded node)
     machine: Callable[[Store, Limits], Machine]
-    request: Callable[[Any], Any]  # decoded message -> the state machine's request
     encode: Callable[[Any], bytes]  # the state machine's response -> wire bytes
 
 
-def _sotw_request(msg: LazyDiscoveryRequest) -> Request:
-    return Request(
-        version_info=msg.version_info,
-        has_node=bool(msg.node),
-        resource_names=tuple(msg.resource_names),
-        type_url=msg.type_url,
-        response_nonce=msg.response_nonce,
-        error_message=msg.error_detail.message if msg.error_detail is not None else None,
-    )
-
-
-def _delta_request(msg: LazyDeltaDiscoveryRequest) -> DeltaRequest:
-    return DeltaRequest(
-        has_node=bool(msg.node),
-        type_url=msg.type_url,
-        subscribe=tuple(msg.resource_names_subscribe),
-        unsubscribe=tuple(msg.resource_names_unsubscribe),
-        initial_versions=dict(msg.initial_resource_versions),
-        response_nonce=msg.response_nonce,
-        error_message=msg.error_detail.message if msg.error_detail is not None else None,
-    )
-
-
 SOTW = _Kind(
-    "sotw", LazyDiscoveryRequest, SotwStream, _sotw_request,
+    "sotw", wire.sotw_request, SotwStream,
     lambda r: wire.discovery_response(r.version_info, r.resources, r.nonce),
 )  # fmt: skip
 DELTA = _Kind(
-    "delta", LazyDeltaDiscoveryRequest, DeltaStream, _delta_request,
+    "delta", wire.delta_request, DeltaStream,
     lambda r: wire.delta_discovery_response(r.system_version_info, r.resources, r.nonce),
 )  # fmt: skip
+
+
+def _decode(decode: Callable[[bytes], tuple[Any, memoryview | None]], data: bytes) -> tuple[Any, memoryview | None]:
+    try:
+        return decode(data)
+    except ValueError as e:  # malformed protobuf, or a string that is not UTF-8
+        raise GRPCError(Status.INVALID_ARGUMENT, f"cannot parse request: {e}") from None
 
 
 class _Session:
@@ -412,15 +392,17 @@ class _Session:
         counters = self.service.counters
         first = True
         while True:
-            msg = await recv_limited(self.stream, self.kind.message_type, self.service.max_message_size)
-            if msg is None:
+            data = await recv_limited(self.stream, bytes, self.service.max_message_size)
+            if data is None:
                 return  # the client ended its side
             counters.requests += 1
-            if first and msg.node:
-                self.node, self.cluster = _node_identity(msg.node)
-            if first and self.service.authorize is not None:
-                self.access = self.service.authorize(self.stream.peer.cert(), *_node_fields(msg.node))
-            for event in self.sm.receive(self.kind.request(msg)):
+            request, node = _decode(self.kind.decode, data)
+            if first:
+                node_id, cluster = _node_fields(node)
+                self.node, self.cluster = _shown(node_id, cluster)
+                if self.service.authorize is not None:
+                    self.access = self.service.authorize(self.stream.peer.cert(), node_id, cluster)
+            for event in self.sm.receive(request):
                 if isinstance(event, Nack):
                     counters.nacks += 1
                     self.last_nack = _clip(event.message)
@@ -522,22 +504,18 @@ class HealthService(HealthBase):
             unwatch()
 
 
-def _node_identity(raw: bytes) -> tuple[str, str]:
-    """The node's id and cluster, for logs, read off the wire without parsing the whole Node."""
-    try:
-        found = protowire.string_fields(raw, {1, 2})
-    except ValueError:
-        raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
-    return _clip(found.get(1) or "?", 200), _clip(found.get(2) or "?", 200)
-
-
-def _node_fields(raw: bytes) -> tuple[str, str]:
-    """The node's id and cluster as sent ("" if absent), for authorization."""
+def _node_fields(raw: memoryview | None) -> tuple[str, str]:
+    """The node's id and cluster as sent ("" if absent), read without parsing the whole Node."""
     try:
         found = protowire.string_fields(raw, {1, 2}) if raw else {}
     except ValueError:
         raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
     return found.get(1, ""), found.get(2, "")
+
+
+def _shown(node_id: str, cluster: str) -> tuple[str, str]:
+    """The same, bounded and escaped for logs."""
+    return _clip(node_id or "?", 200), _clip(cluster or "?", 200)
 
 
 def _names(names: Iterable[str], most: int = 10) -> str:

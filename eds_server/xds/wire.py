@@ -11,9 +11,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 
-from ..protowire import length_delimited, string_field
+from ..protowire import FieldValue, fields, length_delimited, string_field, text
 from ..store import Resource
 from .common import EDS_TYPE_URL
+from .delta import DeltaRequest
+from .sotw import Request
 
 CONTROL_PLANE_ID = "eds-server"
 
@@ -63,3 +65,68 @@ def discovery_response(version_info: str, resources: Sequence[Resource], nonce: 
 def delta_discovery_response(system_version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
     """An encoded envoy.service.discovery.v3.DeltaDiscoveryResponse."""
     return _response(system_version_info, map(delta_resource_field, resources), _DELTA_TAIL, nonce)
+
+
+# -- requests ---------------------------------------------------------------------------------------
+# Envoy sends its whole Node (tens of kilobytes) in every request unless told otherwise, ACKs
+# included. These read a request's few small fields and leave the Node as a view into the buffer.
+
+
+def _error_message(value: FieldValue) -> str:
+    """google.rpc.Status.message (field 2) of an error_detail."""
+    if isinstance(value, int):
+        raise ValueError("error_detail is not a message")
+    return next((text(v) for n, v in fields(value) if n == 2), "")
+
+
+def sotw_request(data: bytes) -> tuple[Request, memoryview | None]:
+    """A DiscoveryRequest, and its encoded Node if it carries one."""
+    version = type_url = nonce = ""
+    names: list[str] = []
+    node: memoryview | None = None
+    error: str | None = None
+    for number, value in fields(data):
+        if number == 3:
+            names.append(text(value))
+        elif number == 1:
+            version = text(value)
+        elif number == 2 and not isinstance(value, int):
+            node = value
+        elif number == 4:
+            type_url = text(value)
+        elif number == 5:
+            nonce = text(value)
+        elif number == 6:
+            error = _error_message(value)
+    request = Request(version, bool(node), tuple(names), type_url, nonce, error)
+    return request, node or None
+
+
+def delta_request(data: bytes) -> tuple[DeltaRequest, memoryview | None]:
+    """A DeltaDiscoveryRequest, and its encoded Node if it carries one."""
+    type_url = nonce = ""
+    subscribe: list[str] = []
+    unsubscribe: list[str] = []
+    initial: dict[str, str] = {}
+    node: memoryview | None = None
+    error: str | None = None
+    for number, value in fields(data):
+        if number == 3:
+            subscribe.append(text(value))
+        elif number == 4:
+            unsubscribe.append(text(value))
+        elif number == 1 and not isinstance(value, int):
+            node = value
+        elif number == 2:
+            type_url = text(value)
+        elif number == 5:
+            if isinstance(value, int):
+                raise ValueError("initial_resource_versions entry is not a message")
+            entry = {n: text(v) for n, v in fields(value)}
+            initial[entry.get(1, "")] = entry.get(2, "")
+        elif number == 6:
+            nonce = text(value)
+        elif number == 7:
+            error = _error_message(value)
+    request = DeltaRequest(bool(node), type_url, tuple(subscribe), tuple(unsubscribe), initial, nonce, error)
+    return request, node or None
