@@ -31,14 +31,19 @@ def endpoint_json(ep: Endpoint) -> dict[str, Any]:
     return out
 
 
-def group_json(store: Store, resource: Resource) -> dict[str, Any]:
+def group_json(store: Store, resource: Resource, *, endpoint_sources: bool = False) -> dict[str, Any]:
     group = resource.group
+    endpoints = [endpoint_json(e) for e in group.endpoints]
+    if endpoint_sources:
+        given_by = store.endpoint_sources(resource.name)
+        for ep, out in zip(group.endpoints, endpoints, strict=True):
+            out["source"] = given_by.get(ep.key)
     return {
         "name": resource.name,
         "version": resource.version,
         "sources": store.sources_of(resource.name),
         "stale": store.is_stale(resource.name),
-        "endpoints": [endpoint_json(e) for e in group.endpoints],
+        "endpoints": endpoints,
         "localities": [
             {"region": loc.region, "zone": loc.zone, "subzone": loc.subzone, "weight": w}
             for loc, w in group.locality_weights.items()
@@ -72,7 +77,7 @@ def make_app(
         found = store.resources().get(request.match_info["name"])
         if found is None:
             return web.json_response({"error": "no such group"}, status=404)
-        return web.json_response(group_json(store, found))
+        return web.json_response(group_json(store, found, endpoint_sources=True))
 
     async def sources(_: web.Request) -> web.Response:
         return web.json_response({"sources": source_status()})

@@ -142,6 +142,14 @@ class Store:
     def sources_of(self, name: str) -> list[str]:
         return [s for s, groups in self._by_source.items() if name in groups]
 
+    def endpoint_sources(self, name: str) -> dict[tuple[str, int], str]:
+        """Which source gave each endpoint of a group (the first one, as in merging)."""
+        out: dict[tuple[str, int], str] = {}
+        for source, groups in self._by_source.items():
+            for ep in groups[name].endpoints if name in groups else ():
+                out.setdefault(ep.key, source)
+        return out
+
     # -- watchers ------------------------------------------------------------------------------
     def watch(self, watcher: Watcher) -> Callable[[], None]:
         """Call `watcher` on every change; returns the function that stops it."""

@@ -159,3 +159,14 @@ async def test_file_and_docker_feed_one_group(docker_cleanup: DockerEngine, tmp_
         await s.wait_hosts(lambda h: set(h) == {fixed, port})
         sources = {g["name"]: g["sources"] for g in (await s.server.admin("/v1/groups"))["groups"]}
         assert sources["web"] == [f"file:{path}", "docker"]
+
+
+async def test_one_group_says_which_source_gave_each_endpoint(docker_cleanup: DockerEngine, tmp_path: Path) -> None:
+    fixed = free_port()
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{fixed}]\n")
+    async with _stack(docker_cleanup, tmp_path, upstreams=path) as s:
+        port = await s.backend("web-dyn")
+        await s.wait_hosts(lambda h: set(h) == {fixed, port})
+        web = await s.server.admin("/v1/groups/web")
+        assert {e["port"]: e["source"] for e in web["endpoints"]} == {fixed: f"file:{path}", port: "docker"}
