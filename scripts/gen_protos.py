@@ -45,6 +45,7 @@ target-version = "py311"
 """
 
 MARKER = "message_pool.py"
+DESCRIPTOR_SET = "descriptors.binpb"
 
 
 def proto_files() -> list[str]:
@@ -96,6 +97,9 @@ def generate(out_dir: Path) -> list[Path]:
             f"--plugin=protoc-gen-python_betterproto2={plugin}",
             f"--python_betterproto2_out={gen}",
             f"--python_betterproto2_opt={PLUGIN_OPTIONS}",
+            # every file's descriptor, with its imports: what gRPC server reflection hands out
+            f"--descriptor_set_out={gen / DESCRIPTOR_SET}",
+            "--include_imports",
             *files,
         ]
         proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)

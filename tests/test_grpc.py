@@ -478,3 +478,33 @@ async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harn
     after = counts()
     assert after == before, (before, after)  # tasks, file descriptors, sessions
     assert not harness.store._following
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+async def test_reflection_lists_and_describes_the_services(harness: Harness, version: str) -> None:
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    from eds_server.pb.grpc.reflection.v1 import ServerReflectionRequest, ServerReflectionResponse
+
+    path = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    async with harness.channel.request(path, Cardinality.STREAM_STREAM, ServerReflectionRequest,
+                                       ServerReflectionResponse) as stream:  # fmt: skip
+        await stream.send_message(ServerReflectionRequest(list_services=""))
+        listed = await recv(stream)
+        assert EDS_SERVICE in [s.name for s in listed.list_services_response.service]
+        await stream.send_message(ServerReflectionRequest(file_containing_symbol=f"{EDS_SERVICE}.StreamEndpoints"))
+        files = list((await recv(stream)).file_descriptor_response.file_descriptor_proto)
+        cla = "envoy.config.endpoint.v3.ClusterLoadAssignment"  # what the Any in a response holds
+        await stream.send_message(ServerReflectionRequest(file_containing_symbol=cla))
+        files += [f for f in (await recv(stream)).file_descriptor_response.file_descriptor_proto if f not in files]
+        await stream.send_message(ServerReflectionRequest(file_containing_symbol="no.such.Thing"))
+        assert (await recv(stream)).error_response.error_code == 5
+        await stream.end()
+    pool = descriptor_pool.DescriptorPool()  # what grpcurl does with them
+    for raw in files:
+        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+    service = pool.FindServiceByName(EDS_SERVICE)
+    method = service.methods_by_name["StreamEndpoints"]
+    assert method.input_type.full_name == "envoy.service.discovery.v3.DiscoveryRequest"
+    assert "lb_endpoints" in pool.FindMessageTypeByName(
+        "envoy.config.endpoint.v3.LocalityLbEndpoints").fields_by_name  # fmt: skip

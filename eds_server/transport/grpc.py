@@ -40,11 +40,14 @@ from ..xds import wire
 from ..xds.common import Ack, Event, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
 from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
+from .reflection import ReflectionService
 
 log = logging.getLogger("eds_server.grpc")
 
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
 RESET_WINDOW = 10.0  # seconds
+SERVED = (EDS_SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+          "grpc.reflection.v1alpha.ServerReflection")  # fmt: skip
 
 
 class PassThroughCodec(CodecBase):
@@ -556,7 +559,7 @@ def make_server(
     )
     service.max_message_size = max_message_size
     server = Server(
-        [service, HealthService(service.store)],
+        [service, HealthService(service.store), ReflectionService(SERVED)],
         codec=PassThroughCodec(),
         config=config,
         max_streams=max_streams_per_connection,
