@@ -74,6 +74,7 @@ from eds_server.pb.envoy.type.v3 import (
 from eds_server.pb.google.protobuf import Any, Duration, Struct
 from eds_server.pb.google.rpc import Status
 from eds_server.pb.grpc.health.v1 import HealthBase
+from eds_server.pb.grpc.reflection.v1 import ServerReflectionBase
 from eds_server.pb.message_pool import default_message_pool
 from eds_server.pb.xds.core.v3 import ContextParams
 from eds_server.xds import wire
@@ -98,6 +99,7 @@ UPSTREAM_MODULES = (
     "envoy.type.v3.semantic_version_pb2",
     "google.rpc.status_pb2",
     "grpclib.health.v1.health_pb2",
+    "grpclib.reflection.v1.reflection_pb2",
     "xds.core.v3.context_params_pb2",
 )
 for _module in UPSTREAM_MODULES:
@@ -105,7 +107,10 @@ for _module in UPSTREAM_MODULES:
 UPSTREAM_POOL = descriptor_pool.Default()
 
 # Our files whose upstream copy is registered under another path.
-UPSTREAM_FILE_ALIASES = {"grpc/health/v1/health.proto": "grpclib/health/v1/health.proto"}
+UPSTREAM_FILE_ALIASES = {
+    "grpc/health/v1/health.proto": "grpclib/health/v1/health.proto",
+    "grpc/reflection/v1/reflection.proto": "grpclib/reflection/v1/reflection.proto",
+}
 
 # Upstream fields that our subset deliberately leaves out (in messages we do define).
 EXPECTED_OMISSIONS = {
@@ -278,6 +283,7 @@ def test_services_match_upstream(our_pool: descriptor_pool.DescriptorPool) -> No
     assert {s.full_name for s in services} == {
         "envoy.service.endpoint.v3.EndpointDiscoveryService",
         "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
     }
     for service in services:
         upstream = UPSTREAM_POOL.FindServiceByName(service.full_name)
@@ -301,6 +307,7 @@ def test_services_match_upstream(our_pool: descriptor_pool.DescriptorPool) -> No
     [
         (EndpointDiscoveryServiceBase, "envoy.service.endpoint.v3.EndpointDiscoveryService"),
         (HealthBase, "grpc.health.v1.Health"),
+        (ServerReflectionBase, "grpc.reflection.v1.ServerReflection"),
     ],
 )
 def test_generated_servicer_paths_and_types(base: type, service_name: str) -> None:
