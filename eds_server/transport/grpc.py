@@ -392,49 +392,53 @@ class _Session:
             raise ProtocolError("PERMISSION_DENIED", f"not allowed to read {_names(refused)}")
 
     async def read(self) -> None:
-        counters = self.service.counters
         first = True
         while True:
             data = await recv_limited(self.stream, bytes, self.service.max_message_size)
             if data is None:
                 return  # the client ended its side
-            counters.requests += 1
-            request, node = _decode(self.kind.decode, data)
-            if first:
-                node_id, cluster = _node_fields(node)
-                self.node, self.cluster = _shown(node_id, cluster)
-                if self.service.authorize is not None:
-                    self.access = self.service.authorize(self.stream.peer.cert(), node_id, cluster)
-            for event in self.sm.receive(request):
-                if isinstance(event, Nack):
-                    counters.nacks += 1
-                    self.last_nack = _clip(event.message)
-                    known = self.service.store.resources()
-                    for name in event.names:
-                        group = name if name in known else "(unknown name)"
-                        counters.nacks_by_group[group] = counters.nacks_by_group.get(group, 0) + 1
-                    log.warning(
-                        "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
-                        self.node, self.cluster, self.peer, _names(event.names),
-                        event.version_info, _clip(event.message), extra=self._fields("nack"),
-                    )  # fmt: skip
-                elif isinstance(event, Ack):
-                    counters.acks += 1
-                    log.debug("ACK from node=%s for %s", self.node, _names(event.names))
-                elif isinstance(event, Subscribed):
-                    self._check_access(event.added)
-                    self.service.store.follow(self.on_change, event.added, event.removed)
-                    if not first:
-                        log.debug("node=%s subscribed %s, unsubscribed %s", self.node,
-                                  _names(event.added), _names(event.removed))  # fmt: skip
-            if first:
-                log.info(
-                    "%s stream opened: node=%s cluster=%s peer=%s names=%s",
-                    self.kind.name, self.node, self.cluster, self.peer, _names(self.sm.subscribed),
-                    extra=self._fields("stream_opened"),
-                )  # fmt: skip
-                first = False
+            self._handle(data, first)
+            del data  # not kept while idle: a request may carry a 60 KB Node
+            first = False
             self.wake.set()
+
+    def _handle(self, data: bytes, first: bool) -> None:
+        counters = self.service.counters
+        counters.requests += 1
+        request, node = _decode(self.kind.decode, data)
+        if first:
+            node_id, cluster = _node_fields(node)
+            self.node, self.cluster = _shown(node_id, cluster)
+            if self.service.authorize is not None:
+                self.access = self.service.authorize(self.stream.peer.cert(), node_id, cluster)
+        for event in self.sm.receive(request):
+            if isinstance(event, Nack):
+                counters.nacks += 1
+                self.last_nack = _clip(event.message)
+                known = self.service.store.resources()
+                for name in event.names:
+                    group = name if name in known else "(unknown name)"
+                    counters.nacks_by_group[group] = counters.nacks_by_group.get(group, 0) + 1
+                log.warning(
+                    "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
+                    self.node, self.cluster, self.peer, _names(event.names),
+                    event.version_info, _clip(event.message), extra=self._fields("nack"),
+                )  # fmt: skip
+            elif isinstance(event, Ack):
+                counters.acks += 1
+                log.debug("ACK from node=%s for %s", self.node, _names(event.names))
+            elif isinstance(event, Subscribed):
+                self._check_access(event.added)
+                self.service.store.follow(self.on_change, event.added, event.removed)
+                if not first:
+                    log.debug("node=%s subscribed %s, unsubscribed %s", self.node,
+                              _names(event.added), _names(event.removed))  # fmt: skip
+        if first:
+            log.info(
+                "%s stream opened: node=%s cluster=%s peer=%s names=%s",
+                self.kind.name, self.node, self.cluster, self.peer, _names(self.sm.subscribed),
+                extra=self._fields("stream_opened"),
+            )  # fmt: skip
 
     async def run(self) -> None:
         reader = asyncio.create_task(self.read())
