@@ -7,11 +7,14 @@ well after "<where>: <field>: ".
 from __future__ import annotations
 
 import ipaddress
+import math
+from collections.abc import Callable
 from typing import Any
 
 from .model import Health
 
 UINT32_MAX = 2**32 - 1
+MAX_METADATA_DEPTH = 20  # Envoy parses protobuf with a nesting limit; a Struct level is two messages
 HEALTH_NAMES = {h.name.lower(): h for h in Health}
 
 
@@ -82,3 +85,61 @@ def host_port(value: str) -> tuple[str, int]:
         if not sep or ":" in host:
             raise ValueError(f"{value!r} is not ADDRESS:PORT ([v6]:PORT for IPv6)")
     return ip(host), port(port_text)
+
+
+def _first_bad(value: Any) -> Any:
+    """The first value a protobuf Struct cannot hold (or a non-finite number), or None."""
+    if value is None or isinstance(value, str | bool | int):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else value
+    if isinstance(value, list):
+        return next((b for b in map(_first_bad, value) if b is not None), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            bad = k if not isinstance(k, str) else _first_bad(v)
+            if bad is not None:
+                return bad
+        return None
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth, without recursion: a 64 KiB JSON body can nest deep."""
+    depth = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:  # bounded: every value is visited once
+        v, level = stack.pop()
+        if isinstance(v, dict | list):
+            depth = max(depth, level + 1)
+            stack.extend((c, level + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return depth
+
+
+def metadata(value: Any) -> dict[str, Any]:
+    """filter_metadata["envoy.lb"]: a mapping of JSON values, as a protobuf Struct can carry."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{value!r} is not a mapping")
+    if _depth(value) > MAX_METADATA_DEPTH:
+        raise ValueError(f"nested more than {MAX_METADATA_DEPTH} levels deep")
+    bad = _first_bad(value)
+    if bad is not None:
+        raise ValueError(
+            f"{bad!r} cannot be carried in metadata (strings, finite numbers, booleans, null, lists and mappings only)"
+        )
+    return dict(value)
+
+
+# Every endpoint field and its check, as the upstreams file and the registration API spell them.
+ENDPOINT_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "address": ip,
+    "port": port,
+    "weight": weight,
+    "health": health,
+    "priority": priority,
+    "region": text,
+    "zone": text,
+    "subzone": text,
+    "hostname": text,
+    "metadata": metadata,
+}

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from .upstreams import Problem
+from .upstreams import Problem, UpstreamsError, compose
 
 MATCH_KEYS = ("san_uri", "san_dns", "node_id", "node_cluster")
 RULE_KEYS = ("match", "groups")
@@ -223,11 +223,9 @@ def parse_authz(text: str, filename: str = "authz") -> Policy:
     """The authorization file's text -> a Policy, or SecurityConfigError with every problem."""
     w = _Walker(filename)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else 1
-        raise SecurityConfigError([str(Problem(filename, line, "", f"not YAML: {getattr(e, 'problem', e)}"))]) from None
+        root = compose(text, filename)
+    except UpstreamsError as e:
+        raise SecurityConfigError([str(p) for p in e.problems]) from None
     if root is None:
         raise SecurityConfigError([str(Problem(filename, 1, "", "empty file (write `rules: []` and a default)"))])
     top = w.mapping(root, "", TOP_KEYS) or {}

@@ -91,16 +91,21 @@ class _Walker:
             return None
 
 
-def parse(text: str, filename: str = "<upstreams>") -> dict[str, Group]:
-    """Parse and validate a whole upstreams file; raise UpstreamsError listing every problem."""
-    w = _Walker(filename)
+def compose(text: str, filename: str) -> yaml.Node | None:
+    """The YAML node graph (None for an empty file); UpstreamsError, with the line, if not YAML."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        return yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 1
         reason = getattr(e, "problem", None) or str(e)
         raise UpstreamsError([Problem(filename, line, "", f"not valid YAML: {reason}")]) from None
+
+
+def parse(text: str, filename: str = "<upstreams>") -> dict[str, Group]:
+    """Parse and validate a whole upstreams file; raise UpstreamsError listing every problem."""
+    w = _Walker(filename)
+    root = compose(text, filename)
     if root is None:
         raise UpstreamsError(
             [Problem(filename, 1, "", "file is empty (write `groups: {}` to serve no groups)")]
@@ -185,23 +190,12 @@ def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
     for required in ("address", "port"):
         if required not in spec:
             w.problem(node, f"{path}.{required}", "missing")
-    checks: dict[str, Callable[[Any], Any]] = {
-        "address": fields.ip,
-        "port": fields.port,
-        "weight": fields.weight,
-        "health": fields.health,
-        "priority": fields.priority,
-        "region": fields.text,
-        "zone": fields.text,
-        "subzone": fields.text,
-        "hostname": fields.text,
-    }
     values: dict[str, Any] = {}
     for key, (_, value_node) in spec.items():
         if key == "metadata":
             values[key] = _metadata(w, value_node, f"{path}.metadata")
         else:
-            values[key] = w.field(value_node, f"{path}.{key}", checks[key])
+            values[key] = w.field(value_node, f"{path}.{key}", fields.ENDPOINT_CHECKS[key])
     if len(w.problems) > n_problems:
         return None
     return Endpoint(
@@ -219,30 +213,11 @@ def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
 def _metadata(w: _Walker, node: yaml.Node, path: str) -> dict[str, Any]:
     if w.mapping(node, path, None) is None:
         return {}
-    value = w.value(node)
-    bad = _non_json(value)
-    if bad is not None:
-        w.problem(node, path, f"{bad!r} cannot be carried in metadata (strings, numbers, booleans, "
-                  "null, lists and mappings only)")  # fmt: skip
+    try:
+        return fields.metadata(w.value(node))
+    except ValueError as e:
+        w.problem(node, path, str(e))
         return {}
-    return dict(value)
-
-
-def _non_json(value: Any) -> Any:
-    """The first value that a protobuf Struct cannot hold, or None."""
-    if value is None or isinstance(value, str | bool | int | float):
-        return None
-    if isinstance(value, list):
-        return next((b for b in map(_non_json, value) if b is not None), None)
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return k
-            bad = _non_json(v)
-            if bad is not None:
-                return bad
-        return None
-    return value
 
 
 def _localities(w: _Walker, node: yaml.Node, path: str) -> dict[Locality, int]:

@@ -41,7 +41,6 @@ MAX_REGISTRATIONS = 10_000
 MAX_STATE_BYTES = 32 * 1024 * 1024  # the state file, i.e. the registrations' own size, at most
 MAX_TTL = 86_400.0  # one day
 MAX_ID_LENGTH = 256
-MAX_METADATA_DEPTH = 20  # Envoy parses protobuf with a nesting limit; a Struct level is two messages
 MAX_PENDING = 4096  # changes waiting for the disk; more are refused (503) rather than queued
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 TTL_KEY = "ttl"
@@ -89,48 +88,6 @@ def check_ttl(value: Any) -> float | None:
     return value
 
 
-def _shape(value: Any) -> tuple[int, bool]:
-    """(nesting depth, whether every number is finite), without recursion: a 64 KiB body nests deep."""
-    depth, finite = 0, True
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:  # bounded: every value is visited once
-        v, level = stack.pop()
-        if isinstance(v, dict | list):
-            depth = max(depth, level + 1)
-            stack.extend((c, level + 1) for c in (v.values() if isinstance(v, dict) else v))
-        elif isinstance(v, float) and not math.isfinite(v):
-            finite = False
-    return depth, finite
-
-
-def _metadata(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"{value!r} is not a mapping (a JSON object)")
-    depth, finite = _shape(value)
-    if depth > MAX_METADATA_DEPTH:
-        raise ValueError(f"nested more than {MAX_METADATA_DEPTH} levels deep")
-    if not finite:
-        raise ValueError("numbers in metadata must be finite")
-    bad = upstreams._non_json(value)
-    if bad is not None:
-        raise ValueError(
-            f"{bad!r} cannot be carried in metadata (strings, numbers, booleans, null, lists and mappings only)"
-        )
-    return dict(value)
-
-
-_CHECKS: dict[str, Callable[[Any], Any]] = {
-    "address": fields.ip,
-    "port": fields.port,
-    "weight": fields.weight,
-    "health": fields.health,
-    "priority": fields.priority,
-    "region": fields.text,
-    "zone": fields.text,
-    "subzone": fields.text,
-    "hostname": fields.text,
-    "metadata": _metadata,
-}
 
 
 def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = upstreams.ENDPOINT_KEYS) -> Endpoint:
@@ -148,7 +105,7 @@ def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = upstreams
     for key in upstreams.ENDPOINT_KEYS:
         if key in spec:
             try:
-                values[key] = _CHECKS[key](spec[key])
+                values[key] = fields.ENDPOINT_CHECKS[key](spec[key])
             except ValueError as e:
                 raise RegistrationError(422, str(e), key) from None
     return Endpoint(
