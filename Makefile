@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint protos clean
+.PHONY: setup demo test lint protos bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ test: $(STAMP)  ## the whole suite, real Envoy included
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+bench: $(STAMP)  ## the fan-out benchmark (several minutes; QUICK=1 for a smoke run)
+	$(PY) bench/run.py $(if $(QUICK),--quick)
 
 protos: $(STAMP)  ## regenerate eds_server/pb from proto/
 	$(PY) scripts/gen_protos.py

@@ -67,8 +67,17 @@ def health(value: Any) -> Health:
     raise ValueError(f"{value!r} is not a health status (one of {', '.join(HEALTH_NAMES)})")
 
 
+def is_unicode(text: str) -> bool:
+    """Encodable as UTF-8 (a lone surrogate, which JSON and YAML escapes can spell, is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def text(value: Any, what: str = "a string") -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
+    if isinstance(value, bool) or not isinstance(value, str | int | float) or not is_unicode(str(value)):
         raise ValueError(f"{value!r} is not {what}")
     return str(value)
 
@@ -89,15 +98,20 @@ def host_port(value: str) -> tuple[str, int]:
 
 def _first_bad(value: Any) -> Any:
     """The first value a protobuf Struct cannot hold (or a non-finite number), or None."""
-    if value is None or isinstance(value, str | bool | int):
+    if value is None or isinstance(value, bool):
         return None
-    if isinstance(value, float):
-        return None if math.isfinite(value) else value
+    if isinstance(value, str):
+        return None if is_unicode(value) else value
+    if isinstance(value, int | float):  # a Struct holds numbers as doubles
+        try:
+            return None if math.isfinite(float(value)) else value
+        except OverflowError:
+            return value
     if isinstance(value, list):
         return next((b for b in map(_first_bad, value) if b is not None), None)
     if isinstance(value, dict):
         for k, v in value.items():
-            bad = k if not isinstance(k, str) else _first_bad(v)
+            bad = k if not isinstance(k, str) or not is_unicode(k) else _first_bad(v)
             if bad is not None:
                 return bad
         return None

@@ -56,7 +56,13 @@ class _Walker:
         self.problems.append(Problem(self.filename, line, path, message))
 
     def value(self, node: yaml.Node) -> Any:
-        return self._constructor.construct_object(node, deep=True)
+        """The node as a Python value; ValueError for whatever YAML cannot make of it (bad tags,
+        recursive aliases, merge keys, values of the wrong kind for their tag)."""
+        try:
+            return self._constructor.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError, KeyError, AttributeError, TypeError, RecursionError) as e:
+            reason = getattr(e, "problem", None) or str(e) or type(e).__name__
+            raise ValueError(f"not a value: {reason}") from None
 
     def mapping(
         self, node: yaml.Node, path: str, allowed: tuple[str, ...] | None
@@ -95,6 +101,8 @@ def compose(text: str, filename: str) -> yaml.Node | None:
     """The YAML node graph (None for an empty file); UpstreamsError, with the line, if not YAML."""
     try:
         return yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise UpstreamsError([Problem(filename, 1, "", "not valid YAML: nested too deeply")]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 1
@@ -131,7 +139,7 @@ def parse(text: str, filename: str = "<upstreams>") -> dict[str, Group]:
 
 def _group(w: _Walker, name: str, key_node: yaml.Node, node: yaml.Node) -> Group | None:
     path = f"groups.{name}"
-    if not name.strip() or len(name) > MAX_NAME_LENGTH or name != name.strip():
+    if not name.strip() or len(name) > MAX_NAME_LENGTH or name != name.strip() or not fields.is_unicode(name):
         w.problem(key_node, path, f"group names must be 1-{MAX_NAME_LENGTH} characters, no outer spaces")
         return None
     if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null"):
@@ -173,11 +181,10 @@ def _show(ep: Endpoint) -> str:
 
 def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
     if isinstance(node, yaml.ScalarNode):
-        value = w.value(node)
-        if not isinstance(value, str):
-            w.problem(node, path, f"{value!r} is not ADDRESS:PORT or a mapping")
-            return None
         try:
+            value = w.value(node)
+            if not isinstance(value, str):
+                raise ValueError(f"{value!r} is not ADDRESS:PORT or a mapping")
             address, port = fields.host_port(value)
         except ValueError as e:
             w.problem(node, path, str(e))

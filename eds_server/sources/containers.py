@@ -58,18 +58,34 @@ def health_of(inspect: Mapping[str, Any], draining: bool) -> Health | None:
     return {"none": Health.HEALTHY, "healthy": Health.HEALTHY, "unhealthy": Health.UNHEALTHY}.get(status)
 
 
-def _settings(labels: Mapping[str, str], prefix: str) -> tuple[list[str], dict[str, dict[str, str]]]:
-    """Groups, and per group the settings that apply: eds.<group>.<key> over eds.<key>."""
+_LABEL_CHECKS: dict[str, Any] = {
+    "port": fields.port, "weight": fields.weight, "priority": fields.priority, "address": fields.ip,
+    "region": fields.text, "zone": fields.text, "subzone": fields.text, "hostname": fields.text,
+    "network": fields.text,
+}  # fmt: skip
+
+
+def _checked(label: str, setting: str, value: str) -> Any:
+    """A label's value, checked as its setting requires; Skip names the label itself."""
+    check = _LABEL_CHECKS.get(setting, fields.text)  # metadata.<key>: any text
+    try:
+        return check(value)
+    except ValueError as e:
+        raise Skip(f"label {label}: {e}") from None
+
+
+def _settings(labels: Mapping[str, str], prefix: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Groups, and per group the checked settings that apply: eds.<group>.<key> over eds.<key>."""
     ours = {k[len(prefix) + 1 :]: v for k, v in labels.items() if k.startswith(prefix + ".")}
     groups = [g.strip() for g in ours.pop("group", "").split(",") if g.strip()]
     if not groups:
         raise Skip(f"label {prefix}.group is empty")
-    common: dict[str, str] = {}
-    own: dict[str, dict[str, str]] = {g: {} for g in groups}
+    common: dict[str, Any] = {}
+    own: dict[str, dict[str, Any]] = {g: {} for g in groups}
     by_length = sorted(groups, key=len, reverse=True)  # a group name may contain dots
     for key, value in ours.items():
         if key in SETTING_KEYS or key.startswith("metadata."):
-            common[key] = value
+            common[key] = _checked(f"{prefix}.{key}", key, value)
             continue
         group = next((g for g in by_length if key.startswith(g + ".")), None)
         rest = key[len(group) + 1 :] if group else ""
@@ -78,20 +94,13 @@ def _settings(labels: Mapping[str, str], prefix: str) -> tuple[list[str], dict[s
                 f"unknown label {prefix}.{key} (expected {prefix}.<key> or {prefix}.<group>.<key>, "
                 f"keys: {', '.join(SETTING_KEYS)}, metadata.<name>)"
             )
-        own[group][rest] = value
+        own[group][rest] = _checked(f"{prefix}.{key}", rest, value)
     return groups, {g: {**common, **own[g]} for g in groups}
 
 
-def _check(prefix: str, key: str, value: str, check: Any) -> Any:
-    try:
-        return check(value)
-    except ValueError as e:
-        raise Skip(f"label {prefix}.{key}: {e}") from None
-
-
-def _container_port(inspect: Mapping[str, Any], settings: Mapping[str, str], prefix: str) -> int:
+def _container_port(inspect: Mapping[str, Any], settings: Mapping[str, Any], prefix: str) -> int:
     if "port" in settings:
-        return int(_check(prefix, "port", settings["port"], fields.port))
+        return int(settings["port"])
     exposed = sorted(
         {int(p.split("/")[0]) for p in ((inspect.get("Config") or {}).get("ExposedPorts") or {})
          if p.endswith("/tcp")}
@@ -135,13 +144,13 @@ def _published(inspect: Mapping[str, Any], port: int, host_address: str) -> tupl
 
 
 def _endpoint(
-    inspect: Mapping[str, Any], settings: Mapping[str, str], health: Health, options: DockerOptions
+    inspect: Mapping[str, Any], settings: Mapping[str, Any], health: Health, options: DockerOptions
 ) -> Endpoint:
     prefix = options.label_prefix
     port = _container_port(inspect, settings, prefix)
     host_mode = ((inspect.get("HostConfig") or {}).get("NetworkMode")) == "host"
     if "address" in settings:
-        address = str(_check(prefix, "address", settings["address"], fields.ip))
+        address = str(settings["address"])
         if options.address_mode == "published" and not host_mode:
             port = _published(inspect, port, options.host_address)[1]
     elif host_mode:
@@ -150,14 +159,12 @@ def _endpoint(
         address, port = _published(inspect, port, options.host_address)
     else:
         address = _network_ip(inspect, settings.get("network") or options.network, prefix)
-    checks = {"weight": fields.weight, "priority": fields.priority}
-    values = {k: _check(prefix, k, settings[k], c) for k, c in checks.items() if k in settings}
     return Endpoint(
         address=str(fields.ip(address)),
         port=port,
-        weight=values.get("weight"),
+        weight=settings.get("weight"),
         health=health,
-        priority=values.get("priority", 0),
+        priority=settings.get("priority", 0),
         locality=Locality(settings.get("region", ""), settings.get("zone", ""), settings.get("subzone", "")),
         hostname=settings.get("hostname", container_name(inspect)),
         metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},

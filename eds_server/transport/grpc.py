@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast
 import betterproto2
 import grpclib.const
 import grpclib.server
+import hyperframe.frame
 from grpclib import GRPCError
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
@@ -43,6 +44,18 @@ from ..xds.sotw import SotwStream
 from .reflection import ReflectionService
 
 log = logging.getLogger("eds_server.grpc")
+
+# h2 4.4 builds repr(frame) for every frame it receives, logging on or off, and hyperframe's repr
+# hex-encodes a DATA frame's whole payload to keep its first 20 hex digits: a fifth of the CPU
+# spent reading Envoy's 60 KB requests. Same text, from the first 11 bytes only.
+_raw_data_repr = hyperframe.frame._raw_data_repr
+
+
+def _short_raw_data_repr(data: bytes | None) -> str:
+    return _raw_data_repr(data[:11] if data else data)
+
+
+hyperframe.frame._raw_data_repr = _short_raw_data_repr
 
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
 RESET_WINDOW = 10.0  # seconds
@@ -184,6 +197,36 @@ async def recv_limited(
     except AssertionError:  # grpclib's way of saying the stream ended inside a message
         raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
     return stream._codec.decode(data, message_type)
+
+
+async def send_frames(stream: grpclib.server.Stream[Any, Any], payload: bytes) -> None:
+    """grpclib's send_message for a server-streaming response, with one socket write per window.
+
+    grpclib writes every 16 KB DATA frame to the socket on its own; fanning a 30 KB assignment out
+    to 1,000 streams that is 2,000 writes where 1,000 do. Flow control is honoured as grpclib does.
+    """
+    if not stream._send_initial_metadata_done:
+        await stream.send_initial_metadata()
+    raw = stream._stream
+    h2 = raw._h2_connection
+    assert raw.id is not None  # the client opened the stream
+    data = memoryview(b"\x00" + len(payload).to_bytes(4, "big") + payload)
+    pos, end = 0, len(data)
+    while pos < end:
+        await raw.connection.write_ready.wait()
+        window = h2.local_flow_control_window(raw.id)
+        if window <= 0:
+            raw.window_updated.clear()
+            await raw.window_updated.wait()
+            continue
+        while pos < end and window > 0:
+            n = min(window, h2.max_outbound_frame_size, end - pos)
+            h2.send_data(raw.id, data[pos : pos + n])
+            pos += n
+            window -= n
+        raw._transport.write(h2.data_to_send())
+        raw.connection.data_send_process()  # resets grpclib's keepalive bookkeeping
+    stream._send_message_done = True
 
 
 @dataclass
@@ -467,7 +510,7 @@ class _Session:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
             # arrives as the send completes, leaving this stream's tasks behind.
             async with asyncio.timeout(self.service.send_timeout):
-                await self.stream.send_message(data)
+                await send_frames(self.stream, data)
         except TimeoutError:
             self.service.counters.dropped += 1
             log.warning("dropping node=%s peer=%s: not reading", self.node, self.peer)

@@ -48,7 +48,8 @@ class SotwStream(StreamState[Response]):
         """Take one request from Envoy; raise ProtocolError to end the stream."""
         check_request(req.type_url, req.resource_names, self.limits)
         events: list[Event] = []
-        if not self._started:
+        first = not self._started
+        if first:
             self._start(req.has_node)
             self._resume_version = req.version_info
         elif req.response_nonce and req.response_nonce != self._last_nonce:
@@ -57,7 +58,8 @@ class SotwStream(StreamState[Response]):
             names = tuple(r.name for r in self.in_flight.resources)
             if req.error_message is not None:
                 for r in self.in_flight.resources:
-                    self.nacked[r.name] = r.version
+                    if r.name in self.subscribed:  # not one unsubscribed meanwhile
+                        self.nacked[r.name] = r.version
                 events.append(Nack(self.in_flight.version_info, names, req.error_message))
             else:
                 for r in self.in_flight.resources:
@@ -72,7 +74,10 @@ class SotwStream(StreamState[Response]):
             self._forget(name)
             self.acked.pop(name, None)
         for name in added:
-            self.sent.pop(name, None)  # answered even if unchanged
+            self.sent.pop(name, None)  # answered even if unchanged (or rejected before)
+            self.nacked.pop(name, None)
+        if (added or removed) and not first:
+            self._resume_version = ""  # it described the names the stream started with
         self._dirty.update(added)
         self.subscribed = wanted
         if added or removed:

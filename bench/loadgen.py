@@ -1,0 +1,419 @@
+"""Load generator for bench/run.py: Envoy-like SotW EDS streams over a minimal raw HTTP/2 client.
+
+    .venv/bin/python bench/loadgen.py [--cpus 1]      # driven by bench/run.py over stdin/stdout
+
+Each stream is one StreamEndpoints call subscribed to one group (Envoy without ADS: one stream per
+EDS cluster), many streams multiplexed on one HTTP/2 connection (one connection ~ one Envoy). Every
+response is ACKed at once with its version_info and nonce; the ~60 KB Node is sent on every request
+(variant A, Envoy's default) or on the first only (variant B, `set_node_on_first_message_only`).
+
+To keep the client cheap it frames HTTP/2 itself (no h2 state machine; HPACK only to read response
+headers and trailers) and reads only version_info and nonce from each DiscoveryResponse with a tiny
+field scanner. Receive times are CLOCK_MONOTONIC (time.monotonic_ns), taken once per socket read,
+comparable with the server process's clock.
+
+Control protocol: one JSON object per line on stdin, one JSON reply per line on stdout:
+  {"cmd": "open", "port": P, "conns": [[group, ...], ...], "node_every": bool}
+  {"cmd": "wait", "targets": {group: version}, "timeout": s}   # every stream of a listed group has
+                                                               # received that version, the others any
+  {"cmd": "dump", "clear": bool}   {"cmd": "close"}   {"cmd": "quit"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import uvloop
+from hpack import Decoder
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
+FRAME = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
+RECV_WINDOW = 256 * 1024 * 1024  # Envoy's default initial stream and connection windows
+PATH = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
+EDS_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+
+def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return FRAME.pack(len(payload) << 8 | ftype, flags, sid) + payload
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def pb_bytes(number: int, data: bytes) -> bytes:
+    return varint(number << 3 | 2) + varint(len(data)) + data
+
+
+def _hstr(text: str) -> bytes:  # HPACK string literal, no Huffman; 7-bit prefix (all ours < 127)
+    raw = text.encode()
+    assert len(raw) < 127
+    return bytes([len(raw)]) + raw
+
+
+def _literal(name: str, value: str) -> bytes:  # literal header field without indexing, new name
+    return b"\x00" + _hstr(name) + _hstr(value)
+
+
+# :method POST (static 3), :scheme http (static 6); literals never touch the server's dynamic table
+REQUEST_HEADERS = b"\x83\x86" + b"".join(
+    _literal(k, v)
+    for k, v in ((":path", PATH), (":authority", "127.0.0.1"), ("content-type", "application/grpc"),
+                 ("te", "trailers"), ("user-agent", "grpc-c++/1.40 envoy-bench"))
+)  # fmt: skip
+
+
+def make_node(target: int = 60_000) -> bytes:
+    """An encoded envoy.config.core.v3.Node shaped like Envoy's: mostly its extensions list."""
+    from envoy.config.core.v3 import base_pb2
+
+    node = base_pb2.Node(id="bench-envoy", cluster="bench", user_agent_name="envoy")
+    node.metadata.update({"role": "bench", "istio_version": "1.99.0", "labels": {"app": "bench"}})
+    node.user_agent_build_version.version.major_number = 1
+    node.user_agent_build_version.version.minor_number = 40
+    node.client_features.extend(["envoy.lb.does_not_support_overprovisioning", "envoy.lrs.supports_send_all_clusters",
+                                 "xds.config.resource-in-sotw", "xds.config.supports-resource-ttl"])  # fmt: skip
+    categories = ["envoy.filters.http", "envoy.filters.network", "envoy.transport_sockets.upstream",
+                  "envoy.access_loggers", "envoy.matching.http.input", "envoy.stats_sinks"]  # fmt: skip
+    i = 0
+    while node.ByteSize() < target:
+        cat = categories[i % len(categories)]
+        ext = node.extensions.add(name=f"{cat}.extension_{i}", category=cat)
+        ext.type_urls.append(f"envoy.extensions.{cat.split('.')[1]}.extension_{i}.v3.Extension{i}Config")
+        i += 1
+    return cast(bytes, node.SerializeToString())
+
+
+def scan_response(msg: bytes) -> tuple[str, str]:
+    """(version_info, nonce) of an encoded DiscoveryResponse; the resources are skipped unread."""
+    pos, end, version, nonce = 0, len(msg), "", ""
+    while pos < end:
+        key = msg[pos]
+        pos += 1
+        if key & 0x80:  # multi-byte key: not one of DiscoveryResponse's fields 1-7
+            raise ValueError("unexpected field")
+        if key & 7 == 0:
+            while msg[pos] & 0x80:
+                pos += 1
+            pos += 1
+            continue
+        if key & 7 != 2:
+            raise ValueError(f"unexpected wire type in key {key}")
+        size = shift = 0
+        while True:
+            b = msg[pos]
+            pos += 1
+            size |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        if key == 0x0A:
+            version = msg[pos : pos + size].decode()
+        elif key == 0x2A:
+            nonce = msg[pos : pos + size].decode()
+        pos += size
+    return version, nonce
+
+
+class Stream:
+    __slots__ = ("closed", "done", "error", "group", "id", "last_size", "out", "rbuf", "recv", "tail", "window")
+
+    def __init__(self, sid: int, group: str, window: int) -> None:
+        self.id, self.group, self.window = sid, group, window
+        self.tail = pb_bytes(3, group.encode()) + pb_bytes(4, EDS_TYPE_URL.encode())  # names, type_url
+        self.out = bytearray()  # gRPC-framed request bytes not yet sent (flow control)
+        self.rbuf = bytearray()
+        self.recv: list[tuple[str, int]] = []  # (version_info, receive time ns)
+        self.last_size = 0
+        self.done = self.closed = False
+        self.error = ""
+
+
+class Conn(asyncio.Protocol):
+    """One HTTP/2 connection carrying many StreamEndpoints calls, like one Envoy."""
+
+    def __init__(self, gen: Generator, groups: list[str]) -> None:
+        self.gen = gen
+        self.groups = groups
+        self.streams: dict[int, Stream] = {}
+        self.blocked: dict[int, Stream] = {}  # streams with request bytes waiting for window
+        self.buf = bytearray()
+        self.out: list[bytes] = []
+        self.send_window = 65535
+        self.peer_initial = 65535
+        self.peer_max_frame = 16384
+        self.consumed = 0
+        self.headers: bytearray | None = None  # header block being continued
+        self.headers_sid = 0
+        self.headers_end = False
+        self.hpack = Decoder()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        settings = struct.pack(">HIHI", 0x2, 0, 0x4, RECV_WINDOW)  # no push; stream window as Envoy
+        grow = frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECV_WINDOW - 65535))
+        self.out += [PREFACE, frame(SETTINGS, 0, 0, settings), grow]
+        for i, group in enumerate(self.groups):
+            s = Stream(2 * i + 1, group, self.peer_initial)
+            self.streams[s.id] = s
+            self.out.append(frame(HEADERS, END_HEADERS, s.id, REQUEST_HEADERS))
+            self.send_request(s, self.gen.node_field + s.tail)
+        self.flush()
+
+    def flush(self) -> None:
+        if self.out and self.transport is not None:
+            self.transport.write(b"".join(self.out))
+            self.out.clear()
+
+    def send_request(self, s: Stream, message: bytes) -> None:
+        s.out += b"\x00" + len(message).to_bytes(4, "big") + message
+        if not self.push(s):
+            self.blocked[s.id] = s
+
+    def push(self, s: Stream) -> bool:
+        """Frame as much of the stream's pending bytes as the windows allow; True when all is sent."""
+        out = s.out
+        while out:
+            n = min(len(out), s.window, self.send_window, self.peer_max_frame)
+            if n <= 0:
+                return False
+            self.out.append(FRAME.pack(n << 8 | DATA, 0, s.id))
+            self.out.append(bytes(out[:n]))
+            del out[:n]
+            s.window -= n
+            self.send_window -= n
+        return True
+
+    def unblock(self) -> None:
+        for sid, s in list(self.blocked.items()):
+            if self.send_window <= 0:
+                break
+            if self.push(s):
+                del self.blocked[sid]
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic_ns()
+        buf = self.buf
+        buf += data
+        pos, end = 0, len(buf)
+        while end - pos >= 9:
+            lt, flags, sid = FRAME.unpack_from(buf, pos)
+            length, ftype = lt >> 8, lt & 0xFF
+            if end - pos - 9 < length:
+                break
+            start = pos + 9
+            pos = start + length
+            if ftype == DATA:
+                self.on_data(sid & 0x7FFFFFFF, flags, buf[start:pos], length, now)
+            elif ftype in (HEADERS, CONTINUATION):
+                self.on_headers(sid & 0x7FFFFFFF, ftype, flags, bytes(buf[start:pos]))
+            elif ftype == WINDOW_UPDATE:
+                inc = int.from_bytes(buf[start : start + 4], "big") & 0x7FFFFFFF
+                if sid == 0:
+                    self.send_window += inc
+                elif (s := self.streams.get(sid)) is not None:
+                    s.window += inc
+                self.unblock()
+            elif ftype == SETTINGS and not flags & ACK:
+                for off in range(start, pos, 6):
+                    ident, value = struct.unpack_from(">HI", buf, off)
+                    if ident == 0x4:
+                        for s in self.streams.values():
+                            s.window += value - self.peer_initial
+                        self.peer_initial = value
+                    elif ident == 0x5:
+                        self.peer_max_frame = value
+                self.out.append(frame(SETTINGS, ACK, 0))
+                self.unblock()
+            elif ftype == PING and not flags & ACK:
+                self.out.append(frame(PING, ACK, 0, bytes(buf[start:pos])))
+            elif ftype == RST_STREAM:
+                self.close_stream(sid, f"RST_STREAM {int.from_bytes(buf[start:pos], 'big')}")
+            elif ftype == GOAWAY:
+                code = int.from_bytes(buf[start + 4 : start + 8], "big")
+                self.gen.errors.append(f"GOAWAY {code}: {bytes(buf[start + 8 : pos])[:200]!r}")
+        del buf[:pos]
+        if self.consumed > RECV_WINDOW // 2:
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.consumed)))
+            self.consumed = 0
+        self.flush()
+
+    def on_data(self, sid: int, flags: int, payload: bytearray, length: int, now: int) -> None:
+        self.consumed += length
+        s = self.streams.get(sid)
+        if s is None:
+            return
+        if flags & PADDED:
+            payload = payload[1 : len(payload) - payload[0]]
+        rbuf = s.rbuf
+        rbuf += payload
+        while len(rbuf) >= 5:
+            size = int.from_bytes(rbuf[1:5], "big")
+            if len(rbuf) < 5 + size:
+                break
+            msg = bytes(rbuf[5 : 5 + size])
+            del rbuf[: 5 + size]
+            version, nonce = scan_response(msg)
+            s.recv.append((version, now))
+            s.last_size = size
+            node = self.gen.node_field if self.gen.node_every else b""
+            self.send_request(s, pb_bytes(1, version.encode()) + node + s.tail + pb_bytes(5, nonce.encode()))
+            self.gen.arrived(s, version)
+        # stream-level WINDOW_UPDATEs are needed only past 256 MiB per stream; bench streams stay below
+        if flags & END_STREAM:
+            self.close_stream(sid, "ended by server")
+
+    def on_headers(self, sid: int, ftype: int, flags: int, payload: bytes) -> None:
+        if ftype == HEADERS:
+            pad = payload[0] if flags & PADDED else 0
+            skip = (1 if flags & PADDED else 0) + (5 if flags & PRIORITY else 0)
+            self.headers = bytearray(payload[skip : len(payload) - pad])
+            self.headers_sid, self.headers_end = sid, bool(flags & END_STREAM)
+        elif self.headers is not None:
+            self.headers += payload
+        if not flags & END_HEADERS or self.headers is None:
+            return
+        fields: dict[str, str] = {str(k): str(v) for k, v in self.hpack.decode(bytes(self.headers))}
+        self.headers = None
+        if self.headers_end:
+            status, message = fields.get("grpc-status", "?"), fields.get("grpc-message", "")
+            self.close_stream(self.headers_sid, f"grpc-status {status} {message}"[:300])
+
+    def close_stream(self, sid: int, why: str) -> None:
+        s = self.streams.get(sid)
+        if s is not None and not s.closed:
+            s.closed, s.error = True, why
+            self.blocked.pop(sid, None)
+            self.gen.errors.append(f"stream {sid} ({s.group}): {why}")
+            self.gen.arrived(s, None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for sid in list(self.streams):
+            self.close_stream(sid, f"connection lost: {exc!r}")
+        self.transport = None
+
+
+class Generator:
+    def __init__(self, node_bytes: int) -> None:
+        self.node_field = pb_bytes(2, make_node(node_bytes))
+        self.node_every = True
+        self.conns: list[Conn] = []
+        self.errors: list[str] = []
+        self.targets: dict[str, str] | None = None
+        self.remaining = 0
+        self.satisfied = asyncio.Event()
+        self.t_start = 0
+
+    def streams(self) -> list[Stream]:
+        return [s for c in self.conns for s in c.streams.values()]
+
+    def arrived(self, s: Stream, version: str | None) -> None:
+        if self.targets is None or s.done:
+            return
+        want = self.targets.get(s.group)
+        if version is None or want is None or version == want:
+            s.done = True
+            self.remaining -= 1
+            if self.remaining <= 0:
+                self.satisfied.set()
+
+    async def open(self, port: int, conns: list[list[str]], node_every: bool) -> dict[str, Any]:
+        self.node_every = node_every
+        loop = asyncio.get_running_loop()
+        self.t_start = time.monotonic_ns()
+
+        def factory(groups: list[str]) -> Callable[[], Conn]:
+            return lambda: Conn(self, groups)
+
+        made = await asyncio.gather(*(loop.create_connection(factory(g), "127.0.0.1", port) for g in conns))
+        self.conns += [p for _, p in made]
+        return {"t_start": self.t_start, "node_bytes": len(self.node_field)}
+
+    async def wait(self, targets: dict[str, str], timeout: float) -> dict[str, Any]:
+        self.targets, self.remaining = targets, 0
+        self.satisfied.clear()
+        for s in self.streams():
+            want = targets.get(s.group)
+            s.done = s.closed or (bool(s.recv) and (want is None or s.recv[-1][0] == want))
+            self.remaining += not s.done
+        if self.remaining:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.satisfied.wait(), timeout)
+        self.targets = None
+        return {"ok": self.remaining <= 0, "remaining": self.remaining}
+
+    def dump(self, clear: bool) -> dict[str, Any]:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        out = {
+            "streams": [[s.group, s.recv, s.last_size] for s in self.streams()],
+            "errors": self.errors[:20], "n_errors": len(self.errors),
+            "cpu": ru.ru_utime + ru.ru_stime, "t_start": self.t_start,
+        }  # fmt: skip
+        if clear:
+            for s in self.streams():
+                s.recv = []
+        return out
+
+    def close(self) -> dict[str, Any]:
+        for c in self.conns:
+            if c.transport is not None:
+                c.transport.close()
+        self.conns = []
+        return {}
+
+
+async def main(node_bytes: int) -> None:
+    gen = Generator(node_bytes)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 24)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    print(json.dumps({"ready": True}), flush=True)
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        reply: dict[str, Any]
+        match cmd["cmd"]:
+            case "open":
+                reply = await gen.open(cmd["port"], cmd["conns"], cmd["node_every"])
+            case "wait":
+                reply = await gen.wait(cmd["targets"], cmd["timeout"])
+            case "dump":
+                reply = gen.dump(cmd.get("clear", False))
+            case "close":
+                reply = gen.close()
+            case "quit":
+                return
+            case other:
+                reply = {"error": f"unknown command {other}"}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpus", default="", help="pin to these cores (comma list)")
+    p.add_argument("--node-bytes", type=int, default=60_000, help="size of the encoded Node")
+    args = p.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    uvloop.run(main(args.node_bytes))
