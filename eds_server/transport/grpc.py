@@ -199,6 +199,40 @@ async def recv_limited(
     return stream._codec.decode(data, message_type)
 
 
+def _grpc_frame(payload: bytes) -> memoryview:
+    return memoryview(b"\x00" + len(payload).to_bytes(4, "big") + payload)
+
+
+def _write(stream: grpclib.server.Stream[Any, Any], data: memoryview, pos: int, window: int) -> int:
+    """Queue as much of `data[pos:]` as `window` allows as DATA frames, write them at once."""
+    raw = stream._stream
+    h2 = raw._h2_connection
+    assert raw.id is not None  # the client opened the stream
+    end = len(data)
+    while pos < end and window > 0:
+        n = min(window, h2.max_outbound_frame_size, end - pos)
+        h2.send_data(raw.id, data[pos : pos + n])
+        pos += n
+        window -= n
+    raw._transport.write(h2.data_to_send())
+    raw.connection.data_send_process()  # resets grpclib's keepalive bookkeeping
+    return pos
+
+
+def send_now(stream: grpclib.server.Stream[Any, Any], payload: bytes) -> bool:
+    """Send a whole message at once if nothing has to wait (the usual case); False otherwise."""
+    raw = stream._stream
+    if not stream._send_initial_metadata_done or not raw.connection.write_ready.is_set():
+        return False
+    assert raw.id is not None
+    data = _grpc_frame(payload)
+    if raw._h2_connection.local_flow_control_window(raw.id) < len(data):
+        return False
+    _write(stream, data, 0, len(data))
+    stream._send_message_done = True
+    return True
+
+
 async def send_frames(stream: grpclib.server.Stream[Any, Any], payload: bytes) -> None:
     """grpclib's send_message for a server-streaming response, with one socket write per window.
 
@@ -208,24 +242,17 @@ async def send_frames(stream: grpclib.server.Stream[Any, Any], payload: bytes) -
     if not stream._send_initial_metadata_done:
         await stream.send_initial_metadata()
     raw = stream._stream
-    h2 = raw._h2_connection
-    assert raw.id is not None  # the client opened the stream
-    data = memoryview(b"\x00" + len(payload).to_bytes(4, "big") + payload)
-    pos, end = 0, len(data)
-    while pos < end:
+    assert raw.id is not None
+    data = _grpc_frame(payload)
+    pos = 0
+    while pos < len(data):
         await raw.connection.write_ready.wait()
-        window = h2.local_flow_control_window(raw.id)
+        window = raw._h2_connection.local_flow_control_window(raw.id)
         if window <= 0:
             raw.window_updated.clear()
             await raw.window_updated.wait()
             continue
-        while pos < end and window > 0:
-            n = min(window, h2.max_outbound_frame_size, end - pos)
-            h2.send_data(raw.id, data[pos : pos + n])
-            pos += n
-            window -= n
-        raw._transport.write(h2.data_to_send())
-        raw.connection.data_send_process()  # resets grpclib's keepalive bookkeeping
+        pos = _write(stream, data, pos, window)
     stream._send_message_done = True
 
 
@@ -507,10 +534,11 @@ class _Session:
 
     async def send(self, data: bytes, resources: Iterable[Resource]) -> None:
         try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-            # arrives as the send completes, leaving this stream's tasks behind.
-            async with asyncio.timeout(self.service.send_timeout):
-                await send_frames(self.stream, data)
+            if not send_now(self.stream, data):  # no timer for a send that cannot block
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                # arrives as the send completes, leaving this stream's tasks behind.
+                async with asyncio.timeout(self.service.send_timeout):
+                    await send_frames(self.stream, data)
         except TimeoutError:
             self.service.counters.dropped += 1
             log.warning("dropping node=%s peer=%s: not reading", self.node, self.peer)
