@@ -48,6 +48,20 @@ class Endpoint:
     def key(self) -> tuple[str, int]:
         return (self.address, self.port)
 
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any]) -> Endpoint:
+        """From checked values keyed as in the upstreams file (address, port, region, ...)."""
+        return cls(
+            address=values["address"],
+            port=values["port"],
+            weight=values.get("weight"),
+            health=values.get("health", Health.UNKNOWN),
+            priority=values.get("priority", 0),
+            locality=Locality(values.get("region", ""), values.get("zone", ""), values.get("subzone", "")),
+            hostname=values.get("hostname", ""),
+            metadata=values.get("metadata") or {},
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Group:

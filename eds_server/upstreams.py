@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from . import fields
-from .model import Endpoint, Group, Health, Locality
+from .model import Endpoint, Group, Locality
 
 ENDPOINT_KEYS = (
     "address", "port", "weight", "health", "priority",
@@ -205,16 +205,7 @@ def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
             values[key] = w.field(value_node, f"{path}.{key}", fields.ENDPOINT_CHECKS[key])
     if len(w.problems) > n_problems:
         return None
-    return Endpoint(
-        address=values["address"],
-        port=values["port"],
-        weight=values.get("weight"),
-        health=values.get("health", Health.UNKNOWN),
-        priority=values.get("priority", 0),
-        locality=Locality(values.get("region", ""), values.get("zone", ""), values.get("subzone", "")),
-        hostname=values.get("hostname", ""),
-        metadata=values.get("metadata") or {},
-    )
+    return Endpoint.from_fields(values)
 
 
 def _metadata(w: _Walker, node: yaml.Node, path: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import fields, upstreams
 from ..admin import endpoint_json
-from ..model import Endpoint, Group, Health, Locality
+from ..model import Endpoint, Group, Locality
 from ..store import Store
 
 log = logging.getLogger("eds_server.sources.registrations")
@@ -88,8 +88,6 @@ def check_ttl(value: Any) -> float | None:
     return value
 
 
-
-
 def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = upstreams.ENDPOINT_KEYS) -> Endpoint:
     """An endpoint from a JSON object with the upstreams file's keys and checks.
 
@@ -108,16 +106,7 @@ def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = upstreams
                 values[key] = fields.ENDPOINT_CHECKS[key](spec[key])
             except ValueError as e:
                 raise RegistrationError(422, str(e), key) from None
-    return Endpoint(
-        address=values["address"],
-        port=values["port"],
-        weight=values.get("weight"),
-        health=values.get("health", Health.UNKNOWN),
-        priority=values.get("priority", 0),
-        locality=Locality(values.get("region", ""), values.get("zone", ""), values.get("subzone", "")),
-        hostname=values.get("hostname", ""),
-        metadata=values.get("metadata") or {},
-    )
+    return Endpoint.from_fields(values)
 
 
 # -- state ------------------------------------------------------------------------------------------
