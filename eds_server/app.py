@@ -19,6 +19,7 @@ from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
 from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
+from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
@@ -32,6 +33,7 @@ log = logging.getLogger("eds_server")
 class Settings:
     upstreams: str | None = None
     docker: DockerOptions | None = None  # None: no Docker discovery
+    swarm: DockerOptions | None = None  # None: no Swarm discovery (same engine options as Docker)
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
     debounce: float = 0.05
     listen: tuple[str, int] = ("0.0.0.0", 18000)
@@ -74,6 +76,11 @@ class App:
             if settings.docker is not None
             else None
         )
+        self.swarm_source = (
+            SwarmSource(self.store, settings.swarm, host=settings.docker_host, debounce=settings.debounce)
+            if settings.swarm is not None
+            else None
+        )
         # after the file and Docker: on a duplicate address in a group, the first source wins
         self.registrations = (
             RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
@@ -106,16 +113,16 @@ class App:
                 "loaded": self.file_source.name not in self.store.pending_sources,
                 "last_error": self.file_source.last_error,
             })  # fmt: skip
-        if self.docker_source is not None:
-            d = self.docker_source
-            out.append({
-                "name": d.name,
-                "loaded": d.name not in self.store.pending_sources,
-                "connected": d.connected,
-                "stale": not d.connected,
-                "containers": len(d._inspects),
-                "last_error": d.last_error,
-            })  # fmt: skip
+        for d, count in ((self.docker_source, "containers"), (self.swarm_source, "services")):
+            if d is not None:
+                out.append({
+                    "name": d.name,
+                    "loaded": d.name not in self.store.pending_sources,
+                    "connected": d.connected,
+                    "stale": not d.connected,
+                    count: len(d._inspects if isinstance(d, DockerSource) else d._services),
+                    "last_error": d.last_error,
+                })  # fmt: skip
         if self.registrations is not None:
             out.append(self.registrations.status())
         return out
@@ -131,6 +138,8 @@ class App:
             self._spawn(self.file_source.run(self._stop_sources), "upstreams file watcher")
         if self.docker_source is not None:
             self._spawn(self.docker_source.run(self._stop_sources), "docker source")
+        if self.swarm_source is not None:
+            self._spawn(self.swarm_source.run(self._stop_sources), "swarm source")
         if self.registrations is not None:
             self.registrations.load()  # raises RegistrationStateError: refuse to start
             self._spawn(self.registrations.run(self._stop_sources), "registration expiry")

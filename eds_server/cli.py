@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     docker = serve.add_argument_group("Docker discovery")
     docker.add_argument("--docker", action="store_true", default=_flag("EDS_DOCKER"),
                         help="follow labelled containers [EDS_DOCKER=1]")
+    docker.add_argument("--swarm", action="store_true", default=_flag("EDS_SWARM"),
+                        help="follow labelled Swarm services, from a manager [EDS_SWARM=1]")
     docker.add_argument("--docker-host", metavar="URL", default=_env("EDS_DOCKER_HOST", None),
                         help="engine address (default: DOCKER_HOST, else the local socket)")
     docker.add_argument("--docker-label-prefix", metavar="PREFIX",
@@ -258,9 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not args.upstreams and not args.docker and not args.state and not args.admin_token:
-        log.error("no source of endpoints: give --upstreams FILE, --docker and/or --state FILE with --admin-token "
-                  "(EDS_UPSTREAMS, EDS_DOCKER, EDS_STATE, EDS_ADMIN_TOKEN)")
+    if not (args.upstreams or args.docker or args.swarm or args.state or args.admin_token):
+        log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm and/or --state FILE with "
+                  "--admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_STATE, EDS_ADMIN_TOKEN)")
         return 2
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
@@ -284,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         authz=args.authz,
         upstreams=args.upstreams,
         docker=docker if args.docker else None,
+        swarm=docker if args.swarm else None,
         docker_host=args.docker_host,
         debounce=args.debounce,
         listen=args.listen,

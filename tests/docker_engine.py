@@ -174,8 +174,9 @@ def unavailable_reason() -> str | None:
 class DockerEngine:
     """A private dockerd (with its own containerd) in a short temp dir; see the module docstring."""
 
-    def __init__(self, *, image: str = IMAGE, start_timeout: float = 60.0) -> None:
+    def __init__(self, *, image: str = IMAGE, start_timeout: float = 60.0, live_restore: bool = True) -> None:
         self.image = image
+        self.live_restore = live_restore  # Swarm mode refuses to run with --live-restore
         self.start_timeout = start_timeout
         self.docker = _find_exe("docker") or "docker"
         self.dockerd = _find_exe("dockerd") or "dockerd"
@@ -229,7 +230,7 @@ class DockerEngine:
                 "--storage-driver", "vfs",
                 "--iptables=false",
                 "--bridge=none",
-                "--live-restore",
+                *(["--live-restore"] if self.live_restore else []),
             ]
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
