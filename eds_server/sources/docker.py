@@ -48,7 +48,13 @@ class Backoff:
         self.attempt = 0
 
 
-class DockerSource:
+class EngineFollower:
+    """What the Docker and Swarm sources share: settings, bounded requests, and a reconnect loop that
+    keeps the last state (marked stale) while the engine is away."""
+
+    name = "engine"
+    what = "engine"  # for log lines
+
     def __init__(
         self,
         store: Store,
@@ -63,7 +69,6 @@ class DockerSource:
         self.store = store
         self.options = options
         self.host = host
-        self.name = "docker"
         self.debounce = debounce
         self.resync_interval = max(30.0, resync_interval)
         self.ping_interval = ping_interval
@@ -71,10 +76,62 @@ class DockerSource:
         self.connected = False
         self.last_error: str | None = None
         self.last_sync: float | None = None
+        self._warned: dict[str, str] = {}  # object id -> last warning logged
+        store.add_source(self.name)
+
+    async def _request(self, coro: Any) -> Any:
+        return await asyncio.wait_for(coro, self.request_timeout)
+
+    async def _follow(self, docker: aiodocker.Docker, stop: asyncio.Event, backoff: Backoff) -> None:
+        raise NotImplementedError
+
+    def _connected(self, backoff: Backoff, count: int, kind: str) -> None:
+        if not self.connected:
+            log.info("%s: connected: %d labelled %s", self.name, count, kind)
+        self.connected, self.last_error = True, None
+        self.store.mark_stale(self.name, False)
+        backoff.reset()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the engine until `stop` is set, reconnecting for as long as it takes."""
+        backoff = Backoff()
+        while not stop.is_set():
+            docker: aiodocker.Docker | None = None
+            try:
+                # DOCKER_HOST first, as the docker CLI does (aiodocker alone prefers the context).
+                docker = aiodocker.Docker(url=self.host or os.environ.get("DOCKER_HOST") or None)
+                await self._follow(docker, stop, backoff)
+            except AssertionError:  # aiodocker's way of saying it found no engine address
+                self._lost("no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock")
+            except aiodocker.DockerError as e:
+                self._lost(f"{e.status}: {e.message}")
+            except Exception as e:  # whatever it was, keep serving and try again
+                self._lost(f"{type(e).__name__}: {e}")
+            finally:
+                if docker is not None:
+                    await _close(docker)
+            if not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff.next())
+
+    def _lost(self, reason: str) -> None:
+        if self.connected or self.last_error is None:
+            log.warning(
+                "%s: %s unreachable (%s); serving the last known endpoints (stale) and retrying",
+                self.name, self.what, reason,
+            )  # fmt: skip
+        self.connected = False
+        self.last_error = reason
+        self.store.mark_stale(self.name, True)
+
+
+class DockerSource(EngineFollower):
+    name = "docker"
+
+    def __init__(self, store: Store, options: DockerOptions, **kwargs: Any) -> None:
+        super().__init__(store, options, **kwargs)
         self._inspects: dict[str, Mapping[str, Any]] = {}  # container id -> docker inspect
         self._draining: set[str] = set()
-        self._warned: dict[str, str] = {}  # container id -> last warning logged
-        store.add_source(self.name)
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
@@ -99,9 +156,6 @@ class DockerSource:
         self._warned.pop(cid, None)
 
     # -- engine --------------------------------------------------------------------------------
-    async def _request(self, coro: Any) -> Any:
-        return await asyncio.wait_for(coro, self.request_timeout)
-
     async def _inspect(self, docker: aiodocker.Docker, cid: str) -> Mapping[str, Any] | None:
         try:
             data: Mapping[str, Any] = await self._request(docker.containers.container(cid).show())
@@ -168,11 +222,7 @@ class DockerSource:
             filters=json.dumps({"type": ["container", "network"]})
         )
         await self.relist(docker)  # after subscribing, so nothing falls between the two
-        if not self.connected:
-            log.info("docker: connected: %d labelled containers", len(self._inspects))
-        self.connected, self.last_error = True, None
-        self.store.mark_stale(self.name, False)
-        backoff.reset()
+        self._connected(backoff, len(self._inspects), "containers")
         loop = asyncio.get_running_loop()
         dirty_since: float | None = None
         last_seen = loop.time()
@@ -200,36 +250,6 @@ class DockerSource:
                 last_seen = now
             if self.last_sync is not None and now - self.last_sync >= self.resync_interval:
                 await self.relist(docker)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Follow the engine until `stop` is set, reconnecting for as long as it takes."""
-        backoff = Backoff()
-        while not stop.is_set():
-            docker: aiodocker.Docker | None = None
-            try:
-                # DOCKER_HOST first, as the docker CLI does (aiodocker alone prefers the context).
-                docker = aiodocker.Docker(url=self.host or os.environ.get("DOCKER_HOST") or None)
-                await self._follow(docker, stop, backoff)
-            except AssertionError:  # aiodocker's way of saying it found no engine address
-                self._lost("no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock")
-            except Exception as e:  # whatever it was, keep serving and try again
-                self._lost(f"{type(e).__name__}: {e}")
-            finally:
-                if docker is not None:
-                    await _close(docker)
-            if not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
-
-    def _lost(self, reason: str) -> None:
-        if self.connected or self.last_error is None:
-            log.warning(
-                "docker: engine unreachable (%s); serving the last known endpoints (stale) and retrying",
-                reason,
-            )
-        self.connected = False
-        self.last_error = reason
-        self.store.mark_stale(self.name, True)
 
 
 async def _close(docker: aiodocker.Docker) -> None:

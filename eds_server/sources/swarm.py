@@ -15,10 +15,8 @@ node: ``--docker-host-address``; another node: its ``Status.Addr``). The service
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +27,7 @@ from .. import fields
 from ..model import Endpoint, Group, Health, Locality
 from ..store import Store
 from .containers import DockerOptions, Skip, _settings, opted_in
-from .docker import Backoff, EngineGone, _close
+from .docker import Backoff, EngineFollower, EngineGone
 
 log = logging.getLogger("eds_server.sources.swarm")
 
@@ -256,40 +254,27 @@ def groups_of(services: Iterable[ServiceEndpoints]) -> dict[str, Group]:
 # -- IO: follow a manager ---------------------------------------------------------------------------
 
 
-class SwarmSource:
+class SwarmSource(EngineFollower):
+    name = "swarm"
+    what = "manager"
+
     def __init__(
         self,
         store: Store,
         options: DockerOptions,
         *,
-        host: str | None = None,
-        debounce: float = 0.05,
-        resync_interval: float = 60.0,
-        ping_interval: float = 10.0,
-        request_timeout: float = 10.0,
         poll_interval: float = 1.0,
         poll_window: float = 30.0,
+        **kwargs: Any,
     ) -> None:
-        self.store = store
-        self.options = options
-        self.host = host
-        self.name = "swarm"
-        self.debounce = debounce
-        self.resync_interval = max(30.0, resync_interval)
-        self.ping_interval = ping_interval
-        self.request_timeout = request_timeout
+        super().__init__(store, options, **kwargs)
         self.poll_interval = max(0.2, poll_interval)
         self.poll_window = poll_window
-        self.connected = False
-        self.last_error: str | None = None
-        self.last_sync: float | None = None
         self._services: dict[str, Mapping[str, Any]] = {}  # service id -> inspect (opted in)
         self._tasks: dict[str, list[Mapping[str, Any]]] = {}  # service id -> its tasks
         self._nodes: dict[str, Mapping[str, Any]] = {}
         self._local_node: str | None = None
         self._hot: dict[str, float] = {}  # service id -> re-poll its tasks until this loop time
-        self._warned: dict[str, str] = {}
-        store.add_source(self.name)
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
@@ -320,9 +305,6 @@ class SwarmSource:
         self._hot[sid] = asyncio.get_running_loop().time() + self.poll_window
 
     # -- manager -------------------------------------------------------------------------------
-    async def _request(self, coro: Any) -> Any:
-        return await asyncio.wait_for(coro, self.request_timeout)
-
     async def _list_tasks(self, docker: aiodocker.Docker, sid: str) -> list[Mapping[str, Any]]:
         tasks: list[Mapping[str, Any]] = await self._request(docker.tasks.list(filters={"service": [sid]}))
         return [t for t in tasks if t.get("ServiceID") == sid]
@@ -406,11 +388,7 @@ class SwarmSource:
             filters=json.dumps({"type": ["service", "node", "container"]})
         )
         await self.relist(docker)  # after subscribing, so nothing falls between the two
-        if not self.connected:
-            log.info("swarm: connected: %d labelled services", len(self._services))
-        self.connected, self.last_error = True, None
-        self.store.mark_stale(self.name, False)
-        backoff.reset()
+        self._connected(backoff, len(self._services), "services")
         loop = asyncio.get_running_loop()
         dirty_since: float | None = None
         last_seen = next_poll = loop.time()
@@ -447,36 +425,6 @@ class SwarmSource:
                 last_seen = now
             if self.last_sync is not None and now - self.last_sync >= self.resync_interval:
                 await self.relist(docker)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Follow the manager until `stop` is set, reconnecting for as long as it takes."""
-        backoff = Backoff()
-        while not stop.is_set():
-            docker: aiodocker.Docker | None = None
-            try:
-                docker = aiodocker.Docker(url=self.host or os.environ.get("DOCKER_HOST") or None)
-                await self._follow(docker, stop, backoff)
-            except AssertionError:
-                self._lost("no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock")
-            except aiodocker.DockerError as e:
-                self._lost(f"{e.status}: {e.message}" + (" (is this a swarm manager?)" if e.status == 503 else ""))
-            except Exception as e:
-                self._lost(f"{type(e).__name__}: {e}")
-            finally:
-                if docker is not None:
-                    await _close(docker)
-            if not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
-
-    def _lost(self, reason: str) -> None:
-        if self.connected or self.last_error is None:
-            log.warning(
-                "swarm: manager unreachable (%s); serving the last known endpoints (stale) and retrying", reason
-            )
-        self.connected = False
-        self.last_error = reason
-        self.store.mark_stale(self.name, True)
 
 
 def _updating(service: Mapping[str, Any]) -> bool:
