@@ -11,7 +11,6 @@ the same content always gives the same bytes and therefore the same version.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import groupby
 from typing import Any
@@ -79,7 +78,8 @@ def cluster_load_assignment(group: Group) -> ClusterLoadAssignment:
 
 
 # -- the same bytes from cached pieces -------------------------------------------------------------
-_endpoint_cache: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
+# endpoint -> its LbEndpoint as a `lb_endpoints` field (2) of LocalityLbEndpoints; FIFO-bounded
+_endpoint_cache: dict[tuple[Any, ...], bytes] = {}
 
 
 def _uint32_value(field_number: int, value: int) -> bytes:
@@ -101,17 +101,15 @@ def _encode_lb_endpoint(ep: Endpoint) -> bytes:
     return out
 
 
-def lb_endpoint_bytes(ep: Endpoint) -> bytes:
-    """One encoded LbEndpoint, from the cache when this exact endpoint was encoded before."""
+def lb_endpoint_field(ep: Endpoint) -> bytes:
+    """One endpoint's encoded `lb_endpoints` field, from the cache when it was encoded before."""
     key = (ep.address, ep.port, ep.weight, ep.health, ep.hostname,
            json.dumps(ep.metadata, sort_keys=True) if ep.metadata else "")  # fmt: skip
     cached = _endpoint_cache.get(key)
-    if cached is not None:
-        _endpoint_cache.move_to_end(key)
-    else:
-        cached = _endpoint_cache[key] = _encode_lb_endpoint(ep)
-        if len(_endpoint_cache) > ENDPOINT_CACHE_SIZE:
-            _endpoint_cache.popitem(last=False)
+    if cached is None:
+        if len(_endpoint_cache) >= ENDPOINT_CACHE_SIZE:
+            del _endpoint_cache[next(iter(_endpoint_cache))]  # the oldest
+        cached = _endpoint_cache[key] = length_delimited(2, _encode_lb_endpoint(ep))
     return cached
 
 
@@ -120,7 +118,7 @@ def encode_group(group: Group) -> bytes:
     for (priority, loc), eps in groupby(_ordered(group), key=_bucket):
         locality = string_field(1, loc.region) + string_field(2, loc.zone) + string_field(3, loc.subzone)
         parts = [length_delimited(1, locality)]
-        parts.extend(length_delimited(2, lb_endpoint_bytes(e)) for e in eps)
+        parts.extend(map(lb_endpoint_field, eps))
         weight = group.locality_weights.get(loc)
         if weight is not None:
             parts.append(_uint32_value(3, weight))
