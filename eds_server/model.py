@@ -7,7 +7,7 @@ them is something Envoy accepts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,14 @@ class Group:
     endpoints: tuple[Endpoint, ...] = ()
     # per-locality load_balancing_weight, for Envoy's locality-weighted load balancing
     locality_weights: Mapping[Locality, int] = field(default_factory=dict)
+
+
+def groups_from(pairs: Iterable[tuple[str, Endpoint]]) -> dict[str, Group]:
+    """(group, endpoint) pairs -> groups; a repeated address:port in a group keeps the first."""
+    merged: dict[str, dict[tuple[str, int], Endpoint]] = {}
+    for group, ep in pairs:
+        merged.setdefault(group, {}).setdefault(ep.key, ep)
+    return {name: Group(name, tuple(eps.values())) for name, eps in merged.items()}
 
 
 def merge_groups(name: str, parts: list[Group]) -> Group:

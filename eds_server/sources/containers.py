@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .. import fields
-from ..model import Endpoint, Group, Health, Locality
+from ..model import Endpoint, Group, Health, Locality, groups_from
 
 AddressMode = Literal["network", "published"]
 SETTING_KEYS = ("port", "weight", "priority", "region", "zone", "subzone", "hostname", "network", "address")
@@ -194,8 +194,4 @@ def container_endpoints(
 
 def groups_of(containers: Iterable[ContainerEndpoints]) -> dict[str, Group]:
     """Merge per-container endpoints into groups; a repeated address:port keeps the first."""
-    merged: dict[str, dict[tuple[str, int], Endpoint]] = {}
-    for c in containers:
-        for group, ep in c.endpoints.items():
-            merged.setdefault(group, {}).setdefault(ep.key, ep)
-    return {name: Group(name, tuple(eps.values())) for name, eps in merged.items()}
+    return groups_from(pair for c in containers for pair in c.endpoints.items())

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiodocker
 
+from ..model import Group
 from ..store import Store
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
@@ -82,6 +83,19 @@ class EngineFollower:
     async def _request(self, coro: Any) -> Any:
         return await asyncio.wait_for(coro, self.request_timeout)
 
+    def _publish(self, warnings: Mapping[str, str | None], groups: Mapping[str, Group]) -> None:
+        """Log each object's warning once (until it changes), and hand the store the whole state."""
+        for oid, warning in warnings.items():
+            if warning and self._warned.get(oid) != warning:
+                log.warning("%s", warning)
+            if warning:
+                self._warned[oid] = warning
+            else:
+                self._warned.pop(oid, None)
+        changed = self.store.update(self.name, groups)
+        if changed:
+            log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
+
     async def _follow(self, docker: aiodocker.Docker, stop: asyncio.Event, backoff: Backoff) -> None:
         raise NotImplementedError
 
@@ -136,19 +150,11 @@ class DockerSource(EngineFollower):
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
         """Hand the store the whole current state (it works out what changed)."""
-        per_container = []
-        for cid in sorted(self._inspects):
-            c = container_endpoints(self._inspects[cid], self.options, draining=cid in self._draining)
-            if c.warning and self._warned.get(cid) != c.warning:
-                log.warning("%s", c.warning)
-            if c.warning:
-                self._warned[cid] = c.warning
-            else:
-                self._warned.pop(cid, None)
-            per_container.append(c)
-        changed = self.store.update(self.name, groups_of(per_container))
-        if changed:
-            log.info("docker: groups changed: %s", ", ".join(sorted(changed)))
+        per_container = {
+            cid: container_endpoints(self._inspects[cid], self.options, draining=cid in self._draining)
+            for cid in sorted(self._inspects)
+        }
+        self._publish({cid: c.warning for cid, c in per_container.items()}, groups_of(per_container.values()))
 
     def forget(self, cid: str) -> None:
         self._inspects.pop(cid, None)

@@ -24,7 +24,7 @@ from typing import Any
 import aiodocker
 
 from .. import fields
-from ..model import Endpoint, Group, Health, Locality
+from ..model import Endpoint, Group, Health, Locality, groups_from
 from ..store import Store
 from .containers import DockerOptions, Skip, _settings, opted_in
 from .docker import Backoff, EngineFollower, EngineGone
@@ -243,12 +243,7 @@ def service_endpoints(
 
 def groups_of(services: Iterable[ServiceEndpoints]) -> dict[str, Group]:
     """Merge per-service endpoints into groups; a repeated address:port keeps the first."""
-    merged: dict[str, dict[tuple[str, int], Endpoint]] = {}
-    for s in services:
-        for group, eps in s.endpoints.items():
-            for ep in eps:
-                merged.setdefault(group, {}).setdefault(ep.key, ep)
-    return {name: Group(name, tuple(eps.values())) for name, eps in merged.items()}
+    return groups_from((group, ep) for s in services for group, eps in s.endpoints.items() for ep in eps)
 
 
 # -- IO: follow a manager ---------------------------------------------------------------------------
@@ -278,20 +273,13 @@ class SwarmSource(EngineFollower):
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
-        per_service = []
-        for sid in sorted(self._services):
-            s = service_endpoints(self._services[sid], self._tasks.get(sid, []), self.options, self._nodes,
-                                  self._local_node)  # fmt: skip
-            if s.warning and self._warned.get(sid) != s.warning:
-                log.warning("%s", s.warning)
-            if s.warning:
-                self._warned[sid] = s.warning
-            else:
-                self._warned.pop(sid, None)
-            per_service.append(s)
-        changed = self.store.update(self.name, groups_of(per_service))
-        if changed:
-            log.info("swarm: groups changed: %s", ", ".join(sorted(changed)))
+        """Hand the store the whole current state (it works out what changed)."""
+        per_service = {
+            sid: service_endpoints(self._services[sid], self._tasks.get(sid, []), self.options, self._nodes,
+                                   self._local_node)
+            for sid in sorted(self._services)
+        }  # fmt: skip
+        self._publish({sid: s.warning for sid, s in per_service.items()}, groups_of(per_service.values()))
 
     def forget(self, sid: str) -> bool:
         known = sid in self._services
