@@ -135,14 +135,14 @@ class App:
         ssl = self._security()
         if self.file_source is not None:
             self.file_source.load()
-            self._spawn(self.file_source.run(self._stop_sources), "upstreams file watcher")
+            self._spawn(self.file_source.run(self._stop_sources), "upstreams file watcher", self.file_source.name)
         if self.docker_source is not None:
-            self._spawn(self.docker_source.run(self._stop_sources), "docker source")
+            self._spawn(self.docker_source.run(self._stop_sources), "docker source", self.docker_source.name)
         if self.swarm_source is not None:
-            self._spawn(self.swarm_source.run(self._stop_sources), "swarm source")
+            self._spawn(self.swarm_source.run(self._stop_sources), "swarm source", self.swarm_source.name)
         if self.registrations is not None:
             self.registrations.load()  # raises RegistrationStateError: refuse to start
-            self._spawn(self.registrations.run(self._stop_sources), "registration expiry")
+            self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)
         self._spawn(self._startup_deadline(), "startup deadline")
         host, port = self.settings.listen
         await self.grpc.start(host, port, ssl=ssl)
@@ -222,13 +222,16 @@ class App:
         for runner in self._http:
             await runner.cleanup()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
-        """Run a background task; a failure is logged at once, not found at shutdown."""
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str, source: str | None = None) -> None:
+        """Run a background task; a failure is logged at once (not found at shutdown), and the
+        source it fed is marked stale: its last state is still served, but no longer followed."""
         task = asyncio.create_task(coro, name=what)
 
         def done(t: asyncio.Task[None]) -> None:
             if not t.cancelled() and t.exception() is not None:
                 log.error("%s stopped: %r", what, t.exception(), exc_info=t.exception())
+                if source is not None:
+                    self.store.mark_stale(source, True)
 
         task.add_done_callback(done)
         self._tasks.append(task)

@@ -126,8 +126,12 @@ class Store:
     # -- readers -------------------------------------------------------------------------------
     def get(self, name: str) -> Resource:
         """The CLA for `name`; a name with no group gets an empty CLA, so Envoy's cluster warms."""
-        found = self._resources.get(name) or self._empty.get(name)
+        found = self._resources.get(name)
         if found is not None:
+            return found
+        found = self._empty.get(name)
+        if found is not None:
+            self._empty.move_to_end(name)
             return found
         group = Group(name)
         body = self._encode(group)

@@ -508,3 +508,26 @@ async def test_reflection_lists_and_describes_the_services(harness: Harness, ver
     assert method.input_type.full_name == "envoy.service.discovery.v3.DiscoveryRequest"
     assert "lb_endpoints" in pool.FindMessageTypeByName(
         "envoy.config.endpoint.v3.LocalityLbEndpoints").fields_by_name  # fmt: skip
+
+
+async def test_a_client_that_half_closes_still_gets_its_answer(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
+                                       DiscoveryResponse) as stream:  # fmt: skip
+        await stream.send_message(first("web"), end=True)
+        resp = await recv(stream)
+        assert cla_of(resp).cluster_name == "web"
+        assert await asyncio.wait_for(stream.recv_message(), 5) is None  # then the call ends, OK
+
+
+async def test_length_prefix_then_end_of_stream_is_an_error(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_message(first("web"))
+            await recv(stream)
+            # announce 20 bytes, then end the stream: not an empty request unsubscribing everything
+            await stream._stream.send_data(b"\x00" + (20).to_bytes(4, "big"), end_stream=True)
+            stream._end_done = True  # what grpclib's own end() would have recorded
+            await asyncio.wait_for(stream.recv_message(), 5)
+    assert e.value.status == Status.INVALID_ARGUMENT

@@ -301,18 +301,22 @@ class _Session:
                 self.wake.clear()
                 if self.service._stopping:
                     return
-                if reader.done():
+                ended = reader.done()
+                if ended:
                     exc = reader.exception()
                     if isinstance(exc, ProtocolError):
                         raise GRPCError(Status[exc.status], exc.message)
                     if exc is not None:
                         raise exc
-                    return  # the client ended its side
                 response = self.sm.poll()
                 if response is not None:
                     await self.send(self.kind.encode(response), response.resources)
+                if ended:
+                    return  # the client ended its side (after the answer already due, if any)
         finally:
             reader.cancel()
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # retrieved: raised above, or moot once the call ends
 
     async def send(self, data: bytes, resources: Iterable[Resource]) -> None:
         try:

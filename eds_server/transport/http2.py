@@ -183,6 +183,8 @@ async def recv_limited(
         data = await raw.recv_data(size)
     except AssertionError:  # grpclib's way of saying the stream ended inside a message
         raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
+    if len(data) != size:  # ended right after the length prefix: b"", not an empty request
+        raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message")
     return stream._codec.decode(data, message_type)
 
 
