@@ -74,7 +74,7 @@ class EdsService:
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.store.watch(self._on_store_change)
+        self._unwatch = self.store.watch(self._on_store_change)
         if self.store.ready:
             self._ready.set()
 
@@ -99,6 +99,7 @@ class EdsService:
     def stop(self) -> None:
         """End every open stream cleanly (status OK); Envoy keeps its endpoints and reconnects."""
         self._stopping = True
+        self._unwatch()
         for session in self.sessions:
             session.wake.set()
 
