@@ -159,6 +159,13 @@ def _endpoint(
         address, port = _published(inspect, port, options.host_address)
     else:
         address = _network_ip(inspect, settings.get("network") or options.network, prefix)
+    return labelled_endpoint(address, port, settings, health, container_name(inspect))
+
+
+def labelled_endpoint(
+    address: str, port: int, settings: Mapping[str, Any], health: Health, default_hostname: str
+) -> Endpoint:
+    """An endpoint from checked label settings, for containers and Swarm tasks alike."""
     return Endpoint(
         address=str(fields.ip(address)),
         port=port,
@@ -166,7 +173,7 @@ def _endpoint(
         health=health,
         priority=settings.get("priority", 0),
         locality=Locality(settings.get("region", ""), settings.get("zone", ""), settings.get("subzone", "")),
-        hostname=settings.get("hostname", container_name(inspect)),
+        hostname=settings.get("hostname", default_hostname),
         metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
     )
 

@@ -23,10 +23,9 @@ from typing import Any
 
 import aiodocker
 
-from .. import fields
-from ..model import Endpoint, Group, Health, Locality, groups_from
+from ..model import Endpoint, Group, Health, groups_from
 from ..store import Store
-from .containers import DockerOptions, Skip, _settings, opted_in
+from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
 from .docker import Backoff, EngineFollower, EngineGone
 
 log = logging.getLogger("eds_server.sources.swarm")
@@ -192,16 +191,7 @@ def _task_endpoint(
         raise Skip(f"port {port}/tcp is not published in mode host (needed with --docker-address-mode published)")
     else:
         address = _network_ip(task, settings.get("network") or options.network, prefix)
-    return Endpoint(
-        address=str(fields.ip(address)),
-        port=port,
-        weight=settings.get("weight"),
-        health=health,
-        priority=settings.get("priority", 0),
-        locality=Locality(settings.get("region", ""), settings.get("zone", ""), settings.get("subzone", "")),
-        hostname=settings.get("hostname", task_name(service, task)),
-        metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
-    )
+    return labelled_endpoint(address, port, settings, health, task_name(service, task))
 
 
 def node_usable(node: Mapping[str, Any] | None) -> bool:
