@@ -24,6 +24,7 @@ from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
 from .transport.rest import make_rest_app
+from .upstreams import MAX_FILE_SIZE
 from .xds.common import Limits
 
 log = logging.getLogger("eds_server")
@@ -32,6 +33,7 @@ log = logging.getLogger("eds_server")
 @dataclass
 class Settings:
     upstreams: str | None = None
+    max_upstreams_size: int = MAX_FILE_SIZE
     docker: DockerOptions | None = None  # None: no Docker discovery
     swarm: DockerOptions | None = None  # None: no Swarm discovery (same engine options as Docker)
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
@@ -67,7 +69,9 @@ class App:
         self.store = Store(encode_group)
         debounce_ms = round(settings.debounce * 1000)
         self.file_source = (
-            UpstreamsFileSource(settings.upstreams, self.store, debounce_ms=max(1, debounce_ms))
+            UpstreamsFileSource(
+                settings.upstreams, self.store, debounce_ms=max(1, debounce_ms), max_size=settings.max_upstreams_size
+            )
             if settings.upstreams
             else None
         )

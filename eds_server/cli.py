@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-streams", type=positive_int, metavar="N", default=_env("EDS_MAX_STREAMS", "100000"),
                         help="open xDS streams in total (default 100000)")
+    limits.add_argument("--max-upstreams-size", type=positive_int, metavar="BYTES",
+                        default=_env("EDS_MAX_UPSTREAMS_SIZE", str(upstreams.MAX_FILE_SIZE)),
+                        help="largest upstreams file read; a bigger one is refused like a bad one "
+                             "[EDS_MAX_UPSTREAMS_SIZE] (default: %(default)s)")
     limits.add_argument("--max-message-size", type=positive_int, metavar="BYTES",
                         default=_env("EDS_MAX_MESSAGE_SIZE", str(4 * 1024 * 1024)),
                         help="largest request accepted, judged from its length prefix (default 4 MiB)")
@@ -192,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate an upstreams file (exit 1 on problems)")
     check.add_argument("file")
+    check.add_argument("--max-upstreams-size", type=positive_int, metavar="BYTES",
+                       default=_env("EDS_MAX_UPSTREAMS_SIZE", str(upstreams.MAX_FILE_SIZE)),
+                       help="as for serve: the same limits, the same verdict [EDS_MAX_UPSTREAMS_SIZE]")
 
     demo = sub.add_parser("demo", help="run eds-server, sample backends and a real Envoy together")
     demo.add_argument("--upstreams", metavar="FILE", default="examples/upstreams.yaml")
@@ -207,9 +214,10 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
                    choices=["text", "json"], help="[EDS_LOG_FORMAT]")  # fmt: skip
 
 
-def check(path: str) -> int:
+def check(path: str, max_size: int = upstreams.MAX_FILE_SIZE) -> int:
+    """The verdict `serve` would give: the same bounded read and the same parse."""
     try:
-        groups = upstreams.load(path)
+        groups = upstreams.load(path, max_size)
     except upstreams.UpstreamsError as e:
         for problem in e.problems:
             print(problem, file=sys.stderr)
@@ -254,7 +262,7 @@ async def serve(settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
-        return check(args.file)
+        return check(args.file, args.max_upstreams_size)
     setup_logging(args.log_level, args.log_format)
     if args.command == "demo":
         from .demo import run_demo
@@ -285,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls_client_ca=args.tls_client_ca,
         authz=args.authz,
         upstreams=args.upstreams,
+        max_upstreams_size=args.max_upstreams_size,
         docker=docker if args.docker else None,
         swarm=docker if args.swarm else None,
         docker_host=args.docker_host,

@@ -1,11 +1,19 @@
 """The upstreams file: YAML text -> validated groups, or every problem with its line and field.
 
 Parsing walks PyYAML's node graph rather than plain dicts so each problem can name its line, and
-so duplicate keys (which PyYAML would silently collapse) are caught.
+so duplicate keys (which PyYAML would silently collapse) are caught. The graph is composed by
+libyaml's C loader when PyYAML has it (its nodes carry line marks too; ~20x faster than the pure
+Python one). A `Parser` remembers the groups and endpoints of its last parse by their source
+text, so a re-read file re-validates only the groups, and within them the endpoints, whose text
+changed. Anchors and aliases are refused: nothing in the file needs them, and an alias lets a
+few hundred bytes expand into gigabytes. Reading is bounded too: regular files only, up to a size.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +31,12 @@ LOCALITY_KEYS = ("region", "zone", "subzone", "weight")
 GROUP_KEYS = ("endpoints", "localities")
 TOP_KEYS = ("groups",)
 MAX_NAME_LENGTH = 1024
+MAX_FILE_SIZE = 16 * 1024 * 1024  # default for --max-upstreams-size; a 10,000-endpoint file is ~0.5 MB
+
+# libyaml's loader when this PyYAML was built with it; the pure-Python one otherwise (same nodes)
+LIBYAML: bool = bool(getattr(yaml, "__with_libyaml__", False))
+_Loader: Any = yaml.CSafeLoader if LIBYAML else yaml.SafeLoader
+_DIRECTIVE = re.compile(r"^%", re.MULTILINE)  # %TAG can change what the same text means: no reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +59,26 @@ class UpstreamsError(Exception):
         self.problems = problems
 
 
+# A node's source text with its column: equal keys mean equal values (no anchors, no %TAG)
+_TextKey = tuple[int, str]
+
+
 class _Walker:
-    def __init__(self, filename: str) -> None:
+    def __init__(
+        self, filename: str, text: str, groups: dict[Any, Group], endpoints: dict[_TextKey, Endpoint]
+    ) -> None:
         self.filename = filename
+        self.text = text
         self.problems: list[Problem] = []
         self._constructor = yaml.SafeLoader("")
+        self.reuse = _DIRECTIVE.search(text) is None
+        self.old_groups, self.old_endpoints = groups, endpoints  # from the last parse
+        self.groups: dict[Any, Group] = {}  # from this parse: valid ones only
+        self.endpoints: dict[_TextKey, Endpoint] = {}
+        self.reused_groups = self.reused_endpoints = 0
+
+    def key(self, node: yaml.Node) -> _TextKey:
+        return (node.start_mark.column, self.text[node.start_mark.index : node.end_mark.index])
 
     def problem(self, node: yaml.Node | None, path: str, message: str) -> None:
         line = node.start_mark.line + 1 if node is not None else 1
@@ -98,9 +127,12 @@ class _Walker:
 
 
 def compose(text: str, filename: str) -> yaml.Node | None:
-    """The YAML node graph (None for an empty file); UpstreamsError, with the line, if not YAML."""
+    """The YAML node graph (None for an empty file); UpstreamsError, with the line, if not YAML
+    or if it uses anchors or aliases."""
+    if "&" in text or "*" in text:  # a cheap test first: these characters are rare in the file
+        _refuse_anchors(text, filename)  # before composing: an alias bomb is never built
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        return yaml.compose(text, Loader=_Loader)
     except RecursionError:
         raise UpstreamsError([Problem(filename, 1, "", "not valid YAML: nested too deeply")]) from None
     except yaml.YAMLError as e:
@@ -110,9 +142,55 @@ def compose(text: str, filename: str) -> yaml.Node | None:
         raise UpstreamsError([Problem(filename, line, "", f"not valid YAML: {reason}")]) from None
 
 
+def _refuse_anchors(text: str, filename: str) -> None:
+    """UpstreamsError at the first anchor or alias (libyaml's scanner: tokens, nothing expanded).
+    Text that does not scan is left for the composer to report."""
+    tokens = yaml.scan(text, Loader=_Loader)
+    while True:
+        try:
+            token = next(tokens, None)
+        except yaml.YAMLError:
+            return
+        if token is None:
+            return
+        if isinstance(token, yaml.AnchorToken | yaml.AliasToken):
+            what = "anchor" if isinstance(token, yaml.AnchorToken) else "alias"
+            raise UpstreamsError([Problem(
+                filename, token.start_mark.line + 1, "",
+                f"YAML {what} {token.value!r}: anchors and aliases are not allowed in the upstreams file "
+                "(write the values out)",
+            )])  # fmt: skip
+
+
+class Parser:
+    """Parses successive versions of one file, re-validating only what changed since the last.
+
+    Not thread-safe: one parse at a time (the file source parses in one worker thread)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[Any, Group] = {}
+        self._endpoints: dict[_TextKey, Endpoint] = {}
+        self.reused_groups = self.reused_endpoints = 0  # in the last parse, for tests
+
+    def parse(self, text: str, filename: str = "<upstreams>") -> dict[str, Group]:
+        w = _Walker(filename, text, self._groups, self._endpoints)
+        try:
+            return _parse(w, text, filename)
+        finally:
+            # only what this version holds is kept: memory follows the file's size
+            self._groups, self._endpoints = w.groups, w.endpoints
+            self.reused_groups, self.reused_endpoints = w.reused_groups, w.reused_endpoints
+
+    def parse_bytes(self, data: bytes, filename: str) -> dict[str, Group]:
+        return self.parse(decode(data, filename), filename)
+
+
 def parse(text: str, filename: str = "<upstreams>") -> dict[str, Group]:
     """Parse and validate a whole upstreams file; raise UpstreamsError listing every problem."""
-    w = _Walker(filename)
+    return Parser().parse(text, filename)
+
+
+def _parse(w: _Walker, text: str, filename: str) -> dict[str, Group]:
     root = compose(text, filename)
     if root is None:
         raise UpstreamsError(
@@ -144,6 +222,21 @@ def _group(w: _Walker, name: str, key_node: yaml.Node, node: yaml.Node) -> Group
         return None
     if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null"):
         return Group(name)
+    key = (name, w.key(node)) if w.reuse else None
+    if key is not None:
+        found = w.old_groups.get(key) or w.groups.get(key)
+        if found is not None:
+            w.reused_groups += 1
+            w.groups[key] = found
+            return found
+    n_problems = len(w.problems)
+    group = _group_spec(w, name, node, path)
+    if key is not None and group is not None and len(w.problems) == n_problems:
+        w.groups[key] = group
+    return group
+
+
+def _group_spec(w: _Walker, name: str, node: yaml.Node, path: str) -> Group | None:
     spec = w.mapping(node, path, GROUP_KEYS)
     if spec is None:
         return None
@@ -180,6 +273,22 @@ def _show(ep: Endpoint) -> str:
 
 
 def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
+    """One endpoint; the last parse's when its text is the same (its checks depend on nothing else)."""
+    if not w.reuse:
+        return _endpoint_spec(w, node, path)
+    key = w.key(node)
+    found = w.old_endpoints.get(key) or w.endpoints.get(key)
+    if found is not None:
+        w.reused_endpoints += 1
+        w.endpoints[key] = found
+        return found
+    ep = _endpoint_spec(w, node, path)
+    if ep is not None:
+        w.endpoints[key] = ep
+    return ep
+
+
+def _endpoint_spec(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
     if isinstance(node, yaml.ScalarNode):
         try:
             value = w.value(node)
@@ -261,20 +370,58 @@ def _check_weight_sums(w: _Walker, node: yaml.Node, path: str, endpoints: list[E
             )  # fmt: skip
 
 
-def parse_bytes(data: bytes, filename: str) -> dict[str, Group]:
+def decode(data: bytes, filename: str) -> str:
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise UpstreamsError([Problem(filename, line, "", f"not UTF-8 text: {e.reason}")]) from None
-    return parse(text, filename)
 
 
-def load(path: str) -> dict[str, Group]:
+def parse_bytes(data: bytes, filename: str) -> dict[str, Group]:
+    return parse(decode(data, filename), filename)
+
+
+def read(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
+    """The file's bytes: a regular file (symlinks followed) of at most `max_size` bytes.
+
+    A FIFO would block the reader, a device such as /dev/zero never ends: both are refused after
+    a non-blocking open, before anything is read. FileNotFoundError passes through (the source
+    treats it as transient); every other problem is an UpstreamsError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise UpstreamsError([Problem(path, 1, "", "cannot read: Is a directory")])
+        if not stat.S_ISREG(st.st_mode):
+            raise UpstreamsError([Problem(path, 1, "", "not a regular file (a FIFO or a device)")])
+        chunks, size = [], 0
+        while size <= max_size:  # bounded: stops past the limit even if the file grows meanwhile
+            chunk = os.read(fd, min(1 << 20, max_size + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+    finally:
+        os.close(fd)
+    if size > max_size:
+        raise UpstreamsError([Problem(
+            path, 1, "", f"larger than {max_size} bytes (raise the limit with --max-upstreams-size)"
+        )])  # fmt: skip
+    return b"".join(chunks)
+
+
+def load(path: str, max_size: int = MAX_FILE_SIZE) -> dict[str, Group]:
     """Read and parse a file; an unreadable file is one Problem too."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
+        data = read(path, max_size)
+    except FileNotFoundError as e:
         raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
     return parse_bytes(data, path)

@@ -3,7 +3,8 @@
 The directory is watched rather than the file so that atomic renames, editors that replace the
 file, and Kubernetes ConfigMap symlink swaps are all seen; a slow poll backs the watch up, and the
 watch is re-armed if the directory itself is replaced. A bad version is reported and ignored: the
-last good state keeps being served.
+last good state keeps being served. Re-reads are read and parsed in a worker thread, so a big file
+never stalls the event loop (keepalives, other streams); the first load, before serving, is not.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import watchfiles
 
 from .. import upstreams
+from ..model import Group
 from ..store import Store
 
 log = logging.getLogger("eds_server.sources.file")
@@ -31,35 +33,53 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 class UpstreamsFileSource:
     def __init__(
-        self, path: str, store: Store, *, debounce_ms: int = 50, poll_interval: float = 5.0
+        self,
+        path: str,
+        store: Store,
+        *,
+        debounce_ms: int = 50,
+        poll_interval: float = 5.0,
+        max_size: int = upstreams.MAX_FILE_SIZE,
     ) -> None:
         self.path = path
+        self.max_size = max_size
+        self._parser = upstreams.Parser()  # remembers the last version: unchanged groups are reused
         self.name = f"file:{path}"
         self.store = store
         self.debounce_ms = debounce_ms
         self.poll_interval = poll_interval
         self.last_error: str | None = None
         self._last_bytes: bytes | None = None
+        self._reloading = asyncio.Lock()  # one parse at a time: the parser keeps the last version
         store.add_source(self.name)
 
     def _read(self) -> bytes:
-        with open(self.path, "rb") as f:
-            return f.read()
+        """Bounded: a regular file of at most max_size bytes (UpstreamsError otherwise)."""
+        return upstreams.read(self.path, self.max_size)
+
+    def _parse(self, data: bytes) -> dict[str, Group]:
+        return self._parser.parse_bytes(data, self.path)
 
     def load(self) -> None:
         """First load: raise UpstreamsError so a bad file stops the server from starting."""
-        groups = upstreams.load(self.path)
-        self._last_bytes = self._read()
+        try:
+            data = self._read()
+        except FileNotFoundError as e:
+            raise upstreams.UpstreamsError(
+                [upstreams.Problem(self.path, 1, "", f"cannot read: {e.strerror or e}")]
+            ) from None
+        groups = self._parse(data)
+        self._last_bytes = data
         self.store.update(self.name, groups)
         log.info("loaded %s: %d groups", self.path, len(groups))
 
     async def _read_settled(self) -> bytes:
         """The file's bytes once a writer has stopped changing them (a slow in-place write
         must not be applied half-written)."""
-        data = self._read()
+        data = await asyncio.to_thread(self._read)
         for _ in range(20):  # bounded: a file rewritten non-stop is taken as last read
             await asyncio.sleep(max(0.02, self.debounce_ms / 1000))
-            again = self._read()
+            again = await asyncio.to_thread(self._read)
             if again == data:
                 break
             data = again
@@ -67,8 +87,12 @@ class UpstreamsFileSource:
 
     async def reload(self) -> bool:
         """Re-read the file; apply it if it changed and is valid. True when the store changed."""
+        async with self._reloading:
+            return await self._reload()
+
+    async def _reload(self) -> bool:
         try:
-            data = self._read()
+            data = await asyncio.to_thread(self._read)
             if data == self._last_bytes:
                 return False
             data = await self._read_settled()
@@ -76,13 +100,17 @@ class UpstreamsFileSource:
             # Usually transient: an editor moved the file aside and is about to write it again.
             self._error(f"{self.path}:1: missing", level=logging.WARNING)
             return False
+        except upstreams.UpstreamsError as e:  # not a regular file, too big, unreadable
+            self._last_bytes = None  # the next readable version is looked at afresh
+            self._error(str(e))
+            return False
         except OSError as e:
             self._error(f"{self.path}:1: cannot read: {e.strerror or e}")
             return False
         if data == self._last_bytes:
             return False
         try:
-            groups = upstreams.parse_bytes(data, self.path)
+            groups = await asyncio.to_thread(self._parse, data)
         except upstreams.UpstreamsError as e:
             self._last_bytes = data  # reported once; the next edit is looked at afresh
             self._error(str(e))
