@@ -109,6 +109,7 @@ class UpstreamsFileSource:
             return False
         if data == self._last_bytes:
             return False
+        log.debug("parsing %s (%d bytes) in a worker thread", self.path, len(data))
         try:
             groups = await asyncio.to_thread(self._parse, data)
         except upstreams.UpstreamsError as e:
