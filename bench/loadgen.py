@@ -16,6 +16,10 @@ Control protocol: one JSON object per line on stdin, one JSON reply per line on 
   {"cmd": "open", "port": P, "conns": [[group, ...], ...], "node_every": bool}
   {"cmd": "wait", "targets": {group: version}, "timeout": s}   # every stream of a listed group has
                                                                # received that version, the others any
+  {"cmd": "wait", "counts": {group: n}, "timeout": s}   # every stream of a listed group has received
+                                                        # n responses in all (servers whose versions
+                                                        # the bench cannot know: bench/sidebyside.py)
+  {"cmd": "counts"}   # the fewest responses any stream of each group has received
   {"cmd": "dump", "clear": bool}   {"cmd": "close"}   {"cmd": "quit"}
 """
 
@@ -134,7 +138,8 @@ def scan_response(msg: bytes) -> tuple[str, str]:
 
 
 class Stream:
-    __slots__ = ("closed", "done", "error", "group", "id", "last_size", "out", "rbuf", "recv", "tail", "window")
+    __slots__ = ("closed", "count", "done", "error", "group", "id", "last_size", "out", "rbuf", "recv", "tail",
+                 "window")  # fmt: skip
 
     def __init__(self, sid: int, group: str, window: int) -> None:
         self.id, self.group, self.window = sid, group, window
@@ -142,7 +147,7 @@ class Stream:
         self.out = bytearray()  # gRPC-framed request bytes not yet sent (flow control)
         self.rbuf = bytearray()
         self.recv: list[tuple[str, int]] = []  # (version_info, receive time ns)
-        self.last_size = 0
+        self.last_size = self.count = 0  # count: responses received in all (recv can be cleared)
         self.done = self.closed = False
         self.error = ""
 
@@ -277,6 +282,7 @@ class Conn(asyncio.Protocol):
             del rbuf[: 5 + size]
             version, nonce = scan_response(msg)
             s.recv.append((version, now))
+            s.count += 1
             s.last_size = size
             node = self.gen.node_field if self.gen.node_every else b""
             self.send_request(s, pb_bytes(1, version.encode()) + node + s.tail + pb_bytes(5, nonce.encode()))
@@ -322,6 +328,7 @@ class Generator:
         self.conns: list[Conn] = []
         self.errors: list[str] = []
         self.targets: dict[str, str] | None = None
+        self.counts: dict[str, int] = {}
         self.remaining = 0
         self.satisfied = asyncio.Event()
         self.t_start = 0
@@ -333,7 +340,8 @@ class Generator:
         if self.targets is None or s.done:
             return
         want = self.targets.get(s.group)
-        if version is None or want is None or version == want:
+        reached = s.count >= self.counts.get(s.group, 1) if self.counts else want is None or version == want
+        if version is None or reached:
             s.done = True
             self.remaining -= 1
             if self.remaining <= 0:
@@ -351,18 +359,27 @@ class Generator:
         self.conns += [p for _, p in made]
         return {"t_start": self.t_start, "node_bytes": len(self.node_field)}
 
-    async def wait(self, targets: dict[str, str], timeout: float) -> dict[str, Any]:
-        self.targets, self.remaining = targets, 0
+    async def wait(self, targets: dict[str, str], timeout: float, counts: dict[str, int]) -> dict[str, Any]:
+        self.targets, self.counts, self.remaining = targets, counts, 0
         self.satisfied.clear()
         for s in self.streams():
             want = targets.get(s.group)
-            s.done = s.closed or (bool(s.recv) and (want is None or s.recv[-1][0] == want))
+            if counts:
+                s.done = s.closed or s.count >= counts.get(s.group, 1)
+            else:
+                s.done = s.closed or (bool(s.recv) and (want is None or s.recv[-1][0] == want))
             self.remaining += not s.done
         if self.remaining:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.satisfied.wait(), timeout)
-        self.targets = None
+        self.targets, self.counts = None, {}
         return {"ok": self.remaining <= 0, "remaining": self.remaining}
+
+    def min_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.streams():
+            out[s.group] = min(out.get(s.group, s.count), s.count)
+        return out
 
     def dump(self, clear: bool) -> dict[str, Any]:
         ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -397,7 +414,9 @@ async def main(node_bytes: int) -> None:
             case "open":
                 reply = await gen.open(cmd["port"], cmd["conns"], cmd["node_every"])
             case "wait":
-                reply = await gen.wait(cmd["targets"], cmd["timeout"])
+                reply = await gen.wait(cmd.get("targets", {}), cmd["timeout"], cmd.get("counts", {}))
+            case "counts":
+                reply = gen.min_counts()
             case "dump":
                 reply = gen.dump(cmd.get("clear", False))
             case "close":

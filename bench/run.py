@@ -1,8 +1,12 @@
 """Fan-out benchmark: how eds-server copes with many Envoy streams, changes, churn and reconnects.
 
     .venv/bin/python bench/run.py [--quick] [--only NAME[,NAME]] [--clients N] [--profile]
+                                  [--peer COMMAND] [--rounds N]
 
-Scenarios (NAME): fanout, churn, memory, storm, big. Each starts a fresh server (bench/server.py,
+Scenarios (NAME): fanout, churn, memory, storm, big, and sidebyside (bench/sidebyside.py: eds-server
+and --peer COMMAND, any server taking `serve --upstreams FILE --listen HOST:PORT [--admin
+HOST:PORT]`, both driven through the file, interleaved over --rounds; it runs by default only when
+--peer is given). Each starts a fresh server (bench/server.py,
 eds_server's App, pinned to the first core) and load generators (bench/loadgen.py, raw HTTP/2
 speaking StreamEndpoints like Envoy without ADS, all pinned to the other core), prints a table and
 writes bench/results/<name>.json (bench/results/quick/ with --quick, which divides the sizes by 10).
@@ -48,6 +52,8 @@ class Config:
     node_bytes: int
     profile: bool
     out: Path
+    peer: str = ""
+    rounds: int = 3
 
     def size(self, full: int) -> int:
         return max(1, full // 10) if self.quick else full
@@ -104,8 +110,8 @@ class Workers:
             p.send(json.dumps(c))
         return [p.recv() for p in self.procs]
 
-    def open(self, port: int, groups: list[str], node_every: bool) -> list[Any]:
-        conns = [groups[i : i + STREAMS_PER_CONN] for i in range(0, len(groups), STREAMS_PER_CONN)]
+    def open(self, port: int, groups: list[str], node_every: bool, per_conn: int = STREAMS_PER_CONN) -> list[Any]:
+        conns = [groups[i : i + per_conn] for i in range(0, len(groups), per_conn)]
         mine: list[list[list[str]]] = [conns[i :: len(self.procs)] for i in range(len(self.procs))]
         return self.all([{"cmd": "open", "port": port, "conns": c, "node_every": node_every} for c in mine])
 
@@ -385,9 +391,15 @@ def scenario_big(cfg: Config) -> dict[str, Any]:
     return out
 
 
+def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
+    from sidebyside import scenario_sidebyside as run  # imports this module
+
+    return run(cfg)
+
+
 SCENARIOS: dict[str, Callable[[Config], dict[str, Any]]] = {
     "fanout": scenario_fanout, "churn": scenario_churn, "memory": scenario_memory,
-    "storm": scenario_storm, "big": scenario_big,
+    "storm": scenario_storm, "big": scenario_big, "sidebyside": scenario_sidebyside,
 }  # fmt: skip
 
 
@@ -448,14 +460,18 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4, help="most load generator processes per scenario")
     p.add_argument("--profile", action="store_true", help="record each server with py-spy (installed in the venv)")
     p.add_argument("--time-limit", type=int, default=900, help="seconds allowed per scenario")
+    p.add_argument("--peer", default="", metavar="COMMAND",
+                   help="another xDS server's command (shell words), run side by side with eds-server")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side scenario")
     args = p.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    default = [n for n in SCENARIOS if n != "sidebyside" or args.peer]
+    names = [n for n in args.only.split(",") if n] or default
     for n in names:
         if n not in SCENARIOS:
             p.error(f"unknown scenario {n!r}")
     os.sched_setaffinity(0, set(CLIENT_CORES))
     out = HERE / "results" / ("profile" if args.profile else "") / ("quick" if args.quick else "")
-    cfg = Config(args.quick, args.clients, args.node_bytes, args.profile, out)
+    cfg = Config(args.quick, args.clients, args.node_bytes, args.profile, out, args.peer, max(1, args.rounds))
 
     def too_long(*_: Any) -> None:
         raise TimeoutError("scenario exceeded --time-limit")
@@ -463,7 +479,7 @@ def main() -> None:
     signal.signal(signal.SIGALRM, too_long)
     results: dict[str, dict[str, Any]] = {}
     for n in names:
-        signal.alarm(args.time_limit)
+        signal.alarm(args.time_limit * (args.rounds * 2 if n == "sidebyside" else 1))  # per round and server
         started = time.monotonic()
         results[n] = SCENARIOS[n](cfg)
         signal.alarm(0)

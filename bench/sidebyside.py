@@ -1,0 +1,212 @@
+"""Side by side: eds-server and a peer xDS server, both driven through the upstreams file.
+
+    .venv/bin/python bench/run.py --only sidebyside [--peer COMMAND] [--rounds 3] [--quick]
+
+Each server is started as `COMMAND serve --upstreams FILE --listen HOST:PORT --admin HOST:PORT`
+(eds-server: `python -m eds_server`), pinned to the server core, fed by rewriting FILE (a temp file
+renamed over it, one endpoint's weight changed per change) and measured from outside: CPU from
+/proc/PID/task/*/schedstat (nanoseconds, every thread), RSS from /proc/PID/status. The shapes are
+the ones of issue 12's table; each round runs every shape on eds-server, then on the peer (A B A B
+...), and the table gives medians over rounds and the ratio eds-server / peer.
+
+A change counts from just before the file is renamed until every stream has received a new
+response and the server's CPU has settled (its ACKs processed). Without --peer, the peer columns
+hold the figures of the table in issue 12 (go-control-plane, measured on another day in the same
+kind of VM with these client shapes): a reference, not a same-run comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from run import CLIENT_CORES, SERVER_CORE, Config, Workers, table
+
+EDS_SERVER = [sys.executable, "-m", "eds_server"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    streams: int
+    endpoints: int
+    node_every: bool
+    changes: int
+    # issue 12's table: eds-server and go-control-plane CPU per change (ms), RSS per stream (KB)
+    issue: tuple[float, float, float | None, float | None]
+
+
+SHAPES = [
+    Shape("1k streams x 1k eps, Node every request", 1000, 1000, True, 5, (297, 477, 52, 361)),
+    Shape("1k streams x 1k eps, Node first only", 1000, 1000, False, 5, (172, 80, 54, 251)),
+    Shape("10k streams x 1k eps, Node first only", 10_000, 1000, False, 3, (1335, 1035, 53, 244)),
+    Shape("100 streams x one group of 10k eps", 100, 10_000, False, 5, (640, 70, None, None)),
+    Shape("1 stream x 1k eps (fixed cost)", 1, 1000, False, 10, (55, 5, None, None)),
+]
+PER_CONN = 100  # streams per HTTP/2 connection, as in the issue's runs
+
+
+def upstreams_text(endpoints: int, change: int) -> str:
+    """Group g0 with `endpoints` endpoints; change k sets one endpoint's weight to k + 1."""
+    lines = ["groups:", "  g0:", "    endpoints:"]
+    for i in range(endpoints):
+        weight = change + 1 if change and i == change % endpoints else 1
+        lines.append(f"      - {{address: 10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}, port: 8080, weight: {weight}}}")
+    return "\n".join(lines) + "\n"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    """A server process under test, measured from outside."""
+
+    def __init__(self, command: list[str], upstreams: Path, log: IO[str]) -> None:
+        self.port, admin = free_port(), free_port()
+        args = [*command, "serve", "--upstreams", str(upstreams), "--listen", f"127.0.0.1:{self.port}",
+                "--admin", f"127.0.0.1:{admin}"]  # fmt: skip
+        self.p = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            preexec_fn=lambda: os.sched_setaffinity(0, {SERVER_CORE}),
+        )  # fmt: skip
+        for _ in range(600):  # bounded: 60 s
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{args!r} exited with {self.p.returncode}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{args!r} never listened")
+
+    def cpu(self) -> float:
+        """CPU seconds of every thread, in nanosecond resolution (getrusage ticks are 10 ms)."""
+        total = 0
+        task_dir = f"/proc/{self.p.pid}/task"
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:
+                pass  # the thread ended meanwhile
+        return total / 1e9
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.p.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    def settle(self, limit: float = 5.0) -> None:
+        """Until the server's CPU stops moving (ACKs processed, buffers flushed), bounded."""
+        last, deadline = self.cpu(), time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.cpu()
+            if now - last < 0.002:
+                return
+            last = now
+
+    def stop(self) -> None:
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            self.p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[str, Any]:
+    streams, endpoints = cfg.size(shape.streams), cfg.size(shape.endpoints)
+    work = cfg.out / "sidebyside"
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "upstreams.yaml"
+    write_atomically(path, upstreams_text(endpoints, 0))
+    with open(work / f"{tag}.log", "a") as log:
+        server = Served(command, path, log)
+        workers = Workers(max(1, min(cfg.clients, math.ceil(streams / 1000))), cfg.node_bytes, log)
+        try:
+            server.settle()
+            rss0 = server.rss()
+            workers.open(server.port, ["g0"] * streams, shape.node_every, per_conn=PER_CONN)
+            if workers.wait({}, 180):
+                raise RuntimeError(f"{tag}: not every stream got its first response")
+            server.settle()
+            rss1 = server.rss()
+            cpus = []
+            for k in range(1, shape.changes + 1):
+                base = min(r["g0"] for r in workers.all([{"cmd": "counts"}] * len(workers.procs)))
+                c0 = server.cpu()
+                write_atomically(path, upstreams_text(endpoints, k))
+                missing = sum(r["remaining"] for r in workers.all(
+                    [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
+                ))  # fmt: skip
+                if missing:
+                    raise RuntimeError(f"{tag}: change {k} missed {missing} streams")
+                server.settle()
+                cpus.append(server.cpu() - c0)
+            errors = workers.dump()["n_errors"]
+        finally:
+            workers.stop()
+            server.stop()
+    return {"cpu_per_change_s": statistics.median(cpus), "cpu_s": cpus,
+            "rss_per_stream_b": (rss1 - rss0) / streams, "errors": errors}  # fmt: skip
+
+
+def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
+    peer = shlex.split(cfg.peer) if cfg.peer else None
+    servers = [("eds-server", EDS_SERVER)] + ([("peer", peer)] if peer else [])
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n, _ in servers} for s in SHAPES}
+    for r in range(cfg.rounds):
+        for shape in SHAPES:
+            for name, command in servers:  # A B A B ...: drift in the machine hits both alike
+                results[shape.name][name].append(one_round(cfg, shape, command, f"{name}-r{r}"))
+                got = results[shape.name][name][-1]["cpu_per_change_s"] * 1000
+                print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {got:.1f} ms/change", flush=True)
+    out: dict[str, Any] = {"peer": cfg.peer, "rounds": cfg.rounds, "server_core": SERVER_CORE,
+                           "client_cores": CLIENT_CORES, "shapes": {}}  # fmt: skip
+    peer_label = "peer" if peer else "gcp (issue)"
+    rows = [("shape", "eds CPU/chg ms", f"{peer_label} CPU/chg ms", "ratio", "eds KB/stream",
+             f"{peer_label} KB/stream", "ratio")]  # fmt: skip
+    for shape in SHAPES:
+        per = results[shape.name]
+
+        def med(name: str, key: str, per: dict[str, list[dict[str, Any]]] = per) -> float:
+            return statistics.median(x[key] for x in per[name]) if per.get(name) else math.nan
+
+        eds_cpu, eds_rss = med("eds-server", "cpu_per_change_s") * 1000, med("eds-server", "rss_per_stream_b") / 1000
+        if peer:
+            peer_cpu, peer_rss = med("peer", "cpu_per_change_s") * 1000, med("peer", "rss_per_stream_b") / 1000
+        else:
+            peer_cpu = shape.issue[1]
+            peer_rss = shape.issue[3] if shape.issue[3] is not None else math.nan
+        show_rss = shape.streams >= 1000
+        out["shapes"][shape.name] = {
+            "streams": cfg.size(shape.streams), "endpoints": cfg.size(shape.endpoints),
+            "node_every": shape.node_every, "eds_cpu_ms": eds_cpu, "peer_cpu_ms": peer_cpu,
+            "cpu_ratio": eds_cpu / peer_cpu, "eds_rss_kb": eds_rss, "peer_rss_kb": peer_rss,
+            "peer_is_issue_figure": not peer, "issue_eds_cpu_ms": shape.issue[0], "rounds": per,
+        }  # fmt: skip
+        rows.append((shape.name, f"{eds_cpu:.1f}", f"{peer_cpu:.1f}", f"{eds_cpu / peer_cpu:.2f}",
+                     f"{eds_rss:.1f}" if show_rss else "-", f"{peer_rss:.1f}" if show_rss else "-",
+                     f"{eds_rss / peer_rss:.2f}" if show_rss else "-"))  # fmt: skip
+    title = f"side by side, medians of {cfg.rounds} interleaved rounds" if peer else (
+        f"eds-server through its file, medians of {cfg.rounds} rounds, against issue 12's go-control-plane figures")
+    table(title + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)
+    return out
