@@ -1,0 +1,96 @@
+"""The fan-out path: a change is answered from the store's callback, frames built without h2's
+send_data, one socket write per connection per change; anything that cannot go at once still
+goes, through the stream's task."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpclib.server
+import h2
+import h2.connection
+import h2.stream
+import hyperframe
+import pytest
+from test_grpc import SOURCE, Harness, cla_of, first, recv, reply
+from test_grpc import harness as grpc_harness  # noqa: F401 (a fixture)
+
+from eds_server.model import Endpoint, Group
+from eds_server.transport.grpc import EdsService
+
+
+@pytest.fixture
+async def h(grpc_harness: Harness) -> Harness:  # noqa: F811
+    return grpc_harness
+
+
+def big_group(name: str, n: int, weight: int = 1) -> Group:
+    return Group(name, tuple(Endpoint(f"10.0.{i >> 8}.{i & 255}", 8080, weight=weight) for i in range(n)))
+
+
+@contextlib.asynccontextmanager
+async def counting_flushes(service: EdsService) -> AsyncIterator[list[int]]:
+    """How many connections each flush pass wrote."""
+    passes: list[int] = []
+    original = service._flush
+
+    def counted() -> None:
+        passes.append(len(service._unflushed))
+        original()
+
+    service._flush = counted  # type: ignore[method-assign]
+    try:
+        yield passes
+    finally:
+        service._flush = original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("endpoints", [3, 1500])  # one DATA frame, and several (a ~40 KB CLA)
+async def test_a_change_reaches_every_stream_in_one_write_per_connection(h: Harness, endpoints: int) -> None:
+    h.store.update(SOURCE, {"web": big_group("web", endpoints)})
+    async with h.stream() as a, h.stream() as b, h.stream() as c:
+        streams = [a, b, c]
+        for s in streams:
+            await s.send_message(first("web"))
+        acks = [reply(await recv(s), "web") for s in streams]
+        for s, ack in zip(streams, acks, strict=True):
+            await s.send_message(ack)
+        responses_before = h.service.counters.responses
+        async with counting_flushes(h.service) as passes:
+            h.store.update(SOURCE, {"web": big_group("web", endpoints, weight=2)})
+            got = [await recv(s) for s in streams]
+        assert passes == [1]  # three streams, one connection: one write
+        assert h.service.counters.responses == responses_before + 3
+        for resp in got:
+            cla = cla_of(resp)
+            assert len(cla.endpoints[0].lb_endpoints) == endpoints
+            assert {e.load_balancing_weight.value for e in cla.endpoints[0].lb_endpoints} == {2}
+
+
+async def test_a_message_larger_than_the_window_still_arrives_whole(h: Harness) -> None:
+    """grpclib's client window is 64 KB: a ~130 KB CLA cannot be queued at once, so the stream's
+    task sends it as the window opens."""
+    h.store.update(SOURCE, {"web": big_group("web", 1)})
+    async with h.stream() as s:
+        await s.send_message(first("web"))
+        await s.send_message(reply(await recv(s), "web"))
+        h.store.update(SOURCE, {"web": big_group("web", 5000)})
+        resp = await recv(s)
+        assert len(cla_of(resp).endpoints[0].lb_endpoints) == 5000
+        await s.send_message(reply(resp, "web"))
+        h.store.update(SOURCE, {"web": big_group("web", 2)})  # and the stream carries on
+        assert len(cla_of(await recv(s)).endpoints[0].lb_endpoints) == 2
+
+
+def test_private_api_the_fan_out_relies_on() -> None:
+    """transport/grpc.py writes DATA frames into h2's buffer and shrinks its windows itself: a new
+    h2, hyperframe or grpclib must be checked against _queue_message before it is taken."""
+    assert (h2.__version__, hyperframe.__version__) == ("4.4.1", "6.1.0")
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    assert isinstance(conn._data_to_send, bytearray)
+    assert isinstance(conn.outbound_flow_control_window, int)
+    assert h2.connection.ConnectionInputs.SEND_DATA and h2.stream.StreamInputs.SEND_DATA
+    assert "outbound_flow_control_window" in h2.stream.H2Stream.__init__.__code__.co_names
+    names = grpclib.server.Stream.send_message.__code__.co_names
+    assert {"_send_initial_metadata_done", "_send_message_done"} <= set(names)
