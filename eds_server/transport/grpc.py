@@ -297,7 +297,10 @@ class _Session:
             self._handle(data, first)
             del data  # not kept while idle: a request may carry a 60 KB Node
             first = False
-            self.wake.set()
+            # An ACK with nothing new to send wakes no one (one task switch per stream per change
+            # saved); an answer that is due goes out from here when it can.
+            if self.sm.wants_poll and not self._push():
+                self.wake.set()
 
     def _handle(self, data: bytes, first: bool) -> None:
         counters = self.service.counters
