@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -165,24 +166,132 @@ def _refuse_anchors(text: str, filename: str) -> None:
 class Parser:
     """Parses successive versions of one file, re-validating only what changed since the last.
 
+    Two levels. An edit inside one endpoint written as a one-line flow mapping (`- {address: ...,
+    port: ...}`), the last version having been valid, is spliced: only that endpoint's text is
+    composed and checked, then its group's duplicate and weight checks run again; whatever else
+    (or any problem) takes the full path. The full path composes the whole file but reuses the
+    groups, and within changed groups the endpoints, whose source text it has seen before.
     Not thread-safe: one parse at a time (the file source parses in one worker thread)."""
 
     def __init__(self) -> None:
         self._groups: dict[Any, Group] = {}
         self._endpoints: dict[_TextKey, Endpoint] = {}
         self.reused_groups = self.reused_endpoints = 0  # in the last parse, for tests
+        self.spliced = False  # the last parse took the splice path
+        self._index = _Index("", {})
 
     def parse(self, text: str, filename: str = "<upstreams>") -> dict[str, Group]:
+        spliced = self._index.splice(text, filename)
+        self.spliced = spliced is not None
+        if spliced is not None:
+            self.reused_groups = len(spliced) - 1
+            self.reused_endpoints = len(spliced[self._index.changed].endpoints) - 1
+            return spliced
+        self._index = _Index("", {})
         w = _Walker(filename, text, self._groups, self._endpoints)
         try:
-            return _parse(w, text, filename)
+            groups, nodes = _parse(w, text, filename)
         finally:
             # only what this version holds is kept: memory follows the file's size
             self._groups, self._endpoints = w.groups, w.endpoints
             self.reused_groups, self.reused_endpoints = w.reused_groups, w.reused_endpoints
+        if w.reuse:
+            self._index = _Index(text, groups, nodes)
+        return groups
 
     def parse_bytes(self, data: bytes, filename: str) -> dict[str, Group]:
         return self.parse(decode(data, filename), filename)
+
+
+_SPLICE_REFUSED = re.compile(r"[\n\r#&*!%]")  # lines, comments, anchors, aliases, tags: the full path
+
+
+def _first_difference(a: str, b: str, step: int = 4096) -> int:
+    """Length of the common prefix, comparing in C-speed chunks."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i : i + step] == b[i : i + step]:
+        i += step
+    end = min(i + step, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _Index:
+    """Where each one-line flow-mapping endpoint of a valid version lies, for splicing."""
+
+    def __init__(self, text: str, groups: dict[str, Group], nodes: dict[str, yaml.Node] | None = None) -> None:
+        self.text, self.groups = text, groups
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.where: list[tuple[str, int]] = []  # (group, index in its endpoints)
+        self.changed = ""  # the group the last splice changed
+        for name, node in (nodes or {}).items():
+            seq = _endpoints_node(node)
+            if seq is None or name not in groups or len(seq.value) != len(groups[name].endpoints):
+                continue
+            for i, item in enumerate(seq.value):
+                start, end = item.start_mark.index, item.end_mark.index
+                if isinstance(item, yaml.MappingNode) and item.flow_style and "\n" not in text[start:end]:
+                    self.starts.append(start)
+                    self.ends.append(end)
+                    self.where.append((name, i))
+
+    def splice(self, text: str, filename: str) -> dict[str, Group] | None:
+        """The new version's groups if it differs from the last inside one indexed endpoint and
+        that endpoint is valid; None: take the full path."""
+        old = self.text
+        if not self.starts:
+            return None
+        p = _first_difference(old, text)
+        if p == len(old) == len(text):
+            self.changed = next(iter(self.groups))
+            return self.groups
+        q = _first_difference(old[::-1], text[::-1])
+        q = min(q, len(old) - p, len(text) - p)
+        k = bisect_right(self.starts, p) - 1
+        if k < 0 or len(old) - q > self.ends[k]:
+            return None
+        start, delta = self.starts[k], len(text) - len(old)
+        item = text[start : self.ends[k] + delta]
+        if not (item.startswith("{") and item.endswith("}")) or _SPLICE_REFUSED.search(item):
+            return None
+        try:
+            node = yaml.compose(item, Loader=_Loader)
+        except (yaml.YAMLError, RecursionError):
+            return None
+        if not isinstance(node, yaml.MappingNode) or node.end_mark.index != len(item):
+            return None
+        name, i = self.where[k]
+        w = _Walker(filename, item, {}, {})
+        ep = _endpoint_spec(w, node, f"groups.{name}.endpoints[{i}]")
+        if ep is None or w.problems:
+            return None  # the full path names the problem with its line
+        group = self.groups[name]
+        endpoints = list(group.endpoints)
+        endpoints[i] = ep
+        if ep.key != group.endpoints[i].key and any(e.key == ep.key for e in endpoints if e is not ep):
+            return None  # a duplicate: the full path says which
+        bucket = (ep.priority, ep.locality)
+        if sum(e.weight or 1 for e in endpoints if (e.priority, e.locality) == bucket) > fields.UINT32_MAX:
+            return None
+        groups = dict(self.groups)
+        groups[name] = Group(name, tuple(endpoints), group.locality_weights)
+        self.text, self.groups, self.changed = text, groups, name
+        self.ends[k] += delta
+        if delta:
+            self.starts[k + 1 :] = [s + delta for s in self.starts[k + 1 :]]
+            self.ends[k + 1 :] = [e + delta for e in self.ends[k + 1 :]]
+        return groups
+
+
+def _endpoints_node(node: yaml.Node) -> yaml.SequenceNode | None:
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.value == "endpoints" and isinstance(value, yaml.SequenceNode):
+            return value
+    return None
 
 
 def parse(text: str, filename: str = "<upstreams>") -> dict[str, Group]:
@@ -190,7 +299,8 @@ def parse(text: str, filename: str = "<upstreams>") -> dict[str, Group]:
     return Parser().parse(text, filename)
 
 
-def _parse(w: _Walker, text: str, filename: str) -> dict[str, Group]:
+def _parse(w: _Walker, text: str, filename: str) -> tuple[dict[str, Group], dict[str, yaml.Node]]:
+    """The groups, and each group's node (for the splice index)."""
     root = compose(text, filename)
     if root is None:
         raise UpstreamsError(
@@ -198,6 +308,7 @@ def _parse(w: _Walker, text: str, filename: str) -> dict[str, Group]:
         )
     top = w.mapping(root, "", TOP_KEYS)
     groups: dict[str, Group] = {}
+    nodes: dict[str, yaml.Node] = {}
     if top is not None:
         if "groups" not in top:
             w.problem(root, "groups", "missing (the file must have a top-level `groups:` mapping)")
@@ -210,9 +321,10 @@ def _parse(w: _Walker, text: str, filename: str) -> dict[str, Group]:
                     group = _group(w, name, key_node, node)
                     if group is not None:
                         groups[name] = group
+                        nodes[name] = node
     if w.problems:
         raise UpstreamsError(sorted(w.problems, key=lambda p: p.line))
-    return groups
+    return groups, nodes
 
 
 def _group(w: _Walker, name: str, key_node: yaml.Node, node: yaml.Node) -> Group | None:
@@ -282,8 +394,9 @@ def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
         w.reused_endpoints += 1
         w.endpoints[key] = found
         return found
+    n_problems = len(w.problems)
     ep = _endpoint_spec(w, node, path)
-    if ep is not None:
+    if ep is not None and len(w.problems) == n_problems:  # e.g. an unknown key still gives an Endpoint
         w.endpoints[key] = ep
     return ep
 

@@ -159,6 +159,68 @@ def test_unchanged_groups_and_endpoints_are_reused() -> None:
     assert second == upstreams.parse(file_text(groups))
 
 
+def test_an_edit_inside_one_flow_mapping_endpoint_is_spliced() -> None:
+    eps = [f"10.0.0.{i}" for i in range(1, 101)]
+    text = file_text({"a": eps, "b": eps[:3]})
+    parser = upstreams.Parser()
+    first = parser.parse(text)
+    assert not parser.spliced
+    for edit in (
+        text.replace("10.0.0.7, port: 8080, weight: 1", "10.0.0.7, port: 8080, weight: 5"),
+        text.replace("10.0.0.7, port: 8080, weight: 1", "10.0.0.7, port: 8080, weight: 5, health: draining"),
+        text.replace("10.0.0.7, port: 8080, weight: 1", "10.0.9.9, port: 81"),
+    ):
+        got = parser.parse(edit)
+        assert parser.spliced and got["b"] is first["b"]
+        assert got == upstreams.parse(edit)
+    # a problem, a duplicate, a comment or a second line inside the mapping: the full path, exact words
+    for edit, spliced in (
+        (text.replace("10.0.0.8, port: 8080", "10.0.0.8, port: 0"), False),
+        (text.replace("10.0.0.8, port: 8080", "10.0.0.9, port: 8080"), False),
+        (text.replace("10.0.0.8, port: 8080, weight: 1}", "10.0.0.8, port: 8080, weight: 1} # x"), False),
+        (text.replace("10.0.0.8, port: 8080,", "10.0.0.8,\n        port: 8080,"), False),
+    ):
+        parser = upstreams.Parser()
+        parser.parse(text)
+        try:
+            fresh: object = upstreams.parse(edit, "up.yaml")
+        except upstreams.UpstreamsError as e:
+            fresh = [str(p) for p in e.problems]
+        try:
+            again: object = parser.parse(edit, "up.yaml")
+        except upstreams.UpstreamsError as e:
+            again = [str(p) for p in e.problems]
+        assert again == fresh and parser.spliced == spliced
+
+
+SPLICE_NOISE = ["}", "{", ",", ":", " ", "#", "\n", "'", '"', "[", "]", "&a ", "*a", "!!str ", "0", "9", "weight: 2",
+                "port", "health: draining", "10.0.0.1", "::1", "\t", "- "]  # fmt: skip
+
+
+@examples(300)
+@given(st.data())
+def test_splicing_gives_what_a_fresh_parse_gives(data: st.DataObject) -> None:
+    """Random edits, each inside or around one endpoint's flow mapping, applied one after another."""
+    text = file_text({"a": ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "b": ["10.0.0.4"]})
+    parser = upstreams.Parser()
+    parser.parse(text)
+    for _ in range(3):
+        at = data.draw(st.integers(0, len(text)))
+        cut = data.draw(st.integers(0, 6))
+        noise = data.draw(st.lists(st.sampled_from(SPLICE_NOISE), max_size=3).map("".join))
+        text = text[:at] + noise + text[at + cut :]
+        note(repr(text))
+        try:
+            fresh: object = upstreams.parse(text, "up.yaml")
+        except upstreams.UpstreamsError as e:
+            fresh = [str(p) for p in e.problems]
+        try:
+            again: object = parser.parse(text, "up.yaml")
+        except upstreams.UpstreamsError as e:
+            again = [str(p) for p in e.problems]
+        assert again == fresh
+
+
 def test_reuse_keeps_problems_and_their_lines() -> None:
     parser = upstreams.Parser()
     good = file_text({"a": ["10.0.0.1"], "b": ["10.0.0.2"]})
@@ -172,6 +234,15 @@ def test_reuse_keeps_problems_and_their_lines() -> None:
     with pytest.raises(upstreams.UpstreamsError) as e:
         parser.parse(moved, "up.yaml")
     assert [p.line for p in e.value.problems] == [8] and parser.reused_groups == 1
+
+
+def test_regression_an_endpoint_with_a_problem_is_never_reused() -> None:
+    """An unknown key still yields an Endpoint (and a problem): it must not be remembered as valid."""
+    bad = "groups:\n  a:\n    endpoints:\n      - {address: 10.0.0.3, port: 8080, eight: 1}\n"
+    parser = upstreams.Parser()
+    for _ in range(2):
+        with pytest.raises(upstreams.UpstreamsError, match="eight: unknown key"):
+            parser.parse(bad)
 
 
 def test_the_same_text_at_another_indentation_is_not_reused() -> None:
