@@ -32,7 +32,7 @@ LOCALITY_KEYS = ("region", "zone", "subzone", "weight")
 GROUP_KEYS = ("endpoints", "localities")
 TOP_KEYS = ("groups",)
 MAX_NAME_LENGTH = 1024
-MAX_FILE_SIZE = 16 * 1024 * 1024  # default for --max-upstreams-size; a 10,000-endpoint file is ~0.5 MB
+MAX_FILE_SIZE = 4 * 1024 * 1024  # --max-upstreams-size: ~80,000 one-line endpoints; parsing peaks ~65 MB per MB
 
 # libyaml's loader when this PyYAML was built with it; the pure-Python one otherwise (same nodes)
 LIBYAML: bool = bool(getattr(yaml, "__with_libyaml__", False))
