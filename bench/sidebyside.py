@@ -9,7 +9,8 @@ renamed over it, one endpoint's weight changed per change) and measured from out
 the ones of issue 12's table; each round runs every shape on eds-server, then on the peer (A B A B
 ...), and the table gives medians over rounds and the ratio eds-server / peer.
 
-A change counts from just before the file is renamed until every stream has received a new
+Each change sets one endpoint's weight to a new value (the others keep theirs), as an operator's
+edit of one line would. A change counts from just before the file is renamed until every stream has received a new
 response and the server's CPU has settled (its ACKs processed). Without --peer, the peer columns
 hold the figures of the table in issue 12 (go-control-plane, measured on another day in the same
 kind of VM with these client shapes): a reference, not a same-run comparison.
@@ -56,11 +57,10 @@ SHAPES = [
 PER_CONN = 100  # streams per HTTP/2 connection, as in the issue's runs
 
 
-def upstreams_text(endpoints: int, change: int) -> str:
-    """Group g0 with `endpoints` endpoints; change k sets one endpoint's weight to k + 1."""
+def upstreams_text(weights: list[int]) -> str:
+    """Group g0, one endpoint per weight, one line each."""
     lines = ["groups:", "  g0:", "    endpoints:"]
-    for i in range(endpoints):
-        weight = change + 1 if change and i == change % endpoints else 1
+    for i, weight in enumerate(weights):
         lines.append(f"      - {{address: 10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}, port: 8080, weight: {weight}}}")
     return "\n".join(lines) + "\n"
 
@@ -137,7 +137,8 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
     work = cfg.out / "sidebyside"
     work.mkdir(parents=True, exist_ok=True)
     path = work / "upstreams.yaml"
-    write_atomically(path, upstreams_text(endpoints, 0))
+    weights = [1] * endpoints  # change k sets endpoint k's weight to k + 1: one endpoint per change
+    write_atomically(path, upstreams_text(weights))
     with open(work / f"{tag}.log", "a") as log:
         server = Served(command, path, log)
         workers = Workers(max(1, min(cfg.clients, math.ceil(streams / 1000))), cfg.node_bytes, log)
@@ -153,7 +154,8 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
             for k in range(1, shape.changes + 1):
                 base = min(r["g0"] for r in workers.all([{"cmd": "counts"}] * len(workers.procs)))
                 c0 = server.cpu()
-                write_atomically(path, upstreams_text(endpoints, k))
+                weights[k % endpoints] = k + 1
+                write_atomically(path, upstreams_text(weights))
                 missing = sum(r["remaining"] for r in workers.all(
                     [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
                 ))  # fmt: skip
