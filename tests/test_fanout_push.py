@@ -94,3 +94,21 @@ def test_private_api_the_fan_out_relies_on() -> None:
     assert "outbound_flow_control_window" in h2.stream.H2Stream.__init__.__code__.co_names
     names = grpclib.server.Stream.send_message.__code__.co_names
     assert {"_send_initial_metadata_done", "_send_message_done"} <= set(names)
+
+
+def test_push_latency_histogram_reads_as_prometheus_clients() -> None:
+    """The plain-counter histogram exposes exactly what prometheus_client's Histogram would."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from eds_server.metrics import LATENCY_BUCKETS, LatencyHistogram
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("eds_push_latency_seconds", "From a change entering the store to a subscribed stream "
+                          "being sent it", buckets=LATENCY_BUCKETS, registry=theirs)  # fmt: skip
+    mine = LatencyHistogram()
+    ours.register(mine)
+    for value in (0.0, 0.0005, 0.001, 0.0011, 0.03, 0.5, 7.0, 11.0):  # on, under, over bounds; past the last
+        reference.observe(value)
+        mine.observe(value)
+    expected = [line for line in generate_latest(theirs).decode().splitlines() if "_created" not in line]
+    assert generate_latest(ours).decode().splitlines() == expected
