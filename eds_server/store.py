@@ -195,6 +195,10 @@ class Store:
             for watcher in list(self._following):
                 watcher(None)
             return
+        if len(names) == 1:  # the usual change: its followers all get the same set, no regrouping
+            for watcher in list(self._by_name.get(next(iter(names)), ())):
+                watcher(names)
+            return
         followers: dict[Watcher, list[str]] = {}
         for name in names:
             for watcher in self._by_name.get(name, ()):
