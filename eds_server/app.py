@@ -8,7 +8,7 @@ import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from ssl import SSLContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -18,6 +18,7 @@ from .metrics import make_registry
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
+from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
 from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
@@ -25,6 +26,9 @@ from .store import Store
 from .transport.grpc import EdsService, make_server
 from .transport.rest import make_rest_app
 from .xds.common import Limits
+
+if TYPE_CHECKING:
+    from .sources.kubernetes import KubernetesSource
 
 log = logging.getLogger("eds_server")
 
@@ -35,6 +39,7 @@ class Settings:
     docker: DockerOptions | None = None  # None: no Docker discovery
     swarm: DockerOptions | None = None  # None: no Swarm discovery (same engine options as Docker)
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
+    kubernetes: KubernetesOptions | None = None  # None: no Kubernetes discovery
     debounce: float = 0.05
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
@@ -81,6 +86,11 @@ class App:
             if settings.swarm is not None
             else None
         )
+        self.kubernetes_source: KubernetesSource | None = None
+        if settings.kubernetes is not None:
+            from .sources.kubernetes import KubernetesSource
+
+            self.kubernetes_source = KubernetesSource(self.store, settings.kubernetes, debounce=settings.debounce)
         # after the file and Docker: on a duplicate address in a group, the first source wins
         self.registrations = (
             RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
@@ -123,6 +133,8 @@ class App:
                     count: len(d._inspects if isinstance(d, DockerSource) else d._services),
                     "last_error": d.last_error,
                 })  # fmt: skip
+        if self.kubernetes_source is not None:
+            out.append(self.kubernetes_source.status())
         if self.registrations is not None:
             out.append(self.registrations.status())
         return out
@@ -140,6 +152,9 @@ class App:
             self._spawn(self.docker_source.run(self._stop_sources), "docker source", self.docker_source.name)
         if self.swarm_source is not None:
             self._spawn(self.swarm_source.run(self._stop_sources), "swarm source", self.swarm_source.name)
+        if self.kubernetes_source is not None:
+            k8s = self.kubernetes_source
+            self._spawn(k8s.run(self._stop_sources), "kubernetes source", k8s.name)
         if self.registrations is not None:
             self.registrations.load()  # raises RegistrationStateError: refuse to start
             self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)

@@ -18,6 +18,7 @@ from . import fields, upstreams
 from .app import App, Settings
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
+from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import RegistrationStateError
 from .xds.common import Limits
 
@@ -170,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     docker.add_argument("--docker-address-mode", choices=["network", "published"],
                         default=_env("EDS_DOCKER_ADDRESS_MODE", "network"),
                         help="container IP and port (network), or the published host port (published)")
+    kube = serve.add_argument_group("Kubernetes discovery")
+    kube.add_argument("--kubernetes", action="store_true", default=_flag("EDS_KUBERNETES"),
+                      help="follow annotated Services and their EndpointSlices [EDS_KUBERNETES=1]")
+    kube.add_argument("--kubernetes-namespace", metavar="NS", action="append",
+                      default=[n for n in (_env("EDS_KUBERNETES_NAMESPACES", "") or "").split(",") if n],
+                      help="follow only this namespace (repeatable; a namespaced Role is then enough); "
+                           "default: all [EDS_KUBERNETES_NAMESPACES=a,b]")
+    kube.add_argument("--kubeconfig", metavar="FILE", default=_env("EDS_KUBECONFIG", None),
+                      help="kubeconfig file (default: KUBECONFIG, else in-cluster, else ~/.kube/config)")
+    kube.add_argument("--kubernetes-annotation-prefix", metavar="PREFIX",
+                      default=_env("EDS_KUBERNETES_ANNOTATION_PREFIX", "eds"),
+                      help="Service annotation prefix (default eds: eds.group, eds.port, ...)")
     sec = serve.add_argument_group("TLS and authorization (gRPC port)")
     sec.add_argument("--tls-cert", metavar="FILE", default=_env("EDS_TLS_CERT", None),
                      help="PEM certificate chain: serve gRPC over TLS (1.2+, ALPN h2) [EDS_TLS_CERT]")
@@ -260,9 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not (args.upstreams or args.docker or args.swarm or args.state or args.admin_token):
-        log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm and/or --state FILE with "
-                  "--admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_STATE, EDS_ADMIN_TOKEN)")
+    if not (args.upstreams or args.docker or args.swarm or args.kubernetes or args.state or args.admin_token):
+        log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm, --kubernetes and/or --state "
+                  "FILE with --admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_KUBERNETES, EDS_STATE, "
+                  "EDS_ADMIN_TOKEN)")
         return 2
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
@@ -288,6 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         docker=docker if args.docker else None,
         swarm=docker if args.swarm else None,
         docker_host=args.docker_host,
+        kubernetes=KubernetesOptions(
+            annotation_prefix=args.kubernetes_annotation_prefix,
+            namespaces=tuple(dict.fromkeys(args.kubernetes_namespace)),
+            kubeconfig=args.kubeconfig,
+        )
+        if args.kubernetes
+        else None,
         debounce=args.debounce,
         listen=args.listen,
         admin=args.admin,
