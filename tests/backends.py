@@ -32,12 +32,19 @@ async def _serve(backend: Backend) -> AsyncIterator[Backend]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, backend.address, 0)  # port 0: the OS picks, no race
+        site = web.TCPSite(runner, backend.address, backend.port)  # port 0 (default): the OS picks, no race
         await site.start()
         backend.port = int(runner.addresses[0][1])
         yield backend
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serve_backend(backend: Backend) -> AsyncIterator[Backend]:
+    """One backend at `backend.address`:`backend.port` (e.g. 127.0.0.2, as a Pod IP in the Kubernetes tests)."""
+    async with _serve(backend) as b:
+        yield b
 
 
 @asynccontextmanager

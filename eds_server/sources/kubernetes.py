@@ -202,6 +202,8 @@ class KubernetesSource:
             "services": len(self._services),
             "endpointslices": len(self._slices),
             "watches": self.watches_open,
+            "relists": self.relists,
+            "events": self.events,
             "namespaces": list(self.options.namespaces) or "all",
             "last_error": self.last_error,
         }
