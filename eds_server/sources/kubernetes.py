@@ -69,6 +69,10 @@ class ApiError(Exception):
     pass
 
 
+class Unauthorized(ApiError):
+    """401: the credentials are no longer accepted (rotated, expired): load the configuration again."""
+
+
 async def make_client(options: KubernetesOptions) -> Any:
     """An ApiClient from --kubeconfig, else KUBECONFIG, else in-cluster, else ~/.kube/config."""
     from kubernetes_asyncio import client, config  # imported only when Kubernetes is followed (~1 s)
@@ -116,6 +120,9 @@ class KubernetesSource:
         self._listed: set[tuple[Kind, str | None]] = set()  # scopes listed at least once
         self._down: dict[tuple[Kind, str | None], str] = {}  # scopes currently failing, and why
         self._changed = asyncio.Event()
+        self._api: Any = None
+        self._loaded_at = 0.0
+        self._reload_lock = asyncio.Lock()
         store.add_source(self.name)
 
     # -- state ---------------------------------------------------------------------------------
@@ -212,18 +219,17 @@ class KubernetesSource:
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the API server until `stop` is set, reconnecting for as long as it takes."""
         backoff = Backoff(cap=30.0)
-        api = None
-        while api is None and not stop.is_set():
+        while self._api is None and not stop.is_set():
             try:
-                api = await make_client(self.options)
+                await self._reload()
             except Exception as e:  # no usable configuration (yet): say so, retry
                 self._failed(None, f"no Kubernetes configuration: {type(e).__name__}: {e}")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), backoff.next())
-        if api is None:
+        if self._api is None:
             return
         try:
-            tasks = [asyncio.create_task(self._follow(api, kind, ns, stop)) for kind, ns in self._scopes]
+            tasks = [asyncio.create_task(self._follow(kind, ns, stop)) for kind, ns in self._scopes]
             tasks.append(asyncio.create_task(self._publisher(stop)))
             try:
                 await asyncio.gather(*tasks)
@@ -232,7 +238,18 @@ class KubernetesSource:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            await api.close()
+            await self._api.close()
+
+    async def _reload(self) -> None:
+        """(Re)load the configuration and credentials; at most every 10 s, however many watches ask."""
+        async with self._reload_lock:
+            now = asyncio.get_running_loop().time()
+            if self._api is not None and now - self._loaded_at < 10.0:
+                return
+            api = await make_client(self.options)
+            old, self._api, self._loaded_at = self._api, api, now
+            if old is not None:
+                await old.close()  # watches on it end and resume on the new one
 
     async def _publisher(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -264,7 +281,7 @@ class KubernetesSource:
             self.connected, self.last_error = True, None
             self.store.mark_stale(self.name, False)
 
-    async def _follow(self, api: Any, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
+    async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
         """List, then watch from the list's version; on 410 list again; on errors back off."""
         scope = (kind, namespace)
         backoff = Backoff(cap=30.0)
@@ -272,12 +289,12 @@ class KubernetesSource:
         while not stop.is_set():
             try:
                 if version is None:
-                    version = await self._list(api, kind, namespace)
+                    version = await self._list(kind, namespace)
                     self._listed.add(scope)
                     self._recovered(scope)
                     self._changed.set()  # the first full listing is published even if empty
                 started = asyncio.get_running_loop().time()
-                version = await self._watch(api, kind, namespace, version, backoff)
+                version = await self._watch(kind, namespace, version, backoff)
                 if asyncio.get_running_loop().time() - started > 1.0:
                     continue  # the server ended the watch (its timeout): resume from `version`
                 # ended at once: the server is going away; resume after a pause
@@ -286,14 +303,18 @@ class KubernetesSource:
                 self.relists += 1
                 version = None
                 continue
+            except Unauthorized as e:
+                self._failed(scope, f"{kind.name}: {e}")
+                with contextlib.suppress(Exception):  # a bad new configuration: retried after the backoff
+                    await self._reload()
             except Exception as e:
                 self._failed(scope, f"{kind.name}: {type(e).__name__}: {e}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), backoff.next())
 
-    async def _get(self, api: Any, path: str, query: list[tuple[str, str]], read_timeout: float) -> Any:
+    async def _get(self, path: str, query: list[tuple[str, str]], read_timeout: float) -> Any:
         timeout = aiohttp.ClientTimeout(sock_connect=self.request_timeout, sock_read=read_timeout)
-        resp = await api.call_api(
+        resp = await self._api.call_api(
             path, "GET", query_params=query, header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
         )  # fmt: skip
@@ -303,10 +324,11 @@ class KubernetesSource:
         if resp.status != 200:
             body = (await resp.read())[:500].decode(errors="replace")
             resp.release()
-            raise ApiError(f"GET {path}: {resp.status}: {_message(body)}")
+            error = Unauthorized if resp.status == 401 else ApiError
+            raise error(f"GET {path}: {resp.status}: {_message(body)}")
         return resp
 
-    async def _list(self, api: Any, kind: Kind, namespace: str | None) -> str:
+    async def _list(self, kind: Kind, namespace: str | None) -> str:
         """Every object of one kind in one scope, page by page; returns the list's resourceVersion."""
         items: list[Mapping[str, Any]] = []
         cont = ""
@@ -316,7 +338,7 @@ class KubernetesSource:
                 query.append(("labelSelector", kind.label_selector))
             if cont:
                 query.append(("continue", cont))
-            resp = await self._get(api, kind.path(namespace), query, self.request_timeout)
+            resp = await self._get(kind.path(namespace), query, self.request_timeout)
             try:
                 body = json.loads(await resp.read())
             finally:
@@ -328,7 +350,7 @@ class KubernetesSource:
                 self.replace(kind, namespace, items)
                 return str(meta.get("resourceVersion") or "")
 
-    async def _watch(self, api: Any, kind: Kind, namespace: str | None, version: str, backoff: Backoff) -> str:
+    async def _watch(self, kind: Kind, namespace: str | None, version: str, backoff: Backoff) -> str:
         """Apply events until the server ends the watch; returns the last resourceVersion seen."""
         seconds = random.randint(*self.watch_timeout)  # spread the reconnects of many replicas
         query = [("watch", "1"), ("allowWatchBookmarks", "true"), ("resourceVersion", version),
@@ -336,7 +358,7 @@ class KubernetesSource:
         if kind.label_selector:
             query.append(("labelSelector", kind.label_selector))
         # bookmarks come about once a minute; past the server's own timeout, the connection is dead
-        resp = await self._get(api, kind.path(namespace), query, seconds + 30.0)
+        resp = await self._get(kind.path(namespace), query, seconds + 30.0)
         self.watches_open += 1
         try:
             self._recovered((kind, namespace))
