@@ -1,8 +1,11 @@
 """Kubernetes discovery end to end: a real kube-apiserver (+ the real EndpointSlice controller),
 eds-server --kubernetes as a process, a real Envoy, and HTTP requests through it.
 
-No kubelet runs: Pods are bound to a Node object by name and their status (a loopback podIP where a
-test backend listens, the Ready condition) is written through `pods/status`, as a kubelet would.
+No kubelet runs: Pods are bound to a Node object by name and their status (a podIP, the Ready
+condition) is written through `pods/status`, as a kubelet would. kube-apiserver refuses loopback
+addresses in EndpointSlices, so Pod IPs are TEST-NET-1 addresses (192.0.2.N, never routed) and Envoy
+reaches them through a CONNECT proxy on 127.0.0.1 that maps 192.0.2.N to 127.0.0.N, where HTTPS test
+backends listen (tests/connect_proxy.py): no socket is opened to anything but 127.0.0.0/8.
 Skipped, with the reason, without kube-apiserver binaries (see tests/kube_apiserver.py).
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +23,11 @@ from typing import Any
 import pytest
 import yaml
 from backends import Backend, serve_backend
+from connect_proxy import ConnectProxy, http11_proxy_socket, loopback_for, pod_ip
 from envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap, free_port
 from kube_apiserver import KubeApi, KubeCluster, kube
 from server_process import EdsServerProcess
+from tls import CertAuthority
 
 pytestmark = pytest.mark.envoy
 __all__ = ["kube"]  # the module-scoped fixture
@@ -82,13 +88,16 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def stack(kube: KubeCluster, tmp_path: Path, *args: str, clusters: tuple[str, ...] = ("web",),
-                kubeconfig: Path | None = None) -> AsyncIterator[Stack]:  # fmt: skip
+                kubeconfig: Path | None = None, proxy: ConnectProxy | None = None) -> AsyncIterator[Stack]:  # fmt: skip
     async with (
         KubeApi(kube) as api,
         EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(kubeconfig or kube.kubeconfig), *args,
                          workdir=tmp_path) as server,
     ):  # fmt: skip
         bootstrap = envoy_bootstrap(server.port, [EdsCluster(c) for c in clusters], free_port(), routes={"/": "web"})
+        for cluster in bootstrap["static_resources"]["clusters"]:
+            if proxy is not None and cluster["name"] in clusters:
+                cluster["transport_socket"] = http11_proxy_socket(proxy.port)
         async with EnvoyProcess(bootstrap) as envoy:
             await envoy.wait_live()
             yield Stack(api, server, envoy)
@@ -109,10 +118,18 @@ async def hits_through(envoy: EnvoyProcess, n: int) -> dict[str, int]:
 async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_path: Path) -> None:
     kube.start_controller_manager()
     ns, port = "e2e", free_port()
-    ips = [f"127.0.0.{i}" for i in range(2, 6)]
+    ips = [pod_ip(i) for i in range(2, 6)]
+    ca = CertAuthority("backends", tmp_path)
+    cert = ca.issue(tmp_path / "backend", dns=["web"])
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert.cert, cert.key)
     async with contextlib.AsyncExitStack() as backends:
+        # Envoy names an endpoint by its hostname (the Pod's name) in CONNECT when it has one
+        proxy = await backends.enter_async_context(ConnectProxy({f"web-{i}": ip for i, ip in enumerate(ips)}))
         for i, ip in enumerate(ips):
-            await backends.enter_async_context(serve_backend(Backend(f"web-{i}", port, ip)))
+            local = loopback_for(ip)
+            assert local is not None
+            await backends.enter_async_context(serve_backend(Backend(f"web-{i}", port, local, ssl=tls)))
         async with KubeApi(kube) as api:
             await api.namespace(ns)
             node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a"}}}
@@ -126,7 +143,7 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
 
             await add_pod(0)
             await add_pod(1)
-        async with stack(kube, tmp_path, "--kubernetes-namespace", ns, clusters=("web", "web2")) as s:
+        async with stack(kube, tmp_path, "--kubernetes-namespace", ns, clusters=("web", "web2"), proxy=proxy) as s:
             pods = f"/api/v1/namespaces/{ns}/pods"
             hosts = await s.wait_hosts(lambda h: set(h) == {ips[0], ips[1]})
             assert {h.health for h in hosts.values()} == {"HEALTHY"}
@@ -178,6 +195,7 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
             source = await s.source()
             assert source["connected"] and source["watches"] == 2  # one per kind, for the one namespace
             await s.api.delete(f"{pods}/web-0", gracePeriodSeconds=0)
+            assert proxy.refused == [] and set(proxy.targets) <= {f"web-{i}:{port}" for i in range(len(ips))}
 
 
 async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tmp_path: Path) -> None:
@@ -188,7 +206,7 @@ async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tm
         await api.namespace(ns)
         await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
         await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                         endpoint_slice("api-1", "api", port, ["127.0.0.2", "127.0.0.3", "127.0.0.4"]))  # fmt: skip
+                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3), pod_ip(4)]))  # fmt: skip
     async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
         await s.wait_hosts(lambda h: len(h) == 3)
         version = await s.envoy.version_text("web")
@@ -212,8 +230,8 @@ async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tm
         await s.envoy.wait_for(s.source, lambda src: src["connected"], timeout=60)
         async with KubeApi(kube) as api:
             await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
-                            {"endpoints": [{"addresses": ["127.0.0.2"], "conditions": {"ready": True}}]})  # fmt: skip
-        await s.wait_hosts(lambda h: set(h) == {"127.0.0.2"})
+                            {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
         assert "API server unreachable" in s.server.log_text()
 
 
@@ -261,7 +279,7 @@ async def apply(api: KubeApi, doc: dict[str, Any], dry_run: bool) -> None:
 
 
 async def test_manifests_apply_to_a_real_apiserver(kube: KubeCluster) -> None:
-    files = sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
+    files = sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name not in ("kustomization.yaml", "envoy-outside.yaml"))
     kustomized = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
     assert set(kustomized) <= set(files)
     async with KubeApi(kube) as api:
@@ -290,12 +308,12 @@ async def test_least_privilege_rbac_from_the_manifests(kube: KubeCluster, tmp_pa
             await apply(api, doc, dry_run=False)
         await api.create("/api/v1/namespaces/shop/services", service("web", {"eds.group": "web"}, port, False))
         await api.create("/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices",
-                         endpoint_slice("web-1", "web", port, ["127.0.0.2"]))  # fmt: skip
+                         endpoint_slice("web-1", "web", port, [pod_ip(2)]))  # fmt: skip
         token = await token_for(api, "eds-system", "eds-server")
     config = tmp_path / "sa.kubeconfig"
     config.write_text(kube.kubeconfig_for(token, "eds-server"))
     async with stack(kube, tmp_path, "--kubernetes-namespace", "shop", kubeconfig=config) as s:
-        await s.wait_hosts(lambda h: set(h) == {"127.0.0.2"})
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
     # the same account, cluster-wide: forbidden, so never loaded (and it says why)
     server = EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(config), "--startup-timeout", "60s",
                               workdir=tmp_path)  # fmt: skip
@@ -314,4 +332,4 @@ async def test_least_privilege_rbac_from_the_manifests(kube: KubeCluster, tmp_pa
         for doc in _manifests("rbac.yaml"):
             await apply(api, doc, dry_run=False)
     async with stack(kube, tmp_path, kubeconfig=config) as s:
-        await s.wait_hosts(lambda h: "127.0.0.2" in h)
+        await s.wait_hosts(lambda h: pod_ip(2) in h)
