@@ -173,3 +173,19 @@ def test_bad_input_never_raises() -> None:
     bad_ip = service_endpoints(svc, [broken], "eds")
     assert any("are not IPs" in w for w in bad_ip.warnings.values())
     assert service_endpoints({}, [], "eds").warnings  # no annotations at all: one warning
+
+
+def test_recorded_from_kube_apiserver_1_36() -> None:
+    """Objects as kube-apiserver v1.36.2 and its EndpointSlice controller wrote them (managedFields and
+    all): web-0 ready, web-1 deleted with a grace period (terminating, serving), web-2 not ready."""
+    svc = load("recorded-service")
+    slices = load("recorded-endpointslices")["items"]
+    out = service_endpoints(svc, slices, "eds")
+    assert out.warnings == {}
+    web = {ep.address: ep for _, ep in out.pairs}
+    assert {a: (ep.health, ep.hostname, ep.port, ep.weight) for a, ep in web.items()} == {
+        "192.0.2.2": (Health.HEALTHY, "web-0", 8080, 5),
+        "192.0.2.3": (Health.DRAINING, "web-1", 8080, 5),
+    }
+    assert {ep.locality for ep in web.values()} == {Locality(zone="zone-a")}
+    assert [slice_service(s) for s in slices] == ["shop/web"]
