@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import ssl
 from collections.abc import AsyncIterator
@@ -333,3 +334,92 @@ async def test_least_privilege_rbac_from_the_manifests(kube: KubeCluster, tmp_pa
             await apply(api, doc, dry_run=False)
     async with stack(kube, tmp_path, kubeconfig=config) as s:
         await s.wait_hosts(lambda h: pod_ip(2) in h)
+
+
+async def test_in_cluster_token_is_read_again(
+    kube: KubeCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-cluster credentials: the token file is read again, so a rotated token is used by the next
+    request and the old one can be revoked without an error (in-process, with the library's refresh
+    period shortened from 60 s to 1 s and the service account files in a temporary directory)."""
+    from kubernetes_asyncio.config import incluster_config
+
+    from eds_server.encode import encode_group
+    from eds_server.sources.kubernetes import KubernetesSource
+    from eds_server.sources.kubernetes_map import KubernetesOptions
+    from eds_server.store import Store
+
+    ns, sa = "tokens", "eds"
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": sa}})
+        role = _manifests("rbac-namespaced.yaml")
+        for doc in role:
+            doc["metadata"]["namespace"] = ns
+            if doc["kind"] == "RoleBinding":
+                doc["subjects"] = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
+            await apply(api, doc, dry_run=False)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, 8080, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("web-1", "web", 8080, [pod_ip(2)]))  # fmt: skip
+
+        async def bound_token(secret: str) -> str:
+            made = await api.create(f"/api/v1/namespaces/{ns}/secrets", {"metadata": {"name": secret}})
+            got = await api.create(f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", {"spec": {
+                "expirationSeconds": 3600,
+                "boundObjectRef": {"kind": "Secret", "apiVersion": "v1", "name": secret,
+                                   "uid": made["metadata"]["uid"]}}})  # fmt: skip
+            return str(got["status"]["token"])
+
+        token_file = tmp_path / "token"
+        token_a = await bound_token("token-a")
+        token_file.write_text(token_a)
+        monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token_file))
+        monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(kube.ca))
+        monkeypatch.setattr(incluster_config, "TOKEN_REFRESH_PERIOD", datetime.timedelta(seconds=1))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(kube.port))
+        monkeypatch.delenv("KUBECONFIG", raising=False)
+
+        store = Store(encode_group)
+        source = KubernetesSource(store, KubernetesOptions(namespaces=(ns,)), watch_timeout=(1, 1))
+        stop = asyncio.Event()
+        task = asyncio.create_task(source.run(stop))
+        try:
+            for _ in range(200):
+                if store.ready and "web" in store.resources():
+                    break
+                await asyncio.sleep(0.1)
+            assert store.ready and source.connected
+            loaded_at = source._loaded_at
+            # rotate: a new token in the file, then the old one revoked (its Secret deleted)
+            token_file.write_text(await bound_token("token-b"))
+            await asyncio.sleep(1.5)
+            await api.delete(f"/api/v1/namespaces/{ns}/secrets/token-a")
+            review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+            async with KubeApi(kube, token_a) as old:
+                for _ in range(30):  # the API server's token cache keeps it valid for up to ~10 s
+                    answer = await old.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", review,
+                                               ok=(201, 401))  # fmt: skip
+                    if answer.get("code") == 401:
+                        break
+                    await asyncio.sleep(1)
+                assert answer.get("code") == 401, "token A was not revoked"
+            events_before = source.events
+            await asyncio.sleep(3)  # watches end every second and resume with the token of the moment
+            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
+                            {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]})  # fmt: skip
+            for _ in range(100):
+                group = store.resources()["web"].group
+                if {ep.address for ep in group.endpoints} == {pod_ip(3)}:
+                    break
+                await asyncio.sleep(0.1)
+            assert {ep.address for ep in store.resources()["web"].group.endpoints} == {pod_ip(3)}
+            assert source.connected and source.last_error is None, source.last_error
+            assert source._loaded_at == loaded_at  # no 401 and reload: the hook read the new token
+            assert source.events > events_before
+        finally:
+            stop.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
