@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "default: all [EDS_KUBERNETES_NAMESPACES=a,b]")
     kube.add_argument("--kubeconfig", metavar="FILE", default=_env("EDS_KUBECONFIG", None),
                       help="kubeconfig file (default: KUBECONFIG, else in-cluster, else ~/.kube/config)")
+    kube.add_argument("--kubernetes-node-regions", action="store_true", default=_flag("EDS_KUBERNETES_NODE_REGIONS"),
+                      help="read Nodes for the locality region (topology.kubernetes.io/region); needs list/watch "
+                           "on nodes [EDS_KUBERNETES_NODE_REGIONS=1]")
     kube.add_argument("--kubernetes-annotation-prefix", metavar="PREFIX",
                       default=_env("EDS_KUBERNETES_ANNOTATION_PREFIX", "eds"),
                       help="Service annotation prefix (default eds: eds.group, eds.port, ...)")
@@ -306,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             annotation_prefix=args.kubernetes_annotation_prefix,
             namespaces=tuple(dict.fromkeys(args.kubernetes_namespace)),
             kubeconfig=args.kubeconfig,
+            node_regions=args.kubernetes_node_regions,
         )
         if args.kubernetes
         else None,

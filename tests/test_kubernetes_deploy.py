@@ -50,6 +50,11 @@ def test_rbac_is_read_only_on_what_is_read() -> None:
             assert all(r["verbs"] == ["get", "list", "watch"] for r in role["rules"])
 
 
+def test_node_access_is_separate_and_read_only() -> None:
+    (role,) = [d for d in docs("rbac-nodes.yaml") if d["kind"] == "ClusterRole"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+
+
 def test_deployment_is_locked_down_and_probed() -> None:
     deployment = next(d for d in docs("deployment.yaml") if d["kind"] == "Deployment")
     spec = deployment["spec"]["template"]["spec"]

@@ -133,7 +133,8 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
             await backends.enter_async_context(serve_backend(Backend(f"web-{i}", port, local, ssl=tls)))
         async with KubeApi(kube) as api:
             await api.namespace(ns)
-            node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a"}}}
+            node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a",
+                                                              "topology.kubernetes.io/region": "region-1"}}}
             await api.request("POST", "/api/v1/nodes", node, ok=(201, 409))
             await api.create(f"/api/v1/namespaces/{ns}/services",
                              service("web", {"eds.group": "web", "eds.port": "http"}, port))  # fmt: skip
@@ -144,12 +145,13 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
 
             await add_pod(0)
             await add_pod(1)
-        async with stack(kube, tmp_path, "--kubernetes-namespace", ns, clusters=("web", "web2"), proxy=proxy) as s:
+        async with stack(kube, tmp_path, "--kubernetes-namespace", ns, "--kubernetes-node-regions",
+                         clusters=("web", "web2"), proxy=proxy) as s:  # fmt: skip
             pods = f"/api/v1/namespaces/{ns}/pods"
             hosts = await s.wait_hosts(lambda h: set(h) == {ips[0], ips[1]})
             assert {h.health for h in hosts.values()} == {"HEALTHY"}
             assert hosts[ips[0]].hostname == "web-0" and hosts[ips[0]].port == port
-            assert hosts[ips[0]].locality.zone == "zone-a"
+            assert hosts[ips[0]].locality[:2] == ("region-1", "zone-a")
             assert set(await hits_through(s.envoy, 20)) == {"web-0", "web-1"}
 
             # scale up, then down (a Pod removed at once)
@@ -194,7 +196,7 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
             await s.api.delete(f"/api/v1/namespaces/{ns}/services/web")
             await s.wait_hosts(lambda h: h == {}, cluster="web2")
             source = await s.source()
-            assert source["connected"] and source["watches"] == 2  # one per kind, for the one namespace
+            assert source["connected"] and source["watches"] == 3  # one per kind (Nodes too), one namespace
             await s.api.delete(f"{pods}/web-0", gracePeriodSeconds=0)
             assert proxy.refused == [] and set(proxy.targets) <= {f"web-{i}:{port}" for i in range(len(ips))}
 

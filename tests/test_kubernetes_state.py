@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from eds_server.encode import encode_group
-from eds_server.model import Health
-from eds_server.sources.kubernetes import SERVICES, SLICES, KubernetesSource
+from eds_server.model import Health, Locality
+from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, KubernetesSource
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 
@@ -104,3 +104,22 @@ def test_unchanged_events_do_not_remap() -> None:
     resent["metadata"]["resourceVersion"] = "2000"  # a new version with the same content
     src.apply(SLICES, "MODIFIED", resent)
     assert not src._dirty
+
+
+def test_node_regions() -> None:
+    store = Store(encode_group)
+    src = KubernetesSource(store, KubernetesOptions(node_regions=True))
+    assert (NODES, None) in src._scopes
+    node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/region": "eu-west"}}}
+    src.replace(SERVICES, None, [load("service")])
+    src.replace(SLICES, None, [load("slice-ipv4")])
+    src.replace(NODES, None, [node, {"metadata": {"name": "node-b", "labels": None}}])
+    src.publish()
+    localities = {ep.address: ep.locality for ep in store.resources()["web"].group.endpoints}
+    assert localities["127.0.0.2"] == Locality("eu-west", "zone-a")  # on node-a
+    assert localities["127.0.0.6"] == Locality()  # no nodeName
+    src.apply(NODES, "MODIFIED", {**node, "status": {"conditions": []}})  # a heartbeat: nothing to do
+    assert not src._dirty
+    src.replace(NODES, None, [])  # node-a gone: its region with it
+    src.publish()
+    assert store.resources()["web"].group.endpoints[0].locality == Locality("", "zone-a")

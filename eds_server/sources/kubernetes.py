@@ -29,6 +29,7 @@ import aiohttp
 from ..store import Store
 from .docker import Backoff
 from .kubernetes_map import (
+    REGION_LABEL,
     KubernetesOptions,
     ServiceEndpoints,
     groups_of,
@@ -59,6 +60,7 @@ class Kind:
 
 SERVICES = Kind("Services", "/api/v1", "services")
 SLICES = Kind("EndpointSlices", "/apis/discovery.k8s.io/v1", "endpointslices", "kubernetes.io/service-name")
+NODES = Kind("Nodes", "/api/v1", "nodes")  # cluster-scoped; only with --kubernetes-node-regions
 
 
 class Gone(Exception):
@@ -116,7 +118,10 @@ class KubernetesSource:
         self._cache: dict[str, ServiceEndpoints] = {}  # Service key -> what it contributes
         self._dirty: set[str] = set()  # Service keys to map again
         self._warned: dict[str, str] = {}
+        self._regions: dict[str, str] = {}  # node name -> region (with node_regions)
         self._scopes = [(kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))]
+        if options.node_regions:
+            self._scopes.append((NODES, None))
         self._listed: set[tuple[Kind, str | None]] = set()  # scopes listed at least once
         self._down: dict[tuple[Kind, str | None], str] = {}  # scopes currently failing, and why
         self._changed = asyncio.Event()
@@ -162,21 +167,37 @@ class KubernetesSource:
             self._slices_of.setdefault(owner, set()).add(key)
             self._dirty.add(owner)
 
+    def _set_node(self, obj: Mapping[str, Any] | None, key: str) -> None:
+        name = key.lstrip("/")
+        region = str(((((obj or {}).get("metadata") or {}).get("labels")) or {}).get(REGION_LABEL) or "")
+        if self._regions.get(name, "") == region:
+            return  # most Node updates are status heartbeats: nothing for us
+        if region:
+            self._regions[name] = region
+        else:
+            self._regions.pop(name, None)
+        self._dirty.update(self._services)  # rare: map every Service again
+
+    def _setter(self, kind: Kind) -> Any:
+        return {SERVICES.plural: self._set_service, SLICES.plural: self._set_slice}.get(kind.plural, self._set_node)
+
     def apply(self, kind: Kind, event_type: str, obj: Mapping[str, Any]) -> None:
-        """One watch event (ADDED, MODIFIED, DELETED) for a Service or an EndpointSlice."""
+        """One watch event (ADDED, MODIFIED, DELETED) for a Service, an EndpointSlice or a Node."""
         key = object_key(obj)
         gone = event_type == "DELETED"
-        (self._set_service if kind is SERVICES else self._set_slice)(None if gone else obj, key)
+        self._setter(kind)(None if gone else obj, key)
         self.events += 1
 
     def replace(self, kind: Kind, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
         """A full listing of one kind in one scope: what it lacks is gone."""
-        known = self._services if kind is SERVICES else self._slices
+        known: Mapping[str, Any] = {
+            SERVICES.plural: self._services, SLICES.plural: self._slices,
+        }.get(kind.plural, {f"/{n}": r for n, r in self._regions.items()})  # fmt: skip
         listed = {object_key(o): o for o in items}
         for key in [k for k in known if self._in_scope(k, namespace) and k not in listed]:
-            (self._set_service if kind is SERVICES else self._set_slice)(None, key)
+            self._setter(kind)(None, key)
         for key, obj in listed.items():
-            (self._set_service if kind is SERVICES else self._set_slice)(obj, key)
+            self._setter(kind)(obj, key)
 
     def publish(self) -> None:
         """Map the Services that changed again, and hand the store the whole state."""
@@ -188,7 +209,7 @@ class KubernetesSource:
                 self._cache.pop(key, None)
                 continue
             slices = [self._slices[k] for k in self._slices_of.get(key, ()) if k in self._slices]
-            self._cache[key] = service_endpoints(svc, slices, prefix)
+            self._cache[key] = service_endpoints(svc, slices, prefix, self._regions)
         warnings: dict[str, str] = {}
         for entry in self._cache.values():
             warnings.update(entry.warnings)
@@ -208,6 +229,7 @@ class KubernetesSource:
             "stale": not self.connected,
             "services": len(self._services),
             "endpointslices": len(self._slices),
+            "node_regions": len(self._regions) if self.options.node_regions else None,
             "watches": self.watches_open,
             "relists": self.relists,
             "events": self.events,

@@ -23,6 +23,7 @@ from ..model import Endpoint, Group, Health, Locality, groups_from
 from .containers import Skip, _settings
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+REGION_LABEL = "topology.kubernetes.io/region"
 # What an annotation may set; eds.port names a Service port, so it is checked against the Service.
 SETTING_KEYS = ("port", "weight", "priority")
 _CHECKS: dict[str, Any] = {"port": fields.text, "weight": fields.weight, "priority": fields.priority}
@@ -34,6 +35,7 @@ class KubernetesOptions:
     annotation_prefix: str = "eds"
     namespaces: tuple[str, ...] = ()  # empty: every namespace (a cluster-wide watch)
     kubeconfig: str | None = None  # None: KUBECONFIG, in-cluster, then ~/.kube/config
+    node_regions: bool = False  # read Nodes for topology.kubernetes.io/region (needs list/watch on nodes)
 
 
 @dataclass
@@ -92,7 +94,7 @@ def port_name(service: Mapping[str, Any], wanted: str | None, prefix: str) -> st
 
 
 def slice_endpoints(
-    slice_: Mapping[str, Any], port: str, settings: Mapping[str, Any]
+    slice_: Mapping[str, Any], port: str, settings: Mapping[str, Any], regions: Mapping[str, str] | None = None
 ) -> tuple[list[Endpoint], str | None]:
     """The endpoints of one slice for one group's settings, and a warning (or None)."""
     kind = slice_.get("addressType")
@@ -121,7 +123,7 @@ def slice_endpoints(
                 weight=settings.get("weight"),
                 health=health,
                 priority=settings.get("priority", 0),
-                locality=Locality(zone=str(e.get("zone") or "")),
+                locality=Locality(str((regions or {}).get(e.get("nodeName") or "", "")), str(e.get("zone") or "")),
                 hostname=str(e.get("hostname") or (ref.get("name") if ref.get("kind") == "Pod" else "") or ""),
                 metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
             )
@@ -130,8 +132,15 @@ def slice_endpoints(
     return out, warning
 
 
-def service_endpoints(service: Mapping[str, Any], slices: Iterable[Mapping[str, Any]], prefix: str) -> ServiceEndpoints:
-    """One opted-in Service's endpoints, per group; an invalid annotation skips the whole Service."""
+def service_endpoints(
+    service: Mapping[str, Any],
+    slices: Iterable[Mapping[str, Any]],
+    prefix: str,
+    regions: Mapping[str, str] | None = None,
+) -> ServiceEndpoints:
+    """One opted-in Service's endpoints, per group; an invalid annotation skips the whole Service.
+
+    `regions`: node name -> its topology.kubernetes.io/region, when Nodes are read."""
     key = object_key(service)
     out = ServiceEndpoints(key)
     try:
@@ -146,7 +155,7 @@ def service_endpoints(service: Mapping[str, Any], slices: Iterable[Mapping[str, 
     for group in groups:
         eps: list[Endpoint] = []
         for s in slices:
-            found, warning = slice_endpoints(s, ports[group], settings[group])
+            found, warning = slice_endpoints(s, ports[group], settings[group], regions)
             eps.extend(found)
             if warning:
                 out.warnings[f"EndpointSlice {object_key(s)}"] = warning
@@ -184,6 +193,7 @@ def trim_slice(slice_: Mapping[str, Any]) -> dict[str, Any]:
                 "targetRef": {"kind": (e.get("targetRef") or {}).get("kind"),
                               "name": (e.get("targetRef") or {}).get("name")},
                 "zone": e.get("zone"),
+                "nodeName": e.get("nodeName"),
             }
             for e in slice_.get("endpoints") or []
         ],
