@@ -1,9 +1,9 @@
 """Kubernetes as a source: annotated Services and their EndpointSlices, by list+watch.
 
-One list+watch per kind (Services, EndpointSlices) and per namespace followed (all namespaces:
-one cluster-wide watch per kind), never one per Service. A watch resumes from the last
-resourceVersion it saw (bookmarks keep it fresh); `410 Gone` means that version is no longer kept,
-so the kind is listed again and the listing replaces what we knew. Connection errors are retried
+One list+watch per kind (Services, EndpointSlices; Nodes too with --kubernetes-node-regions) and per
+namespace followed (all namespaces: one cluster-wide watch per kind), never one per Service. A watch
+resumes from the last resourceVersion it saw (bookmarks keep it fresh); `410 Gone` means that version
+is no longer kept, so the kind is listed again and the listing replaces what we knew. Connection errors are retried
 with jittered backoff; meanwhile the last endpoints keep being served, marked stale. Nothing is
 handed to the store before every kind has been listed once, so Envoy never sees a half-read cluster.
 
