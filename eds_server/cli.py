@@ -14,7 +14,7 @@ from typing import Any
 
 import uvloop
 
-from . import fields, upstreams
+from . import __version__, fields, upstreams
 from .app import App, Settings
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
@@ -110,6 +110,7 @@ def _ip(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eds-server", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"eds-server {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the EDS server")
@@ -220,6 +221,7 @@ def check(path: str) -> int:
 
 
 async def serve(settings: Settings) -> int:
+    log.info("eds-server %s starting (Python %s)", __version__, sys.version.split()[0])
     app = App(settings)
     try:
         await app.start()

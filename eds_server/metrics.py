@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from . import __version__
 from .store import Store
 from .transport.grpc import EdsService
 
@@ -28,6 +29,9 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c = self.service.counters
+        build = GaugeMetricFamily("eds_build_info", "The running eds-server's version", labels=["version"])
+        build.add_metric([__version__], 1)
+        yield build
         open_streams = GaugeMetricFamily("eds_streams_open", "Open xDS streams", labels=["transport"])
         by_kind: dict[str, int] = {"sotw": 0, "delta": 0}
         for session in self.service.sessions:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from eds_server import __version__
 from eds_server.cli import duration, host_port
 
 
@@ -38,7 +39,8 @@ def test_serve_refuses_a_bad_file_with_json_logs(tmp_path: Path) -> None:
               "--log-format", "json")  # fmt: skip
     assert out.returncode == 1
     lines = [json.loads(line) for line in out.stderr.splitlines()]
-    assert lines[0]["level"] == "error" and lines[0]["msg"].startswith(f"{bad}:3: groups.web.endpoints[0]")
+    assert lines[0]["level"] == "info" and lines[0]["msg"].startswith(f"eds-server {__version__} starting")
+    assert lines[1]["level"] == "error" and lines[1]["msg"].startswith(f"{bad}:3: groups.web.endpoints[0]")
 
 
 def test_serve_without_a_source_says_how() -> None:
@@ -57,3 +59,8 @@ def test_host_port(text: str, expected: tuple[str, int]) -> None:
 
 def test_duration() -> None:
     assert (duration("10"), duration("10s"), duration("500ms"), duration("2m")) == (10, 10, 0.5, 120)
+
+
+def test_version() -> None:
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout == f"eds-server {__version__}\n"
