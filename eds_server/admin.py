@@ -1,8 +1,10 @@
-"""Admin HTTP (aiohttp): liveness, readiness and what is being served, as JSON."""
+"""Admin HTTP (aiohttp): liveness, readiness and what is being served, as JSON; every error is JSON
+too. `GET /` is the same data as a small HTML page (status_page.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -13,6 +15,48 @@ from .store import Resource, Store
 
 if TYPE_CHECKING:
     from .sources.registrations import RegistrationSource
+
+log = logging.getLogger("eds_server.admin")
+
+PATHS = ("/", "/healthz", "/readyz", "/v1/groups", "/v1/groups/{name}", "/v1/sources", "/v1/stats", "/v1/streams",
+         "/metrics")  # fmt: skip
+REGISTRATIONS_OFF = (
+    "the registration API is off: start eds-server with --state FILE and/or --admin-token TOKEN "
+    "(EDS_STATE, EDS_ADMIN_TOKEN)"
+)
+
+
+def json_errors(registrations_on: bool) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """aiohttp's own errors (unknown path, wrong method, a handler's crash) as JSON with a hint, like
+    every answer of the admin API, instead of `404: Not Found` text."""
+
+    @web.middleware
+    async def middleware(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400 or e.content_type == "application/json":
+                raise
+            body: dict[str, Any] = {"error": (e.reason or "error").lower(), "path": request.path}
+            if e.status == 404:
+                registration_path = request.path.startswith("/v1/registrations") or (
+                    request.path.startswith("/v1/groups/") and "/endpoints" in request.path
+                )
+                if registration_path and not registrations_on:
+                    body["hint"] = REGISTRATIONS_OFF
+                else:
+                    body["hint"] = "paths: " + ", ".join(PATHS)
+            elif e.status == 405:
+                body["hint"] = f"allowed: {e.headers.get('Allow', 'GET')}"
+            headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+            return web.json_response(body, status=e.status, headers=headers)
+        except Exception:
+            log.exception("admin %s %s failed", request.method, request.path)
+            return web.json_response({"error": "internal error (logged)", "path": request.path}, status=500)
+
+    return middleware
 
 
 def endpoint_json(ep: Endpoint) -> dict[str, Any]:
@@ -91,7 +135,7 @@ def make_app(
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application()
+    app = web.Application(middlewares=[json_errors(registrations is not None)])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/groups", groups)

@@ -34,7 +34,8 @@ class Problem:
 
     def __str__(self) -> str:
         where = f"{self.path}: " if self.path else ""
-        return f"{self.file}:{self.line}: {where}{self.message}"
+        line = f":{self.line}" if self.line else ""  # 0: about the whole file (e.g. it cannot be read)
+        return f"{self.file}{line}: {where}{self.message}"
 
 
 class UpstreamsError(Exception):
@@ -276,5 +277,5 @@ def load(path: str) -> dict[str, Group]:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+        raise UpstreamsError([Problem(path, 0, "", f"cannot read: {e.strerror or e}")]) from None
     return parse_bytes(data, path)

@@ -1,0 +1,35 @@
+"""An Envoy configured for ADS gets UNIMPLEMENTED, and eds-server says so once, with the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from server_process import EdsServerProcess
+
+pytestmark = pytest.mark.envoy
+
+
+async def test_an_ads_envoy_is_told_once_per_peer(tmp_path: Path) -> None:
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
+    async with EdsServerProcess(path) as server:
+        bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], initial_fetch_timeout="1s")
+        bootstrap["dynamic_resources"] = {"ads_config": {
+            "api_type": "GRPC", "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
+        }}  # fmt: skip
+        web = bootstrap["static_resources"]["clusters"][-1]
+        web["eds_cluster_config"]["eds_config"] = {"resource_api_version": "V3", "ads": {}}
+        async with EnvoyProcess(bootstrap) as envoy:
+            # Envoy retries the ADS stream with backoff: wait for a few attempts
+            await envoy.wait_for(lambda: envoy.stats(r"^cluster\.web\.update_failure$"),
+                                 lambda s: int(s.get("cluster.web.update_failure", 0)) >= 3, timeout=30)  # fmt: skip
+            assert await envoy.hosts("web") == []
+    log = server.log_text()
+    warnings = [line for line in log.splitlines() if "unknown gRPC method" in line]
+    assert len(warnings) == 1, warnings
+    assert "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources" in warnings[0]
+    assert "from 127.0.0.1: eds-server serves EDS without ADS: remove `ads_config`" in warnings[0]
+    assert "api_config_source" in warnings[0]
