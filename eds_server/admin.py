@@ -87,6 +87,7 @@ def group_json(store: Store, resource: Resource, *, endpoint_sources: bool = Fal
         "version": resource.version,
         "sources": store.sources_of(resource.name),
         "stale": store.is_stale(resource.name),
+        "error": store.conflict(resource.name),  # why the sources' merged endpoints are not what is served
         "endpoints": endpoints,
         "localities": [
             {"region": loc.region, "zone": loc.zone, "subzone": loc.subzone, "weight": w}
@@ -108,7 +109,16 @@ def make_app(
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        body = {"ready": store.ready, "pending_sources": list(store.pending_sources)}
+        pending = store.pending_sources
+        body = {
+            "ready": store.ready,
+            "pending_sources": list(pending),
+            # what each source still waited on is saying, so an unhealthy container says why
+            "waiting_for": [
+                {"source": s["name"], "last_error": s.get("last_error")}
+                for s in source_status() if s["name"] in pending
+            ],
+        }
         return web.json_response(body, status=200 if store.ready else 503)
 
     async def groups(_: web.Request) -> web.Response:

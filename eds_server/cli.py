@@ -44,6 +44,10 @@ def optional_address(value: str) -> tuple[str, int] | None:
     return None if value.lower() in ("", "off", "none") else host_port(value)
 
 
+def optional_duration(value: str) -> float | None:
+    return None if value.lower() in ("", "off", "none") else duration(value)
+
+
 def positive_int(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
@@ -170,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rest-listen", type=optional_address, metavar="HOST:PORT",
                        default=_env("EDS_REST_LISTEN", "off"),
                        help="REST-JSON EDS for api_type: REST, or 'off' [EDS_REST_LISTEN] (default off)")
-    serve.add_argument("--startup-timeout", type=duration, metavar="DURATION",
-                       default=_env("EDS_STARTUP_TIMEOUT", "10s"),
-                       help="longest wait for sources before answering Envoy anyway (default 10s)")
+    serve.add_argument("--startup-timeout", type=optional_duration, metavar="DURATION",
+                       default=_env("EDS_STARTUP_TIMEOUT", "off"),
+                       help="answer Envoy after this even if a source never loaded (risk: Envoy drops the "
+                            "endpoints that source would give), or 'off': wait for every source "
+                            "[EDS_STARTUP_TIMEOUT] (default off)")
     serve.add_argument("--max-streams-per-connection", type=positive_int, metavar="N",
                        default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
                        help="HTTP/2 concurrent streams per connection (default 10000)")

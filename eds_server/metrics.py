@@ -62,6 +62,13 @@ class _StateCollector(Collector):
             endpoints.add_metric([name], len(res.group.endpoints))
         yield info
         yield endpoints
+        conflicts = GaugeMetricFamily(
+            "eds_group_conflict", "1 while a group's merged endpoints would be rejected by Envoy (not sent)",
+            labels=["group"],
+        )
+        for name in sorted(self.store.conflicts()):
+            conflicts.add_metric([name], 1)
+        yield conflicts
         loaded = GaugeMetricFamily("eds_source_loaded", "Source delivered its first state", labels=["source"])
         ok = GaugeMetricFamily("eds_source_healthy", "Source's last load or connection succeeded", labels=["source"])
         for src in self.sources():
