@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from . import __version__, status_page
 from .model import Endpoint
 from .store import Resource, Store
 
@@ -142,10 +143,22 @@ def make_app(
     async def streams_handler(_: web.Request) -> web.Response:
         return web.json_response({"streams": streams()})
 
+    async def index(_: web.Request) -> web.Response:
+        resources = store.resources()
+        names = sorted(resources)
+        page = status_page.render(
+            version=__version__, ready=store.ready, pending=list(store.pending_sources), sources=source_status(),
+            groups=[group_json(store, resources[n], endpoint_sources=True) for n in names[: status_page.MOST_GROUPS]],
+            total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
+            streams=streams(), stats=stats(),
+        )  # fmt: skip
+        return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application(middlewares=[json_errors(registrations is not None)])
+    app.router.add_get("/", index)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/groups", groups)

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from . import ports, upstreams
+from . import __version__, ports, upstreams
 from .app import App, Settings
 
 log = logging.getLogger("eds_server.demo")
@@ -87,6 +87,7 @@ async def run_demo(upstreams_path: str | None, envoy_config: str) -> int:
 
 
 async def _run_demo(upstreams_path: str, envoy_config: str) -> int:
+    log.info("eds-server %s demo starting", __version__)
     envoy_config = _in_checkout(envoy_config)
     envoy = find_envoy()
     if envoy is None:
