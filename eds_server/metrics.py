@@ -51,9 +51,10 @@ class _StateCollector(Collector):
             ("eds_encodes", self.store.encodes, "Groups encoded (once per changed group)"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        # every served group from 0, so the first NACK is an increase a rate() or alert can see
         nacks = CounterMetricFamily("eds_group_nacks", "Rejections per group", labels=["group"])
-        for group, n in sorted(c.nacks_by_group.items()):
-            nacks.add_metric([group], n)
+        for group in sorted(self.store.resources().keys() | c.nacks_by_group.keys()):
+            nacks.add_metric([group], c.nacks_by_group.get(group, 0))
         yield nacks
         info = GaugeMetricFamily("eds_group_info", "Current version of each group", labels=["group", "version"])
         endpoints = GaugeMetricFamily("eds_group_endpoints", "Endpoints per group", labels=["group"])

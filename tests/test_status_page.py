@@ -4,28 +4,19 @@ connected, with a NACKed group and hostile text from the file and from a client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import h2.exceptions
 import pytest
 from backends import Backend, http_backends
 from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port
-from grpclib.client import Channel
-from grpclib.const import Cardinality
 from server_process import EdsServerProcess
-
-from eds_server.pb.envoy.config.core.v3 import Node
-from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
-from eds_server.pb.google.rpc import Status as RpcStatus
-from eds_server.xds.common import EDS_TYPE_URL
+from xds_client import nacking_client
 
 pytestmark = pytest.mark.envoy
 
@@ -46,31 +37,6 @@ def chromium(tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str
          "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args, url],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
-
-
-@contextlib.asynccontextmanager
-async def nacking_client(port: int, name: str) -> AsyncIterator[None]:
-    """A scripted xDS client that subscribes to `name`, NACKs what it gets and stays connected.
-    (eds-server now refuses every group we know Envoy would reject, so a real Envoy NACKs nothing.)"""
-    channel = Channel("127.0.0.1", port)
-    path = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
-    try:
-        async with channel.request(path, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as stream:
-            await stream.send_message(DiscoveryRequest(node=Node(id=HOSTILE_NODE, cluster="scripted"),
-                                                       resource_names=[name], type_url=EDS_TYPE_URL))  # fmt: skip
-            response = await asyncio.wait_for(stream.recv_message(), 10)
-            assert response is not None
-            await stream.send_message(DiscoveryRequest(
-                version_info="", resource_names=[name], response_nonce=response.nonce, type_url=EDS_TYPE_URL,
-                error_detail=RpcStatus(code=3, message=NACK_MESSAGE),
-            ))  # fmt: skip
-            try:
-                yield
-            finally:
-                with contextlib.suppress(h2.exceptions.StreamClosedError):
-                    await stream.cancel()
-    finally:
-        channel.close()
 
 
 def upstreams(web: list[Backend], api: list[Backend]) -> str:
@@ -96,7 +62,7 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
                 assert r.status == 201, await r.text()
             bootstrap = envoy_bootstrap(server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")],
                                         free_port(), routes={"/api": "api-cluster", "/": "web"})  # fmt: skip
-            async with EnvoyProcess(bootstrap) as envoy, nacking_client(server.port, "api"):
+            async with EnvoyProcess(bootstrap) as envoy, nacking_client(server.port, "api", HOSTILE_NODE, NACK_MESSAGE):
                 await envoy.wait_live()
                 await envoy.wait_for(lambda: server.admin("/v1/streams"), _three_streams_one_nack)
                 web_version = await envoy.version_text("web")
