@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 from aiohttp import web
 
@@ -67,6 +68,21 @@ def envoy_ports(config: str) -> list[tuple[str, tuple[str, int]]]:
         return [(what, (a["address"], int(a["port_value"]))) for what, a in found]
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
         return []
+
+
+async def envoy_ready(proc: asyncio.subprocess.Process, admin: tuple[str, int], most: float = 20.0) -> bool:
+    """Wait (bounded) for Envoy's admin to say it is LIVE, so the commands printed next work at once."""
+    url = f"http://{admin[0]}:{admin[1]}/ready"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        for _ in range(int(most / 0.1)):
+            if proc.returncode is not None:
+                return False
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(url) as r:
+                    if r.status == 200:
+                        return True
+            await asyncio.sleep(0.1)
+    return False
 
 
 @contextlib.contextmanager
@@ -119,6 +135,9 @@ async def _run_demo(upstreams_path: str, envoy_config: str) -> int:
         proc = await asyncio.create_subprocess_exec(
             envoy, "-c", envoy_config, "--disable-hot-restart", "-l", "warning"
         )
+        admin = next((address for what, address in needed if what == "Envoy admin"), None)
+        if admin is not None and not await envoy_ready(proc, admin):
+            log.warning("Envoy is not ready yet (its admin /ready); the commands below may fail for a while")
         print(
             "\neds-server demo is up: eds-server (gRPC :18000, admin :18001), "
             f"{len(backends)} sample backends, Envoy (listener :10000, admin :9901)\n"

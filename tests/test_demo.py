@@ -54,6 +54,9 @@ async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -
                                lambda text: re.search(r"Edit (\S+/upstreams\.yaml)", text), timeout=30)  # fmt: skip
         copy = Path(re.search(r"Edit (\S+/upstreams\.yaml)", found).group(1))  # type: ignore[union-attr]
         assert copy != EXAMPLE and copy.exists() and "eds-demo-" in str(copy)
+        # the banner comes once Envoy is live: the first command it prints works at once
+        async with aiohttp.ClientSession() as session, session.get("http://127.0.0.1:10000/") as r:
+            assert r.status == 200 and (await r.text()).startswith("hello from web backend 127.0.0.1:808")
         await wait_for(lambda: _get_json("http://127.0.0.1:9901/clusters?format=json"),
                        lambda c: any(s["name"] == "web" and len(s.get("host_statuses", [])) == 2
                                      for s in c["cluster_statuses"]), timeout=30)  # fmt: skip
