@@ -1,5 +1,6 @@
 """examples/monitoring: the Grafana dashboard and the Prometheus alert rules are well-formed, every
-series they name is in a real scrape, and a real Prometheus runs every query and fires on a NACK."""
+series they name is in a real scrape, and a real Prometheus runs every query and fires on a NACK and
+on a group held back."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> N
         path = tmp_path / "upstreams.yaml"
         path.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}]\n"
                         f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n")  # fmt: skip
-        async with EdsServerProcess(path) as server:
+        token = "kit-test-token"
+        async with EdsServerProcess(path, "--state", str(tmp_path / "state.json"), "--admin-token", token) as server:
             admin = f"127.0.0.1:{server.admin_port}"
             bootstrap = envoy_bootstrap(server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")])
             async with EnvoyProcess(bootstrap) as envoy, aiohttp.ClientSession() as s:
@@ -99,6 +101,15 @@ async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> N
                 write_atomically(path, f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}, 127.0.0.1:1]\n"
                                        f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n")  # fmt: skip
                 await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
+                # a registration that fits, then a file edit that no longer fits with it: web is held back
+                async with s.put(f"http://{admin}/v1/groups/web/endpoints/vm-1",
+                                 json={"address": "127.0.0.2", "port": 8080, "weight": 2**31},
+                                 headers={"Authorization": f"Bearer {token}"}) as r:  # fmt: skip
+                    assert r.status == 201, await r.text()
+                await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 3)
+                write_atomically(path, path.read_text().replace("127.0.0.1:1]", "{address: 127.0.0.1, port: 1, "
+                                                                "weight: 2147483647}]"))  # fmt: skip
+                await wait_for(lambda: server.admin("/v1/groups/web"), lambda g: g.get("error"), timeout=10)
                 async with Prometheus(tmp_path, admin) as prom:
                     up = await prom.wait_for_samples(s, 'up{job="eds-server"}', lambda v: v == 1)
                     assert up == 1
@@ -113,10 +124,10 @@ async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> N
                             assert body["data"]["result"], (title, expr)  # each panel has something to draw
                         build = await _get(s, f"{prom.url}/api/v1/query", query="eds_build_info")
                         assert build["data"]["result"][0]["metric"]["version"] == __version__
-                        nack_alert = {("EdsServerNacks", "api")}
+                        expected = {("EdsServerNacks", "api"), ("EdsServerGroupHeldBack", "web")}
                         firing = await wait_for(lambda: _get(s, f"{prom.url}/api/v1/alerts"),
-                                                lambda b: _firing(b) == nack_alert, timeout=30)  # fmt: skip
-                        assert _firing(firing) == nack_alert
+                                                lambda b: _firing(b) == expected, timeout=30)  # fmt: skip
+                        assert _firing(firing) == expected
                     rules = await _get(s, f"{prom.url}/api/v1/rules")
                     evaluated = [r for g in rules["data"]["groups"] for r in g["rules"]]
                     assert len(evaluated) == len(alert_rules())
