@@ -104,6 +104,7 @@ def check(watch: FaultWatch, name: str, *, backends_die: bool = False) -> None:
         assert not watch.failed_while_backends_up(), watch.failed_while_backends_up()[:5]
         assert not watch.empty_while_backends_up(), f"{name}: emptied while every backend answered"
     else:
+        assert not watch.down_windows(), f"{name}: a backend stopped answering, the scenario kept none alive"
         assert not watch.failed(), watch.failed()[:5]
         assert watch.host_counts()[0] == 0, f"{name}: Envoy's cluster was emptied"
 
@@ -135,7 +136,10 @@ async def test_restart_while_socket_permission_denied(docker_cleanup: DockerEngi
                               user=RunAs(NOBODY, NOGROUP, (sock_gid,)))  # fmt: skip
     try:
         await server.start()
-        async with envoy_on(server, {first, second}) as envoy, FaultWatch(envoy, server) as watch:
+        async with (
+            envoy_on(server, {first, second}) as envoy,
+            FaultWatch(envoy, server, backends=(first, second)) as watch,
+        ):
             await asyncio.sleep(1.0)
             assert await server.stop() == 0
             watch.mark("eds-server stopped")
@@ -172,7 +176,10 @@ async def test_restart_while_socket_missing(docker_cleanup: DockerEngine, tmp_pa
     server = EdsServerProcess(None, "--docker", "--docker-host", f"unix://{link}", workdir=tmp_path)
     try:
         await server.start()
-        async with envoy_on(server, {first, second}) as envoy, FaultWatch(envoy, server) as watch:
+        async with (
+            envoy_on(server, {first, second}) as envoy,
+            FaultWatch(envoy, server, backends=(first, second)) as watch,
+        ):
             await asyncio.sleep(1.0)
             assert await server.stop() == 0
             link.unlink()
