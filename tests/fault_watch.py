@@ -229,3 +229,14 @@ class FaultWatch:
         errors = Counter(r.error or str(r.status) for r in failed)
         lines += [f"   failed: {n} x {e}" for e, n in errors.most_common(5)]
         return "\n".join(lines)
+
+    def assert_held(self, name: str, *, min_requests: int = 50, admin_gaps: bool = False) -> None:
+        """Print the figures, then: every backend stayed up, nothing failed, and Envoy's cluster was
+        never empty. `admin_gaps`: Envoy's admin may miss a poll (a ring of weights near 2**32 keeps
+        Envoy busy for seconds)."""
+        print("\n" + self.summary(name), flush=True)
+        assert len(self.requests) > min_requests and len(self.samples) > min_requests // 2
+        assert admin_gaps or self.host_counts()[None] == 0, f"{name}: Envoy's admin did not answer"
+        assert not self.down_windows(), f"{name}: a backend stopped answering, the scenario kept none alive"
+        assert not self.failed(), self.failed()[:5]
+        assert self.host_counts()[0] == 0, f"{name}: Envoy's cluster was emptied"

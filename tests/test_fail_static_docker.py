@@ -93,22 +93,6 @@ async def wait_stale(server: EdsServerProcess, stale: bool, source: str = "docke
     raise AssertionError(f"source {source} never became stale={stale}")
 
 
-def check(watch: FaultWatch, name: str, *, backends_die: bool = False) -> None:
-    """Print the figures, then: nothing failed and Envoy's cluster was never empty while the backends
-    answered (with `backends_die`, outside the windows in which some backend really was down)."""
-    print("\n" + watch.summary(name), flush=True)
-    assert len(watch.requests) > 50 and len(watch.samples) > 20
-    assert watch.host_counts()[None] == 0, f"{name}: Envoy's admin did not answer"
-    if backends_die:
-        assert watch.down_windows(), f"{name}: the backends never went down"
-        assert not watch.failed_while_backends_up(), watch.failed_while_backends_up()[:5]
-        assert not watch.empty_while_backends_up(), f"{name}: emptied while every backend answered"
-    else:
-        assert not watch.down_windows(), f"{name}: a backend stopped answering, the scenario kept none alive"
-        assert not watch.failed(), watch.failed()[:5]
-        assert watch.host_counts()[0] == 0, f"{name}: Envoy's cluster was emptied"
-
-
 # -- 1. restarted while the engine is unreachable ---------------------------------------------------
 
 
@@ -161,7 +145,7 @@ async def test_restart_while_socket_permission_denied(docker_cleanup: DockerEngi
         with contextlib.suppress(OSError):
             os.chown(sock, -1, sock_gid)
         await server.__aexit__(None, None, None)
-    check(watch, "restart while the socket refuses eds-server (EACCES)")
+    watch.assert_held("restart while the socket refuses eds-server (EACCES)")
     assert "not loaded yet" in server.log_text() and "last known endpoints" not in server.log_text()
 
 
@@ -202,7 +186,7 @@ async def test_restart_while_socket_missing(docker_cleanup: DockerEngine, tmp_pa
         with contextlib.suppress(OSError):
             link.unlink()
         link_dir.rmdir()
-    check(watch, "restart while the socket path is missing")
+    watch.assert_held("restart while the socket path is missing")
 
 
 # -- 2. the engine stopped and started --------------------------------------------------------------
@@ -230,7 +214,7 @@ async def test_engine_stop_start_with_live_restore(docker_cleanup: DockerEngine,
         await wait_hosts(envoy, {first, second, third})
         watch.mark("Envoy has all three")
         await asyncio.sleep(1.0)
-    check(watch, "engine stopped and started, --live-restore")
+    watch.assert_held("engine stopped and started, --live-restore")
 
 
 @pytest.fixture

@@ -130,12 +130,8 @@ async def wait_source(watch: FaultWatch, *, live: bool, timeout: float = 60.0) -
 
 
 def check(watch: FaultWatch, nodes: NodeWatch, name: str, *, unknown_seen: bool) -> None:
-    print("\n" + watch.summary(name), flush=True)
+    watch.assert_held(name)
     print(f"   worker node as the manager listed it: {nodes}")
-    assert len(watch.requests) > 50 and len(watch.samples) > 20
-    assert not watch.failed(), watch.failed()[:5]
-    assert watch.host_counts()[0] == 0 and watch.host_counts()[None] == 0, "Envoy's cluster was emptied"
-    assert not watch.down_windows(), "a backend stopped answering: the scenario did not keep them alive"
     if unknown_seen:
         assert "unknown" in nodes.states()
 
