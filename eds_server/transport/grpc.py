@@ -7,7 +7,6 @@ http2.py.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -31,6 +30,7 @@ from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
 from .http2 import PassThroughCodec, Server, recv_limited, send_frames, send_now
 from .reflection import ReflectionService
+from .unknown import UnknownMethods
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -402,53 +402,6 @@ def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:
     return f"{addr[0]}:{addr[1]}" if addr else "?"
 
 
-ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
-ADS_FIX = (
-    "eds-server serves EDS without ADS: remove `ads_config` from the Envoy bootstrap and give each EDS cluster "
-    "`eds_config: {resource_api_version: V3, api_config_source: {api_type: GRPC, transport_api_version: V3, "
-    "grpc_services: [{envoy_grpc: {cluster_name: xds_cluster}}]}}` instead of `ads: {}`"
-)
-
-
-class _Methods(dict[str, grpclib.const.Handler]):
-    """grpclib's method table, answering a method it does not have with a handler that says why
-    (UNIMPLEMENTED, as grpclib would) and logs one warning per client address and method, naming
-    the method and, for ADS, the fix. Bounded: client-chosen names cannot grow it past `most`."""
-
-    def __init__(self, handlers: dict[str, grpclib.const.Handler], most: int = 1024) -> None:
-        super().__init__(handlers)
-        self._warned: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-        self._most = most
-
-    def get(self, name: str, default: Any = None) -> Any:
-        found = super().get(name)
-        if found is not None:
-            return found
-
-        async def unknown(stream: grpclib.server.Stream[bytes, bytes]) -> None:
-            raise GRPCError(Status.UNIMPLEMENTED, self._complain(name, stream))
-
-        return grpclib.const.Handler(unknown, Cardinality.STREAM_STREAM, bytes, bytes)
-
-    def _complain(self, path: str, stream: grpclib.server.Stream[Any, Any]) -> str:
-        service = path.strip("/").partition("/")[0]
-        if service == ADS_SERVICE:
-            why = ADS_FIX
-        elif service.startswith("envoy.api.v2.") or ".v2." in service:
-            why = "the v2 xDS API is not served: use transport_api_version: V3 and resource_api_version: V3"
-        else:
-            why = f"eds-server serves only {EDS_SERVICE} (EDS), gRPC health and reflection"
-        addr = stream.peer.addr()
-        key = (str(addr[0]) if addr else "?", path[:200])
-        if key not in self._warned:
-            self._warned[key] = None
-            if len(self._warned) > self._most:
-                self._warned.popitem(last=False)
-            log.warning("unknown gRPC method %s from %s: %s", _clip(path, 200), key[0], why,
-                        extra={"event": "unknown_method", "peer": key[0]})  # fmt: skip
-        return f"unknown method {_clip(path, 200)}: {why}"
-
-
 def make_server(
     service: EdsService,
     *,
@@ -476,5 +429,5 @@ def make_server(
         reset_budget=reset_budget,
     )
     server.ssl = ssl  # e.g. security.server_ssl_context(...): TLS 1.2+, ALPN h2, client certs
-    server._mapping = _Methods(server._mapping)  # read by each connection's handler (grpclib 0.4.9)
+    server._mapping = UnknownMethods(server._mapping, EDS_SERVICE)  # read by each connection's handler
     return server
