@@ -126,7 +126,7 @@ def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[M
     return "".join(parts)
 
 
-def _streams(streams: Sequence[Mapping[str, Any]]) -> str:
+def _streams(streams: Sequence[Mapping[str, Any]], total: int) -> str:
     if not streams:
         return "<p>No Envoy is connected.</p>"
     rows = []
@@ -138,8 +138,9 @@ def _streams(streams: Sequence[Mapping[str, Any]]) -> str:
             nack = f' <span class="bad">NACKed {_e(st["nacked"])}</span>' if st.get("nacked") else ""
             lines.append(f'<span class="mono">{_e(name)}</span>: sent <code>{_e(st.get("sent") or "-")}</code>, '
                          f'ACKed <code>{_e(st.get("acked") or "-")}</code>{nack}')  # fmt: skip
-        if len(names) > MOST_NAMES:
-            lines.append(f'<span class="muted">... {len(names)} names</span>')
+        count = max(len(names), int(s.get("names_total") or 0))  # the JSON may show only some names
+        if count > min(len(names), MOST_NAMES):
+            lines.append(f'<span class="muted">... {count} names</span>')
         nacked = any(st.get("nacked") for st in names.values())
         cells = (f'<td class="mono">{_e(s.get("node"))}<br><span class="muted">{_e(s.get("cluster"))}</span></td>'
                  f'<td class="mono">{_e(s.get("peer"))}</td><td>{_e(s.get("transport"))}</td>'
@@ -147,7 +148,7 @@ def _streams(streams: Sequence[Mapping[str, Any]]) -> str:
                  f'<td class="mono">{_e(s.get("last_nack") or "-")}</td>')  # fmt: skip
         rows.append(("nack" if nacked else "", cells))
     return _table(("node (cluster)", "peer", "transport", "names: version sent / ACKed / NACKed", "last NACK"),
-                  rows) + _cut(MOST_STREAMS, len(streams), "/v1/streams")  # fmt: skip
+                  rows) + _cut(min(MOST_STREAMS, len(streams)), total, "/v1/streams")  # fmt: skip
 
 
 def render(
@@ -161,9 +162,12 @@ def render(
     total_endpoints: int,
     streams: Sequence[Mapping[str, Any]],
     stats: Mapping[str, Any],
+    total_streams: int | None = None,
 ) -> str:
     """The whole page. `groups`: the first MOST_GROUPS as /v1/groups/{name} gives them (with each
-    endpoint's source); the totals count every group."""
+    endpoint's source); the totals count every group. `streams`: the first ones as /v1/streams gives
+    them, of `total_streams` (default: all are given)."""
+    total_streams = len(streams) if total_streams is None else total_streams
     state = ('<span class="pill ok">ready</span>' if ready else
              f'<span class="pill bad">not ready: waiting for {_e(", ".join(pending) or "sources")}</span>')  # fmt: skip
     links = " ".join(f'<a href="{p}">{p}</a>' for p in
@@ -176,12 +180,12 @@ def render(
         f"<title>eds-server {_e(version)}</title><style>{_CSS}</style></head><body>"
         f'<h1>eds-server <span class="muted">{_e(version)}</span> {state}</h1>'
         f'<p class="muted">{_n(total_groups, "group")}, {_n(total_endpoints, "endpoint")}, '
-        f'{_n(len(streams), "stream")} · '
+        f'{_n(total_streams, "stream")} · '
         f'{_n(int(stats.get("acks", 0)), "ACK")}, {_n(int(stats.get("nacks", 0)), "NACK")} · '
         f'{time.strftime("%Y-%m-%d %H:%M:%S %Z")}, reloads every {REFRESH_SECONDS} s</p>'
         f"<nav>JSON: {links}</nav>"
         f'<h2 id="sources">Sources</h2>{_sources(sources)}'
         f'<h2 id="groups">Groups</h2>{_groups(groups, total_groups, streams, nacks)}'
-        f'<h2 id="streams">Streams</h2>{_streams(streams)}'
+        f'<h2 id="streams">Streams</h2>{_streams(streams, total_streams)}'
         "</body></html>"
     )

@@ -132,3 +132,22 @@ async def test_status_page_without_a_browser(tmp_path: Path) -> None:
     assert "No groups." in text and "No Envoy is connected." in text
 
 
+
+
+def test_long_lists_are_cut_with_a_link_and_everything_is_escaped() -> None:
+    """Pure rendering: bounded however much there is."""
+    from eds_server import status_page
+
+    ep = {"address": "::1", "port": 80, "health": "<draining>", "zone": "<z>", "source": "file:<f>"}
+    groups = [{"name": f"g{i}<", "version": "v<1>", "sources": ["s<"], "endpoints": [ep] * 60} for i in range(200)]
+    streams = [{"node": "n<", "cluster": "c<", "peer": "p<", "transport": "sotw", "last_nack": "<x>",
+                "names": {f"g{i}<": {"sent": "v<", "acked": None, "nacked": "v<"} for i in range(30)},
+                "names_total": 500}] * 200  # fmt: skip
+    page = status_page.render(version="1<", ready=False, pending=["file:<p>"], sources=[{"name": "<s>", "loaded": 0}],
+                              groups=groups, total_groups=300, total_endpoints=18_000, streams=streams,
+                              stats={"nacks_by_group": {"g0<": 2}}, total_streams=250)  # fmt: skip
+    assert "200 of 300 shown" in page and "50 of 60 shown" in page and "200 of 250 shown" in page
+    assert "... 500 names" in page and "250 streams" in page and "not ready: waiting for file:&lt;p&gt;" in page
+    assert page.count('<section class="group"') == 200 and page.count("<tr") < 200 * 52 + 202
+    assert "<" + "z>" not in page and "<x>" not in page and "<draining>" not in page and "[::1]:80" in page
+    assert 'href="/v1/groups/g0%3C"' in page and "2 NACKs since start" in page
