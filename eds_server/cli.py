@@ -15,7 +15,7 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import uvloop
 
@@ -151,8 +151,23 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Says when a bad value came from the environment, not the command line: argparse names only
+    the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`."""
+
+    argv: Sequence[str] = ()
+
+    def error(self, message: str) -> NoReturn:
+        found = re.match(r"argument (--[\w-]+)", message)
+        if found and not any(a == found[1] or a.startswith(found[1] + "=") for a in _Parser.argv):
+            env = "EDS_" + found[1][2:].upper().replace("-", "_")
+            if env in os.environ:
+                message += f" (from {env}={os.environ[env]!r})"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eds-server", description=__doc__,
+    parser = _Parser(prog="eds-server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"eds-server {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -341,6 +356,7 @@ async def serve(settings: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.command == "check":
         if not (args.files or args.authz):
