@@ -158,7 +158,7 @@ def test_a_missing_file_has_no_line_number(tmp_path: Path) -> None:
 def test_a_bad_value_from_the_environment_says_so() -> None:
     import os
 
-    out = subprocess.run([sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml"],
-                         capture_output=True, text=True, timeout=30, env={**os.environ, "EDS_DEBOUNCE": "10"})  # fmt: skip
+    args = [sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30, env={**os.environ, "EDS_DEBOUNCE": "10"})
     assert out.returncode == 2
     assert "argument --debounce: '10' has no unit" in out.stderr and "(from EDS_DEBOUNCE='10')" in out.stderr
