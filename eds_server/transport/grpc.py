@@ -25,7 +25,17 @@ from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckRespo
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Resource, Store
 from ..xds import wire
-from ..xds.common import Ack, Event, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
+from ..xds.common import (
+    WILDCARD,
+    Ack,
+    Event,
+    Limits,
+    Nack,
+    ProtocolError,
+    Subscribed,
+    check_request,
+    response_version,
+)
 from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
 from .http2 import PassThroughCodec, Server, recv_limited, send_frames, send_now
@@ -148,7 +158,7 @@ class EdsService:
                             node_id, cluster, _peer(stream), access, _names(refused))  # fmt: skip
                 raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {_names(refused)}")
         await self._ready.wait()
-        resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names)]
+        resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names) if n != WILDCARD]
         version = response_version(resources) if resources else ""
         await stream.send_message(wire.discovery_response(version, resources, ""))
 
