@@ -55,7 +55,7 @@ def make_app(
     store: Store,
     source_status: Callable[[], list[dict[str, Any]]],
     stats: Callable[[], dict[str, Any]],
-    streams: Callable[[], list[dict[str, Any]]],
+    streams: Callable[[int, int], dict[str, Any]],  # (after, limit) -> one page
     registry: CollectorRegistry,
     registrations: RegistrationSource | None = None,
     admin_token: str | None = None,
@@ -85,8 +85,16 @@ def make_app(
     async def stats_handler(_: web.Request) -> web.Response:
         return web.json_response(stats())
 
-    async def streams_handler(_: web.Request) -> web.Response:
-        return web.json_response({"streams": streams()})
+    async def streams_handler(request: web.Request) -> web.Response:
+        # paged: a server may hold 100,000 streams; ?after=<next_after of the previous page>
+        try:
+            after = int(request.query.get("after", "0"))
+            limit = min(int(request.query.get("limit", "100")), 1000)
+            if limit < 1:
+                raise ValueError
+        except ValueError:
+            return web.json_response({"error": "after and limit must be integers, limit >= 1"}, status=400)
+        return web.json_response(streams(after, limit))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
