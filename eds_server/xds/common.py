@@ -87,8 +87,12 @@ def check_request(type_url: str, names: Collection[str], limits: Limits) -> None
     """Refuse what no Envoy sends: another resource type, or names past the limits."""
     if type_url not in ("", EDS_TYPE_URL):
         raise ProtocolError("INVALID_ARGUMENT", f"type_url {type_url!r} is not served here")
-    check_count(len(names), "resource names in one request", limits)
-    check_lengths(names, limits)
+    if len(names) > limits.max_names:
+        check_count(len(names), "resource names in one request", limits)
+    longest = limits.max_name_length
+    for name in names:  # inline: every ACK of every stream comes through here
+        if len(name) > longest:
+            check_lengths((name,), limits)
 
 
 def check_count(count: int, what: str, limits: Limits) -> None:
@@ -173,18 +177,24 @@ class StreamState(Generic[R]):
         self._suspects.pop(name, None)
         self._dirty.add(name)
 
-    def _settle(self, resources: Iterable[Resource], error: str | None) -> None:
+    def _settle(self, resources: tuple[Resource, ...], error: str | None) -> None:
         """Envoy answered the response in flight: ACK (`error` None) or NACK."""
-        resources = tuple(resources)
+        subscribed, suspects = self.subscribed, self._suspects
+        if error is None:  # the fan-out path: every stream ACKs every change
+            for r in resources:
+                if r.name in subscribed:  # not one unsubscribed meanwhile: nothing is kept for those
+                    self.acked[r.name] = r.version
+                    if self.nacked:
+                        self.nacked.pop(r.name, None)
+                    if suspects:
+                        suspects.pop(r.name, None)
+            return
         bundle = len(resources) > 1
         for r in resources:
-            if r.name not in self.subscribed:
-                continue  # unsubscribed meanwhile: nothing is kept for it
-            self._suspects.pop(r.name, None)
-            if error is None:
-                self.acked[r.name] = r.version
-                self.nacked.pop(r.name, None)
-            elif bundle:
+            if r.name not in subscribed:
+                continue
+            suspects.pop(r.name, None)
+            if bundle:
                 self._suspects[r.name] = r.version
                 self.sent.pop(r.name, None)
                 self._dirty.add(r.name)
@@ -201,13 +211,12 @@ class StreamState(Generic[R]):
 
     def _due(self, current: Iterable[Resource]) -> tuple[Resource, ...]:
         """What Envoy lacks: not sent already, and not a version it rejected."""
-        due = [r for r in current if self.sent.get(r.name) != r.version and self.nacked.get(r.name) != r.version]
+        sent, nacked = self.sent, self.nacked
+        due = [r for r in current if sent.get(r.name) != r.version and nacked.get(r.name) != r.version]
         if self._suspects and due:
             due = self._isolate(due)
         for r in due:
-            self.sent[r.name] = r.version
-        if due:
-            self._owe_empty = False
+            sent[r.name] = r.version
         return tuple(due)
 
     def _isolate(self, due: list[Resource]) -> list[Resource]:

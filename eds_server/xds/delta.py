@@ -52,9 +52,13 @@ class DeltaResponse:
 class DeltaStream(StreamState[DeltaResponse]):
     def receive(self, req: DeltaRequest) -> list[Event]:
         """Take one request from Envoy; raise ProtocolError to end the stream."""
-        subscribe = dict.fromkeys(n for n in req.subscribe if n != WILDCARD)
+        if req.type_url not in ("", EDS_TYPE_URL):
+            raise ProtocolError("INVALID_ARGUMENT", f"type_url {req.type_url!r} is not served here")
+        subscribe = dict.fromkeys(req.subscribe)
+        subscribe.pop(WILDCARD, None)
         unsubscribe = dict.fromkeys(req.unsubscribe)
-        self._check(req, subscribe, unsubscribe)
+        if subscribe or unsubscribe or req.initial_versions:  # not on a plain ACK: the fan-out path
+            self._check(req, subscribe, unsubscribe)
         events: list[Event] = []
         first = not self._started
         if first:
@@ -67,6 +71,10 @@ class DeltaStream(StreamState[DeltaResponse]):
                 events.append(StaleNonce(req.response_nonce))  # subscriptions still count
         # Subscribes first, then unsubscribes (the protocol doc's order, and go-control-plane's):
         # a name in both lists ends up unsubscribed, and the store is told the same net change.
+        if not (subscribe or unsubscribe):
+            if first:
+                self._owe_empty = True  # "*" or nothing: no names, but an answer
+            return events
         added = tuple(n for n in subscribe if n not in self.subscribed and n not in unsubscribe)
         removed = tuple(n for n in unsubscribe if n in self.subscribed)
         for name in removed:
@@ -87,12 +95,10 @@ class DeltaStream(StreamState[DeltaResponse]):
         return events
 
     def _check(self, req: DeltaRequest, subscribe: dict[str, None], unsubscribe: dict[str, None]) -> None:
-        """The type, name lengths, and `max_names` as a total of names subscribed on this stream.
+        """Name lengths, and `max_names` as a total of names subscribed on this stream.
 
         A reconnecting client lists its names in `subscribe` and again in `initial_versions`: counted once.
         """
-        if req.type_url not in ("", EDS_TYPE_URL):
-            raise ProtocolError("INVALID_ARGUMENT", f"type_url {req.type_url!r} is not served here")
         check_count(len(subscribe.keys() | req.initial_versions.keys()), "resource names in one request", self.limits)
         check_count(len(unsubscribe), "names to unsubscribe in one request", self.limits)
         check_lengths(itertools.chain(subscribe, unsubscribe, req.initial_versions), self.limits)

@@ -65,7 +65,8 @@ class SotwStream(StreamState[Response]):
             else:
                 events.append(Ack(req.version_info, names))
             self.in_flight = None
-        wanted = dict.fromkeys(n for n in req.resource_names if n != WILDCARD)
+        wanted = dict.fromkeys(req.resource_names)
+        wanted.pop(WILDCARD, None)
         added = tuple(n for n in wanted if n not in self.subscribed)
         removed = tuple(n for n in self.subscribed if n not in wanted)
         for name in removed:
