@@ -101,7 +101,7 @@ def make_app(
     store: Store,
     source_status: Callable[[], list[dict[str, Any]]],
     stats: Callable[[], dict[str, Any]],
-    streams: Callable[[], list[dict[str, Any]]],
+    streams: Callable[[int, int], dict[str, Any]],  # (after, limit) -> one page
     registry: CollectorRegistry,
     registrations: RegistrationSource | None = None,
     admin_token: str | None = None,
@@ -140,17 +140,26 @@ def make_app(
     async def stats_handler(_: web.Request) -> web.Response:
         return web.json_response(stats())
 
-    async def streams_handler(_: web.Request) -> web.Response:
-        return web.json_response({"streams": streams()})
+    async def streams_handler(request: web.Request) -> web.Response:
+        # paged: a server may hold 100,000 streams; ?after=<next_after of the previous page>
+        try:
+            after = int(request.query.get("after", "0"))
+            limit = min(int(request.query.get("limit", "100")), 1000)
+            if limit < 1:
+                raise ValueError
+        except ValueError:
+            return web.json_response({"error": "after and limit must be integers, limit >= 1"}, status=400)
+        return web.json_response(streams(after, limit))
 
     async def index(_: web.Request) -> web.Response:
         resources = store.resources()
         names = sorted(resources)
+        shown = streams(0, status_page.MOST_STREAMS)
         page = status_page.render(
             version=__version__, ready=store.ready, pending=list(store.pending_sources), sources=source_status(),
             groups=[group_json(store, resources[n], endpoint_sources=True) for n in names[: status_page.MOST_GROUPS]],
             total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
-            streams=streams(), stats=stats(),
+            streams=shown["streams"], total_streams=shown["total"], stats=stats(),
         )  # fmt: skip
         return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
 

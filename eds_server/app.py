@@ -152,7 +152,7 @@ class App:
         if self.settings.admin is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
-                lambda: [s.describe() for s in self.service.sessions],
+                self.service.describe_streams,
                 make_registry(self.store, self.service, self.source_status),
                 self.registrations, self.settings.admin_token,
             )  # fmt: skip

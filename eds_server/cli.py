@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_env("EDS_MAX_MESSAGE_SIZE", str(4 * 1024 * 1024)),
                         help="largest request accepted, judged from its length prefix (default 4 MiB)")
     limits.add_argument("--max-names", type=positive_int, metavar="N", default=_env("EDS_MAX_NAMES", "10000"),
-                        help="resource names in one request (default 10000)")
+                        help="resource names a stream may follow (default 10000)")
     limits.add_argument("--max-name-length", type=positive_int, metavar="N",
                         default=_env("EDS_MAX_NAME_LENGTH", "1024"), help="characters in a name (default 1024)")
     limits.add_argument("--send-timeout", type=duration, metavar="DURATION", default=_env("EDS_SEND_TIMEOUT", "30s"),
