@@ -389,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "FILE with --admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_KUBERNETES, EDS_STATE, "
                   "EDS_ADMIN_TOKEN)")
         return 2
+    if args.kubernetes and args.kubeconfig and not os.path.isfile(args.kubeconfig):
+        log.error("not starting: --kubeconfig %s: no such file", args.kubeconfig)
+        return 2
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
         return 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +125,12 @@ def test_node_regions() -> None:
     src.replace(NODES, None, [])  # node-a gone: its region with it
     src.publish()
     assert store.resources()["web"].group.endpoints[0].locality == Locality("", "zone-a")
+
+
+def test_a_missing_kubeconfig_stops_the_start(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.kubeconfig"
+    cmd = [sys.executable, "-m", "eds_server", "serve", "--kubernetes", "--kubeconfig", str(missing),
+           "--listen", "127.0.0.1:0", "--admin", "off"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"not starting: --kubeconfig {missing}: no such file" in out.stderr

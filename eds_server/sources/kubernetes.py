@@ -79,6 +79,8 @@ async def make_client(options: KubernetesOptions) -> Any:
     """An ApiClient from --kubeconfig, else KUBECONFIG, else in-cluster, else ~/.kube/config."""
     from kubernetes_asyncio import client, config  # imported only when Kubernetes is followed (~1 s)
 
+    logging.getLogger("kubernetes_asyncio").setLevel(logging.ERROR)  # our own warning says it, once
+
     cfg = client.Configuration()
     if options.kubeconfig:
         await config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
@@ -287,8 +289,8 @@ class KubernetesSource:
 
     def _failed(self, scope: tuple[Kind, str | None] | None, reason: str) -> None:
         if self.connected or self.last_error is None:
-            log.warning("%s: API server unreachable (%s); serving the last known endpoints (stale) and retrying",
-                        self.name, reason)  # fmt: skip
+            log.warning("%s: cannot follow the API server (%s); serving the last known endpoints (stale) and "
+                        "retrying", self.name, reason)  # fmt: skip
         if scope is not None:
             self._down[scope] = reason
         self.connected = False
