@@ -8,7 +8,7 @@ import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from ssl import SSLContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -18,6 +18,7 @@ from .metrics import make_registry
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
+from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
 from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
@@ -26,6 +27,9 @@ from .transport.grpc import EdsService, make_server
 from .transport.rest import make_rest_app
 from .upstreams import MAX_FILE_SIZE
 from .xds.common import Limits
+
+if TYPE_CHECKING:
+    from .sources.kubernetes import KubernetesSource
 
 log = logging.getLogger("eds_server")
 
@@ -37,11 +41,12 @@ class Settings:
     docker: DockerOptions | None = None  # None: no Docker discovery
     swarm: DockerOptions | None = None  # None: no Swarm discovery (same engine options as Docker)
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
+    kubernetes: KubernetesOptions | None = None  # None: no Kubernetes discovery
     debounce: float = 0.05
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
     rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
-    startup_timeout: float = 10.0
+    startup_timeout: float | None = None  # None: answer nobody until every source has loaded
     max_streams_per_connection: int = 10_000
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
@@ -85,6 +90,11 @@ class App:
             if settings.swarm is not None
             else None
         )
+        self.kubernetes_source: KubernetesSource | None = None
+        if settings.kubernetes is not None:
+            from .sources.kubernetes import KubernetesSource
+
+            self.kubernetes_source = KubernetesSource(self.store, settings.kubernetes, debounce=settings.debounce)
         # after the file and Docker: on a duplicate address in a group, the first source wins
         self.registrations = (
             RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
@@ -127,6 +137,8 @@ class App:
                     count: len(d._inspects if isinstance(d, DockerSource) else d._services),
                     "last_error": d.last_error,
                 })  # fmt: skip
+        if self.kubernetes_source is not None:
+            out.append(self.kubernetes_source.status())
         if self.registrations is not None:
             out.append(self.registrations.status())
         return out
@@ -144,10 +156,14 @@ class App:
             self._spawn(self.docker_source.run(self._stop_sources), "docker source", self.docker_source.name)
         if self.swarm_source is not None:
             self._spawn(self.swarm_source.run(self._stop_sources), "swarm source", self.swarm_source.name)
+        if self.kubernetes_source is not None:
+            k8s = self.kubernetes_source
+            self._spawn(k8s.run(self._stop_sources), "kubernetes source", k8s.name)
         if self.registrations is not None:
             self.registrations.load()  # raises RegistrationStateError: refuse to start
             self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)
-        self._spawn(self._startup_deadline(), "startup deadline")
+        if self.settings.startup_timeout is not None:
+            self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
         host, port = self.settings.listen
         await self.grpc.start(host, port, ssl=ssl)
         self.grpc_port = _bound_port(self.grpc)
@@ -155,7 +171,7 @@ class App:
         if self.settings.admin is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
-                lambda: [s.describe() for s in self.service.sessions],
+                self.service.describe_streams,
                 make_registry(self.store, self.service, self.source_status),
                 self.registrations, self.settings.admin_token,
             )  # fmt: skip
@@ -192,14 +208,15 @@ class App:
         log.info("%s on http://%s:%s", what, address[0], port)
         return port
 
-    async def _startup_deadline(self) -> None:
+    async def _startup_deadline(self, timeout: float) -> None:
         if self.store.ready:
             return
-        await asyncio.sleep(self.settings.startup_timeout)
+        await asyncio.sleep(timeout)
         if not self.store.ready:
             log.warning(
-                "startup timeout (%.0fs): sources still empty: %s; serving what is loaded",
-                self.settings.startup_timeout, ", ".join(self.store.pending_sources),
+                "startup timeout (%gs): sources never loaded: %s; serving what is loaded "
+                "(Envoy drops endpoints only those sources would give)",
+                timeout, ", ".join(self.store.pending_sources),
             )  # fmt: skip
             self.store.force_ready()
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from . import fields
+from . import envoy_limits, fields
 from .model import Endpoint, Group, Locality
 
 ENDPOINT_KEYS = (
@@ -49,7 +49,8 @@ class Problem:
 
     def __str__(self) -> str:
         where = f"{self.path}: " if self.path else ""
-        return f"{self.file}:{self.line}: {where}{self.message}"
+        line = f":{self.line}" if self.line else ""  # 0: about the whole file (e.g. it cannot be read)
+        return f"{self.file}{line}: {where}{self.message}"
 
 
 class UpstreamsError(Exception):
@@ -272,11 +273,11 @@ class _Index:
         endpoints[i] = ep
         if ep.key != group.endpoints[i].key and any(e.key == ep.key for e in endpoints if e is not ep):
             return None  # a duplicate: the full path says which
-        bucket = (ep.priority, ep.locality)
-        if sum(e.weight or 1 for e in endpoints if (e.priority, e.locality) == bucket) > fields.UINT32_MAX:
-            return None
+        spliced = Group(name, tuple(endpoints), group.locality_weights)
+        if envoy_limits.problems(spliced):
+            return None  # e.g. weights past Envoy's limit: the full path reports it at the group
         groups = dict(self.groups)
-        groups[name] = Group(name, tuple(endpoints), group.locality_weights)
+        groups[name] = spliced
         self.text, self.groups, self.changed = text, groups, name
         self.ends[k] += delta
         if delta:
@@ -376,8 +377,9 @@ def _group_spec(w: _Walker, name: str, node: yaml.Node, path: str) -> Group | No
     weights: dict[Locality, int] = {}
     if "localities" in spec:
         weights = _localities(w, spec["localities"][1], f"{path}.localities")
-    _check_weight_sums(w, node, path, endpoints)
-    return Group(name, tuple(endpoints), weights)
+    group = Group(name, tuple(endpoints), weights)
+    _check_weight_sums(w, node, path, group)
+    return group
 
 
 def _show(ep: Endpoint) -> str:
@@ -468,19 +470,10 @@ def _localities(w: _Walker, node: yaml.Node, path: str) -> dict[Locality, int]:
     return out
 
 
-def _check_weight_sums(w: _Walker, node: yaml.Node, path: str, endpoints: list[Endpoint]) -> None:
-    """Envoy rejects a locality whose endpoint weights add up past uint32."""
-    sums: dict[tuple[int, Locality], int] = {}
-    for ep in endpoints:
-        k = (ep.priority, ep.locality)
-        sums[k] = sums.get(k, 0) + (ep.weight or 1)
-    for (prio, loc), total in sums.items():
-        if total > fields.UINT32_MAX:
-            w.problem(
-                node, path,
-                f"endpoint weights in priority {prio}, locality {loc} add up to {total}, "
-                f"over Envoy's limit of {fields.UINT32_MAX}",
-            )  # fmt: skip
+def _check_weight_sums(w: _Walker, node: yaml.Node, path: str, group: Group) -> None:
+    """What Envoy rejects in the whole group (weight sums per priority), reported at the group."""
+    for problem in envoy_limits.problems(group):
+        w.problem(node, path, problem)
 
 
 def decode(data: bytes, filename: str) -> str:
@@ -506,13 +499,13 @@ def read(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+        raise UpstreamsError([Problem(path, 0, "", f"cannot read: {e.strerror or e}")]) from None
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
-            raise UpstreamsError([Problem(path, 1, "", "cannot read: Is a directory")])
+            raise UpstreamsError([Problem(path, 0, "", "cannot read: Is a directory")])
         if not stat.S_ISREG(st.st_mode):
-            raise UpstreamsError([Problem(path, 1, "", "not a regular file (a FIFO or a device)")])
+            raise UpstreamsError([Problem(path, 0, "", "not a regular file (a FIFO or a device)")])
         chunks, size = [], 0
         while size <= max_size:  # bounded: stops past the limit even if the file grows meanwhile
             chunk = os.read(fd, min(1 << 20, max_size + 1 - size))
@@ -521,12 +514,12 @@ def read(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
     except OSError as e:
-        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+        raise UpstreamsError([Problem(path, 0, "", f"cannot read: {e.strerror or e}")]) from None
     finally:
         os.close(fd)
     if size > max_size:
         raise UpstreamsError([Problem(
-            path, 1, "", f"larger than {max_size} bytes (raise the limit with --max-upstreams-size)"
+            path, 0, "", f"larger than {max_size} bytes (raise the limit with --max-upstreams-size)"
         )])  # fmt: skip
     return b"".join(chunks)
 
@@ -536,5 +529,5 @@ def load(path: str, max_size: int = MAX_FILE_SIZE) -> dict[str, Group]:
     try:
         data = read(path, max_size)
     except FileNotFoundError as e:
-        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+        raise UpstreamsError([Problem(path, 0, "", f"cannot read: {e.strerror or e}")]) from None
     return parse_bytes(data, path)
