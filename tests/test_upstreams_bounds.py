@@ -78,7 +78,7 @@ def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     path = tmp_path / "upstreams.yaml"
     os.mkfifo(path)  # no writer: a plain open() would block forever
     [p] = problems_of(lambda: upstreams.read(str(path)))
-    assert p == f"{path}:1: not a regular file (a FIFO or a device)"
+    assert p == f"{path}: not a regular file (a FIFO or a device)"
 
 
 def test_a_symlink_to_a_device_is_refused_before_reading(tmp_path: Path) -> None:
@@ -99,7 +99,7 @@ def test_size_limit(tmp_path: Path) -> None:
     path.write_text(VALID)
     assert upstreams.read(str(path), max_size=len(VALID)) == VALID.encode()
     [p] = problems_of(lambda: upstreams.read(str(path), max_size=len(VALID) - 1))
-    assert p == f"{path}:1: larger than {len(VALID) - 1} bytes (raise the limit with --max-upstreams-size)"
+    assert p == f"{path}: larger than {len(VALID) - 1} bytes (raise the limit with --max-upstreams-size)"
 
 
 # -- `check` and the server agree -----------------------------------------------------------------

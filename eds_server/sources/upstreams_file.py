@@ -66,7 +66,7 @@ class UpstreamsFileSource:
             data = self._read()
         except FileNotFoundError as e:
             raise upstreams.UpstreamsError(
-                [upstreams.Problem(self.path, 1, "", f"cannot read: {e.strerror or e}")]
+                [upstreams.Problem(self.path, 0, "", f"cannot read: {e.strerror or e}")]
             ) from None
         groups = self._parse(data)
         self._last_bytes = data
