@@ -23,6 +23,8 @@ from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
+from .transport.http2 import ConnectionLimits
+from .transport.httplimits import HttpLimits, LimitedAppRunner
 from .transport.rest import make_rest_app
 from .xds.common import Limits
 
@@ -48,6 +50,9 @@ class Settings:
     send_timeout: float = 30.0
     reset_budget: int = 10_000
     limits: Limits = field(default_factory=Limits)
+    # gRPC connections and per-IP budgets (its max_streams, reset_budget, max_message_size: the fields above)
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
     shutdown_grace: float = 2.0
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
@@ -97,6 +102,7 @@ class App:
             keepalive_timeout=settings.keepalive_timeout,
             max_message_size=settings.max_message_size,
             reset_budget=settings.reset_budget,
+            limits=settings.connection_limits,
         )
         self._http: list[web.AppRunner] = []
         self._stop_sources = asyncio.Event()
@@ -129,7 +135,10 @@ class App:
 
     def stats(self) -> dict[str, Any]:
         counters = dataclasses.asdict(self.service.counters)
-        return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes}
+        gate = self.grpc.gate
+        return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes,
+                "connections_open": gate.connections, **dataclasses.asdict(gate.counters),
+                "partial_messages_refused": self.service.reader.budget.refused if self.service.reader.budget else 0}
 
     async def start(self) -> None:
         ssl = self._security()
@@ -179,7 +188,7 @@ class App:
         return ssl
 
     async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
-        runner = web.AppRunner(app, access_log=None)
+        runner = LimitedAppRunner(app, self.settings.http_limits)
         await runner.setup()
         self._http.append(runner)
         site = web.TCPSite(runner, *address)

@@ -1,0 +1,110 @@
+"""Hostile clients (issue 11): whatever one client does, a well-behaved one keeps getting its updates.
+
+Each attack runs against a real eds-server process from another loopback address (127.0.0.2+,
+so per-IP limits tell it from the canary at 127.0.0.1), while the canary (tests/canary.py)
+follows changes and opens fresh connections. The canary is measured without the attack first,
+then during it. Bounds are generous multiples of what was measured here (see docs/limits.md);
+RSS is the server's peak (VmHWM). Set HOSTILE_REPORT=FILE to append each run's figures as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from canary import Canary, CanaryReport, peak_rss_mb, upstreams_text
+from server_process import EdsServerProcess
+
+HOSTILE = Path(__file__).with_name("hostile_clients.py")
+BASELINE_SECONDS = 3.0
+ATTACK_SECONDS = 6.0
+RSS_CAP_MB = 250  # the server idles at ~50 MB; the attacks of issue 11 took it to 1.7 GB
+DELAY_BOUND_S = 1.5  # the canary's median delay, baseline ~60 ms here (file watch + debounce)
+
+# attack -> (extra server flags, what the server log must show)
+ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "ping_flood": ((), "ENHANCE_YOUR_CALM"),
+    "settings_flood": ((), "ENHANCE_YOUR_CALM"),
+    "priority_flood": ((), "ENHANCE_YOUR_CALM"),
+    "unknown_flood": ((), "ENHANCE_YOUR_CALM"),
+    "empty_data_flood": ((), "ENHANCE_YOUR_CALM"),
+    "reset_churn": ((), "ENHANCE_YOUR_CALM"),
+    "open_close_churn": ((), "ENHANCE_YOUR_CALM"),
+    "data_after_end": ((), "ENHANCE_YOUR_CALM"),
+    "idle_streams": (("--request-timeout", "2s"), "refusing connection"),
+    "idle_connections": (("--request-timeout", "2s"), "refusing connection"),
+    "partial_messages": (("--request-timeout", "3s", "--partial-message-budget", str(32 << 20)), None),
+    "big_health_message": (("--max-message-size", str(1 << 20), "--partial-message-budget", str(32 << 20)), None),
+    "health_streams": (("--max-streams", "5000"), None),
+}
+
+
+async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: str) -> dict[str, Any]:
+    upstreams = tmp_path / "upstreams.yaml"
+    upstreams.write_text(upstreams_text(0))
+    async with EdsServerProcess(upstreams, "--log-level", "info", *extra, workdir=tmp_path) as server:
+        assert server.proc is not None
+        canary = Canary(server.port, upstreams)
+        before = await canary.run(BASELINE_SECONDS)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(HOSTILE), attack, str(server.port), src, str(ATTACK_SECONDS),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        await asyncio.sleep(0.5)  # the attack is under way
+        during = await canary.run(ATTACK_SECONDS)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        attacker = json.loads(out.decode().strip().splitlines()[-1])
+        peak = peak_rss_mb(server.proc.pid)
+        after = await canary.run(BASELINE_SECONDS)  # and once the attacker is gone
+        stats = await server.admin("/v1/stats")
+        log = server.log_text()
+    result = {
+        "attack": attack, "before": before.summary(), "during": during.summary(), "after": after.summary(),
+        "peak_rss_mb": round(peak, 1), "attacker": attacker,
+        "server": {k: stats.get(k) for k in ("calmed", "connections_refused", "timed_out", "refused",
+                                              "partial_messages_refused")},
+    }  # fmt: skip
+    if os.environ.get("HOSTILE_REPORT"):
+        with open(os.environ["HOSTILE_REPORT"], "a") as f:
+            f.write(json.dumps(result) + "\n")
+    print(json.dumps(result))
+    result["log"] = log
+    result["_during"] = during
+    result["_after"] = after
+    return result
+
+
+def assert_canary_fine(r: CanaryReport, what: str) -> None:
+    assert r.changes >= 3, (what, r.summary())
+    assert r.updates >= 0.5 * r.changes, (what, r.summary())
+    assert r.delay(0.5) < DELAY_BOUND_S, (what, r.summary())
+    assert r.fresh_ok >= 3 and r.fresh_failed <= 1, (what, r.summary())
+
+
+# Not yet held to the canary's bound on this 2-core machine: the budgets end them (GOAWAY, refused
+# streams), but the streams accepted within the budget still slow the canary; see docs/limits.md.
+NOT_YET = {"idle_streams", "health_streams"}
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [pytest.param(a, marks=pytest.mark.xfail(reason="canary slowed; see docs/limits.md", strict=False))
+     if a in NOT_YET else a for a in ATTACKS],
+)  # fmt: skip
+async def test_the_canary_keeps_flowing(tmp_path: Path, attack: str) -> None:
+    extra, marker = ATTACKS[attack]
+    src = f"127.0.0.{2 + list(ATTACKS).index(attack)}"
+    result = await attack_run(tmp_path, attack, extra, src)
+    assert_canary_fine(result["_during"], "during")
+    assert_canary_fine(result["_after"], "after")
+    assert result["peak_rss_mb"] < RSS_CAP_MB, result
+    log = result["log"]
+    assert "Traceback" not in log and "NotImplementedError" not in log, log[-3000:]
+    if marker is not None:
+        assert marker in log, log[-3000:]
