@@ -15,6 +15,7 @@ from aiohttp import web
 from . import admin, security
 from .encode import encode_group
 from .metrics import make_registry
+from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
@@ -61,6 +62,7 @@ class Settings:
     state: str | None = None  # the registrations' state file (None: registrations kept in memory only)
     admin_token: str | None = None  # turns the registration API's writes on
     max_registrations: int = MAX_REGISTRATIONS
+    registration_policy: RegistrationPolicy = field(default_factory=RegistrationPolicy)  # scoped tokens, CIDRs
 
 
 class App:
@@ -89,7 +91,7 @@ class App:
         # after the file and Docker: on a duplicate address in a group, the first source wins
         self.registrations = (
             RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
-            if settings.state or settings.admin_token
+            if settings.state or settings.admin_token or settings.registration_policy.scoped_tokens
             else None
         )
         self.service = EdsService(
@@ -162,7 +164,7 @@ class App:
                 self.store, self.source_status, self.stats,
                 lambda: [s.describe() for s in self.service.sessions],
                 make_registry(self.store, self.service, self.source_status),
-                self.registrations, self.settings.admin_token,
+                self.registrations, self.settings.admin_token, self.settings.registration_policy,
             )  # fmt: skip
             self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
         if self.settings.rest_listen is not None:

@@ -16,6 +16,13 @@ import uvloop
 
 from . import fields, upstreams
 from .app import App, Settings
+from .registration_api import (
+    RegistrationConfigError,
+    RegistrationPolicy,
+    check_token,
+    load_scoped_tokens,
+    parse_cidrs,
+)
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.registrations import RegistrationStateError
@@ -153,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     hostile.add_argument("--max-connections-per-ip", type=positive_int, metavar="N",
                          default=_env("EDS_MAX_CONNECTIONS_PER_IP", "100"),
                          help="gRPC connections from one client IP (default 100)")
-    hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "2000"),
-                         help="streams one client IP may open per 10 s; more are refused with REFUSED_STREAM, "
-                              "and count as control frames (default 2000)")
+    hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
+                         help="streams one client IP may open at once, refilled at this many per minute; more "
+                              "are refused with REFUSED_STREAM and count as control frames (default 1000)")
     hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
                          default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
                          help="PING, SETTINGS, PRIORITY, empty DATA, unknown and unpaid WINDOW_UPDATE frames "
@@ -221,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--max-registrations", type=positive_int, metavar="N",
                      default=_env("EDS_MAX_REGISTRATIONS", "10000"),
                      help="most registrations kept; more are refused with 409 (default 10000)")
+    reg.add_argument("--registration-tokens", metavar="FILE", default=_env("EDS_REGISTRATION_TOKENS", None),
+                     help="scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...]}]`, each may write only "
+                          "the groups its patterns match [EDS_REGISTRATION_TOKENS]")
+    reg.add_argument("--registration-allow-cidr", metavar="CIDR", action="append",
+                     default=[v for v in [_env("EDS_REGISTRATION_ALLOW_CIDRS", None)] if v],
+                     help="allow registering addresses in this CIDR (repeatable, or comma-separated in "
+                          "EDS_REGISTRATION_ALLOW_CIDRS); loopback, link-local, unspecified and multicast "
+                          "addresses are refused otherwise")
     _add_logging(serve)
 
     check = sub.add_parser("check", help="validate an upstreams file (exit 1 on problems)")
@@ -293,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not (args.upstreams or args.docker or args.swarm or args.state or args.admin_token):
+    if not (args.upstreams or args.docker or args.swarm or args.state or args.admin_token
+            or args.registration_tokens):  # fmt: skip
         log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm and/or --state FILE with "
                   "--admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_STATE, EDS_ADMIN_TOKEN)")
         return 2
@@ -305,6 +321,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.authz and args.rest_listen is not None:
         log.error("--authz does not cover --rest-listen: REST would serve every group to anyone; use one of them")
+        return 2
+    try:
+        if args.admin_token:
+            check_token(args.admin_token)
+        policy = RegistrationPolicy(
+            scoped_tokens=load_scoped_tokens(args.registration_tokens) if args.registration_tokens else (),
+            allow=parse_cidrs(args.registration_allow_cidr),
+        )
+    except RegistrationConfigError as e:
+        log.error("%s", e)
+        return 2
+    if policy.scoped_tokens and args.admin is None:
+        log.error("--registration-tokens needs the admin HTTP, which serves the registration API: drop --admin off")
         return 2
     docker = DockerOptions(
         label_prefix=args.docker_label_prefix,
@@ -347,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         state=args.state,
         admin_token=args.admin_token or None,
         max_registrations=args.max_registrations,
+        registration_policy=policy,
     )
     return int(uvloop.run(serve(settings)))
 

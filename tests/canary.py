@@ -45,7 +45,7 @@ def write_upstreams(path: Path, seq: int) -> None:
 class CanaryReport:
     seconds: float = 0.0
     changes: int = 0  # changes written
-    updates: int = 0  # changes received on the long-lived stream
+    updates: int = 0  # changes delivered on the long-lived stream (by their state, or a later one)
     delays: list[float] = field(default_factory=list)  # seconds from write to receipt
     stream_breaks: int = 0
     fresh_ok: int = 0
@@ -134,8 +134,9 @@ class Canary:
                             cla = endpoint_pb2.ClusterLoadAssignment.FromString(res.value)
                             for lle in cla.endpoints:
                                 for lb in lle.lb_endpoints:
-                                    seq = lb.endpoint.address.socket_address.port_value - BASE_PORT
-                                    if seq in self.written and seq not in seen:
+                                    latest = lb.endpoint.address.socket_address.port_value - BASE_PORT
+                                    # a later state delivers the earlier changes too (they may be coalesced)
+                                    for seq in [s for s in self.written if s <= latest and s not in seen]:
                                         seen.add(seq)
                                         report.updates += 1
                                         report.delays.append(now - self.written[seq])

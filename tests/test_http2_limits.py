@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import h2.config
@@ -289,3 +290,21 @@ async def test_partial_messages_share_one_budget() -> None:
             await fetch_web(port)  # small requests still fit
         finally:
             channel.close()
+
+
+async def test_an_unfinished_tls_handshake_is_dropped(tmp_path: Path) -> None:
+    from tls import CertAuthority
+
+    from eds_server.security import server_ssl_context
+
+    ca = CertAuthority("test CA", tmp_path / "pki")
+    cert = ca.issue(tmp_path / "server", dns=["localhost"], ips=["127.0.0.1"])
+    ssl = server_ssl_context(str(cert.cert), str(cert.key), None)
+    async with serving(ConnectionLimits(tls_handshake_timeout=0.3), ssl=ssl) as (_, _, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x16\x03\x01")  # the start of a ClientHello, and nothing more
+        try:
+            closed = await asyncio.wait_for(reader.read(), 10)  # bounded: closed long before
+            assert closed == b""
+        finally:
+            writer.close()

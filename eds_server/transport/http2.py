@@ -4,7 +4,7 @@ that faces untrusted clients.
 - MAX_CONCURRENT_STREAMS: h2 allows 100 per connection and grpclib drops the whole connection on
   stream 101, but Envoy opens one stream per EDS cluster on a single connection;
 - open streams counted in O(1) (h2 walks every stream on each new one: quadratic);
-- per client IP, budgets over a 10 s window for streams opened, stream resets (the client's and
+- per client IP, budgets for streams opened (per minute), and over a 10 s window for stream resets (the client's and
   the ones h2 sends on its own, e.g. for DATA after END_STREAM) and control frames (PING,
   SETTINGS, PRIORITY, empty DATA, unknown frame types, WINDOW_UPDATEs not paid for by our DATA);
   past one, GOAWAY ENHANCE_YOUR_CALM and the connection is closed;
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from ssl import SSLContext
@@ -58,9 +57,12 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from ..ratelimit import Bucket
+
 log = logging.getLogger("eds_server.grpc")
 
-BUDGET_WINDOW = 10.0  # seconds: every per-IP budget is "N per 10 s", refilled continuously
+BUDGET_WINDOW = 10.0  # seconds: per-IP budgets are "N per 10 s", refilled continuously...
+STREAM_WINDOW = 60.0  # ...but streams: N at once (one Envoy connecting), then N per minute
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
 WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
 
@@ -82,7 +84,7 @@ class ConnectionLimits:
     """What one client (connection, or IP) may take of the gRPC port."""
 
     max_streams: int = 10_000  # concurrent streams per connection (MAX_CONCURRENT_STREAMS)
-    stream_budget: int = 2_000  # streams opened per IP per BUDGET_WINDOW; more are refused (REFUSED_STREAM)
+    stream_budget: int = 1_000  # streams opened per IP per STREAM_WINDOW; more are refused (REFUSED_STREAM)
     reset_budget: int = 10_000  # stream resets (sent by the client or by h2) per IP per BUDGET_WINDOW
     control_budget: int = 1_000  # control frames per IP per BUDGET_WINDOW
     max_connections: int = 10_000  # in total
@@ -93,36 +95,6 @@ class ConnectionLimits:
     partial_message_budget: int = 128 * 1024 * 1024  # bytes of messages being received, server-wide
 
 
-class Bucket:
-    """A token bucket: `capacity` tokens, refilled at capacity per BUDGET_WINDOW."""
-
-    __slots__ = ("capacity", "rate", "stamp", "tokens")
-
-    def __init__(self, capacity: int, window: float = BUDGET_WINDOW) -> None:
-        self.capacity = float(capacity)
-        self.rate = capacity / window
-        self.tokens = float(capacity)
-        self.stamp = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    def take(self, n: int = 1) -> bool:
-        self._refill()
-        if self.tokens >= n:
-            self.tokens -= n
-            return True
-        self.tokens = 0.0
-        return False
-
-    @property
-    def full(self) -> bool:
-        self._refill()
-        return self.tokens >= self.capacity
-
-
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""
 
@@ -130,9 +102,9 @@ class PeerBudgets:
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.connections = 0
-        self.streams = Bucket(limits.stream_budget)
-        self.resets = Bucket(limits.reset_budget)
-        self.control = Bucket(limits.control_budget)
+        self.streams = Bucket(limits.stream_budget, STREAM_WINDOW)
+        self.resets = Bucket(limits.reset_budget, BUDGET_WINDOW)
+        self.control = Bucket(limits.control_budget, BUDGET_WINDOW)
 
     @property
     def idle(self) -> bool:
@@ -304,7 +276,7 @@ class _LogLimit:
     """At most `most` warnings per BUDGET_WINDOW: a client that keeps tripping a limit cannot fill the log."""
 
     def __init__(self, most: int = 20) -> None:
-        self.bucket = Bucket(most)
+        self.bucket = Bucket(most, BUDGET_WINDOW)
         self.suppressed = 0
 
     def warning(self, msg: str, *args: Any) -> None:
@@ -362,7 +334,9 @@ class _H2Protocol(H2Protocol):
                 self._saw_request = True
                 if h2.refused and event.stream_id in h2.refused:
                     h2.refused.discard(event.stream_id)
-                    h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+                    stream = h2.streams.get(event.stream_id)
+                    if stream is not None and not stream.closed:  # the client may have reset it already
+                        h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
                     continue
             if type(event) in processors:  # unknown frame types and the like are ignored
                 self.processor.process(event)

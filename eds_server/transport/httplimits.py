@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -51,9 +51,9 @@ class _Handler(RequestHandler):
         super().connection_made(transport)
         if self.port.open >= self.port.limits.max_connections:
             self.port.refused += 1
-            assert isinstance(transport, asyncio.Transport)
-            transport.write(REFUSED)
-            transport.close()
+            tr = cast(asyncio.Transport, transport)
+            tr.write(REFUSED)
+            tr.close()
             return
         self.counted = True
         self.port.open += 1
