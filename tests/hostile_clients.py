@@ -10,6 +10,7 @@ Prints one JSON line of what the attacker saw.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -261,34 +262,57 @@ async def idle_connections(port: int, src: str, seconds: float) -> dict[str, Any
             w.close()
 
 
-async def partial_messages(port: int, src: str, seconds: float, announced: int = 4 * 1024 * 1024 - 6) -> dict[str, Any]:
-    """Streams that announce a big (allowed) message and send all of it but the last byte."""
+async def partial_messages(port: int, src: str, seconds: float, announced: int = 4 * 1024 * 1024 - 6,
+                           path: str = STREAM) -> dict[str, Any]:  # fmt: skip
+    """Streams that announce a big (allowed) message and send all of it but the last byte, as fast
+    as the server's flow-control windows let them (an h2 client that reads the WINDOW_UPDATEs)."""
+    import h2.config
+    import h2.connection
+    import h2.exceptions
+
     deadline = time.monotonic() + seconds
-    conns: list[Conn] = []
-    stats = {"streams": 0, "bytes": 0}
+    stats = {"streams": 0, "bytes": 0, "connections": 0}
     body = b"\x00" + announced.to_bytes(4, "big") + b"\x0a" * (announced - 1)
-    try:
-        for _ in range(150):  # bounded: 150 streams, 30 per connection
-            if time.monotonic() > deadline or stats["bytes"] > MAX_BYTES:
-                break
-            if not conns or conns[-1].next_id > 60:
-                conns.append(await Conn.open(port, src))
-            conn = conns[-1]
-            sid, opening = conn.open_stream()
-            frames = [opening] + [DataFrame(sid, data=body[i : i + 16384]).serialize()
-                                  for i in range(0, len(body), 16384)]  # fmt: skip
-            try:
-                # The server's windows decide how much of it gets through; do not wait for them.
-                conn.writer.write(b"".join(frames))
-            except OSError:
-                continue
+
+    async def one(n_streams: int) -> None:
+        reader, writer = await asyncio.open_connection(HOST, port, local_addr=(src, 0))
+        stats["connections"] += 1
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        sent: dict[int, int] = {}
+        for i in range(n_streams):
+            conn.send_headers(1 + 2 * i, headers(path))
+            sent[1 + 2 * i] = 0
             stats["streams"] += 1
-            stats["bytes"] += len(body)
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-    finally:
-        for c in conns:
-            c.close()
+        try:
+            while time.monotonic() < deadline and stats["bytes"] < MAX_BYTES:
+                for sid, pos in sent.items():
+                    with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                        room = min(conn.local_flow_control_window(sid), len(body) - pos)
+                        while room > 0:
+                            n = min(room, conn.max_outbound_frame_size)
+                            conn.send_data(sid, body[pos : pos + n])
+                            pos += n
+                            room -= n
+                            stats["bytes"] += n
+                        sent[sid] = pos
+                writer.write(conn.data_to_send())
+                await asyncio.wait_for(writer.drain(), 10)
+                try:
+                    data = await asyncio.wait_for(reader.read(65536), max(0.01, deadline - time.monotonic()))
+                except TimeoutError:
+                    break
+                if not data:
+                    break
+                with contextlib.suppress(h2.exceptions.ProtocolError):
+                    conn.receive_data(data)
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))  # held until the end
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(one(30) for _ in range(5)), return_exceptions=True)  # 150 streams
     return stats
 
 

@@ -1,7 +1,8 @@
 """Hostile clients (issue 11): whatever one client does, a well-behaved one keeps getting its updates.
 
 Each attack runs against a real eds-server process from another loopback address (127.0.0.2+,
-so per-IP limits tell it from the canary at 127.0.0.1), while the canary (tests/canary.py)
+so per-IP limits tell it from the canary at 127.0.0.1), the server and the attacker each on a core
+of their own where there are two, while the canary (tests/canary.py)
 follows changes and opens fresh connections. The canary is measured without the attack first,
 then during it. Bounds are generous multiples of what was measured here (see docs/limits.md);
 RSS is the server's peak (VmHWM). Set HOSTILE_REPORT=FILE to append each run's figures as JSON.
@@ -44,17 +45,26 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
 }
 
 
+def pin(pid: int, cpu: int) -> None:
+    """Server on one core, attacker on another (as the audit of issue 11 ran them), where there are two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(pid, {cpus[cpu]})
+
+
 async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: str) -> dict[str, Any]:
     upstreams = tmp_path / "upstreams.yaml"
     upstreams.write_text(upstreams_text(0))
     async with EdsServerProcess(upstreams, "--log-level", "info", *extra, workdir=tmp_path) as server:
         assert server.proc is not None
+        pin(server.proc.pid, 0)
         canary = Canary(server.port, upstreams)
         before = await canary.run(BASELINE_SECONDS)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(HOSTILE), attack, str(server.port), src, str(ATTACK_SECONDS),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
+        pin(proc.pid, 1)  # an attacker has its own machine: it does not take the server's CPU
         await asyncio.sleep(0.5)  # the attack is under way
         during = await canary.run(ATTACK_SECONDS)
         out, err = await asyncio.wait_for(proc.communicate(), 60)

@@ -308,3 +308,22 @@ async def test_an_unfinished_tls_handshake_is_dropped(tmp_path: Path) -> None:
             assert closed == b""
         finally:
             writer.close()
+
+
+def test_partial_budget_shares() -> None:
+    """One IP gets a quarter of the server-wide budget; small requests (Envoy's) are refused only by
+    their own IP's share, so a client holding the budget does not stop others' requests."""
+    from eds_server.transport.http2 import SMALL_MESSAGE, PartialBudget
+
+    limits = ConnectionLimits()
+    budget = PartialBudget(total=16 << 20, max_message_size=4 << 20)
+    attackers = [PeerBudgets(limits) for _ in range(4)]
+    for a in attackers:
+        assert budget.take(4 << 20, a)  # each its quarter
+        assert not budget.take(1, a)  # and no more
+    other = PeerBudgets(limits)
+    assert not budget.take(SMALL_MESSAGE + 1, other)  # the total is taken: big messages wait
+    assert budget.take(60_000, other)  # an Envoy request still fits
+    budget.give(60_000, other)
+    budget.give(4 << 20, attackers[0])
+    assert budget.take(SMALL_MESSAGE + 1, other)

@@ -460,7 +460,7 @@ def make_server(
     )
     service.max_message_size = max_message_size
     service.reader = MessageReader(
-        max_message_size, limits.request_timeout, PartialBudget(limits.partial_message_budget)
+        max_message_size, limits.request_timeout, PartialBudget(limits.partial_message_budget, max_message_size)
     )
     others = {
         path: limited_handler(handler, service.reader, service.enter_stream, service.leave_stream)

@@ -23,7 +23,9 @@ that faces untrusted clients.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import resource
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,7 +66,9 @@ log = logging.getLogger("eds_server.grpc")
 BUDGET_WINDOW = 10.0  # seconds: per-IP budgets are "N per 10 s", refilled continuously...
 STREAM_WINDOW = 60.0  # ...but streams: N at once (one Envoy connecting), then N per minute
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
+FILE_RESERVE = 600  # descriptors kept for the admin and REST ports (256 each by default) and files
 WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
+SMALL_MESSAGE = 256 * 1024  # bytes: a request this small is never refused for others' partial messages
 
 # h2 4.4 builds repr(frame) for every frame it receives, logging on or off, and hyperframe's repr
 # hex-encodes a DATA frame's whole payload to keep its first 20 hex digits: a fifth of the CPU
@@ -98,17 +102,19 @@ class ConnectionLimits:
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""
 
-    __slots__ = ("connections", "control", "resets", "streams")
+    __slots__ = ("connections", "control", "partial", "resets", "streams")
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.connections = 0
+        self.partial = 0  # bytes of its messages being received
         self.streams = Bucket(limits.stream_budget, STREAM_WINDOW)
         self.resets = Bucket(limits.reset_budget, BUDGET_WINDOW)
         self.control = Bucket(limits.control_budget, BUDGET_WINDOW)
 
     @property
     def idle(self) -> bool:
-        return not self.connections and self.streams.full and self.resets.full and self.control.full
+        buckets = (self.streams, self.resets, self.control)
+        return not self.connections and not self.partial and all(b.full for b in buckets)
 
 
 @dataclass
@@ -426,12 +432,31 @@ class Server(grpclib.server.Server):
         closed at once (with a GOAWAY saying why), so the accept backlog sheds rather than stalls."""
         if self._server is not None:
             raise RuntimeError("Server is already started")
+        self._fit_connections_to_file_limit()
         ssl = ssl or self.ssl
         self._server = await self._loop.create_server(
             self._protocol_factory, host, cast(int, port), backlog=backlog, ssl=ssl, flags=socket.AI_PASSIVE,
             ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None, **kwargs,
         )  # fmt: skip
         self._server_closed_fut = self._loop.create_future()
+
+    def _fit_connections_to_file_limit(self) -> None:
+        """Raise the open-file limit to its hard limit, and keep the connection limit under it
+        (with room for the admin and REST ports and files): running out of descriptors fails
+        everything at once, the admin port and file reloads included."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                soft = hard
+        if soft == resource.RLIM_INFINITY:
+            return
+        room = max(16, soft - FILE_RESERVE)
+        limits = self.gate.limits
+        if limits.max_connections > room:
+            log.warning("open-file limit %d: gRPC connections limited to %d (not %d)",
+                        soft, room, limits.max_connections)  # fmt: skip
+            limits.max_connections = room
 
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
@@ -441,22 +466,33 @@ class Server(grpclib.server.Server):
 
 
 class PartialBudget:
-    """Bytes of request messages announced but not yet fully received, server-wide."""
+    """Bytes of request messages announced but not yet fully received: server-wide, and per client
+    IP (a quarter of the total, at least one message). Messages up to SMALL_MESSAGE (Envoy's
+    requests, node included, are ~60 KB) are refused only by their IP's share, so one client that
+    holds the whole budget cannot stop the others' requests."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, max_message_size: int = 0) -> None:
         self.total = total
+        self.per_ip = max(total // 4, max_message_size)
         self.used = 0
         self.refused = 0
 
-    def take(self, n: int) -> bool:
-        if self.used + n > self.total:
+    def take(self, n: int, peer: PeerBudgets | None = None) -> bool:
+        if peer is not None and peer.partial + n > self.per_ip:
+            self.refused += 1
+            return False
+        if n > SMALL_MESSAGE and self.used + n > self.total:
             self.refused += 1
             return False
         self.used += n
+        if peer is not None:
+            peer.partial += n
         return True
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, peer: PeerBudgets | None = None) -> None:
         self.used -= n
+        if peer is not None:
+            peer.partial -= n
 
 
 @dataclass
@@ -500,7 +536,9 @@ async def recv_limited(
         size = int.from_bytes(header[1:5], "big")
         if size > max_size:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {max_size})")
-        if budget is not None and not budget.take(size):
+        h2 = raw._h2_connection
+        peer = h2.peer if isinstance(h2, GuardedH2Connection) else None
+        if budget is not None and not budget.take(size, peer):
             raise GRPCError(Status.RESOURCE_EXHAUSTED, "server busy receiving other messages, retry later")
         try:
             async with asyncio.timeout(timeout):
@@ -509,7 +547,7 @@ async def recv_limited(
             raise GRPCError(Status.DEADLINE_EXCEEDED, f"message not complete within {timeout:g}s") from None
         finally:
             if budget is not None:
-                budget.give(size)
+                budget.give(size, peer)
     except AssertionError:  # grpclib's way of saying the stream ended inside a message
         raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
     if len(data) != size:  # ended right after the length prefix: b"", not an empty request
