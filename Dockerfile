@@ -28,7 +28,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
  && rm /tmp/requirements.txt
 
 # Layer 2, rebuilt on every source change (cheap: no dependency is installed again).
-COPY README.md ./
+COPY README.md LICENSE ./
 COPY eds_server ./eds_server
 RUN pip install --no-deps -c constraints.txt . \
  && pip check \

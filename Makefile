@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint protos bench clean
+.PHONY: setup demo test lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,11 @@ lint: $(STAMP)
 bench: $(STAMP)  ## the fan-out benchmark (several minutes; QUICK=1 for a smoke run)
 	$(PY) bench/run.py $(if $(QUICK),--quick)
 
+wheel: $(STAMP)  ## dist/eds_server-*.whl: what `pip install .` installs (runtime dependencies only)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
+
 protos: $(STAMP)  ## regenerate eds_server/pb from proto/
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist

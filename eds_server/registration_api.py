@@ -97,7 +97,7 @@ class RegistrationPolicy:
                           ("unspecified", ip.is_unspecified), ("multicast", ip.is_multicast)):  # fmt: skip
             if bad:
                 return (f"{address} is a {kind} address; registering it takes --registration-allow-cidr "
-                        "(EDS_REGISTRATION_ALLOW_CIDRS) holding it")  # fmt: skip
+                        "(EDS_REGISTRATION_ALLOW_CIDR) holding it")  # fmt: skip
         return None
 
 

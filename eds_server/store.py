@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from . import envoy_limits
 from .model import Group, merge_groups
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Store:
         self._empty: OrderedDict[str, Resource] = OrderedDict()  # LRU of empty CLAs for unknown names
         self._forced_ready = False
         self._stale: set[str] = set()  # sources that cannot currently reach what they follow
+        self._conflicts: dict[str, str] = {}  # group -> why its merged state is not served
         self.encodes = 0  # how many groups were encoded, for tests and metrics
 
     # -- sources -------------------------------------------------------------------------------
@@ -82,13 +84,21 @@ class Store:
         parts = [g[name] for g in self._by_source.values() if name in g]
         current = self._resources.get(name)
         if not parts:
+            self._set_conflict(name, None, kept=False)
             if current is None:
                 return False
             del self._resources[name]
             return True
         group = merge_groups(name, parts)
         if current is not None and current.group == group:
+            self._set_conflict(name, None, kept=True)
             return False
+        problems = envoy_limits.problems(group)
+        self._set_conflict(name, "; ".join(problems) if problems else None, kept=current is not None)
+        if problems:
+            if current is not None:
+                return False  # Envoy would reject it: the last good version stays
+            group = envoy_limits.fit(group)  # nothing accepted yet (a restart): what fits
         body = self._encode(group)
         self.encodes += 1
         version = content_version(body)
@@ -97,6 +107,40 @@ class Store:
             return False  # e.g. endpoints reordered: same bytes, nothing to push
         self._resources[name] = Resource(name, version, body, group, time.monotonic())
         return True
+
+    def _set_conflict(self, name: str, problem: str | None, *, kept: bool) -> None:
+        before = self._conflicts.get(name)
+        if problem == before:
+            return
+        if problem is None:
+            del self._conflicts[name]
+            log.info("group %s: sources no longer conflict; serving it again", name)
+            return
+        self._conflicts[name] = problem
+        log.warning(
+            "group %s: the merged endpoints of %s are not sent, Envoy would reject them: %s; serving %s",
+            name, ", ".join(self.sources_of(name)), problem,
+            "the last accepted version" if kept else "only the endpoints that fit",
+        )  # fmt: skip
+
+    def conflict(self, name: str) -> str | None:
+        """Why the merged state of `name` is not what is served (None: it is)."""
+        return self._conflicts.get(name)
+
+    def conflicts(self) -> Mapping[str, str]:
+        return self._conflicts
+
+    def problems_with(self, source: str, name: str, part: Group | None) -> list[str]:
+        """What Envoy would reject in group `name` if `source` gave `part` (None: nothing) for it."""
+        parts: list[Group] = []
+        for s, groups in self._by_source.items():
+            if s != source and name in groups:
+                parts.append(groups[name])
+            elif s == source and part is not None:
+                parts.append(part)
+        if source not in self._by_source and part is not None:
+            parts.append(part)
+        return envoy_limits.problems(merge_groups(name, parts)) if parts else []
 
     def mark_stale(self, source: str, stale: bool) -> None:
         """A source lost (or regained) what it follows; its last state keeps being served."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from . import fields
+from . import envoy_limits, fields
 from .model import Endpoint, Group, Locality
 
 ENDPOINT_KEYS = (
@@ -34,7 +34,8 @@ class Problem:
 
     def __str__(self) -> str:
         where = f"{self.path}: " if self.path else ""
-        return f"{self.file}:{self.line}: {where}{self.message}"
+        line = f":{self.line}" if self.line else ""  # 0: about the whole file (e.g. it cannot be read)
+        return f"{self.file}{line}: {where}{self.message}"
 
 
 class UpstreamsError(Exception):
@@ -171,8 +172,9 @@ def _group(w: _Walker, name: str, key_node: yaml.Node, node: yaml.Node) -> Group
     weights: dict[Locality, int] = {}
     if "localities" in spec:
         weights = _localities(w, spec["localities"][1], f"{path}.localities")
-    _check_weight_sums(w, node, path, endpoints)
-    return Group(name, tuple(endpoints), weights)
+    group = Group(name, tuple(endpoints), weights)
+    _check_weight_sums(w, node, path, group)
+    return group
 
 
 def _show(ep: Endpoint) -> str:
@@ -246,19 +248,10 @@ def _localities(w: _Walker, node: yaml.Node, path: str) -> dict[Locality, int]:
     return out
 
 
-def _check_weight_sums(w: _Walker, node: yaml.Node, path: str, endpoints: list[Endpoint]) -> None:
-    """Envoy rejects a locality whose endpoint weights add up past uint32."""
-    sums: dict[tuple[int, Locality], int] = {}
-    for ep in endpoints:
-        k = (ep.priority, ep.locality)
-        sums[k] = sums.get(k, 0) + (ep.weight or 1)
-    for (prio, loc), total in sums.items():
-        if total > fields.UINT32_MAX:
-            w.problem(
-                node, path,
-                f"endpoint weights in priority {prio}, locality {loc} add up to {total}, "
-                f"over Envoy's limit of {fields.UINT32_MAX}",
-            )  # fmt: skip
+def _check_weight_sums(w: _Walker, node: yaml.Node, path: str, group: Group) -> None:
+    """What Envoy rejects in the whole group (weight sums per priority), reported at the group."""
+    for problem in envoy_limits.problems(group):
+        w.problem(node, path, problem)
 
 
 def parse_bytes(data: bytes, filename: str) -> dict[str, Group]:
@@ -276,5 +269,5 @@ def load(path: str) -> dict[str, Group]:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise UpstreamsError([Problem(path, 1, "", f"cannot read: {e.strerror or e}")]) from None
+        raise UpstreamsError([Problem(path, 0, "", f"cannot read: {e.strerror or e}")]) from None
     return parse_bytes(data, path)

@@ -270,6 +270,24 @@ class DockerEngine:
         self.stop()
         self.start()
 
+    def engine_pids(self) -> list[int]:
+        """dockerd and the containerd it started (the shims, and so the containers, are not included)."""
+        cpid = self._read_pid(self.dir / "exec/containerd/containerd.pid")
+        return [p for p in (self.pid, cpid) if p is not None and (p == self.pid or self._pid_is_ours(p))]
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """SIGSTOP dockerd and its containerd for the block, SIGCONT after (whatever happens): the engine
+        neither answers nor heartbeats, while its containers keep running."""
+        pids = self.engine_pids()
+        try:
+            for pid in pids:
+                _kill(pid, signal.SIGSTOP)
+            yield
+        finally:
+            for pid in reversed(pids):
+                _kill(pid, signal.SIGCONT)
+
     def close(self) -> None:
         """Remove every container and custom network, stop dockerd, kill leftovers, delete the dir."""
         if self._closed:
@@ -610,6 +628,57 @@ async def arun_backend(engine: DockerEngine, name: str, port: int, labels: Mappi
 
 
 # --------------------------------------------------------------------------------------------------
+# Swarm
+
+
+def swarm_init(engine: DockerEngine, port: int | None = None) -> int:
+    """``swarm init`` advertising and listening on 127.0.0.1:port (default: a free one); returns the port."""
+    port = port or free_port()
+    engine.cli("swarm", "init", "--advertise-addr", f"127.0.0.1:{port}", "--listen-addr", f"127.0.0.1:{port}",
+               timeout=60)  # fmt: skip
+    return port
+
+
+def swarm_join(worker: DockerEngine, manager: DockerEngine, manager_port: int, port: int | None = None) -> int:
+    """Join ``worker`` to ``manager``'s swarm, listening on its own 127.0.0.1 port; returns that port.
+
+    Two engines on one machine share everything but their listen ports: the worker's gossip port (7946,
+    overlay networks only) is taken by the manager, so only host-networked tasks work on the worker.
+    """
+    port = port or free_port()
+    token = manager.cli("swarm", "join-token", "-q", "worker")
+    worker.cli("swarm", "join", "--token", token, "--advertise-addr", f"127.0.0.1:{port}",
+               "--listen-addr", f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", timeout=60)  # fmt: skip
+    return port
+
+
+def swarm_remove_services(engine: DockerEngine) -> None:
+    ids = engine.cli("service", "ls", "-q").split()
+    if ids:
+        engine.cli("service", "rm", *ids, timeout=60)
+
+
+def swarm_close(*engines: DockerEngine) -> None:
+    """Leave the swarm (workers first) and close the engines; best effort."""
+    for engine in engines:
+        with contextlib.suppress(Exception):
+            if engine.running:
+                engine.cli("swarm", "leave", "--force", timeout=60)
+    for engine in engines:
+        engine.close()
+
+
+def node_states(manager: DockerEngine) -> dict[str, str]:
+    """Role ("manager"/"worker", numbered if several) -> ``Status.State`` as the manager lists it now."""
+    out: dict[str, str] = {}
+    for node in sorted(manager.api_get("/v1.41/nodes", timeout=2), key=lambda n: str(n["ID"])):
+        role = str((node.get("Spec") or {}).get("Role") or "?")
+        key = role if role not in out else f"{role}-{len(out)}"
+        out[key] = str((node.get("Status") or {}).get("State") or "?")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # pytest fixtures (registered by tests/conftest.py: pytest_plugins = ["docker_engine"])
 
 
@@ -651,3 +720,34 @@ def docker_cleanup(docker_engine: DockerEngine) -> Iterator[DockerEngine]:
             docker_engine.start()
         docker_engine.remove_containers([c for c in docker_engine.container_ids() if c not in containers])
         docker_engine.remove_networks([n for n in docker_engine.network_ids() if n not in networks])
+
+
+@pytest.fixture(scope="module")
+def swarm_pair() -> Iterator[tuple[DockerEngine, DockerEngine]]:
+    """Two private engines on this machine in one Swarm: (manager, worker), both on 127.0.0.1 ports.
+
+    No --live-restore (Swarm refuses it). After each module the services are removed and both leave.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        _skip_or_fail(reason)
+    manager, worker = DockerEngine(live_restore=False), DockerEngine(live_restore=False)
+    try:
+        manager.start()
+        worker.start()
+        swarm_join(worker, manager, swarm_init(manager))
+        wait_for(lambda: sorted(node_states(manager).values()) == ["ready", "ready"], timeout=30,
+                 what="both swarm nodes ready")  # fmt: skip
+    except Exception as exc:
+        swarm_close(worker, manager)
+        _skip_or_fail(f"two-node swarm did not start: {exc}")
+    try:
+        yield manager, worker
+    finally:
+        for engine in (manager, worker):
+            if not engine.running:
+                with contextlib.suppress(Exception):
+                    engine.start()
+        with contextlib.suppress(Exception):
+            swarm_remove_services(manager)
+        swarm_close(worker, manager)

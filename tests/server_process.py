@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,32 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class RunAs:
+    """Run the server as another user (the tests run as root), through util-linux ``setpriv``.
+
+    It keeps one capability, CAP_DAC_READ_SEARCH, so that the interpreter can be read wherever it was
+    installed (e.g. under /root); connecting to a unix socket needs *write* permission, which that
+    capability does not grant, so the socket's owner, group and mode decide as for any user."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def command(self) -> list[str]:
+        groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", groups,
+                "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]  # fmt: skip
+
+
 class EdsServerProcess:
     """`python -m eds_server serve` on loopback ports; restartable on the same ports."""
 
-    def __init__(self, upstreams: Path | None, *extra_args: str, workdir: Path | None = None) -> None:
+    def __init__(
+        self, upstreams: Path | None, *extra_args: str, workdir: Path | None = None, user: RunAs | None = None
+    ) -> None:
         self.upstreams = upstreams
+        self.user = user
         self.port = free_port()
         self.admin_port = free_port()
         self.extra_args = extra_args
@@ -38,6 +60,7 @@ class EdsServerProcess:
 
     async def start(self, wait_ready: bool = True) -> None:
         self.proc = await asyncio.create_subprocess_exec(
+            *(self.user.command() if self.user else []),
             sys.executable, "-m", "eds_server", "serve",
             *(["--upstreams", str(self.upstreams)] if self.upstreams else []),
             "--listen", f"127.0.0.1:{self.port}",

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from eds_server.cli import duration, host_port
+from eds_server import __version__
+from eds_server.cli import _HelpFormatter, build_parser, duration, host_port
 
 
 def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -38,7 +41,8 @@ def test_serve_refuses_a_bad_file_with_json_logs(tmp_path: Path) -> None:
               "--log-format", "json")  # fmt: skip
     assert out.returncode == 1
     lines = [json.loads(line) for line in out.stderr.splitlines()]
-    assert lines[0]["level"] == "error" and lines[0]["msg"].startswith(f"{bad}:3: groups.web.endpoints[0]")
+    assert lines[0]["level"] == "info" and lines[0]["msg"].startswith(f"eds-server {__version__} starting")
+    assert lines[1]["level"] == "error" and lines[1]["msg"].startswith(f"{bad}:3: groups.web.endpoints[0]")
 
 
 def test_serve_without_a_source_says_how() -> None:
@@ -56,4 +60,105 @@ def test_host_port(text: str, expected: tuple[str, int]) -> None:
 
 
 def test_duration() -> None:
-    assert (duration("10"), duration("10s"), duration("500ms"), duration("2m")) == (10, 10, 0.5, 120)
+    assert (duration("0"), duration("10s"), duration("500ms"), duration("2m")) == (0, 10, 0.5, 120)
+
+
+def test_version() -> None:
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout == f"eds-server {__version__}\n"
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_shows_its_environment_variable_and_default() -> None:
+    helps = {}
+    for command, sub in _subparsers().items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                helps[(command, action.option_strings[-1])] = _HelpFormatter("x")._get_help_string(action)
+    assert len([k for k in helps if k[0] == "serve"]) >= 31
+    for (command, flag), text in helps.items():
+        assert "(default " in text, (command, flag, text)
+        own_variable = command == "serve" or flag in ("--log-level", "--log-format")
+        expected = "[EDS_" + flag[2:].upper().replace("-", "_")
+        assert (expected in text) == own_variable, (command, flag, text)
+    assert helps[("serve", "--debounce")].endswith("[EDS_DEBOUNCE] (default 50ms)")
+    assert helps[("serve", "--docker")].endswith("[EDS_DOCKER=1] (default off)")
+    assert helps[("serve", "--upstreams")].endswith("[EDS_UPSTREAMS] (default none)")
+
+
+def test_commands_have_help_text() -> None:
+    for command in ("serve", "check", "demo"):
+        out = run(command, "--help")
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: eds-server {command}")
+        description = out.stdout.split("\n\n")[1]
+        assert len(description) > 80, description
+    assert "examples/upstreams.yaml" in run("demo", "--help").stdout
+
+
+def test_a_bare_number_is_not_a_duration() -> None:
+    out = run("serve", "--upstreams", "examples/upstreams.yaml", "--debounce", "10")
+    assert out.returncode == 2
+    assert "argument --debounce: '10' has no unit: write 10s or 10ms (units: ms, s, m)" in out.stderr
+
+
+def test_port_out_of_range() -> None:
+    out = run("serve", "--upstreams", "examples/upstreams.yaml", "--listen", "127.0.0.1:99999")
+    assert out.returncode == 2 and "argument --listen: '127.0.0.1:99999': port 99999 is out of range" in out.stderr
+
+
+def test_a_port_in_use_names_its_flag_before_anything_is_served() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--listen", "--admin", "--rest-listen"):
+            args = {"--listen": "127.0.0.1:0", "--admin": "127.0.0.1:0", "--rest-listen": "off"}
+            args[flag] = f"127.0.0.1:{port}"
+            out = run("serve", "--upstreams", "examples/upstreams.yaml", *(x for kv in args.items() for x in kv))
+            assert out.returncode == 1
+            assert f"not starting: {flag} 127.0.0.1:{port}: address in use" in out.stderr
+            assert "serving" not in out.stderr and " on http://" not in out.stderr
+    # two flags naming one port
+    out = run("serve", "--upstreams", "examples/upstreams.yaml", "--listen", f"127.0.0.1:{port}",
+              "--admin", f"127.0.0.1:{port}")  # fmt: skip
+    assert out.returncode == 1 and f"--admin 127.0.0.1:{port}: address in use" in out.stderr
+
+
+def test_check_several_files_and_an_authz_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("groups:\n  web:\n    endpoints: [web.internal:80]\n")
+    authz = tmp_path / "authz.yaml"
+    authz.write_text("rules:\n  - match: {node_id: 'envoy-*'}\n    groups: [web]\ndefault: deny\n")
+    bad_authz = tmp_path / "bad-authz.yaml"
+    bad_authz.write_text("rules: []\ndefault: maybe\n")
+    good = run("check", "examples/upstreams.yaml", "--authz", str(authz))
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.splitlines() == ["examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
+                                        f"{authz}: ok (1 rules, default deny)"]  # fmt: skip
+    out = run("check", str(bad), "examples/upstreams.yaml", "--authz", str(bad_authz), "--authz", str(authz))
+    assert out.returncode == 1
+    assert out.stdout.splitlines() == ["examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
+                                       f"{authz}: ok (1 rules, default deny)"]  # fmt: skip
+    assert out.stderr.splitlines()[0].startswith(f"{bad}:3: groups.web.endpoints[0]")
+    assert out.stderr.splitlines()[1] == f"{bad_authz}:2: default: must be one of: allow, deny"
+    nothing = run("check")
+    assert nothing.returncode == 2 and "--authz" in nothing.stderr
+
+
+def test_a_missing_file_has_no_line_number(tmp_path: Path) -> None:
+    out = run("check", str(tmp_path / "nope.yaml"))
+    assert out.returncode == 1 and out.stderr == f"{tmp_path / 'nope.yaml'}: cannot read: No such file or directory\n"
+
+
+def test_a_bad_value_from_the_environment_says_so() -> None:
+    import os
+
+    args = [sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30, env={**os.environ, "EDS_DEBOUNCE": "10"})
+    assert out.returncode == 2
+    assert "argument --debounce: '10' has no unit" in out.stderr and "(from EDS_DEBOUNCE='10')" in out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_sotw import View
 
-from eds_server.xds.common import EDS_TYPE_URL, Ack, Nack, ProtocolError, StaleNonce, Subscribed
+from eds_server.xds.common import EDS_TYPE_URL, Ack, Limits, Nack, ProtocolError, StaleNonce, Subscribed
 from eds_server.xds.delta import DeltaRequest, DeltaStream
 
 
@@ -140,7 +140,108 @@ def test_removed_group_is_sent_as_empty_not_as_removal(view: View) -> None:
     assert r2 is not None and r2.resources[0].body == b"empty:web"
 
 
-def test_wildcard_is_ignored(view: View) -> None:
+def test_wildcard_is_no_resource_but_is_answered(view: View) -> None:
+    """Issue 10 item 7: "*" (or nothing) on the first request gets one empty answer, never a CLA named "*"."""
     s = DeltaStream(view)
     s.receive(req(("*",), node=True))
-    assert s.poll() is None and not s.subscribed
+    r = s.poll()
+    assert r is not None and r.resources == () and not s.subscribed
+    s.receive(req(("*", "web"), nonce=r.nonce))
+    r2 = s.poll()
+    assert r2 is not None and names(r2) == ["web"]
+
+
+def test_acked_version_is_what_envoy_holds_not_what_it_rejected(view: View) -> None:
+    """Issue 10 item 1."""
+    s = DeltaStream(view)
+    s.receive(req(("web", "api"), node=True, initial={"api": "api-1"}))
+    assert s.acked_version("api") == "api-1"  # what a reconnecting client says it has
+    r1 = s.poll()
+    assert r1 is not None and names(r1) == ["web"]
+    assert s.acked_version("web") is None  # in flight, nothing held yet
+    s.receive(req(nonce=r1.nonce))
+    assert s.acked_version("web") == "web-1"
+    view.set("web", b"web-bad")
+    s.changed({"web"})
+    r2 = s.poll()
+    assert r2 is not None
+    assert s.acked_version("web") == "web-1"  # in flight: Envoy still holds web-1
+    s.receive(req(nonce=r2.nonce, error="bad"))
+    assert s.acked_version("web") == "web-1" and s.nacked == {"web": "web-bad"}
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_subscribe_and_unsubscribe_of_one_name_in_one_request(view: View, before: bool) -> None:
+    """Issue 10 item 2: subscribes apply first, then unsubscribes; the events say the same net change."""
+    s = DeltaStream(view)
+    s.receive(req(("web", "api") if before else ("api",), node=True))
+    events = s.receive(req(("web",), ("web",)))
+    assert list(s.subscribed) == ["api"]
+    assert events == ([Subscribed((), ("web",))] if before else [])
+    r = s.poll()
+    assert r is not None and names(r) == ["api"]
+
+
+def test_max_names_is_a_total_per_stream(view: View) -> None:
+    """Issue 10 item 4."""
+    s = DeltaStream(view, Limits(max_names=10))
+    s.receive(req(tuple(f"n{i}" for i in range(6)), node=True))
+    s.receive(req(tuple(f"n{i}" for i in range(6, 10))))
+    with pytest.raises(ProtocolError) as e:
+        s.receive(req(("n10",)))
+    assert e.value.status == "RESOURCE_EXHAUSTED"
+    s = DeltaStream(view, Limits(max_names=10))
+    s.receive(req(tuple(f"n{i}" for i in range(10)), node=True))
+    s.receive(req(("n10",), ("n0",)))  # swapping one for another stays within the limit
+    assert len(s.subscribed) == 10
+
+
+def test_reconnect_names_are_counted_once(view: View) -> None:
+    """Issue 10 item 4: 6 names subscribed with their 6 versions is 6 names, not 12."""
+    many = tuple(f"n{i}" for i in range(6))
+    s = DeltaStream(view, Limits(max_names=10))
+    s.receive(req(many, node=True, initial={n: "x" for n in many}))
+    assert len(s.subscribed) == 6
+
+
+def test_resubscribing_a_rejected_name_answers_it(view: View) -> None:
+    """Issue 10 item 6: the protocol says the server must still provide the resource."""
+    s = DeltaStream(view)
+    s.receive(req(("web",), node=True))
+    r1 = s.poll()
+    assert r1 is not None
+    s.receive(req(nonce=r1.nonce, error="bad"))
+    assert s.poll() is None  # not resent on its own
+    s.receive(req(("web",)))
+    r2 = s.poll()
+    assert r2 is not None and names(r2) == ["web"]
+
+
+def test_a_rejected_bundle_is_sorted_out_one_resource_at_a_time(view: View) -> None:
+    """Issue 10 item 9: the good one of a rejected pair is resent and accepted; the bad one is not resent."""
+    s = DeltaStream(view)
+    s.receive(req(("web", "api"), node=True))
+    r1 = s.poll()
+    assert r1 is not None
+    s.receive(req(nonce=r1.nonce))
+    view.set("web", b"web-2")
+    view.set("api", b"api-bad")
+    s.changed({"web", "api"})
+    r2 = s.poll()
+    assert r2 is not None and names(r2) == ["web", "api"]
+    s.receive(req(nonce=r2.nonce, error="api is bad"))
+    seen = []
+    for _ in range(4):  # bounded
+        r = s.poll()
+        if r is None:
+            break
+        assert len(r.resources) == 1
+        seen.append(names(r)[0])
+        s.receive(req(nonce=r.nonce, error="api is bad" if names(r) == ["api"] else None))
+    assert seen == ["web", "api"]
+    assert s.acked == {"web": "web-2", "api": "api-1"} and s.nacked == {"api": "api-bad"}
+    view.set("web", b"web-3")
+    view.set("api", b"api-3")
+    s.changed({"web", "api"})
+    r3 = s.poll()
+    assert r3 is not None and names(r3) == ["web", "api"]  # bundled again once it is sorted out

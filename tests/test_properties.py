@@ -639,15 +639,21 @@ class Client:
     answered: int = 0  # responses ACKed or NACKed
     blocked: dict[str, str] = field(default_factory=dict)  # name -> NACKed version, until content changes
     nacked: dict[str, set[str]] = field(default_factory=dict)  # name -> every version NACKed
+    # name -> version NACKed as part of a response of several: sent again once, alone (issue 10 item 9)
+    suspect: dict[str, str] = field(default_factory=dict)
 
     def answer(self, ok: bool) -> None:
         assert self.in_flight is not None
+        bundle = len(self.in_flight.resources) > 1
         for r in self.in_flight.resources:
             if r.name not in self.subscribed:
                 event(f"{self.kind}: answered a response with an unsubscribed name")
                 continue  # a client ignores what it no longer asks for
+            self.suspect.pop(r.name, None)
             if ok:
                 self.accepted[r.name] = r.version
+            elif bundle:
+                self.suspect[r.name] = r.version
             else:
                 self.blocked[r.name] = r.version
                 self.nacked.setdefault(r.name, set()).add(r.version)
@@ -660,23 +666,31 @@ class Client:
         self.accepted.pop(name, None)
         self.blocked.pop(name, None)
         self.nacked.pop(name, None)
+        self.suspect.pop(name, None)
 
     def content_changed(self, name: str, before: str) -> None:
         if self.view.version(name) != before:
             self.blocked.pop(name, None)
+            self.suspect.pop(name, None)
 
-    def check_response(self, r: Response | DeltaResponse | None, was_in_flight: bool) -> None:
+    def check_response(self, r: Response | DeltaResponse | None, was_in_flight: bool, following: int) -> None:
         if r is None:
             return
         assert not was_in_flight, "two responses in flight"
         names = [x.name for x in r.resources]
-        assert r.resources and len(set(names)) == len(names)
+        assert r.resources or not self.nonces, "an empty response after the first"
+        assert len(set(names)) == len(names)
         assert set(names) <= set(self.subscribed), (names, list(self.subscribed))
         for x in r.resources:
             assert x.version == self.view.version(x.name)  # current content, never an old one
             assert self.blocked.get(x.name) != x.version, f"NACKed {x.name}@{x.version} sent again"
+            if self.suspect.get(x.name) == x.version:
+                assert len(r.resources) == 1, "a suspect of a rejected bundle is resent alone"
+                self.suspect.pop(x.name)
+                event(f"{self.kind}: suspect resent alone")
         version = r.version_info if isinstance(r, Response) else r.system_version_info
-        assert version == response_version(r.resources)
+        expected = response_version(r.resources, digest=following > 1) if r.resources else ""
+        assert version == expected
         assert r.nonce not in self.nonces
         self.nonces.append(r.nonce)
         self.in_flight = r
@@ -733,7 +747,7 @@ class Harness:
             self.s.changed(None)  # as the store announces becoming ready
 
     def poll(self) -> None:
-        self.c.check_response(self.s.poll(), self.c.in_flight is not None)
+        self.c.check_response(self.s.poll(), self.c.in_flight is not None, len(self.s.subscribed))
 
     def request(self, op: Any) -> None:
         raise NotImplementedError
@@ -788,10 +802,19 @@ class SotwHarness(Harness):
             # a client that has not yet seen the first response still sends an empty nonce
             empty_ok = c.answered == 0 and len(c.nonces) <= 1
             nonce = "" if (op[3] and empty_ok) or not c.nonces else c.nonces[-1]
+            if nonce == "" and c.nonces:
+                # written before the first response was seen: stale (issue 10 item 3); the client's
+                # answer to that response will carry its new names
+                event("sotw: subscription change with an empty nonce, response in flight")
+                before = dict(self.s.subscribed)
+                assert self.s.receive(Request(resource_names=names)) == [StaleNonce("")]
+                assert self.s.subscribed == before
+                for gone in [n for n in c.subscribed if n not in names]:
+                    c.unsubscribe(gone)
+                c.subscribed = dict.fromkeys(names)
+                return
             if c.in_flight is not None and nonce == c.in_flight.nonce:
                 c.answer(True)  # the latest nonce on a SotW request ACKs
-            elif c.in_flight is not None:
-                event("sotw: subscription change with an empty nonce, response in flight")
             self.send(names, nonce)
         elif op[0] in ("ack", "nack") and c.in_flight is not None:
             nonce, ok = c.in_flight.nonce, op[0] == "ack"
@@ -823,10 +846,14 @@ class DeltaHarness(Harness):
         sub, unsub = change or ((), ())
         events = self.s.receive(DeltaRequest(type_url=EDS_TYPE_URL, subscribe=sub, unsubscribe=unsub,
                                              response_nonce=nonce, error_message=error))  # fmt: skip
+        for name in sub:  # subscribes first, then unsubscribes (issue 10 item 2)
+            self.c.subscribed[name] = None
+            self.c.blocked.pop(name, None)  # subscribed again: provided again (issue 10 item 6)
+            self.c.suspect.pop(name, None)
+            self.c.nacked.pop(name, None)
         for name in unsub:
             if name in self.c.subscribed:
                 self.c.unsubscribe(name)
-        self.c.subscribed.update(dict.fromkeys(sub))
         assert self.s.subscribed == self.c.subscribed
         return events
 
@@ -864,16 +891,16 @@ def test_delta_stream_against_a_client_model(ready: bool, first: Any, ops: list[
 
 
 def test_regression_sotw_nack_of_an_unsubscribed_name() -> None:
-    """Found by test_sotw_stream_against_a_client_model. The delta stream skips such names."""
+    """Found by test_sotw_stream_against_a_client_model. Since issue 10 item 3 a request with no nonce
+    after a response is stale, so the name stays subscribed and its rejected version is not resent."""
     view = View(True)
     s = SotwStream(view)
     s.receive(Request(has_node=True, resource_names=("a",), type_url=EDS_TYPE_URL))
     r1 = s.poll()
     assert r1 is not None
-    s.receive(Request(resource_names=()))  # unsubscribes before seeing r1, so with no nonce yet
-    s.receive(Request(resource_names=("a",), response_nonce=r1.nonce, error_message="rejected"))  # and again
-    assert s.poll() is not None, "subscribed to `a` again, and never answered"
-
+    assert s.receive(Request(resource_names=())) == [StaleNonce("")]  # written before r1 was seen
+    s.receive(Request(resource_names=("a",), response_nonce=r1.nonce, error_message="rejected"))
+    assert s.poll() is None and s.nacked == {"a": r1.version_info}
 
 
 def test_regression_sotw_resume_claim_outlives_resubscribing() -> None:

@@ -265,6 +265,24 @@ async def test_weights_of_a_locality_must_fit_in_uint32(server: Server) -> None:
     assert (await server.put("web", "b", ep(2, weight=1, zone="z"))).status == 200  # another locality
 
 
+async def test_weights_merged_with_another_source_must_fit(state: Path) -> None:
+    """Envoy sees the file's and the registrations' endpoints of a group together: a registration
+    that would push the merged group past Envoy's limit is refused and changes nothing."""
+    state.parent.mkdir()
+    store = Store(encode_group)
+    store.add_source("file")
+    store.update("file", {"web": Group("web", (Endpoint("10.0.0.9", 80, weight=2**32 - 3),))})
+    async with serving(state, store=store) as server:
+        assert (await server.put("web", "a", ep(1, weight=2))).status == 201  # exactly the limit
+        before = server.snapshot()
+        a = await server.put("web", "b", ep(2, priority=0))
+        assert (a.status, a.body["field"]) == (409, "weight")
+        assert "merged with the other sources" in a.body["error"] and "4294967295" in a.body["error"]
+        assert server.snapshot() == before and store.conflict("web") is None
+        assert (await server.put("web", "b", ep(2, priority=1))).status == 201  # another priority fits
+        assert (await server.put("api", "c", ep(3, weight=2**32 - 1))).status == 201  # another group
+
+
 async def test_limit(state: Path) -> None:
     state.parent.mkdir()
     async with serving(state, max_registrations=2) as server:

@@ -76,3 +76,12 @@ async def test_oversize_body_is_refused(rest: tuple[Store, str]) -> None:
     store.update("t", {})
     status, _ = await post(url, {**REQ, "node": {"id": "x" * 100_000}})
     assert status == 413
+
+
+async def test_deeply_nested_json_is_a_400_not_a_500(rest: tuple[Store, str]) -> None:
+    """Issue 10 item 10: json.loads raises RecursionError on deep nesting."""
+    store, url = rest
+    store.update("t", {})
+    async with aiohttp.ClientSession() as s, s.post(url, data="[" * 30_000 + "]" * 30_000) as r:
+        assert r.status == 400 and "nested" in await r.text()
+    assert (await post(url, {"resourceNames": ["web"]}))[0] == 200  # still serving

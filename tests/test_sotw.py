@@ -201,3 +201,100 @@ def test_reconnect_with_old_version_gets_current(view: View) -> None:
     s.receive(first("web", version="web-0"))
     r = s.poll()
     assert r is not None and r.version_info == "web-1"
+
+
+def test_ack_records_no_version_for_names_dropped_meanwhile(view: View) -> None:
+    """Issue 10 item 3: nothing is kept for unsubscribed names, however often a client drops and ACKs."""
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r = s.poll()
+    assert r is not None
+    for i in range(20):  # bounded
+        names = tuple(f"n{i}-{j}" for j in range(10))
+        s.receive(ack(r.nonce, *names))  # ACK, and a new set of names
+        r = s.poll()
+        assert r is not None
+        assert s.receive(ack("", *())) == [StaleNonce("")]  # "drop all" written before r was seen
+    s.receive(ack(r.nonce))  # ACKs r and drops everything
+    assert not s.acked and not s.sent and not s.subscribed
+
+
+def test_empty_nonce_after_a_response_is_stale(view: View) -> None:
+    """Issue 10 item 3: the protocol treats it as stale, not as a subscription change."""
+    s = SotwStream(view)
+    s.receive(first("web"))
+    r = s.poll()
+    assert r is not None
+    assert s.receive(ack("", "api")) == [StaleNonce("")]
+    assert list(s.subscribed) == ["web"] and s.in_flight is r
+    s.receive(ack(r.nonce, "web", "api"))  # the answer to r carries the client's current names
+    r2 = s.poll()
+    assert r2 is not None and [x.name for x in r2.resources] == ["api"]
+
+
+def test_reconnect_of_a_multi_name_stream_answers_every_name(view: View) -> None:
+    """Issue 10 item 5: the digest does not say which names the client still holds."""
+    view.set("api", b"api-1")
+    s = SotwStream(view)
+    s.receive(first("web", "api"))
+    r1 = s.poll()
+    assert r1 is not None
+    # the client drops "api" (no response), then reconnects asking for both with r1's version
+    s2 = SotwStream(view)
+    s2.receive(first("web", "api", version=r1.version_info))
+    r2 = s2.poll()
+    assert r2 is not None and sorted(x.name for x in r2.resources) == ["api", "web"]
+
+
+def test_multi_name_streams_never_send_a_bare_resource_version(view: View) -> None:
+    """Issue 10 item 5: so a resource's own version proves a one-name stream's holding."""
+    view.set("api", b"api-1")
+    s = SotwStream(view)
+    s.receive(first("web", "api"))
+    r1 = s.poll()
+    assert r1 is not None
+    s.receive(ack(r1.nonce, "web", "api"))
+    view.set("web", b"web-2")
+    s.changed({"web"})
+    r2 = s.poll()
+    assert r2 is not None and [x.name for x in r2.resources] == ["web"]
+    assert r2.version_info != "web-2" and r2.version_info == response_version(r2.resources, digest=True)
+    # a client that then drops "api" and reconnects asking for "web" alone gets it
+    s2 = SotwStream(view)
+    s2.receive(first("web", version=r2.version_info))
+    r3 = s2.poll()
+    assert r3 is not None and r3.version_info == "web-2"
+
+
+@pytest.mark.parametrize("names", [("*",), ()])
+def test_wildcard_and_empty_first_request_get_an_empty_answer(view: View, names: tuple[str, ...]) -> None:
+    """Issue 10 item 7: EDS has no wildcard; never a CLA named "*", never a client left waiting."""
+    s = SotwStream(view)
+    s.receive(first(*names))
+    r = s.poll()
+    assert r is not None and r.resources == () and not s.subscribed
+    s.receive(ack(r.nonce, "*", "web"))
+    r2 = s.poll()
+    assert r2 is not None and [x.name for x in r2.resources] == ["web"]
+    assert list(s.subscribed) == ["web"]
+
+
+def test_a_rejected_bundle_is_sorted_out_one_resource_at_a_time(view: View) -> None:
+    """Issue 10 item 9."""
+    view.set("api", b"api-1")
+    s = SotwStream(view)
+    s.receive(first("web", "api"))
+    r1 = s.poll()
+    assert r1 is not None
+    s.receive(ack(r1.nonce, "web", "api", version=r1.version_info, error="one of them is bad"))
+    seen = []
+    for _ in range(4):  # bounded
+        r = s.poll()
+        if r is None:
+            break
+        assert len(r.resources) == 1
+        seen.append(r.resources[0].name)
+        bad = r.resources[0].name == "api"
+        s.receive(ack(r.nonce, "web", "api", error="api is bad" if bad else None))
+    assert seen == ["web", "api"]
+    assert s.acked == {"web": "web-1"} and s.nacked == {"api": "api-1"}

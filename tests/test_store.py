@@ -119,3 +119,69 @@ def test_followers_hear_only_of_their_names() -> None:
     store.unfollow(x)
     store.unfollow(y)
     assert not store._by_name and not store._following
+
+
+# -- merge-time validation: what Envoy would reject is never what is served ------------------------
+MAX = 2**32 - 1
+
+
+def weighted(name: str, *pairs: tuple[int, int], **kw: object) -> Group:
+    return Group(name, tuple(Endpoint("127.0.0.1", p, weight=w, **kw) for p, w in pairs))  # type: ignore[arg-type]
+
+
+def test_merged_weights_over_the_limit_keep_the_last_good_version() -> None:
+    store, seen = make("file", "api")
+    store.update("file", {"web": weighted("web", (1, MAX))})
+    store.update("api", {})
+    good = store.get("web")
+    seen.clear()
+    assert store.update("api", {"web": weighted("web", (2, MAX))}) == frozenset()
+    assert store.get("web") is good and seen == []
+    conflict = store.conflict("web")
+    assert conflict and "priority 0 add up to 8589934590" in conflict
+    assert store.conflicts() == {"web": conflict}
+    store.update("api", {"web": weighted("web", (2, 1))})  # still one over
+    assert store.get("web") is good
+    store.update("file", {"web": weighted("web", (1, MAX - 1))})  # fits again: served, conflict gone
+    assert store.get("web").version != good.version and store.conflict("web") is None
+    assert {e.port for e in store.get("web").group.endpoints} == {1, 2}
+
+
+def test_weights_count_per_priority_across_localities() -> None:
+    a, b = Locality("r", "a"), Locality("r", "b")
+    store, _ = make("x")
+    store.update("x", {"web": Group("web", (Endpoint("127.0.0.1", 1, weight=MAX, locality=a),
+                                            Endpoint("127.0.0.1", 2, weight=MAX, locality=b, priority=1)))})
+    assert store.conflict("web") is None  # two priorities: each fits
+    store.update("x", {"web": Group("web", (Endpoint("127.0.0.1", 1, weight=MAX, locality=a),
+                                            Endpoint("127.0.0.1", 2, weight=1, locality=b)))})
+    assert "priority 0" in (store.conflict("web") or "")
+
+
+def test_locality_weights_over_the_limit_per_priority() -> None:
+    a, b = Locality("r", "a"), Locality("r", "b")
+    eps = (Endpoint("127.0.0.1", 1, locality=a), Endpoint("127.0.0.1", 2, locality=b))
+    store, _ = make("x")
+    store.update("x", {"web": Group("web", eps, {a: MAX - 1, b: 1})})
+    good = store.get("web")
+    store.update("x", {"web": Group("web", eps, {a: MAX, b: 1})})
+    assert store.get("web") is good and "locality weights in priority 0" in (store.conflict("web") or "")
+
+
+def test_a_conflict_with_nothing_served_yet_serves_what_fits() -> None:
+    """After a restart there is no last good version: the endpoints that fit, in source order."""
+    store, _ = make("file", "api")
+    store.update("file", {"web": weighted("web", (1, MAX))})
+    store.update("api", {"web": weighted("web", (2, 5))})
+    assert [e.port for e in store.get("web").group.endpoints] == [1]
+    assert store.conflict("web")
+
+
+def test_problems_with_a_source_part() -> None:
+    store, _ = make("file", "api")
+    store.update("file", {"web": weighted("web", (1, MAX - 1))})
+    store.update("api", {})
+    assert store.problems_with("api", "web", weighted("web", (2, 1))) == []
+    assert store.problems_with("api", "web", weighted("web", (2, 2)))
+    assert store.problems_with("api", "web", None) == []
+    assert store.problems_with("file", "web", None) == []

@@ -198,6 +198,15 @@ def test_tasks_on_a_down_node_are_left_out() -> None:
     assert service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, nodes, NODE).endpoints == {}
 
 
+@pytest.mark.parametrize("state", ["unknown", "disconnected"])
+def test_tasks_on_a_node_in_transition_are_kept(state: str) -> None:
+    """A restarted manager lists workers as unknown until they re-register; their tasks run on."""
+    nodes = copy.deepcopy(NODES)
+    nodes[NODE]["Status"]["State"] = state
+    assert service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, nodes, NODE).endpoints == \
+        service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, NODES, NODE).endpoints != {}
+
+
 def test_groups_merge_services() -> None:
     svc = copy.deepcopy(SERVICES["pub"])
     svc["Spec"]["Labels"]["eds.group"] = "ov"

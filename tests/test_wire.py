@@ -115,3 +115,16 @@ def test_cached_piece_encoding_equals_the_generated_classes() -> None:
         ours = endpoint_pb2.ClusterLoadAssignment.FromString(encode_group(g))
         generated = endpoint_pb2.ClusterLoadAssignment.FromString(bytes(cluster_load_assignment(g)))
         assert ours == generated, g.name
+
+
+def test_a_present_but_empty_node_is_a_node() -> None:
+    """Issue 10 item 8: `node {}` encodes as a zero-length field, which is still a node."""
+    sotw = discovery_pb2.DiscoveryRequest(resource_names=["web"])
+    sotw.node.SetInParent()
+    req, node = wire.sotw_request(sotw.SerializeToString())
+    assert req.has_node and node is not None and len(node) == 0
+    delta = discovery_pb2.DeltaDiscoveryRequest(resource_names_subscribe=["web"])
+    delta.node.SetInParent()
+    dreq, dnode = wire.delta_request(delta.SerializeToString())
+    assert dreq.has_node and dnode is not None
+    assert not wire.sotw_request(discovery_pb2.DiscoveryRequest(resource_names=["web"]).SerializeToString())[0].has_node

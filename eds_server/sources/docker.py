@@ -130,10 +130,18 @@ class EngineFollower:
 
     def _lost(self, reason: str) -> None:
         if self.connected or self.last_error is None:
-            log.warning(
-                "%s: %s unreachable (%s); serving the last known endpoints (stale) and retrying",
-                self.name, self.what, reason,
-            )  # fmt: skip
+            if self.name in self.store.pending_sources:
+                log.warning(
+                    "%s: %s unreachable (%s); not loaded yet: %s; retrying",
+                    self.name, self.what, reason,
+                    "serving without it (--startup-timeout passed)" if self.store.ready
+                    else "nothing is answered to Envoy until it is (Envoy keeps what it has)",
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "%s: %s unreachable (%s); serving the last known endpoints (stale) and retrying",
+                    self.name, self.what, reason,
+                )  # fmt: skip
         self.connected = False
         self.last_error = reason
         self.store.mark_stale(self.name, True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fields, upstreams
-from ..model import Endpoint, Group, Locality, endpoint_json
+from ..model import Endpoint, Group, endpoint_json
 from ..store import Store
 
 log = logging.getLogger("eds_server.sources.registrations")
@@ -150,7 +150,7 @@ class _State:
     def __init__(self) -> None:
         self.regs: dict[Key, Registration] = {}
         self.by_address: dict[tuple[str, str, int], str] = {}  # (group, address, port) -> id
-        self.weights: dict[tuple[str, int, Locality], int] = {}  # (group, priority, locality) -> sum
+        self.weights: dict[tuple[str, int], int] = {}  # (group, priority) -> endpoint weight sum
         self.size = 0
         self.earliest = math.inf  # no deadline is before this (a lower bound: expiry scans only when due)
         self.touched: set[Key] = set()  # registrations changed since this copy was made
@@ -169,7 +169,7 @@ class _State:
         ep = reg.endpoint
         self.regs[reg.key] = reg
         self.by_address[(reg.group, ep.address, ep.port)] = reg.id
-        bucket = (reg.group, ep.priority, ep.locality)
+        bucket = (reg.group, ep.priority)
         self.weights[bucket] = self.weights.get(bucket, 0) + (ep.weight or 1)
         self.size += reg.size
         if reg.deadline is not None:
@@ -182,7 +182,7 @@ class _State:
             return None
         ep = reg.endpoint
         self.by_address.pop((reg.group, ep.address, ep.port), None)
-        bucket = (reg.group, ep.priority, ep.locality)
+        bucket = (reg.group, ep.priority)
         left = self.weights.get(bucket, 0) - (ep.weight or 1)
         if left > 0:
             self.weights[bucket] = left
@@ -427,9 +427,27 @@ class RegistrationSource:
 
         Returns only once the state file holds it and the store has it; raises RegistrationError.
         """
+        self._check_merged(group, id, endpoint)
         out = await self._submit(_Put(group, id, endpoint, ttl))
         assert out.registration is not None
         return out.registration, out.created
+
+    def _check_merged(self, group: str, id: str, endpoint: Endpoint) -> None:
+        """Refuse what would make the group, merged with the other sources, one Envoy rejects. (The
+        store checks again on every change: this is for a clear answer to the caller.)"""
+        members = self._members.get(group, {})
+        if members.get(id) == endpoint or self.store.problems_with(self.name, group, self._part(group, members)):
+            return  # no change, or already refused for reasons of the other sources
+        problems = self.store.problems_with(self.name, group, self._part(group, {**members, id: endpoint}))
+        if problems:
+            raise RegistrationError(
+                409, f"group {group!r} merged with the other sources would be rejected by Envoy: {problems[0]}",
+                "weight",
+            )
+
+    @staticmethod
+    def _part(group: str, members: Mapping[str, Endpoint]) -> Group | None:
+        return Group(group, tuple(members.values())) if members else None
 
     async def delete(self, group: str, id: str) -> Registration:
         out = await self._submit(_Delete(group, id))
@@ -542,14 +560,14 @@ class RegistrationSource:
                     None if op.ttl is None else mono + op.ttl)  # fmt: skip
         if state.size - (old.size if old else 0) + reg.size > self.max_state_bytes:
             raise RegistrationError(409, f"registration limit reached (state size {self.max_state_bytes} bytes)")
-        bucket = (op.group, ep.priority, ep.locality)
+        bucket = (op.group, ep.priority)
         total = state.weights.get(bucket, 0) + (ep.weight or 1)
-        if old is not None and (old.endpoint.priority, old.endpoint.locality) == (ep.priority, ep.locality):
+        if old is not None and old.endpoint.priority == ep.priority:
             total -= old.endpoint.weight or 1
         if total > fields.UINT32_MAX:
             raise RegistrationError(
                 409,
-                f"the weights of group {op.group!r} in priority {ep.priority}, locality {ep.locality} would add "
+                f"the weights of group {op.group!r} in priority {ep.priority} would add "
                 f"up to {total}, over Envoy's limit of {fields.UINT32_MAX}",
                 "weight",
             )

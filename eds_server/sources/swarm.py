@@ -195,10 +195,14 @@ def _task_endpoint(
 
 
 def node_usable(node: Mapping[str, Any] | None) -> bool:
-    """Tasks on a node the manager cannot reach are not counted (their state is only a memory)."""
+    """Only a node Swarm declares `down` (its heartbeat missed for good, ~15 s) loses its tasks.
+
+    `unknown` is what a restarted manager says of every worker until it re-registers (a few seconds,
+    while its tasks keep running), and `disconnected` is a passing state too: uncertainty keeps what
+    Envoy has, with each task's last health."""
     if node is None:
         return True  # not listed yet: trust the task
-    return str((node.get("Status") or {}).get("State") or "ready") == "ready"
+    return str((node.get("Status") or {}).get("State") or "ready") != "down"
 
 
 def service_endpoints(

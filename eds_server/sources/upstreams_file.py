@@ -74,10 +74,10 @@ class UpstreamsFileSource:
             data = await self._read_settled()
         except FileNotFoundError:
             # Usually transient: an editor moved the file aside and is about to write it again.
-            self._error(f"{self.path}:1: missing", level=logging.WARNING)
+            self._error(f"{self.path}: missing", level=logging.WARNING)
             return False
         except OSError as e:
-            self._error(f"{self.path}:1: cannot read: {e.strerror or e}")
+            self._error(f"{self.path}: cannot read: {e.strerror or e}")
             return False
         if data == self._last_bytes:
             return False
@@ -123,7 +123,7 @@ class UpstreamsFileSource:
                         log.info("%s was replaced: watching it anew", directory)
                         break
             except Exception as e:  # e.g. the directory is gone, or inotify limits are reached
-                self._error(f"{self.path}:1: cannot watch {directory}: {e}", level=logging.WARNING)
+                self._error(f"{self.path}: cannot watch {directory}: {e}", level=logging.WARNING)
             if not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)

@@ -7,7 +7,10 @@ http2.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -17,16 +20,28 @@ from typing import Any, Protocol
 
 import grpclib.const
 import grpclib.server
+import h2.exceptions
 from grpclib import GRPCError
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
+from grpclib.metadata import encode_grpc_message
 
 from .. import protowire
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Resource, Store
 from ..xds import wire
-from ..xds.common import Ack, Event, Limits, Nack, ProtocolError, Subscribed, check_request, response_version
+from ..xds.common import (
+    WILDCARD,
+    Ack,
+    Event,
+    Limits,
+    Nack,
+    ProtocolError,
+    Subscribed,
+    check_request,
+    response_version,
+)
 from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
 from .http2 import (
@@ -40,8 +55,11 @@ from .http2 import (
     send_now,
 )
 from .reflection import ReflectionService
+from .unknown import UnknownMethods
 
 log = logging.getLogger("eds_server.grpc")
+
+STREAM_NAMES_SHOWN = 100  # per stream in /v1/streams; Envoy follows one name per stream
 
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
 SERVED = (EDS_SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
@@ -130,11 +148,24 @@ class EdsService:
     def leave_stream(self) -> None:
         self.other_streams -= 1
 
+    def describe_streams(self, after: int = 0, limit: int = 100) -> dict[str, Any]:
+        """One page of /v1/streams: the `limit` oldest streams opened after stream `after`.
+
+        Bounded however many streams and names there are (each stream shows at most
+        STREAM_NAMES_SHOWN names), so answering never holds up the event loop for long.
+        """
+        page = heapq.nsmallest(limit, (s for s in self.sessions if s.id > after), key=lambda s: s.id)
+        more = len(page) == limit and any(s.id > page[-1].id for s in self.sessions)
+        return {"streams": [s.describe() for s in page], "total": len(self.sessions),
+                "next_after": page[-1].id if more else None}  # fmt: skip
+
     async def stream_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        await self._serve(_Session(self, stream, SOTW))
+        async with _status_in_trailers(stream):
+            await self._serve(_Session(self, stream, SOTW))
 
     async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        await self._serve(_Session(self, stream, DELTA))
+        async with _status_in_trailers(stream):
+            await self._serve(_Session(self, stream, DELTA))
 
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
@@ -144,6 +175,7 @@ class EdsService:
         self.other_streams -= 1
         self.sessions.add(session)
         self.counters.streams_opened += 1
+        session.id = self.counters.streams_opened
         try:
             await session.run()
         finally:
@@ -156,7 +188,8 @@ class EdsService:
         if not self.enter_stream():
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
         try:
-            await self._fetch(stream)
+            async with _status_in_trailers(stream):
+                await self._fetch(stream)
         finally:
             self.leave_stream()
 
@@ -179,9 +212,37 @@ class EdsService:
                             node_id, cluster, _peer(stream), access, _names(refused))  # fmt: skip
                 raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {_names(refused)}")
         await self._ready.wait()
-        resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names)]
+        resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names) if n != WILDCARD]
         version = response_version(resources) if resources else ""
         await stream.send_message(wire.discovery_response(version, resources, ""))
+
+@contextlib.asynccontextmanager
+async def _status_in_trailers(stream: grpclib.server.Stream[Any, Any]) -> AsyncIterator[None]:
+    """End a call that fails with trailers carrying its status, and no RST_STREAM after them.
+
+    grpclib follows error trailers with RST_STREAM(NO_ERROR) when the client has not ended its side
+    (RFC 9113 8.1 allows it); a grpclib client that gets both before it reads then reports "Stream
+    reset by remote party" instead of the status. The reset is not needed: clients end their side
+    once they read the trailers (grpclib, grpc-go and Envoy do), as after OK trailers, which grpclib
+    never follows with a reset; a client that does not keeps one stream of its own connection's
+    MAX_CONCURRENT_STREAMS, and grpclib discards (and acknowledges) its further DATA. Follows
+    grpclib 0.4.9's `Stream.send_trailing_metadata` (pinned in constraints.txt), minus the reset.
+    """
+    try:
+        yield
+    except GRPCError as e:
+        if stream._send_trailing_metadata_done:
+            raise
+        headers: list[tuple[str, str]] = []
+        if not stream._send_initial_metadata_done:  # trailers-only
+            headers += [(":status", "200"), ("content-type", stream._content_type)]
+        headers.append(("grpc-status", str(e.status.value)))
+        if e.message is not None:
+            headers.append(("grpc-message", encode_grpc_message(e.message)))
+        stream._send_trailing_metadata_done = True
+        with contextlib.suppress(h2.exceptions.StreamClosedError):  # the client reset it already
+            await stream._stream.send_headers(headers, end_stream=True)
+
 
 class Machine(Protocol):
     """What SotwStream and DeltaStream have in common, as the transport drives them."""
@@ -238,18 +299,20 @@ class _Session:
         self.node = "?"
         self.cluster = "?"
         self.opened_at = time.monotonic()
+        self.id = 0  # set once the service takes the stream: ids grow with opening order
         self.last_nack: str | None = None
         self.access: Callable[[str], bool] | None = None  # set from the first request, with authorize
 
     def describe(self) -> dict[str, Any]:
-        """What /v1/streams shows of this client."""
+        """What /v1/streams shows of this client: at most STREAM_NAMES_SHOWN of its names."""
         names = {
             name: {"sent": self.sm.sent.get(name), "acked": self.sm.acked_version(name),
                    "nacked": self.sm.nacked.get(name)}
-            for name in self.sm.subscribed
+            for name in itertools.islice(self.sm.subscribed, STREAM_NAMES_SHOWN)
         }  # fmt: skip
-        return {"node": self.node, "cluster": self.cluster, "peer": self.peer, "transport": self.kind.name,
-                "names": names, "last_nack": self.last_nack}  # fmt: skip
+        return {"id": self.id, "node": self.node, "cluster": self.cluster, "peer": self.peer,
+                "transport": self.kind.name, "names": names, "names_total": len(self.sm.subscribed),
+                "last_nack": self.last_nack}  # fmt: skip
 
     def _fields(self, event: str) -> dict[str, str]:
         """Structured fields for JSON logs."""
@@ -474,6 +537,7 @@ def make_server(
         limits=limits,
     )
     server.ssl = ssl  # e.g. security.server_ssl_context(...): TLS 1.2+, ALPN h2, client certs
+    server._mapping = UnknownMethods(server._mapping, EDS_SERVICE)  # read by each connection's handler
     return server
 
 

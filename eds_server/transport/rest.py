@@ -16,7 +16,7 @@ from aiohttp import web
 
 from ..encode import cluster_load_assignment
 from ..store import Resource, Store
-from ..xds.common import EDS_TYPE_URL, Limits, ProtocolError, check_request, response_version
+from ..xds.common import EDS_TYPE_URL, WILDCARD, Limits, ProtocolError, check_request, response_version
 from ..xds.wire import CONTROL_PLANE_ID
 
 log = logging.getLogger("eds_server.rest")
@@ -48,9 +48,11 @@ def make_rest_app(store: Store, limits: Limits, max_body: int) -> web.Applicatio
             return web.json_response({"code": e.status, "message": e.message}, status=400)
         except (ValueError, AttributeError) as e:
             return web.json_response({"message": f"not a DiscoveryRequest: {e}"}, status=400)
+        except RecursionError:  # json.loads on a deeply nested body
+            return web.json_response({"message": "not a DiscoveryRequest: JSON nested too deeply"}, status=400)
         if not store.ready:
             return web.json_response({"message": "sources not loaded yet"}, status=503)
-        resources = [store.get(n) for n in dict.fromkeys(names)]
+        resources = [store.get(n) for n in dict.fromkeys(names) if n != WILDCARD]  # EDS has no wildcard
         current = response_version(resources) if resources else ""
         if version and version == current:
             return web.Response(status=304)

@@ -10,6 +10,9 @@ from typing import Generic, Protocol, TypeVar
 from ..store import Resource
 
 EDS_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# EDS has no wildcard: Envoy always names its clusters. "*" (and the legacy empty first list) asks for
+# no named resource; it is never taken for a resource called "*". See docs/xds-behaviour.md.
+WILDCARD = "*"
 
 
 class ResourceView(Protocol):
@@ -64,15 +67,20 @@ class Subscribed:
 Event = Ack | Nack | StaleNonce | Subscribed
 
 
-def response_version(resources: Iterable[Resource]) -> str:
-    """A response's version_info: the resource's own version for one, a digest of all for more."""
+def response_version(resources: Iterable[Resource], *, digest: bool = False) -> str:
+    """A response's version_info: the resource's own version for one, a digest of all for more.
+
+    `digest`: use the digest even for one resource. Streams that follow several names do, so a
+    resource's bare version only ever stands for a response that held exactly that resource on a
+    stream that followed nothing else (what the SotW reconnect shortcut relies on).
+    """
     items = sorted((r.name, r.version) for r in resources)
-    if len(items) == 1:
+    if len(items) == 1 and not digest:
         return items[0][1]
-    digest = hashlib.blake2b(digest_size=8)
+    hasher = hashlib.blake2b(digest_size=8)
     for name, version in items:
-        digest.update(f"{name}\0{version}\n".encode())
-    return digest.hexdigest()
+        hasher.update(f"{name}\0{version}\n".encode())
+    return hasher.hexdigest()
 
 
 def check_request(type_url: str, names: Collection[str], limits: Limits) -> None:
@@ -80,9 +88,19 @@ def check_request(type_url: str, names: Collection[str], limits: Limits) -> None
     if type_url not in ("", EDS_TYPE_URL):
         raise ProtocolError("INVALID_ARGUMENT", f"type_url {type_url!r} is not served here")
     if len(names) > limits.max_names:
-        raise ProtocolError(
-            "RESOURCE_EXHAUSTED", f"{len(names)} resource names in one request (limit {limits.max_names})"
-        )
+        check_count(len(names), "resource names in one request", limits)
+    longest = limits.max_name_length
+    for name in names:  # inline: every ACK of every stream comes through here
+        if len(name) > longest:
+            check_lengths((name,), limits)
+
+
+def check_count(count: int, what: str, limits: Limits) -> None:
+    if count > limits.max_names:
+        raise ProtocolError("RESOURCE_EXHAUSTED", f"{count} {what} (limit {limits.max_names})")
+
+
+def check_lengths(names: Iterable[str], limits: Limits) -> None:
     for name in names:
         if len(name) > limits.max_name_length:
             raise ProtocolError(
@@ -102,7 +120,7 @@ R = TypeVar("R", bound=SentResponse)
 
 @dataclass
 class StreamState(Generic[R]):
-    """Bookkeeping both stream kinds share: subscriptions, what was sent or rejected, what is due.
+    """Bookkeeping both stream kinds share: subscriptions, what was sent, accepted or rejected, what is due.
 
     At most one response (`R`) is in flight; changes meanwhile only mark names dirty, so they
     coalesce into the next response.
@@ -113,9 +131,14 @@ class StreamState(Generic[R]):
 
     subscribed: dict[str, None] = field(default_factory=dict)  # ordered set
     sent: dict[str, str] = field(default_factory=dict)  # name -> version sent (Envoy has it, or soon)
+    acked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy accepted (or said it has)
     nacked: dict[str, str] = field(default_factory=dict)  # name -> version Envoy rejected
     in_flight: R | None = None
     _dirty: set[str] = field(default_factory=set)
+    # name -> version that was in a rejected response of several resources: which one was bad is
+    # unknown, so each is sent again alone, once, and its own answer decides.
+    _suspects: dict[str, str] = field(default_factory=dict)
+    _owe_empty: bool = False  # a first request that named nothing still gets an (empty) answer
     _started: bool = False
     _nonces: int = 0
 
@@ -128,12 +151,11 @@ class StreamState(Generic[R]):
 
     @property
     def wants_poll(self) -> bool:
-        return bool(self._dirty) and self.in_flight is None and self._started
+        return (bool(self._dirty) or self._owe_empty) and self.in_flight is None and self._started
 
     def acked_version(self, name: str) -> str | None:
-        """The version of `name` Envoy has accepted, as far as this stream knows."""
-        in_flight = self.in_flight is not None and any(r.name == name for r in self.in_flight.resources)
-        return None if in_flight else self.sent.get(name)
+        """The version of `name` Envoy holds, as far as this stream knows (not one it rejected)."""
+        return self.acked.get(name)
 
     def _start(self, has_node: bool) -> None:
         if not has_node:
@@ -143,8 +165,41 @@ class StreamState(Generic[R]):
     def _forget(self, name: str) -> None:
         self.subscribed.pop(name, None)
         self.sent.pop(name, None)
+        self.acked.pop(name, None)
         self.nacked.pop(name, None)
+        self._suspects.pop(name, None)
         self._dirty.discard(name)
+
+    def _resend(self, name: str) -> None:
+        """Subscribed again on a live stream: answered even if unchanged, or rejected before."""
+        self.sent.pop(name, None)
+        self.nacked.pop(name, None)
+        self._suspects.pop(name, None)
+        self._dirty.add(name)
+
+    def _settle(self, resources: tuple[Resource, ...], error: str | None) -> None:
+        """Envoy answered the response in flight: ACK (`error` None) or NACK."""
+        subscribed, suspects = self.subscribed, self._suspects
+        if error is None:  # the fan-out path: every stream ACKs every change
+            for r in resources:
+                if r.name in subscribed:  # not one unsubscribed meanwhile: nothing is kept for those
+                    self.acked[r.name] = r.version
+                    if self.nacked:
+                        self.nacked.pop(r.name, None)
+                    if suspects:
+                        suspects.pop(r.name, None)
+            return
+        bundle = len(resources) > 1
+        for r in resources:
+            if r.name not in subscribed:
+                continue
+            suspects.pop(r.name, None)
+            if bundle:
+                self._suspects[r.name] = r.version
+                self.sent.pop(r.name, None)
+                self._dirty.add(r.name)
+            else:
+                self.nacked[r.name] = r.version
 
     def _take_dirty(self) -> list[Resource] | None:
         """The current resources of the dirty names, if a response may go out now."""
@@ -156,10 +211,25 @@ class StreamState(Generic[R]):
 
     def _due(self, current: Iterable[Resource]) -> tuple[Resource, ...]:
         """What Envoy lacks: not sent already, and not a version it rejected."""
-        due = tuple(r for r in current if self.sent.get(r.name) != r.version and self.nacked.get(r.name) != r.version)
+        sent, nacked = self.sent, self.nacked
+        due = [r for r in current if sent.get(r.name) != r.version and nacked.get(r.name) != r.version]
+        if self._suspects and due:
+            due = self._isolate(due)
         for r in due:
-            self.sent[r.name] = r.version
-        return due
+            sent[r.name] = r.version
+        return tuple(due)
+
+    def _isolate(self, due: list[Resource]) -> list[Resource]:
+        """While a rejected bundle is being sorted out, one resource per response."""
+        for r in due:
+            if self._suspects.get(r.name, r.version) != r.version:
+                del self._suspects[r.name]  # changed since: an ordinary update now
+        pick = next((r for r in due if r.name in self._suspects), None)
+        if pick is None:  # none left to try (answered, changed or dropped)
+            self._suspects.clear()
+            return due
+        self._dirty.update(r.name for r in due if r is not pick)
+        return [pick]
 
     def _next_nonce(self) -> str:
         self._nonces += 1

