@@ -8,7 +8,7 @@ import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from ssl import SSLContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -19,6 +19,7 @@ from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
+from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
 from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
@@ -29,6 +30,9 @@ from .transport.httplimits import HttpLimits, LimitedAppRunner
 from .transport.rest import make_rest_app
 from .xds.common import Limits
 
+if TYPE_CHECKING:
+    from .sources.kubernetes import KubernetesSource
+
 log = logging.getLogger("eds_server")
 
 
@@ -38,6 +42,7 @@ class Settings:
     docker: DockerOptions | None = None  # None: no Docker discovery
     swarm: DockerOptions | None = None  # None: no Swarm discovery (same engine options as Docker)
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
+    kubernetes: KubernetesOptions | None = None  # None: no Kubernetes discovery
     debounce: float = 0.05
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
@@ -88,6 +93,11 @@ class App:
             if settings.swarm is not None
             else None
         )
+        self.kubernetes_source: KubernetesSource | None = None
+        if settings.kubernetes is not None:
+            from .sources.kubernetes import KubernetesSource
+
+            self.kubernetes_source = KubernetesSource(self.store, settings.kubernetes, debounce=settings.debounce)
         # after the file and Docker: on a duplicate address in a group, the first source wins
         self.registrations = (
             RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
@@ -131,6 +141,8 @@ class App:
                     count: len(d._inspects if isinstance(d, DockerSource) else d._services),
                     "last_error": d.last_error,
                 })  # fmt: skip
+        if self.kubernetes_source is not None:
+            out.append(self.kubernetes_source.status())
         if self.registrations is not None:
             out.append(self.registrations.status())
         return out
@@ -151,6 +163,9 @@ class App:
             self._spawn(self.docker_source.run(self._stop_sources), "docker source", self.docker_source.name)
         if self.swarm_source is not None:
             self._spawn(self.swarm_source.run(self._stop_sources), "swarm source", self.swarm_source.name)
+        if self.kubernetes_source is not None:
+            k8s = self.kubernetes_source
+            self._spawn(k8s.run(self._stop_sources), "kubernetes source", k8s.name)
         if self.registrations is not None:
             self.registrations.load()  # raises RegistrationStateError: refuse to start
             self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)

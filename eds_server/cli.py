@@ -30,6 +30,7 @@ from .registration_api import (
 )
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
+from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import RegistrationStateError
 from .transport.http2 import ConnectionLimits
 from .transport.httplimits import HttpLimits
@@ -278,6 +279,21 @@ def build_parser() -> argparse.ArgumentParser:
     docker.add_argument("--docker-address-mode", choices=["network", "published"],
                         default=_env("EDS_DOCKER_ADDRESS_MODE", "network"),
                         help="container IP and port (network), or the published host port (published)")
+    kube = serve.add_argument_group("Kubernetes discovery")
+    kube.add_argument("--kubernetes", action="store_true", default=_flag("EDS_KUBERNETES"),
+                      help="follow annotated Services and their EndpointSlices [EDS_KUBERNETES=1]")
+    kube.add_argument("--kubernetes-namespace", metavar="NS", action="append",
+                      default=[n.strip() for n in (_env("EDS_KUBERNETES_NAMESPACE", "") or "").split(",") if n.strip()],
+                      help="follow only this namespace, repeatable (the variable takes a comma list); a namespaced "
+                           "Role is then enough (default: all namespaces)")
+    kube.add_argument("--kubeconfig", metavar="FILE", default=_env("EDS_KUBECONFIG", None),
+                      help="kubeconfig file (default: KUBECONFIG, else in-cluster, else ~/.kube/config)")
+    kube.add_argument("--kubernetes-node-regions", action="store_true", default=_flag("EDS_KUBERNETES_NODE_REGIONS"),
+                      help="read Nodes for the locality region (topology.kubernetes.io/region); needs list/watch "
+                           "on nodes [EDS_KUBERNETES_NODE_REGIONS=1]")
+    kube.add_argument("--kubernetes-annotation-prefix", metavar="PREFIX",
+                      default=_env("EDS_KUBERNETES_ANNOTATION_PREFIX", "eds"),
+                      help="Service annotation prefix (default eds: eds.group, eds.port, ...)")
     sec = serve.add_argument_group("TLS and authorization (gRPC port)")
     sec.add_argument("--tls-cert", metavar="FILE", default=_env("EDS_TLS_CERT", None),
                      help="PEM certificate chain: serve gRPC over TLS (1.2+, ALPN h2) [EDS_TLS_CERT]")
@@ -416,10 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not (args.upstreams or args.docker or args.swarm or args.state or args.admin_token
+    if not (args.upstreams or args.docker or args.swarm or args.kubernetes or args.state or args.admin_token
             or args.registration_tokens):  # fmt: skip
-        log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm and/or --state FILE with "
-                  "--admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_STATE, EDS_ADMIN_TOKEN)")
+        log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm, --kubernetes and/or --state "
+                  "FILE with --admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_KUBERNETES, EDS_STATE, "
+                  "EDS_ADMIN_TOKEN)")
+        return 2
+    if args.kubernetes and args.kubeconfig and not os.path.isfile(args.kubeconfig):
+        log.error("not starting: --kubeconfig %s: no such file", args.kubeconfig)
         return 2
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
@@ -458,6 +478,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         docker=docker if args.docker else None,
         swarm=docker if args.swarm else None,
         docker_host=args.docker_host,
+        kubernetes=KubernetesOptions(
+            annotation_prefix=args.kubernetes_annotation_prefix,
+            namespaces=tuple(dict.fromkeys(args.kubernetes_namespace)),
+            kubeconfig=args.kubeconfig,
+            node_regions=args.kubernetes_node_regions,
+        )
+        if args.kubernetes
+        else None,
         debounce=args.debounce,
         listen=args.listen,
         admin=args.admin,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from ssl import SSLContext
 
 from aiohttp import web
 
@@ -19,6 +20,7 @@ class Backend:
     port: int = 0
     address: str = "127.0.0.1"
     hits: int = 0  # requests served so far
+    ssl: SSLContext | None = None  # serve HTTPS with this context
 
 
 @asynccontextmanager
@@ -32,12 +34,20 @@ async def _serve(backend: Backend) -> AsyncIterator[Backend]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, backend.address, 0)  # port 0: the OS picks, no race
+        # port 0 (default): the OS picks, no race
+        site = web.TCPSite(runner, backend.address, backend.port, ssl_context=backend.ssl)
         await site.start()
         backend.port = int(runner.addresses[0][1])
         yield backend
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serve_backend(backend: Backend) -> AsyncIterator[Backend]:
+    """One backend at `backend.address`:`backend.port` (e.g. 127.0.0.2, as a Pod IP in the Kubernetes tests)."""
+    async with _serve(backend) as b:
+        yield b
 
 
 @asynccontextmanager

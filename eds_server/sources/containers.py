@@ -65,36 +65,45 @@ _LABEL_CHECKS: dict[str, Any] = {
 }  # fmt: skip
 
 
-def _checked(label: str, setting: str, value: str) -> Any:
+def _checked(label: str, setting: str, value: str, checks: Mapping[str, Any], what: str) -> Any:
     """A label's value, checked as its setting requires; Skip names the label itself."""
-    check = _LABEL_CHECKS.get(setting, fields.text)  # metadata.<key>: any text
+    check = checks.get(setting, fields.text)  # metadata.<key>: any text
     try:
         return check(value)
     except ValueError as e:
-        raise Skip(f"label {label}: {e}") from None
+        raise Skip(f"{what} {label}: {e}") from None
 
 
-def _settings(labels: Mapping[str, str], prefix: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """Groups, and per group the checked settings that apply: eds.<group>.<key> over eds.<key>."""
+def _settings(
+    labels: Mapping[str, str],
+    prefix: str,
+    *,
+    keys: tuple[str, ...] = SETTING_KEYS,
+    checks: Mapping[str, Any] = _LABEL_CHECKS,
+    what: str = "label",
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Groups, and per group the checked settings that apply: eds.<group>.<key> over eds.<key>.
+
+    Shared by Docker labels, Swarm labels and Kubernetes annotations (`what` names them in errors)."""
     ours = {k[len(prefix) + 1 :]: v for k, v in labels.items() if k.startswith(prefix + ".")}
     groups = [g.strip() for g in ours.pop("group", "").split(",") if g.strip()]
     if not groups:
-        raise Skip(f"label {prefix}.group is empty")
+        raise Skip(f"{what} {prefix}.group is empty")
     common: dict[str, Any] = {}
     own: dict[str, dict[str, Any]] = {g: {} for g in groups}
     by_length = sorted(groups, key=len, reverse=True)  # a group name may contain dots
     for key, value in ours.items():
-        if key in SETTING_KEYS or key.startswith("metadata."):
-            common[key] = _checked(f"{prefix}.{key}", key, value)
+        if key in keys or key.startswith("metadata."):
+            common[key] = _checked(f"{prefix}.{key}", key, value, checks, what)
             continue
         group = next((g for g in by_length if key.startswith(g + ".")), None)
         rest = key[len(group) + 1 :] if group else ""
-        if group is None or not (rest in SETTING_KEYS or rest.startswith("metadata.")):
+        if group is None or not (rest in keys or rest.startswith("metadata.")):
             raise Skip(
-                f"unknown label {prefix}.{key} (expected {prefix}.<key> or {prefix}.<group>.<key>, "
-                f"keys: {', '.join(SETTING_KEYS)}, metadata.<name>)"
+                f"unknown {what} {prefix}.{key} (expected {prefix}.<key> or {prefix}.<group>.<key>, "
+                f"keys: {', '.join(keys)}, metadata.<name>)"
             )
-        own[group][rest] = _checked(f"{prefix}.{key}", rest, value)
+        own[group][rest] = _checked(f"{prefix}.{key}", rest, value, checks, what)
     return groups, {g: {**common, **own[g]} for g in groups}
 
 

@@ -1,0 +1,413 @@
+"""Kubernetes as a source: annotated Services and their EndpointSlices, by list+watch.
+
+One list+watch per kind (Services, EndpointSlices; Nodes too with --kubernetes-node-regions) and per
+namespace followed (all namespaces: one cluster-wide watch per kind), never one per Service. A watch
+resumes from the last resourceVersion it saw (bookmarks keep it fresh); `410 Gone` means that version
+is no longer kept, so the kind is listed again and the listing replaces what we knew. Connection errors are retried
+with jittered backoff; meanwhile the last endpoints keep being served, marked stale. Nothing is
+handed to the store before every kind has been listed once, so Envoy never sees a half-read cluster.
+
+kubernetes_asyncio does configuration and authentication (kubeconfig, in-cluster service account
+with the token re-read as it rotates); the list and watch requests go through its ApiClient, which
+adds fresh credentials to each request, and their JSON is read here as it is (`kubernetes_map`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from ..store import Store
+from .docker import Backoff
+from .kubernetes_map import (
+    REGION_LABEL,
+    KubernetesOptions,
+    ServiceEndpoints,
+    groups_of,
+    object_key,
+    opted_in,
+    service_endpoints,
+    slice_service,
+    trim_service,
+    trim_slice,
+)
+
+log = logging.getLogger("eds_server.sources.kubernetes")
+
+LIST_PAGE = 500
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # for logs
+    group_path: str  # /api/v1 or /apis/discovery.k8s.io/v1
+    plural: str
+    label_selector: str | None = None
+
+    def path(self, namespace: str | None) -> str:
+        where = f"/namespaces/{namespace}" if namespace else ""
+        return f"{self.group_path}{where}/{self.plural}"
+
+
+SERVICES = Kind("Services", "/api/v1", "services")
+SLICES = Kind("EndpointSlices", "/apis/discovery.k8s.io/v1", "endpointslices", "kubernetes.io/service-name")
+NODES = Kind("Nodes", "/api/v1", "nodes")  # cluster-scoped; only with --kubernetes-node-regions
+
+
+class Gone(Exception):
+    """410: the resourceVersion we resume from is no longer kept: list again."""
+
+
+class ApiError(Exception):
+    pass
+
+
+class Unauthorized(ApiError):
+    """401: the credentials are no longer accepted (rotated, expired): load the configuration again."""
+
+
+async def make_client(options: KubernetesOptions) -> Any:
+    """An ApiClient from --kubeconfig, else KUBECONFIG, else in-cluster, else ~/.kube/config."""
+    from kubernetes_asyncio import client, config  # imported only when Kubernetes is followed (~1 s)
+
+    logging.getLogger("kubernetes_asyncio").setLevel(logging.ERROR)  # our own warning says it, once
+
+    cfg = client.Configuration()
+    if options.kubeconfig:
+        await config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
+    elif os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        # try_refresh_token: the service account token file is read again every minute (it rotates)
+        config.load_incluster_config(client_configuration=cfg, try_refresh_token=True)  # type: ignore[no-untyped-call]
+    else:
+        await config.load_kube_config(client_configuration=cfg)
+    return client.ApiClient(cfg)
+
+
+class KubernetesSource:
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        store: Store,
+        options: KubernetesOptions,
+        *,
+        debounce: float = 0.05,
+        request_timeout: float = 30.0,
+        watch_timeout: tuple[int, int] = (60, 120),
+    ) -> None:
+        self.store = store
+        self.options = options
+        self.debounce = debounce
+        self.request_timeout = request_timeout
+        self.watch_timeout = watch_timeout
+        self.connected = False
+        self.last_error: str | None = None
+        self.watches_open = 0
+        self.events = 0  # watch events applied, for tests and benchmarks
+        self.relists = 0
+        self._services: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed, opted-in Service
+        self._slices: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed EndpointSlice
+        self._slices_of: dict[str, set[str]] = {}  # Service key -> its slices' keys
+        self._cache: dict[str, ServiceEndpoints] = {}  # Service key -> what it contributes
+        self._dirty: set[str] = set()  # Service keys to map again
+        self._warned: dict[str, str] = {}
+        self._regions: dict[str, str] = {}  # node name -> region (with node_regions)
+        self._scopes = [(kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))]
+        if options.node_regions:
+            self._scopes.append((NODES, None))
+        self._listed: set[tuple[Kind, str | None]] = set()  # scopes listed at least once
+        self._down: dict[tuple[Kind, str | None], str] = {}  # scopes currently failing, and why
+        self._changed = asyncio.Event()
+        self._api: Any = None
+        self._loaded_at = 0.0
+        self._reload_lock = asyncio.Lock()
+        store.add_source(self.name)
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        return len(self._listed) == len(self._scopes)
+
+    def _in_scope(self, key: str, namespace: str | None) -> bool:
+        return namespace is None or key.startswith(namespace + "/")
+
+    def _set_service(self, obj: Mapping[str, Any] | None, key: str) -> None:
+        if obj is not None and opted_in(obj, self.options.annotation_prefix):
+            trimmed = trim_service(obj, self.options.annotation_prefix)
+            if self._services.get(key) != trimmed:
+                self._services[key] = trimmed
+                self._dirty.add(key)
+        elif self._services.pop(key, None) is not None:
+            self._dirty.add(key)
+
+    def _set_slice(self, obj: Mapping[str, Any] | None, key: str) -> None:
+        trimmed = trim_slice(obj) if obj is not None else None
+        old = self._slices.get(key)
+        if trimmed == old:
+            return  # a new resourceVersion of the same content (or nothing known of it)
+        if old is not None:
+            del self._slices[key]
+            owner = slice_service(old)
+            if owner is not None:
+                siblings = self._slices_of.get(owner, set())
+                siblings.discard(key)
+                if not siblings:
+                    self._slices_of.pop(owner, None)
+                self._dirty.add(owner)
+        owner = slice_service(trimmed) if trimmed is not None else None
+        if trimmed is not None and owner is not None:
+            self._slices[key] = trimmed
+            self._slices_of.setdefault(owner, set()).add(key)
+            self._dirty.add(owner)
+
+    def _set_node(self, obj: Mapping[str, Any] | None, key: str) -> None:
+        name = key.lstrip("/")
+        region = str(((((obj or {}).get("metadata") or {}).get("labels")) or {}).get(REGION_LABEL) or "")
+        if self._regions.get(name, "") == region:
+            return  # most Node updates are status heartbeats: nothing for us
+        if region:
+            self._regions[name] = region
+        else:
+            self._regions.pop(name, None)
+        self._dirty.update(self._services)  # rare: map every Service again
+
+    def _setter(self, kind: Kind) -> Any:
+        return {SERVICES.plural: self._set_service, SLICES.plural: self._set_slice}.get(kind.plural, self._set_node)
+
+    def apply(self, kind: Kind, event_type: str, obj: Mapping[str, Any]) -> None:
+        """One watch event (ADDED, MODIFIED, DELETED) for a Service, an EndpointSlice or a Node."""
+        key = object_key(obj)
+        gone = event_type == "DELETED"
+        self._setter(kind)(None if gone else obj, key)
+        self.events += 1
+
+    def replace(self, kind: Kind, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
+        """A full listing of one kind in one scope: what it lacks is gone."""
+        known: Mapping[str, Any] = {
+            SERVICES.plural: self._services, SLICES.plural: self._slices,
+        }.get(kind.plural, {f"/{n}": r for n, r in self._regions.items()})  # fmt: skip
+        listed = {object_key(o): o for o in items}
+        for key in [k for k in known if self._in_scope(k, namespace) and k not in listed]:
+            self._setter(kind)(None, key)
+        for key, obj in listed.items():
+            self._setter(kind)(obj, key)
+
+    def publish(self) -> None:
+        """Map the Services that changed again, and hand the store the whole state."""
+        dirty, self._dirty = self._dirty, set()
+        prefix = self.options.annotation_prefix
+        for key in dirty:
+            svc = self._services.get(key)
+            if svc is None:
+                self._cache.pop(key, None)
+                continue
+            slices = [self._slices[k] for k in self._slices_of.get(key, ()) if k in self._slices]
+            self._cache[key] = service_endpoints(svc, slices, prefix, self._regions)
+        warnings: dict[str, str] = {}
+        for entry in self._cache.values():
+            warnings.update(entry.warnings)
+        for oid, warning in warnings.items():
+            if self._warned.get(oid) != warning:
+                log.warning("%s", warning)
+        self._warned = warnings
+        changed = self.store.update(self.name, groups_of(self._cache[k] for k in sorted(self._cache)))
+        if changed:
+            log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "loaded": self.name not in self.store.pending_sources,
+            "connected": self.connected,
+            "stale": not self.connected,
+            "services": len(self._services),
+            "endpointslices": len(self._slices),
+            "node_regions": len(self._regions) if self.options.node_regions else None,
+            "watches": self.watches_open,
+            "relists": self.relists,
+            "events": self.events,
+            "namespaces": list(self.options.namespaces) or "all",
+            "last_error": self.last_error,
+        }
+
+    # -- API server ----------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the API server until `stop` is set, reconnecting for as long as it takes."""
+        backoff = Backoff(cap=30.0)
+        while self._api is None and not stop.is_set():
+            try:
+                await self._reload()
+            except Exception as e:  # no usable configuration (yet): say so, retry
+                self._failed(None, f"no Kubernetes configuration: {type(e).__name__}: {e}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff.next())
+        if self._api is None:
+            return
+        try:
+            tasks = [asyncio.create_task(self._follow(kind, ns, stop)) for kind, ns in self._scopes]
+            tasks.append(asyncio.create_task(self._publisher(stop)))
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await self._api.close()
+
+    async def _reload(self) -> None:
+        """(Re)load the configuration and credentials; at most every 10 s, however many watches ask."""
+        async with self._reload_lock:
+            now = asyncio.get_running_loop().time()
+            if self._api is not None and now - self._loaded_at < 10.0:
+                return
+            api = await make_client(self.options)
+            old, self._api, self._loaded_at = self._api, api, now
+            if old is not None:
+                await old.close()  # watches on it end and resume on the new one
+
+    async def _publisher(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._changed.wait()
+            await asyncio.sleep(self.debounce)  # coalesce a burst of events into one version
+            self._changed.clear()
+            if self.loaded:
+                self.publish()
+
+    def _touch(self) -> None:
+        if self._dirty:
+            self._changed.set()
+
+    def _failed(self, scope: tuple[Kind, str | None] | None, reason: str) -> None:
+        if self.connected or self.last_error is None:
+            log.warning("%s: cannot follow the API server (%s); serving the last known endpoints (stale) and "
+                        "retrying", self.name, reason)  # fmt: skip
+        if scope is not None:
+            self._down[scope] = reason
+        self.connected = False
+        self.last_error = reason
+        self.store.mark_stale(self.name, True)
+
+    def _recovered(self, scope: tuple[Kind, str | None]) -> None:
+        self._down.pop(scope, None)
+        if not self._down and self.loaded and not self.connected:
+            log.info("%s: following %d annotated Services, %d EndpointSlices",
+                     self.name, len(self._services), len(self._slices))  # fmt: skip
+            self.connected, self.last_error = True, None
+            self.store.mark_stale(self.name, False)
+
+    async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
+        """List, then watch from the list's version; on 410 list again; on errors back off."""
+        scope = (kind, namespace)
+        backoff = Backoff(cap=30.0)
+        version: str | None = None
+        while not stop.is_set():
+            try:
+                if version is None:
+                    version = await self._list(kind, namespace)
+                    self._listed.add(scope)
+                    self._recovered(scope)
+                    self._changed.set()  # the first full listing is published even if empty
+                started = asyncio.get_running_loop().time()
+                version = await self._watch(kind, namespace, version, backoff)
+                if asyncio.get_running_loop().time() - started > 1.0:
+                    continue  # the server ended the watch (its timeout): resume from `version`
+                # ended at once: the server is going away; resume after a pause
+            except Gone:
+                log.info("%s: %s watch expired (410 Gone); listing again", self.name, kind.name)
+                self.relists += 1
+                version = None
+                continue
+            except Unauthorized as e:
+                self._failed(scope, f"{kind.name}: {e}")
+                with contextlib.suppress(Exception):  # a bad new configuration: retried after the backoff
+                    await self._reload()
+            except Exception as e:
+                self._failed(scope, f"{kind.name}: {type(e).__name__}: {e}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff.next())
+
+    async def _get(self, path: str, query: list[tuple[str, str]], read_timeout: float) -> Any:
+        timeout = aiohttp.ClientTimeout(sock_connect=self.request_timeout, sock_read=read_timeout)
+        resp = await self._api.call_api(
+            path, "GET", query_params=query, header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
+        )  # fmt: skip
+        if resp.status == 410:
+            resp.release()
+            raise Gone()
+        if resp.status != 200:
+            body = (await resp.read())[:500].decode(errors="replace")
+            resp.release()
+            error = Unauthorized if resp.status == 401 else ApiError
+            raise error(f"GET {path}: {resp.status}: {_message(body)}")
+        return resp
+
+    async def _list(self, kind: Kind, namespace: str | None) -> str:
+        """Every object of one kind in one scope, page by page; returns the list's resourceVersion."""
+        items: list[Mapping[str, Any]] = []
+        cont = ""
+        while True:
+            query = [("limit", str(LIST_PAGE))]
+            if kind.label_selector:
+                query.append(("labelSelector", kind.label_selector))
+            if cont:
+                query.append(("continue", cont))
+            resp = await self._get(kind.path(namespace), query, self.request_timeout)
+            try:
+                body = json.loads(await resp.read())
+            finally:
+                resp.release()
+            items.extend(body.get("items") or [])
+            meta = body.get("metadata") or {}
+            cont = meta.get("continue") or ""
+            if not cont:
+                self.replace(kind, namespace, items)
+                return str(meta.get("resourceVersion") or "")
+
+    async def _watch(self, kind: Kind, namespace: str | None, version: str, backoff: Backoff) -> str:
+        """Apply events until the server ends the watch; returns the last resourceVersion seen."""
+        seconds = random.randint(*self.watch_timeout)  # spread the reconnects of many replicas
+        query = [("watch", "1"), ("allowWatchBookmarks", "true"), ("resourceVersion", version),
+                 ("timeoutSeconds", str(seconds))]  # fmt: skip
+        if kind.label_selector:
+            query.append(("labelSelector", kind.label_selector))
+        # bookmarks come about once a minute; past the server's own timeout, the connection is dead
+        resp = await self._get(kind.path(namespace), query, seconds + 30.0)
+        self.watches_open += 1
+        try:
+            self._recovered((kind, namespace))
+            backoff.reset()
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                etype, obj = event.get("type"), event.get("object") or {}
+                if etype == "ERROR":
+                    if obj.get("code") == 410:
+                        raise Gone()
+                    raise ApiError(f"watch {kind.name}: {obj.get('code')}: {obj.get('message')}")
+                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                if etype in ("ADDED", "MODIFIED", "DELETED"):
+                    self.apply(kind, etype, obj)
+                    self._touch()
+            return version
+        finally:
+            self.watches_open -= 1
+            resp.release()
+
+
+def _message(body: str) -> str:
+    """The `message` of a Kubernetes Status body, else the body itself."""
+    with contextlib.suppress(ValueError, AttributeError):
+        return str(json.loads(body).get("message") or body)
+    return body

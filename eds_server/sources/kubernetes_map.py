@@ -1,0 +1,211 @@
+"""Kubernetes Services + EndpointSlices -> endpoints, from API JSON alone.
+
+No IO here, so every rule (annotations, port choice, endpoint conditions, address types) is
+unit-tested from recorded API objects. Annotations are parsed by the Docker label code
+(`containers._settings`), so `eds.group`, `eds.<key>` and `eds.<group>.<key>` mean the same in both.
+
+Conditions (discovery.k8s.io/v1; a missing `ready`/`serving` means true, a missing `terminating` false):
+- not terminating and ready                 -> HEALTHY
+- terminating and serving                   -> DRAINING (until the endpoint leaves its slice)
+- not ready, or terminating and not serving -> left out: Kubernetes itself sends such a Pod no
+  traffic, and an UNHEALTHY host would count towards Envoy's panic threshold, where Envoy routes to
+  every host, unready ones included (a rollout of many new Pods would do that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import fields
+from ..model import Endpoint, Group, Health, Locality, groups_from
+from .containers import Skip, _settings
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+REGION_LABEL = "topology.kubernetes.io/region"
+# What an annotation may set; eds.port names a Service port, so it is checked against the Service.
+SETTING_KEYS = ("port", "weight", "priority")
+_CHECKS: dict[str, Any] = {"port": fields.text, "weight": fields.weight, "priority": fields.priority}
+_HEALTH_ORDER = {Health.HEALTHY: 0, Health.DRAINING: 1}
+
+
+@dataclass(frozen=True)
+class KubernetesOptions:
+    annotation_prefix: str = "eds"
+    namespaces: tuple[str, ...] = ()  # empty: every namespace (a cluster-wide watch)
+    kubeconfig: str | None = None  # None: KUBECONFIG, in-cluster, then ~/.kube/config
+    node_regions: bool = False  # read Nodes for topology.kubernetes.io/region (needs list/watch on nodes)
+
+
+@dataclass
+class ServiceEndpoints:
+    """What one Service contributes: (group, endpoint) pairs, and warnings keyed by object."""
+
+    key: str  # namespace/name
+    pairs: list[tuple[str, Endpoint]] = field(default_factory=list)
+    warnings: dict[str, str] = field(default_factory=dict)
+
+
+def object_key(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def annotations_of(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("annotations") or {}
+
+
+def opted_in(service: Mapping[str, Any], prefix: str) -> bool:
+    return f"{prefix}.group" in annotations_of(service)
+
+
+def slice_service(slice_: Mapping[str, Any]) -> str | None:
+    """namespace/name of the Service a slice belongs to (None: not a Service's slice)."""
+    meta = slice_.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
+    return f"{meta.get('namespace', '')}/{name}" if name else None
+
+
+def health_of(conditions: Mapping[str, Any] | None) -> Health | None:
+    """An endpoint's health from its conditions; None: leave it out (see the module docstring)."""
+    c = conditions or {}
+    ready, serving = c.get("ready") is not False, c.get("serving") is not False
+    if c.get("terminating") is True:
+        return Health.DRAINING if serving else None
+    return Health.HEALTHY if ready else None
+
+
+def port_name(service: Mapping[str, Any], wanted: str | None, prefix: str) -> str:
+    """The name of the Service port to serve (slices carry ports by the Service port's name)."""
+    ports = (service.get("spec") or {}).get("ports") or []
+    if wanted is None:
+        if len(ports) == 1:
+            return str(ports[0].get("name") or "")
+        if not ports:
+            raise Skip("has no ports")
+        names = ", ".join(str(p.get("name") or p.get("port")) for p in ports)
+        raise Skip(f"has several ports ({names}): set annotation {prefix}.port")
+    for p in ports:
+        if wanted == str(p.get("name") or "") or wanted == str(p.get("port")):
+            return str(p.get("name") or "")
+    names = ", ".join(str(p.get("name") or p.get("port")) for p in ports) or "none"
+    raise Skip(f"annotation {prefix}.port: {wanted!r} is not one of its ports ({names})")
+
+
+def slice_endpoints(
+    slice_: Mapping[str, Any], port: str, settings: Mapping[str, Any], regions: Mapping[str, str] | None = None
+) -> tuple[list[Endpoint], str | None]:
+    """The endpoints of one slice for one group's settings, and a warning (or None)."""
+    kind = slice_.get("addressType")
+    where = f"EndpointSlice {object_key(slice_)}"
+    if kind not in ("IPv4", "IPv6"):
+        return [], f"{where}: addressType {kind} is not served (Envoy needs IP addresses in EDS); skipped"
+    number = next((p.get("port") for p in slice_.get("ports") or [] if str(p.get("name") or "") == port), None)
+    if number is None:
+        return [], None  # the controller has not filled the port yet, or the port has no endpoints
+    out, bad = [], []
+    for e in slice_.get("endpoints") or []:
+        health = health_of(e.get("conditions"))
+        addresses = e.get("addresses") or []
+        if health is None or not addresses:
+            continue
+        ref = e.get("targetRef") or {}
+        try:
+            address = fields.ip(addresses[0])  # the API says they are fungible: the first is enough
+        except ValueError:
+            bad.append(str(addresses[0]))
+            continue
+        out.append(
+            Endpoint(
+                address=address,
+                port=int(number),
+                weight=settings.get("weight"),
+                health=health,
+                priority=settings.get("priority", 0),
+                locality=Locality(str((regions or {}).get(e.get("nodeName") or "", "")), str(e.get("zone") or "")),
+                hostname=str(e.get("hostname") or (ref.get("name") if ref.get("kind") == "Pod" else "") or ""),
+                metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
+            )
+        )
+    warning = f"{where}: {len(bad)} addresses are not IPs ({', '.join(bad[:3])}); skipped" if bad else None
+    return out, warning
+
+
+def service_endpoints(
+    service: Mapping[str, Any],
+    slices: Iterable[Mapping[str, Any]],
+    prefix: str,
+    regions: Mapping[str, str] | None = None,
+) -> ServiceEndpoints:
+    """One opted-in Service's endpoints, per group; an invalid annotation skips the whole Service.
+
+    `regions`: node name -> its topology.kubernetes.io/region, when Nodes are read."""
+    key = object_key(service)
+    out = ServiceEndpoints(key)
+    try:
+        groups, settings = _settings(
+            annotations_of(service), prefix, keys=SETTING_KEYS, checks=_CHECKS, what="annotation"
+        )
+        ports = {g: port_name(service, settings[g].get("port"), prefix) for g in groups}
+    except Skip as e:
+        out.warnings[f"Service {key}"] = f"Service {key}: {e}; skipped"
+        return out
+    slices = sorted(slices, key=object_key)
+    for group in groups:
+        eps: list[Endpoint] = []
+        for s in slices:
+            found, warning = slice_endpoints(s, ports[group], settings[group], regions)
+            eps.extend(found)
+            if warning:
+                out.warnings[f"EndpointSlice {object_key(s)}"] = warning
+        # An endpoint may sit in two slices for a moment while the controller moves it: keep its
+        # healthiest form.
+        eps.sort(key=lambda ep: _HEALTH_ORDER.get(ep.health, 2))
+        unique: dict[tuple[str, int], Endpoint] = {}
+        for ep in eps:
+            unique.setdefault(ep.key, ep)
+        out.pairs.extend((group, ep) for ep in unique.values())
+    return out
+
+
+def groups_of(services: Iterable[ServiceEndpoints]) -> dict[str, Group]:
+    """Merge per-Service endpoints into groups (several Services may feed one group)."""
+    return groups_from(pair for s in services for pair in s.pairs)
+
+
+def trim_slice(slice_: Mapping[str, Any]) -> dict[str, Any]:
+    """Only what the mapping reads: a cluster's slices are kept in memory, so keep them small."""
+    meta = slice_.get("metadata") or {}
+    return {
+        "metadata": {
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "labels": {SERVICE_NAME_LABEL: (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)},
+        },
+        "addressType": slice_.get("addressType"),
+        "ports": [{"name": p.get("name"), "port": p.get("port")} for p in slice_.get("ports") or []],
+        "endpoints": [
+            {
+                "addresses": (e.get("addresses") or [])[:1],
+                "conditions": e.get("conditions") or {},
+                "hostname": e.get("hostname"),
+                "targetRef": {"kind": (e.get("targetRef") or {}).get("kind"),
+                              "name": (e.get("targetRef") or {}).get("name")},
+                "zone": e.get("zone"),
+                "nodeName": e.get("nodeName"),
+            }
+            for e in slice_.get("endpoints") or []
+        ],
+    }  # fmt: skip
+
+
+def trim_service(service: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Only our annotations (not, say, kubectl's last-applied-configuration) and the ports."""
+    meta = service.get("metadata") or {}
+    ours = {k: v for k, v in (meta.get("annotations") or {}).items() if k.startswith(prefix + ".")}
+    return {
+        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "annotations": ours},
+        "spec": {"ports": [{"name": p.get("name"), "port": p.get("port")}
+                           for p in (service.get("spec") or {}).get("ports") or []]},
+    }  # fmt: skip
