@@ -1,9 +1,10 @@
 """A well-behaved Envoy-like client that measures what an attack costs everyone else.
 
-While it runs, the canary rewrites the upstreams file a few times a second (the endpoint's port
-carries a sequence number), keeps one StreamEndpoints stream open and ACKs what it gets, and
-keeps opening fresh connections that fetch once. It reports how many changes reached it, how
-late, and how fresh connections fared. Loopback only; every loop is bounded by its duration.
+While it runs, the canary changes its group a few times a second, through the registration API
+or the upstreams file (the endpoint's port carries a sequence number), keeps one StreamEndpoints
+stream open and ACKs what it gets, and keeps opening fresh connections that fetch once. It reports
+how many changes reached it, how late, and how fresh connections fared. Loopback only; every loop
+is bounded by its duration.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from envoy.config.endpoint.v3 import endpoint_pb2
 from grpclib.client import Channel
 from grpclib.const import Cardinality
@@ -78,10 +80,17 @@ class CanaryReport:
 
 
 class Canary:
-    def __init__(self, port: int, upstreams: Path, *, interval: float = 0.25) -> None:
+    def __init__(
+        self, port: int, upstreams: Path, *, interval: float = 0.25, admin_port: int | None = None,
+        token: str | None = None,
+    ) -> None:  # fmt: skip
+        """Changes go through the registration API when `admin_port` and `token` are given (the
+        server needs --registration-allow-cidr 127.0.0.0/8), else through the upstreams file."""
         self.port = port
         self.upstreams = upstreams
         self.interval = interval
+        self.admin_port = admin_port
+        self.token = token
         self.seq = 0
         self.written: dict[int, float] = {}
 
@@ -105,12 +114,19 @@ class Canary:
 
     async def _write(self, report: CanaryReport, deadline: float) -> None:
         await asyncio.sleep(0.3)  # the stream is open first
-        while time.monotonic() < deadline - 1.0:  # the last second is for the last change to arrive
-            self.seq += 1
-            self.written[self.seq] = time.monotonic()
-            write_upstreams(self.upstreams, self.seq)
-            report.changes += 1
-            await asyncio.sleep(self.interval)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while time.monotonic() < deadline - 1.0:  # the last second is for the last change to arrive
+                self.seq += 1
+                self.written[self.seq] = time.monotonic()
+                if self.admin_port is None:
+                    write_upstreams(self.upstreams, self.seq)
+                else:
+                    url = f"http://127.0.0.1:{self.admin_port}/v1/groups/{GROUP}/endpoints/canary"
+                    body = {"address": "127.0.0.1", "port": BASE_PORT + self.seq % 40000}
+                    async with session.put(url, json=body, headers={"Authorization": f"Bearer {self.token}"}) as r:
+                        assert r.status in (200, 201), await r.text()
+                report.changes += 1
+                await asyncio.sleep(self.interval)
 
     async def _follow(self, report: CanaryReport, deadline: float) -> None:
         seen: set[int] = set(self.written)  # earlier runs' changes are not this run's
