@@ -11,7 +11,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from . import __version__, status_page
-from .model import Endpoint
+from .model import endpoint_json
+from .registration_api import RegistrationPolicy, add_routes
 from .store import Resource, Store
 
 if TYPE_CHECKING:
@@ -60,22 +61,6 @@ def json_errors(registrations_on: bool) -> Callable[..., Awaitable[web.StreamRes
     return middleware
 
 
-def endpoint_json(ep: Endpoint) -> dict[str, Any]:
-    out: dict[str, Any] = {"address": ep.address, "port": ep.port, "health": ep.health.name.lower()}
-    if ep.weight is not None:
-        out["weight"] = ep.weight
-    if ep.priority:
-        out["priority"] = ep.priority
-    for key in ("region", "zone", "subzone"):
-        if value := getattr(ep.locality, key):
-            out[key] = value
-    if ep.hostname:
-        out["hostname"] = ep.hostname
-    if ep.metadata:
-        out["metadata"] = dict(ep.metadata)
-    return out
-
-
 def group_json(store: Store, resource: Resource, *, endpoint_sources: bool = False) -> dict[str, Any]:
     group = resource.group
     endpoints = [endpoint_json(e) for e in group.endpoints]
@@ -105,6 +90,7 @@ def make_app(
     registry: CollectorRegistry,
     registrations: RegistrationSource | None = None,
     admin_token: str | None = None,
+    registration_policy: RegistrationPolicy | None = None,
 ) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -177,7 +163,5 @@ def make_app(
     app.router.add_get("/v1/streams", streams_handler)
     app.router.add_get("/metrics", metrics)
     if registrations is not None:
-        from .registration_api import add_routes  # not at the top: registration_api imports this module
-
-        add_routes(app, registrations, admin_token)
+        add_routes(app, registrations, admin_token, policy=registration_policy)
     return app

@@ -15,6 +15,7 @@ from aiohttp import web
 from . import admin, security
 from .encode import encode_group
 from .metrics import make_registry
+from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
@@ -24,6 +25,8 @@ from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
+from .transport.http2 import ConnectionLimits
+from .transport.httplimits import HttpLimits, LimitedAppRunner
 from .transport.rest import make_rest_app
 from .upstreams import MAX_FILE_SIZE
 from .xds.common import Limits
@@ -55,6 +58,9 @@ class Settings:
     send_timeout: float = 30.0
     reset_budget: int = 10_000
     limits: Limits = field(default_factory=Limits)
+    # gRPC connections and per-IP budgets (its max_streams, reset_budget, max_message_size: the fields above)
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
     shutdown_grace: float = 2.0
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
@@ -63,6 +69,7 @@ class Settings:
     state: str | None = None  # the registrations' state file (None: registrations kept in memory only)
     admin_token: str | None = None  # turns the registration API's writes on
     max_registrations: int = MAX_REGISTRATIONS
+    registration_policy: RegistrationPolicy = field(default_factory=RegistrationPolicy)  # scoped tokens, CIDRs
 
 
 class App:
@@ -98,7 +105,7 @@ class App:
         # after the file and Docker: on a duplicate address in a group, the first source wins
         self.registrations = (
             RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
-            if settings.state or settings.admin_token
+            if settings.state or settings.admin_token or settings.registration_policy.scoped_tokens
             else None
         )
         self.service = EdsService(
@@ -111,6 +118,7 @@ class App:
             keepalive_timeout=settings.keepalive_timeout,
             max_message_size=settings.max_message_size,
             reset_budget=settings.reset_budget,
+            limits=settings.connection_limits,
         )
         self._http: list[web.AppRunner] = []
         self._stop_sources = asyncio.Event()
@@ -145,7 +153,10 @@ class App:
 
     def stats(self) -> dict[str, Any]:
         counters = dataclasses.asdict(self.service.counters)
-        return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes}
+        gate = self.grpc.gate
+        return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes,
+                "connections_open": gate.connections, **dataclasses.asdict(gate.counters),
+                "partial_messages_refused": self.service.reader.budget.refused if self.service.reader.budget else 0}
 
     async def start(self) -> None:
         ssl = self._security()
@@ -173,7 +184,7 @@ class App:
                 self.store, self.source_status, self.stats,
                 self.service.describe_streams,
                 make_registry(self.store, self.service, self.source_status),
-                self.registrations, self.settings.admin_token,
+                self.registrations, self.settings.admin_token, self.settings.registration_policy,
             )  # fmt: skip
             self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
         if self.settings.rest_listen is not None:
@@ -199,7 +210,7 @@ class App:
         return ssl
 
     async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
-        runner = web.AppRunner(app, access_log=None)
+        runner = LimitedAppRunner(app, self.settings.http_limits)
         await runner.setup()
         self._http.append(runner)
         site = web.TCPSite(runner, *address)

@@ -21,10 +21,19 @@ import uvloop
 
 from . import __version__, fields, ports, security, upstreams
 from .app import App, Settings
+from .registration_api import (
+    RegistrationConfigError,
+    RegistrationPolicy,
+    check_token,
+    load_scoped_tokens,
+    parse_cidrs,
+)
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import RegistrationStateError
+from .transport.http2 import ConnectionLimits
+from .transport.httplimits import HttpLimits
 from .xds.common import Limits
 
 log = logging.getLogger("eds_server")
@@ -215,7 +224,39 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--send-timeout", type=duration, metavar="DURATION", default=_env("EDS_SEND_TIMEOUT", "30s"),
                         help="drop a client that has not taken a response in this time (default 30s)")
     limits.add_argument("--reset-budget", type=positive_int, metavar="N", default=_env("EDS_RESET_BUDGET", "10000"),
-                        help="client stream resets per connection per 10 s before GOAWAY (default 10000)")
+                        help="stream resets (the client's, and h2's own) per client IP per 10 s before GOAWAY "
+                             "(default 10000)")
+    hostile = serve.add_argument_group("limits per client (gRPC port; see docs/limits.md)")
+    hostile.add_argument("--max-connections", type=positive_int, metavar="N",
+                         default=_env("EDS_MAX_CONNECTIONS", "10000"),
+                         help="gRPC connections in total; more are closed with GOAWAY (default 10000)")
+    hostile.add_argument("--max-connections-per-ip", type=positive_int, metavar="N",
+                         default=_env("EDS_MAX_CONNECTIONS_PER_IP", "100"),
+                         help="gRPC connections from one client IP (default 100)")
+    hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
+                         help="streams one client IP may open at once, refilled at this many per minute; more "
+                              "are refused with REFUSED_STREAM and count as control frames (default 1000)")
+    hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
+                         default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
+                         help="PING, SETTINGS, PRIORITY, empty DATA, unknown and unpaid WINDOW_UPDATE frames "
+                              "one client IP may send per 10 s before GOAWAY (default 1000)")
+    hostile.add_argument("--request-timeout", type=duration, metavar="DURATION",
+                         default=_env("EDS_REQUEST_TIMEOUT", "10s"),
+                         help="for a connection to open a stream, a stream to send its first request, and a "
+                              "started request to arrive whole (default 10s)")
+    hostile.add_argument("--partial-message-budget", type=positive_int, metavar="BYTES",
+                         default=_env("EDS_PARTIAL_MESSAGE_BUDGET", str(64 * 1024 * 1024)),
+                         help="bytes of requests being received at once, server-wide (default 64 MiB)")
+    hostile.add_argument("--tls-handshake-timeout", type=duration, metavar="DURATION",
+                         default=_env("EDS_TLS_HANDSHAKE_TIMEOUT", "5s"),
+                         help="longest TLS handshake on the gRPC port (default 5s)")
+    hostile.add_argument("--http-max-connections", type=positive_int, metavar="N",
+                         default=_env("EDS_HTTP_MAX_CONNECTIONS", "256"),
+                         help="connections to the admin port, and to the REST port, each (default 256)")
+    hostile.add_argument("--http-timeout", type=duration, metavar="DURATION",
+                         default=_env("EDS_HTTP_TIMEOUT", "10s"),
+                         help="admin and REST ports: longest wait for a request's headers and body, and "
+                              "keepalive of an idle connection (default 10s)")
     serve.add_argument("--keepalive-time", type=duration, metavar="DURATION",
                        default=_env("EDS_KEEPALIVE_TIME", "30s"),
                        help="HTTP/2 ping interval towards clients (default 30s)")
@@ -275,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--max-registrations", type=positive_int, metavar="N",
                      default=_env("EDS_MAX_REGISTRATIONS", "10000"),
                      help="most registrations kept; more are refused with 409 (default 10000)")
+    reg.add_argument("--registration-tokens", metavar="FILE", default=_env("EDS_REGISTRATION_TOKENS", None),
+                     help="scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...]}]`, each may write only "
+                          "the groups its patterns match")
+    reg.add_argument("--registration-allow-cidr", metavar="CIDR[,CIDR...]",
+                     default=_env("EDS_REGISTRATION_ALLOW_CIDR", None),
+                     help="allow registering addresses in these CIDRs; loopback, link-local, unspecified and "
+                          "multicast addresses are refused otherwise")
     _add_logging(serve)
 
     check = sub.add_parser(
@@ -391,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not (args.upstreams or args.docker or args.swarm or args.kubernetes or args.state or args.admin_token):
+    if not (args.upstreams or args.docker or args.swarm or args.kubernetes or args.state or args.admin_token
+            or args.registration_tokens):  # fmt: skip
         log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm, --kubernetes and/or --state "
                   "FILE with --admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_KUBERNETES, EDS_STATE, "
                   "EDS_ADMIN_TOKEN)")
@@ -407,6 +456,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.authz and args.rest_listen is not None:
         log.error("--authz does not cover --rest-listen: REST would serve every group to anyone; use one of them")
+        return 2
+    try:
+        if args.admin_token:
+            check_token(args.admin_token)
+        policy = RegistrationPolicy(
+            scoped_tokens=load_scoped_tokens(args.registration_tokens) if args.registration_tokens else (),
+            allow=parse_cidrs([args.registration_allow_cidr or ""]),
+        )
+    except RegistrationConfigError as e:
+        log.error("%s", e)
+        return 2
+    if policy.scoped_tokens and args.admin is None:
+        log.error("--registration-tokens needs the admin HTTP, which serves the registration API: drop --admin off")
         return 2
     docker = DockerOptions(
         label_prefix=args.docker_label_prefix,
@@ -445,9 +507,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits=Limits(max_names=args.max_names, max_name_length=args.max_name_length),
         send_timeout=args.send_timeout,
         reset_budget=args.reset_budget,
+        connection_limits=ConnectionLimits(
+            max_connections=args.max_connections,
+            max_connections_per_ip=args.max_connections_per_ip,
+            stream_budget=args.stream_budget,
+            control_budget=args.control_frame_budget,
+            request_timeout=args.request_timeout,
+            partial_message_budget=args.partial_message_budget,
+            tls_handshake_timeout=args.tls_handshake_timeout,
+        ),
+        http_limits=HttpLimits(max_connections=args.http_max_connections, timeout=args.http_timeout),
         state=args.state,
         admin_token=args.admin_token or None,
         max_registrations=args.max_registrations,
+        registration_policy=policy,
     )
     return int(uvloop.run(serve(settings)))
 

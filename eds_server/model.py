@@ -93,3 +93,21 @@ def merge_groups(name: str, parts: list[Group]) -> Group:
         for loc, w in part.locality_weights.items():
             weights.setdefault(loc, w)
     return Group(name, tuple(endpoints.values()), weights)
+
+
+def endpoint_json(ep: Endpoint) -> dict[str, Any]:
+    """The JSON form of an endpoint (admin API, registrations and their state file): the upstreams
+    file's keys, defaults left out."""
+    out: dict[str, Any] = {"address": ep.address, "port": ep.port, "health": ep.health.name.lower()}
+    if ep.weight is not None:
+        out["weight"] = ep.weight
+    if ep.priority:
+        out["priority"] = ep.priority
+    for key in ("region", "zone", "subzone"):
+        if value := getattr(ep.locality, key):
+            out[key] = value
+    if ep.hostname:
+        out["hostname"] = ep.hostname
+    if ep.metadata:
+        out["metadata"] = dict(ep.metadata)
+    return out

@@ -8,18 +8,30 @@
 
 Errors are JSON, `{"error": "...", "field": "..." | null}`, and change nothing. A 2xx answer to a
 write is sent only once the state file holds the change and the store serves it.
+
+Writes need the admin token (every group) or a scoped token (the groups its patterns match, from
+`--registration-tokens FILE`); tokens are at least 16 characters. A client IP that fails to
+authenticate too often gets 429 for a while, its correct guesses included. Targets must not be
+loopback, link-local (cloud metadata), unspecified or multicast addresses unless a CIDR of
+`--registration-allow-cidr` holds them: a registration must not point Envoy at itself or its host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import yaml
 from aiohttp import web
 
-from .admin import endpoint_json
+from .model import Endpoint, endpoint_json
+from .ratelimit import PerKey
+from .security import Glob
 from .sources.registrations import (
     REGISTRATION_KEYS,
     TTL_KEY,
@@ -33,6 +45,9 @@ from .sources.registrations import (
     reject_constant,
 )
 
+MIN_TOKEN_LENGTH = 16
+AUTH_FAILURES = 20  # failed authentications per client IP per AUTH_WINDOW, then 429
+AUTH_WINDOW = 60.0
 MAX_BODY = 64 * 1024
 BODY_TIMEOUT = 10.0  # seconds to receive a whole request body
 ENDPOINT_PATH = "/v1/groups/{group}/endpoints/{id}"
@@ -40,6 +55,86 @@ NO_TOKEN = (
     "registration writes are disabled: start eds-server with --admin-token TOKEN "
     "(or EDS_ADMIN_TOKEN) and send it as 'Authorization: Bearer TOKEN'"
 )
+
+
+class RegistrationConfigError(Exception):
+    """Unusable registration settings (token, token file, CIDRs): the server must not start."""
+
+
+def check_token(token: str, what: str = "--admin-token") -> str:
+    token = token.strip()  # e.g. EDS_ADMIN_TOKEN="$(cat file)" with a newline
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise RegistrationConfigError(f"{what} is {len(token)} characters; at least {MIN_TOKEN_LENGTH} are needed "
+                                      "(e.g. `openssl rand -hex 16`)")  # fmt: skip
+    return token
+
+
+@dataclass(frozen=True)
+class ScopedToken:
+    token: bytes
+    groups: tuple[Glob, ...]  # the groups it may write
+
+    def may_write(self, group: str) -> bool:
+        return any(g.match(group) for g in self.groups)
+
+
+@dataclass(frozen=True)
+class RegistrationPolicy:
+    """Who may write which group, and which addresses may be registered."""
+
+    scoped_tokens: tuple[ScopedToken, ...] = ()
+    allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()  # CIDRs exempt from the refusals
+    auth_failures: int = AUTH_FAILURES
+    auth_window: float = AUTH_WINDOW
+
+    def address_problem(self, address: str) -> str | None:
+        ip = ipaddress.ip_address(address)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if any(ip in net for net in self.allow):
+            return None
+        for kind, bad in (("loopback", ip.is_loopback), ("link-local", ip.is_link_local),
+                          ("unspecified", ip.is_unspecified), ("multicast", ip.is_multicast)):  # fmt: skip
+            if bad:
+                return (f"{address} is a {kind} address; registering it takes --registration-allow-cidr "
+                        "(EDS_REGISTRATION_ALLOW_CIDR) holding it")  # fmt: skip
+        return None
+
+
+def parse_cidrs(values: Iterable[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    out = []
+    for value in values:
+        for part in value.split(","):
+            if part.strip():
+                try:
+                    out.append(ipaddress.ip_network(part.strip(), strict=False))
+                except ValueError as e:
+                    raise RegistrationConfigError(f"--registration-allow-cidr: {e}") from None
+    return tuple(out)
+
+
+def load_scoped_tokens(path: str) -> tuple[ScopedToken, ...]:
+    """`tokens: [{token: "...", groups: ["shop-*", "web"]}, ...]` (`*`: any run of characters)."""
+    try:
+        with open(path, "rb") as f:
+            data = yaml.safe_load(f.read(1024 * 1024))
+    except (OSError, yaml.YAMLError) as e:
+        raise RegistrationConfigError(f"{path}: {e}") from None
+    entries = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or set(data) != {"tokens"}:
+        raise RegistrationConfigError(f"{path}: expected a mapping with one key, tokens: a list")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{path}: tokens[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"token", "groups"}:
+            raise RegistrationConfigError(f"{where}: expected the keys token and groups")
+        token, groups = entry["token"], entry["groups"]
+        if not isinstance(token, str):
+            raise RegistrationConfigError(f"{where}.token: expected a string")
+        if not isinstance(groups, list) or not groups or not all(isinstance(g, str) and g for g in groups):
+            raise RegistrationConfigError(f"{where}.groups: expected a list of group patterns")
+        out.append(ScopedToken(check_token(token, f"{where}.token").encode(), tuple(Glob(g) for g in groups)))
+    return tuple(out)
 
 
 class _DuplicateKey(Exception):
@@ -76,27 +171,51 @@ def _finite(text: str) -> float:
 
 
 class _Api:
-    def __init__(self, source: RegistrationSource, token: str | None, max_body: int, body_timeout: float) -> None:
+    def __init__(
+        self, source: RegistrationSource, token: str | None, max_body: int, body_timeout: float,
+        policy: RegistrationPolicy,
+    ) -> None:  # fmt: skip
         self.source = source
-        token = (token or "").strip()  # e.g. EDS_ADMIN_TOKEN="$(cat file)" with a newline
-        self.token = token.encode() if token else None  # an empty token is no token: writes stay off
+        token = (token or "").strip()
+        # an empty token is no token: writes stay off (unless scoped tokens are given)
+        self.token = check_token(token).encode() if token else None
+        self.policy = policy
+        self.failures = PerKey(policy.auth_failures, policy.auth_window)
         self.max_body = max_body
         self.body_timeout = body_timeout
 
     # -- checks --------------------------------------------------------------------------------
-    def _authorize(self, request: web.Request) -> web.Response | None:
-        if self.token is None:
+    def _authorize(self, request: web.Request, group: str | None) -> web.Response | None:
+        """None if the request's token may write `group` (None: the group is not known yet)."""
+        if self.token is None and not self.policy.scoped_tokens:
             return error(403, NO_TOKEN)
+        peer = request.remote or "?"
+        failures = self.failures.get(peer)
+        if not failures.peek():
+            retry = max(1, round(failures.seconds_to_next))
+            return error(429, "too many failed authentications from this address; retry later",
+                         headers={"Retry-After": str(retry)})  # fmt: skip
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         # surrogateescape: aiohttp hands non-UTF-8 header bytes over as surrogates; this gives them back
         given = presented.strip().encode("utf-8", "surrogateescape")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given, self.token)
-        if ok:
+        bearer = scheme.lower() == "bearer"
+        if bearer and self.token is not None and hmac.compare_digest(given, self.token):
             return None
+        scoped = [t for t in self.policy.scoped_tokens if hmac.compare_digest(given, t.token)] if bearer else []
+        if scoped:
+            if group is None or any(t.may_write(group) for t in scoped):
+                return None
+            return error(403, f"this token may not write group {group!r}", "group")
+        failures.take()
         challenge = 'Bearer realm="eds-server"' + (', error="invalid_token"' if presented else "")
         return error(401, "a valid 'Authorization: Bearer TOKEN' header is needed", headers={
             "WWW-Authenticate": challenge,
         })  # fmt: skip
+
+    def _check_address(self, endpoint: Endpoint) -> None:
+        problem = self.policy.address_problem(endpoint.address)
+        if problem is not None:
+            raise RegistrationError(422, problem, "address")
 
     @staticmethod
     def _path(request: web.Request, with_id: bool = True) -> tuple[str, str]:
@@ -147,12 +266,15 @@ class _Api:
 
     # -- handlers ------------------------------------------------------------------------------
     async def put(self, request: web.Request) -> web.Response:
-        if (denied := self._authorize(request)) is not None:
+        if (denied := self._authorize(request, None)) is not None:
             return denied
         try:
             group, id = self._path(request)
+            if (denied := self._authorize(request, group)) is not None:
+                return denied
             spec = self._parse(await self._body(request))
             endpoint = parse_endpoint({k: v for k, v in spec.items() if k != TTL_KEY}, REGISTRATION_KEYS)
+            self._check_address(endpoint)
             try:
                 ttl = check_ttl(spec.get(TTL_KEY))
             except ValueError as e:
@@ -164,10 +286,12 @@ class _Api:
         return web.json_response(registration_json(self.source, reg), status=201 if created else 200, headers=headers)
 
     async def delete(self, request: web.Request) -> web.Response:
-        if (denied := self._authorize(request)) is not None:
+        if (denied := self._authorize(request, None)) is not None:
             return denied
         try:
             group, id = self._path(request)
+            if (denied := self._authorize(request, group)) is not None:
+                return denied
             await self.source.delete(group, id)
         except RegistrationError as e:
             return error(e.status, e.message, e.field)
@@ -201,9 +325,10 @@ def add_routes(
     *,
     max_body: int = MAX_BODY,
     body_timeout: float = BODY_TIMEOUT,
+    policy: RegistrationPolicy | None = None,
 ) -> None:
     """Serve the registration API from `app` (before it starts). With no token, writes answer 403."""
-    api = _Api(source, token, max_body, body_timeout)
+    api = _Api(source, token, max_body, body_timeout, policy or RegistrationPolicy())
     app.router.add_put(ENDPOINT_PATH, api.put)
     app.router.add_delete(ENDPOINT_PATH, api.delete)
     app.router.add_get(ENDPOINT_PATH, api.get_one)

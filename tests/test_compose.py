@@ -382,3 +382,17 @@ def test_envoy_routes() -> None:
     assert [(r["match"]["prefix"], r["route"]["cluster"]) for r in routes] == [
         ("/api", "api-cluster"), ("/", "web"),
     ]  # fmt: skip
+
+
+def test_backends_cannot_reach_eds_server() -> None:
+    """eds-server (xDS and admin, registrations included) shares a network with Envoy only; the
+    backends are on the other one, with Envoy."""
+    def networks(name: str) -> set[str]:
+        return set(SERVICES[name].get("networks") or ["default"])
+
+    assert networks("eds-server") == {"control"}
+    assert networks("envoy") == {"control", "default"}
+    for backend in ("web", "api"):
+        assert networks(backend) & networks("eds-server") == set()
+        assert networks(backend) & networks("envoy")
+    assert set(COMPOSE["networks"]) == {"default", "control"}

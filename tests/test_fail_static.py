@@ -77,7 +77,8 @@ async def test_merged_group_over_envoys_limits_is_not_sent(tmp_path: Path, lb_po
     async with http_backends(2) as backends:
         file_port, reg_port = backends[0].port, backends[1].port
         path.write_text(upstreams([file_port], weight=MAX - 10))
-        async with EdsServerProcess(path, "--admin-token", TOKEN, workdir=tmp_path) as server:
+        async with EdsServerProcess(path, "--admin-token", TOKEN, "--registration-allow-cidr", "127.0.0.0/8",
+                                    workdir=tmp_path) as server:
             bootstrap = envoy_bootstrap(
                 server.port, [EdsCluster("web", lb_policy=lb_policy)], free_port(), routes={"/": "web"}
             )

@@ -17,6 +17,7 @@ from test_grpc import SOURCE, Harness, cla_of, first, recv, reply
 from test_grpc import harness as grpc_harness  # noqa: F401 (a fixture)
 
 from eds_server.model import Endpoint, Group
+from eds_server.transport import http2
 from eds_server.transport.grpc import EdsService
 
 
@@ -81,6 +82,31 @@ async def test_a_message_larger_than_the_window_still_arrives_whole(h: Harness) 
         await s.send_message(reply(resp, "web"))
         h.store.update(SOURCE, {"web": big_group("web", 2)})  # and the stream carries on
         assert len(cla_of(await recv(s)).endpoints[0].lb_endpoints) == 2
+
+
+async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """http2.py lets a client send WINDOW_UPDATEs only as paid for by DATA frames we sent: frames
+    built by the fan-out path must count, or an Envoy taking big responses gets GOAWAY."""
+    noted: list[int] = []
+    original = http2.GuardedH2Connection.note_data_frames
+
+    def note(self: http2.GuardedH2Connection, stream_id: int, frames: int) -> None:
+        noted.append(frames)
+        original(self, stream_id, frames)
+
+    monkeypatch.setattr(http2.GuardedH2Connection, "note_data_frames", note)
+    h.store.update(SOURCE, {"web": big_group("web", 1)})
+    async with h.stream() as s:
+        await s.send_message(first("web"))
+        resp = await recv(s)
+        for n in range(2, 6):
+            await s.send_message(reply(resp, "web"))
+            h.store.update(SOURCE, {"web": big_group("web", 1500, weight=n)})  # ~40 KB: three DATA frames
+            resp = await recv(s)
+            assert len(cla_of(resp).endpoints[0].lb_endpoints) == 1500
+        await s.send_message(reply(resp, "web"))
+        size = len(resp.SerializeToString()) if hasattr(resp, "SerializeToString") else len(bytes(resp))
+    assert noted == [-(-(size + 5) // 16384)] * 4, (noted, size)
 
 
 def test_private_api_the_fan_out_relies_on() -> None:

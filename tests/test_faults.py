@@ -9,12 +9,13 @@ import aiohttp
 from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from server_process import EdsServerProcess
 
-TOKEN = "test-token"
+TOKEN = "test-token-0123456789"
 
 
 async def test_acknowledged_registration_survives_kill_9(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    server = EdsServerProcess(None, "--state", str(state), "--admin-token", TOKEN, workdir=tmp_path)
+    server = EdsServerProcess(None, "--state", str(state), "--admin-token", TOKEN,
+                              "--registration-allow-cidr", "127.0.0.0/8", workdir=tmp_path)  # fmt: skip
     await server.start()
     url = f"http://127.0.0.1:{server.admin_port}/v1/groups/web/endpoints/vm-1"
     async with aiohttp.ClientSession() as s:

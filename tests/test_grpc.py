@@ -29,6 +29,7 @@ from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from eds_server.store import Store
 from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
+from eds_server.transport.http2 import ConnectionLimits
 from eds_server.xds.common import EDS_TYPE_URL
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
@@ -62,7 +63,7 @@ async def harness() -> AsyncIterator[Harness]:
     service = EdsService(store, send_timeout=1)
     server = make_server(
         service, max_streams_per_connection=1000, keepalive_time=30, keepalive_timeout=10,
-        max_message_size=1 << 20,
+        max_message_size=1 << 20, limits=ConnectionLimits(stream_budget=100_000),  # tests open thousands
     )  # fmt: skip
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

@@ -92,8 +92,9 @@ async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> N
         path = tmp_path / "upstreams.yaml"
         path.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}]\n"
                         f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n")  # fmt: skip
-        token = "kit-test-token"
-        async with EdsServerProcess(path, "--state", str(tmp_path / "state.json"), "--admin-token", token) as server:
+        token = "kit-test-token-0123456789"
+        async with EdsServerProcess(path, "--state", str(tmp_path / "state.json"), "--admin-token", token,
+                                    "--registration-allow-cidr", "127.0.0.0/8") as server:
             admin = f"127.0.0.1:{server.admin_port}"
             bootstrap = envoy_bootstrap(server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")])
             async with EnvoyProcess(bootstrap) as envoy, aiohttp.ClientSession() as s:

@@ -1069,7 +1069,7 @@ def _check_common(req: Any, decoded: Any, node: memoryview | None) -> None:
     assert decoded.type_url == req.type_url and decoded.response_nonce == req.response_nonce
     assert decoded.error_message == (req.error_detail.message if req.HasField("error_detail") else None)
     raw_node = req.node.SerializeToString() if req.HasField("node") else b""
-    assert (bytes(node) if node is not None else b"") == raw_node and decoded.has_node == bool(raw_node)
+    assert (bytes(node) if node is not None else b"") == raw_node and decoded.has_node == req.HasField("node")
     if node is not None:
         found = protowire.string_fields(node, {1, 2})
         assert (found.get(1, ""), found.get(2, "")) == (req.node.id, req.node.cluster)

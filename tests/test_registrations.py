@@ -23,7 +23,7 @@ from eds_server.registration_api import add_routes
 from eds_server.sources.registrations import RegistrationSource, RegistrationStateError
 from eds_server.store import Store
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 Headers = dict[str, str] | None
 
@@ -171,7 +171,7 @@ async def test_register_replace_read_delete(server: Server, state: Path) -> None
     assert [r["id"] for r in json.loads(state.read_text())["registrations"]] == ["web-2"]
 
 
-async def test_group_names_are_the_files_rule_and_may_hold_any_character(server: Server) -> None:
+async def test_group_names_are_the_files_rule_and_may_hold_any_printable_character(server: Server) -> None:
     a = await server.put("outbound|80||a%2Fb", "x", ep(1))  # %2F: a '/' in the group name
     assert a.status == 201, a.body
     assert a.body["group"] == "outbound|80||a/b"
@@ -598,3 +598,91 @@ async def test_the_store_serves_the_union_with_other_sources(state: Path) -> Non
         await server.delete("web", "a")
         await server.delete("web", "b")
         assert sorted(e.port for e in store.get("web").group.endpoints) == [1, 80]  # the file's stay
+
+
+# -- issue 11: scope, address policy, names, tokens, throttling, the temp file -----------------------
+async def test_group_names_with_control_or_format_characters_are_refused(server: Server) -> None:
+    for name in ("web%0Aforged%20line", "web%00", "web%E2%80%AEtxt.exe"):  # newline, NUL, RIGHT-TO-LEFT OVERRIDE
+        before = server.snapshot()
+        answer = await server.put(name, "a", ep(80))
+        assert answer.status == 422 and answer.body["field"] == "group", (name, answer.body)
+        assert server.snapshot() == before
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1", "169.254.169.254", "0.0.0.0", "::", "224.0.0.1",
+                                     "::ffff:127.0.0.1", "fe80::1"])  # fmt: skip
+async def test_loopback_link_local_unspecified_and_multicast_targets_are_refused(server: Server, address: str) -> None:
+    answer = await server.put("web", "a", {"address": address, "port": 9901})
+    assert answer.status == 422 and answer.body["field"] == "address"
+    assert "--registration-allow-cidr" in answer.body["error"]
+
+
+async def test_an_allowed_cidr_admits_loopback(state: Path) -> None:
+    from eds_server.registration_api import RegistrationPolicy, parse_cidrs
+
+    state.parent.mkdir()
+    async with serving(state, api={"policy": RegistrationPolicy(allow=parse_cidrs(["127.0.0.0/8"]))}) as s:
+        assert (await s.put("web", "a", {"address": "127.0.0.5", "port": 80})).status == 201
+        assert (await s.put("web", "b", {"address": "169.254.169.254", "port": 80})).status == 422
+
+
+async def test_scoped_tokens_write_only_their_groups(state: Path, tmp_path: Path) -> None:
+    from eds_server.registration_api import RegistrationPolicy, load_scoped_tokens
+
+    shop = "shop-token-0123456789"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f'tokens:\n  - token: "{shop}"\n    groups: ["shop-*"]\n')
+    state.parent.mkdir()
+    policy = RegistrationPolicy(scoped_tokens=load_scoped_tokens(str(tokens)))
+    async with serving(state, api={"policy": policy}) as s:
+        auth = {"Authorization": f"Bearer {shop}"}
+        assert (await s.put("shop-web", "a", ep(80), headers=auth)).status == 201
+        denied = await s.put("billing", "a", ep(80), headers=auth)
+        assert denied.status == 403 and denied.body["field"] == "group"
+        assert (await s.delete("billing", "x", headers=auth)).status == 403
+        assert (await s.put("billing", "a", ep(80))).status == 201  # the admin token writes every group
+
+
+@pytest.mark.parametrize("text", ['tokens:\n  - token: "short"\n    groups: ["a"]\n',
+                                  'tokens:\n  - token: "long-enough-token-123"\n    groups: []\n',
+                                  "tokens: {}\n", "nope: 1\n"])  # fmt: skip
+def test_bad_token_files_are_refused(tmp_path: Path, text: str) -> None:
+    from eds_server.registration_api import RegistrationConfigError, load_scoped_tokens
+
+    path = tmp_path / "tokens.yaml"
+    path.write_text(text)
+    with pytest.raises(RegistrationConfigError):
+        load_scoped_tokens(str(path))
+
+
+async def test_a_short_admin_token_is_refused(state: Path) -> None:
+    from eds_server.registration_api import RegistrationConfigError
+
+    with pytest.raises(RegistrationConfigError):
+        async with serving(None, token="too-short"):
+            pass
+
+
+async def test_failed_authentications_are_throttled_per_address(state: Path) -> None:
+    from eds_server.registration_api import RegistrationPolicy
+
+    state.parent.mkdir()
+    async with serving(state, api={"policy": RegistrationPolicy(auth_failures=5, auth_window=60)}) as s:
+        wrong = {"Authorization": "Bearer wrong-token-0123456789"}
+        statuses = [(await s.put("web", "a", ep(80), headers=wrong)).status for _ in range(8)]
+        assert statuses == [401] * 5 + [429] * 3
+        throttled = await s.put("web", "a", ep(80))  # even the right token, for a while
+        assert throttled.status == 429 and int(throttled.headers["Retry-After"]) >= 1
+
+
+def test_the_state_file_is_written_through_a_fresh_temp_file(tmp_path: Path) -> None:
+    """A symlink planted at the old fixed temp name (or any name) is never written through."""
+    from eds_server.sources.registrations import write_atomically
+
+    target = tmp_path / "victim"
+    target.write_text("untouched")
+    state = tmp_path / "state.json"
+    (tmp_path / "state.json.tmp").symlink_to(target)
+    write_atomically(str(state), b"{}")
+    assert state.read_bytes() == b"{}" and target.read_text() == "untouched"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.tmp", "victim"]  # no leftovers

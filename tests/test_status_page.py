@@ -56,7 +56,8 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
         path = tmp_path / "upstreams.yaml"
         path.write_text(upstreams(backends[:2], backends[2:]))
         state = tmp_path / "state.json"
-        async with EdsServerProcess(path, "--state", str(state), "--admin-token", TOKEN) as server:
+        async with EdsServerProcess(path, "--state", str(state), "--admin-token", TOKEN,
+                                    "--registration-allow-cidr", "127.0.0.0/8") as server:
             admin = f"http://127.0.0.1:{server.admin_port}"
             async with aiohttp.ClientSession() as s, s.put(f"{admin}/v1/groups/web/endpoints/vm-1",
                              json={"address": "127.0.0.2", "port": 8080, "region": "eu-west-1"},

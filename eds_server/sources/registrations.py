@@ -23,14 +23,15 @@ import logging
 import math
 import os
 import re
+import secrets
 import time
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fields, upstreams
-from ..admin import endpoint_json
-from ..model import Endpoint, Group
+from ..model import Endpoint, Group, endpoint_json
 from ..store import Store
 
 log = logging.getLogger("eds_server.sources.registrations")
@@ -65,9 +66,12 @@ class RegistrationStateError(Exception):
 
 # -- checks shared by the API and the state file ----------------------------------------------------
 def check_group(name: Any) -> str:
-    """The upstreams file's rule for group names."""
+    """The upstreams file's rule for group names, and no control or format characters (newlines,
+    NUL, bidi overrides): a name is written to logs and shown to operators."""
     if not isinstance(name, str) or not name.strip() or name != name.strip() or len(name) > upstreams.MAX_NAME_LENGTH:
         raise ValueError(f"group names must be 1-{upstreams.MAX_NAME_LENGTH} characters, no outer spaces")
+    if any(unicodedata.category(c)[0] == "C" for c in name):
+        raise ValueError("group names may not hold control or format characters (newlines, NUL, bidi controls)")
     return name
 
 
@@ -248,8 +252,9 @@ def write_atomically(path: str, data: bytes) -> None:
     """Replace `path` with `data` so that a crash leaves either the old or the new file, never a mix,
     and the new one is on disk when this returns."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # a fresh random name, created here and nowhere else: never a file or symlink planted in advance
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

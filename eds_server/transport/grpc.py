@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -45,7 +46,15 @@ from ..xds.common import (
 )
 from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
-from .http2 import PassThroughCodec, Server, recv_limited, send_frames
+from .http2 import (
+    ConnectionLimits,
+    MessageReader,
+    PartialBudget,
+    PassThroughCodec,
+    Server,
+    limited_handler,
+    send_frames,
+)
 from .reflection import ReflectionService
 from .unknown import UnknownMethods
 
@@ -84,7 +93,9 @@ class EdsService:
     limits: Limits = field(default_factory=Limits)
     send_timeout: float = 30.0
     max_message_size: int = 4 * 1024 * 1024
-    max_streams: int = 100_000  # open streams in total, across connections
+    max_streams: int = 100_000  # open streams in total, across connections (health and reflection too)
+    other_streams: int = 0  # open health and reflection streams
+    reader: MessageReader = field(default_factory=MessageReader)  # size limit, deadlines, partial budget
     counters: Counters = field(default_factory=Counters)
     sessions: set[_Session] = field(default_factory=set)
     # seconds from a change entering the store to a stream being sent it (metrics hook)
@@ -142,6 +153,17 @@ class EdsService:
     def open_streams(self) -> int:
         return len(self.sessions)
 
+    def enter_stream(self) -> bool:
+        """Count one more open stream of any service; False (counted as refused) at the total limit."""
+        if len(self.sessions) + self.other_streams >= self.max_streams:
+            self.counters.refused += 1
+            return False
+        self.other_streams += 1
+        return True
+
+    def leave_stream(self) -> None:
+        self.other_streams -= 1
+
     def describe_streams(self, after: int = 0, limit: int = 100) -> dict[str, Any]:
         """One page of /v1/streams: the `limit` oldest streams opened after stream `after`.
 
@@ -164,9 +186,9 @@ class EdsService:
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        if len(self.sessions) >= self.max_streams:
-            self.counters.refused += 1
+        if not self.enter_stream():
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
+        self.other_streams -= 1
         self.sessions.add(session)
         self.counters.streams_opened += 1
         session.id = self.counters.streams_opened
@@ -179,11 +201,16 @@ class EdsService:
                      extra=session._fields("stream_closed"))  # fmt: skip
 
     async def fetch_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        async with _status_in_trailers(stream):
-            await self._fetch(stream)
+        if not self.enter_stream():
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
+        try:
+            async with _status_in_trailers(stream):
+                await self._fetch(stream)
+        finally:
+            self.leave_stream()
 
     async def _fetch(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        data = await recv_limited(stream, bytes, self.max_message_size)
+        data = await self.reader.read(stream, bytes, first=True)
         if data is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
         req, node = _decode(wire.sotw_request, data)
@@ -357,7 +384,7 @@ class _Session:
     async def read(self) -> None:
         first = True
         while True:
-            data = await recv_limited(self.stream, bytes, self.service.max_message_size)
+            data = await self.service.reader.read(self.stream, bytes, first=first)
             if data is None:
                 return  # the client ended its side
             self._handle(data, first)
@@ -478,7 +505,8 @@ def _queue_message(stream: grpclib.server.Stream[Any, bytes], payload: bytes) ->
     The frames are built here, not by h2's send_data: per 16 KB frame h2 runs two state machines,
     builds a frame object and copies the payload three times, a fifth of the CPU of a fan-out.
     What send_data does that matters is done the same way, once per message: the connection's and
-    the stream's state machines are told (they raise on a closed stream), both windows shrink.
+    the stream's state machines are told (they raise on a closed stream), both windows shrink, and
+    http2.py's connection counts the frames (WINDOW_UPDATEs they pay for, streams touched).
     grpclib and h2 private API (pinned in constraints.txt; tests/test_grpc.py and the Envoy tests
     read these frames with h2 and with Envoy)."""
     raw = stream._stream
@@ -502,6 +530,9 @@ def _queue_message(stream: grpclib.server.Stream[Any, bytes], payload: bytes) ->
         out += body[pos : pos + n]
     h2.outbound_flow_control_window -= size
     h2_stream.outbound_flow_control_window -= size
+    note = getattr(h2, "note_data_frames", None)  # http2.py's connection: open-stream and WINDOW_UPDATE budgets
+    if note is not None:
+        note(sid, (size + step - 1) // step)
     stream._send_message_done = True
     return True
 
@@ -576,8 +607,16 @@ def make_server(
     keepalive_timeout: float,
     max_message_size: int,
     reset_budget: int = 10_000,
+    limits: ConnectionLimits | None = None,
     ssl: SSLContext | None = None,
 ) -> Server:
+    """The gRPC server: EDS, health and reflection, all read through one MessageReader and counted
+    against the service's stream limit; `limits` (its max_streams, reset_budget and
+    max_message_size replaced by the arguments of the same meaning) for connections and budgets."""
+    limits = dataclasses.replace(
+        limits or ConnectionLimits(), max_streams=max_streams_per_connection, reset_budget=reset_budget,
+        max_message_size=max_message_size,
+    )  # fmt: skip
     config = Configuration(
         _keepalive_time=keepalive_time,
         _keepalive_timeout=keepalive_timeout,
@@ -587,13 +626,30 @@ def make_server(
         _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
     )
     service.max_message_size = max_message_size
+    service.reader = MessageReader(
+        max_message_size, limits.request_timeout, PartialBudget(limits.partial_message_budget, max_message_size)
+    )
+    others = {
+        path: limited_handler(handler, service.reader, service.enter_stream, service.leave_stream)
+        for svc in (HealthService(service.store), ReflectionService(SERVED))
+        for path, handler in svc.__mapping__().items()
+    }
     server = Server(
-        [service, HealthService(service.store), ReflectionService(SERVED)],
+        [service, _Mapping(others)],
         codec=PassThroughCodec(),
         config=config,
-        max_streams=max_streams_per_connection,
-        reset_budget=reset_budget,
+        limits=limits,
     )
     server.ssl = ssl  # e.g. security.server_ssl_context(...): TLS 1.2+, ALPN h2, client certs
     server._mapping = UnknownMethods(server._mapping, EDS_SERVICE)  # read by each connection's handler
     return server
+
+
+@dataclass
+class _Mapping:
+    """Handlers by path, as grpclib takes services."""
+
+    handlers: dict[str, grpclib.const.Handler]
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return self.handlers

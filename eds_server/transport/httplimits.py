@@ -1,0 +1,132 @@
+"""Limits for the aiohttp ports (admin, registration API, REST EDS), which aiohttp leaves open:
+its keepalive is an hour, and it has no deadline for a request's headers or body and no
+connection cap, so idle, slowloris and half-sent-body clients could hold the admin port.
+
+- a connection cap per port: past it, a connection gets `503` and is closed at once;
+- a connection must finish each request's headers within `timeout` of connecting or of its
+  previous response (which also bounds keepalive);
+- a request must be handled, body read included, within `timeout` (else `408`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+
+
+@dataclass
+class HttpLimits:
+    max_connections: int = 256
+    timeout: float = 10.0
+
+
+class _Port:
+    """One port's open connections."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self.open = 0
+        self.refused = 0
+        self.timed_out = 0
+
+
+class _Handler(RequestHandler):
+    """aiohttp's protocol, counted against the port's cap, with a deadline while no request runs."""
+
+    def __init__(self, port: _Port, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.port = port
+        self.busy = 0
+        self.deadline: asyncio.TimerHandle | None = None
+        self.counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.port.open >= self.port.limits.max_connections:
+            self.port.refused += 1
+            tr = cast(asyncio.Transport, transport)
+            tr.write(REFUSED)
+            tr.close()
+            return
+        self.counted = True
+        self.port.open += 1
+        self.arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.counted:
+            self.counted = False
+            self.port.open -= 1
+        self.disarm()
+        super().connection_lost(exc)
+
+    def arm(self) -> None:
+        self.disarm()
+        if self.counted:
+            self.deadline = asyncio.get_running_loop().call_later(self.port.limits.timeout, self.expire)
+
+    def disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def expire(self) -> None:
+        self.deadline = None
+        if not self.busy and self.transport is not None:
+            self.port.timed_out += 1
+            self.transport.close()
+
+
+class _Factory:
+    """What the site calls for each connection (aiohttp's web.Server does the same, unlimited)."""
+
+    def __init__(self, server: web.Server, port: _Port) -> None:
+        self.server = server
+        self.port = port
+
+    def __call__(self) -> _Handler:
+        return _Handler(self.port, self.server, loop=self.server._loop, **self.server._kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)
+
+
+def _middleware(timeout: float) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def limit(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
+        proto = request.protocol
+        if isinstance(proto, _Handler):
+            proto.busy += 1
+            proto.disarm()
+        try:
+            async with asyncio.timeout(timeout):
+                return await handler(request)
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(text=f"request not handled within {timeout:g}s\n") from None
+        finally:
+            if isinstance(proto, _Handler):
+                proto.busy -= 1
+                if not proto.busy:
+                    proto.arm()
+
+    return limit
+
+
+class LimitedAppRunner(web.AppRunner):
+    """An AppRunner whose sites get the limits above."""
+
+    def __init__(self, app: web.Application, limits: HttpLimits) -> None:
+        app.middlewares.insert(0, _middleware(limits.timeout))
+        super().__init__(app, access_log=None, keepalive_timeout=limits.timeout)
+        self.port = _Port(limits)
+
+    @property
+    def server(self) -> Any:
+        server = super().server
+        return None if server is None else _Factory(server, self.port)
