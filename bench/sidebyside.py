@@ -55,6 +55,11 @@ SHAPES = [
     Shape("1 stream x 1k eps (fixed cost)", 1, 1000, False, 10, (55, 5, None, None)),
 ]
 PER_CONN = 100  # streams per HTTP/2 connection, as in the runs
+# Every load generator connection comes from 127.0.0.1: eds-server's per-IP budgets, sized for one
+# Envoy per IP, are raised for it, and the time a stream has to send its first request (10,000
+# first requests of 60 KB take one core longer than 10 s). The environment reaches eds-server only.
+PER_IP_ENV = {"EDS_STREAM_BUDGET": "1000000", "EDS_MAX_CONNECTIONS_PER_IP": "10000",
+              "EDS_PARTIAL_MESSAGE_BUDGET": str(1 << 33), "EDS_REQUEST_TIMEOUT": "300s"}  # fmt: skip
 
 
 def upstreams_text(weights: list[int]) -> str:
@@ -85,7 +90,7 @@ class Served:
         args = [*command, "serve", "--upstreams", str(upstreams), "--listen", f"127.0.0.1:{self.port}",
                 "--admin", f"127.0.0.1:{admin}"]  # fmt: skip
         self.p = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, **PER_IP_ENV},
             preexec_fn=lambda: os.sched_setaffinity(0, {SERVER_CORE}),
         )  # fmt: skip
         for _ in range(600):  # bounded: 60 s
