@@ -23,7 +23,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,40 +107,56 @@ def _nobody_can_run_us() -> None:
         _skip_or_fail(f"cannot run eds-server as nobody with setpriv: {res.stderr[-500:]}")
 
 
+async def _restart_while_unreachable(
+    engine: DockerEngine, server: EdsServerProcess, prefix: str, error: str,
+    cut: Callable[[], None], mend: Callable[[], None],
+) -> FaultWatch:
+    """eds-server serving two backends is stopped, `cut` off the engine, and started again: it answers
+    nobody (/readyz names `error`) while a third backend starts; after `mend` all three reach Envoy."""
+    first, second = await backend(engine, f"{prefix}-1"), await backend(engine, f"{prefix}-2")
+    await server.start()
+    async with (
+        envoy_on(server, {first, second}) as envoy,
+        FaultWatch(envoy, server, backends=(first, second)) as watch,
+    ):
+        await asyncio.sleep(1.0)
+        assert await server.stop() == 0
+        cut()
+        watch.mark("eds-server stopped and cut off the engine")
+        await server.start(wait_ready=False)
+        watch.mark("eds-server restarted")
+        body = await wait_unready(server, error)
+        watch.mark(f"/readyz 503: {body['waiting_for']}")
+        third = await backend(engine, f"{prefix}-3")  # started while eds-server cannot see it
+        watch.mark(f"backend {prefix}-3 started")
+        await asyncio.sleep(2.0)
+        assert (await readyz(server))[0] == 503
+        mend()
+        watch.mark("engine reachable again")
+        await wait_hosts(envoy, {first, second, third})
+        watch.mark("Envoy has all three")
+        await asyncio.sleep(1.0)
+    return watch
+
+
 async def test_restart_while_socket_permission_denied(docker_cleanup: DockerEngine, tmp_path: Path) -> None:
     """The compose case: eds-server recreated with the wrong socket group gets EACCES, answers nobody, and
     Envoy keeps every endpoint; once the socket's group is its own, the endpoints converge."""
     _nobody_can_run_us()
     engine = docker_cleanup
     sock = engine.socket_path
-    first, second = await backend(engine, "perm-1"), await backend(engine, "perm-2")
     sock_gid = sock.stat().st_gid
     assert stat.S_IMODE(sock.stat().st_mode) & 0o006 == 0, "the engine's socket is open to everyone"
     server = EdsServerProcess(None, "--docker", "--docker-host", engine.host, workdir=tmp_path,
                               user=RunAs(NOBODY, NOGROUP, (sock_gid,)))  # fmt: skip
+
+    def cut() -> None:
+        server.user = RunAs(NOBODY, NOGROUP)  # recreated without the socket's group
+
     try:
-        await server.start()
-        async with (
-            envoy_on(server, {first, second}) as envoy,
-            FaultWatch(envoy, server, backends=(first, second)) as watch,
-        ):
-            await asyncio.sleep(1.0)
-            assert await server.stop() == 0
-            watch.mark("eds-server stopped")
-            server.user = RunAs(NOBODY, NOGROUP)  # recreated without the socket's group
-            await server.start(wait_ready=False)
-            watch.mark("eds-server restarted without the socket's group")
-            body = await wait_unready(server, "Permission denied")
-            watch.mark(f"/readyz 503: {body['waiting_for']}")
-            third = await backend(engine, "perm-3")  # started while eds-server cannot see it
-            watch.mark("backend perm-3 started")
-            await asyncio.sleep(2.0)
-            assert (await readyz(server))[0] == 503
-            os.chown(sock, -1, NOGROUP)  # the server's group now
-            watch.mark("socket group changed to the server's")
-            await wait_hosts(envoy, {first, second, third})
-            watch.mark("Envoy has all three")
-            await asyncio.sleep(1.0)
+        watch = await _restart_while_unreachable(
+            engine, server, "perm", "Permission denied", cut, lambda: os.chown(sock, -1, NOGROUP)
+        )
     finally:
         with contextlib.suppress(OSError):
             os.chown(sock, -1, sock_gid)
@@ -153,34 +169,14 @@ async def test_restart_while_socket_missing(docker_cleanup: DockerEngine, tmp_pa
     """eds-server restarted while its socket path does not exist (not mounted): it answers nobody and
     Envoy keeps every endpoint; once the path exists, the endpoints converge."""
     engine = docker_cleanup
-    first, second = await backend(engine, "miss-1"), await backend(engine, "miss-2")
     link_dir = Path(tempfile.mkdtemp(prefix="eds-sock-", dir="/tmp"))  # short: sun_path is 108 bytes
     link = link_dir / "docker.sock"
     link.symlink_to(engine.socket_path)
     server = EdsServerProcess(None, "--docker", "--docker-host", f"unix://{link}", workdir=tmp_path)
     try:
-        await server.start()
-        async with (
-            envoy_on(server, {first, second}) as envoy,
-            FaultWatch(envoy, server, backends=(first, second)) as watch,
-        ):
-            await asyncio.sleep(1.0)
-            assert await server.stop() == 0
-            link.unlink()
-            watch.mark("eds-server stopped, socket path removed")
-            await server.start(wait_ready=False)
-            watch.mark("eds-server restarted")
-            body = await wait_unready(server, "No such file")
-            watch.mark(f"/readyz 503: {body['waiting_for']}")
-            third = await backend(engine, "miss-3")
-            watch.mark("backend miss-3 started")
-            await asyncio.sleep(2.0)
-            assert (await readyz(server))[0] == 503
-            link.symlink_to(engine.socket_path)
-            watch.mark("socket path back")
-            await wait_hosts(envoy, {first, second, third})
-            watch.mark("Envoy has all three")
-            await asyncio.sleep(1.0)
+        watch = await _restart_while_unreachable(
+            engine, server, "miss", "No such file", link.unlink, lambda: link.symlink_to(engine.socket_path)
+        )
     finally:
         await server.__aexit__(None, None, None)
         with contextlib.suppress(OSError):
