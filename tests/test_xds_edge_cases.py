@@ -176,6 +176,24 @@ async def test_sotw_empty_nonce_after_a_response_is_stale(harness: Harness) -> N
         assert [cla_of(r2, i).cluster_name for i in range(len(r2.resources))] == ["api"]
 
 
+async def test_sotw_a_name_dropped_by_a_stale_request_is_sent_again_when_listed_again(harness: Harness) -> None:
+    """The client dropped `web` before it read r1, so it ignored `web` in r1; asked for again, it gets it."""
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        r1 = await recv(stream)
+        await stream.send_message(DiscoveryRequest(type_url=EDS_TYPE_URL))  # drops everything: stale
+        await no_message(stream)
+        assert list(session(harness).sm.subscribed) == ["web"]
+        await stream.send_message(reply(r1, "web"))  # ACKs r1, asks for `web` again
+        r2 = await recv(stream)
+        assert [cla_of(r2, i).cluster_name for i in range(len(r2.resources))] == ["web"]
+        assert r2.version_info == r1.version_info  # unchanged, but new to the client
+        await stream.send_message(reply(r2, "web"))
+        await settled(harness, lambda: session(harness).sm.acked == {"web": r2.version_info})
+        assert store_agrees(harness)
+
+
 # -- 4 --------------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ while Envoy has not yet ACKed coalesce into the next response, so a slow client 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..store import Resource
 from .common import (
@@ -43,11 +43,17 @@ class Response:
 class SotwStream(StreamState[Response]):
     _resume_version: str = ""
     _last_nonce: str = ""
+    # While a response is in flight, what stale requests (written before the client read it) left
+    # out of the subscribed names: any of them (`_dropped`), and the latest (`_unwanted`, what the
+    # client did not want when it read the response). See `_asked_again`.
+    _dropped: set[str] = field(default_factory=set)
+    _unwanted: set[str] = field(default_factory=set)
 
     def receive(self, req: Request) -> list[Event]:
         """Take one request from Envoy; raise ProtocolError to end the stream."""
         check_request(req.type_url, req.resource_names, self.limits)
         events: list[Event] = []
+        answered: tuple[Resource, ...] = ()
         first = not self._started
         if first:
             self._start(req.has_node)
@@ -56,9 +62,16 @@ class SotwStream(StreamState[Response]):
             # Written before the client saw our latest response (an empty nonce too: it had seen
             # none): stale, and that response's answer will carry its current names. As in the
             # protocol doc; go-control-plane likewise only acts on a request whose nonce is its latest.
+            # What it left out still counts (see `_asked_again`), if a response is on its way: with
+            # none, the client has read every response, so it has no reason to send an old nonce.
+            if self.in_flight is not None:
+                listed = set(req.resource_names)
+                self._unwanted = {n for n in self.subscribed if n not in listed}
+                self._dropped |= self._unwanted
             return [StaleNonce(req.response_nonce)]
         elif self.in_flight is not None:  # the latest nonce: this answers the response in flight
-            names = tuple(r.name for r in self.in_flight.resources)
+            answered = self.in_flight.resources
+            names = tuple(r.name for r in answered)
             self._settle(self.in_flight.resources, req.error_message)
             if req.error_message is not None:
                 events.append(Nack(self.in_flight.version_info, names, req.error_message))
@@ -69,11 +82,12 @@ class SotwStream(StreamState[Response]):
         wanted.pop(WILDCARD, None)
         added = tuple(n for n in wanted if n not in self.subscribed)
         removed = tuple(n for n in self.subscribed if n not in wanted)
+        again = self._asked_again(wanted, answered)
         for name in removed:
             self._forget(name)
         for name in added:
             self._resend(name)
-        if (added or removed) and not first:
+        if (added or removed or again) and not first:
             self._resume_version = ""  # it described the names the stream started with
         self.subscribed = wanted
         if first and not wanted:
@@ -81,6 +95,33 @@ class SotwStream(StreamState[Response]):
         if added or removed:
             events.append(Subscribed(added, removed))
         return events
+
+    def _asked_again(self, wanted: dict[str, None], answered: tuple[Resource, ...]) -> tuple[str, ...]:
+        """Names stale requests dropped that the answer to `answered` lists again, and the client lacks.
+
+        The protocol: "The client will silently ignore any supplied resources that were not
+        explicitly requested. When the client sends a new request that changes the set of resources
+        being requested, the server must resend any newly requested resources". Every stale request
+        was written before the client read `answered`, so the latest one says what it wanted then.
+        A name it did not want then was ignored in `answered`, although the ACK covers the whole
+        response. A name it dropped and asked for again before reading `answered` lost its old copy,
+        and only got a new one if `answered` held it. Either way the client lacks it, though to us it
+        looks like a client that kept it: it is sent again (even if unchanged or rejected before).
+        Costs at most one resend per name dropped and listed again.
+        """
+        if not self._dropped:
+            return ()
+        dropped, unwanted = self._dropped, self._unwanted
+        self._dropped, self._unwanted = set(), set()
+        got = {r.name for r in answered}
+        subscribed = self.subscribed
+        again = tuple(
+            n for n in wanted if n in dropped and n in subscribed and (n in unwanted or n not in got)
+        )  # fmt: skip
+        for name in again:
+            self.acked.pop(name, None)  # it may hold nothing (it ignored our copy)
+            self._resend(name)
+        return again
 
     def poll(self) -> Response | None:
         """The next response to send, if one is due; it stays in flight until Envoy answers it."""
