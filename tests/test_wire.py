@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
@@ -15,7 +16,7 @@ from eds_server.model import Endpoint, Group, Health, Locality
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Resource, content_version
 from eds_server.xds import wire
-from eds_server.xds.common import EDS_TYPE_URL
+from eds_server.xds.common import EDS_TYPE_URL, ProtocolError
 
 
 def resource(group: Group) -> Resource:
@@ -128,3 +129,32 @@ def test_a_present_but_empty_node_is_a_node() -> None:
     dreq, dnode = wire.delta_request(delta.SerializeToString())
     assert dreq.has_node and dnode is not None
     assert not wire.sotw_request(discovery_pb2.DiscoveryRequest(resource_names=["web"]).SerializeToString())[0].has_node
+
+
+def test_names_past_the_limit_stop_the_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request of 200,000 one-letter names is refused after reading max_names + 1 of them, not all."""
+    calls = 0
+    real_text = wire.text
+
+    def counting_text(value: object) -> str:
+        nonlocal calls
+        calls += 1
+        return real_text(value)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(wire, "text", counting_text)
+    sotw = discovery_pb2.DiscoveryRequest(resource_names=["a"] * 200_000).SerializeToString()
+    with pytest.raises(ProtocolError) as e:
+        wire.sotw_request(sotw, max_names=10)
+    assert e.value.status == "RESOURCE_EXHAUSTED" and "limit 10" in e.value.message
+    assert calls <= 11
+    for field in ("resource_names_subscribe", "resource_names_unsubscribe"):
+        calls = 0
+        delta = discovery_pb2.DeltaDiscoveryRequest(**{field: ["a"] * 200_000}).SerializeToString()
+        with pytest.raises(ProtocolError):
+            wire.delta_request(delta, max_names=10)
+        assert calls <= 11
+    initial = discovery_pb2.DeltaDiscoveryRequest(initial_resource_versions={str(i): "v" for i in range(1000)})
+    with pytest.raises(ProtocolError):
+        wire.delta_request(initial.SerializeToString(), max_names=10)
+    assert wire.sotw_request(discovery_pb2.DiscoveryRequest(resource_names=["a"] * 10).SerializeToString(),
+                             max_names=10)[0].resource_names == ("a",) * 10  # fmt: skip

@@ -372,6 +372,11 @@ async def test_grpclib_clients_read_the_status_not_a_reset(harness: Harness) -> 
         await stream.send_message(reply(r1, "web", "api"))  # over the limit, after a response
         await asyncio.sleep(0.3)
         assert (await ended_with(stream))[0] == Status.RESOURCE_EXHAUSTED
+    async with harness.stream() as stream:  # far over it: refused before the rest is parsed
+        await stream.send_message(first(*["a"] * 100_000))
+        await asyncio.sleep(0.3)
+        status, message = await ended_with(stream)
+        assert status == Status.RESOURCE_EXHAUSTED and "more than 1 resource names" in (message or "")
     for _ in range(100):  # bounded: the server side is gone too
         if harness.service.open_streams == 0:
             break

@@ -213,7 +213,7 @@ class EdsService:
         data = await self.reader.read(stream, bytes, first=True)
         if data is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
-        req, node = _decode(wire.sotw_request, data)
+        req, node = _decode(wire.sotw_request, data, self.limits)
         try:
             check_request(req.type_url, req.resource_names, self.limits)
         except ProtocolError as e:
@@ -280,7 +280,7 @@ class _Kind:
     """What differs between a StreamEndpoints and a DeltaEndpoints call."""
 
     name: str
-    decode: Callable[[bytes], tuple[Any, memoryview | None]]  # request bytes -> (request, encoded node)
+    decode: Callable[[bytes, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
     machine: Callable[[Store, Limits], Machine]
     encode: Callable[[Any], bytes]  # the state machine's response -> wire bytes
 
@@ -295,11 +295,15 @@ DELTA = _Kind(
 )  # fmt: skip
 
 
-def _decode(decode: Callable[[bytes], tuple[Any, memoryview | None]], data: bytes) -> tuple[Any, memoryview | None]:
+def _decode(
+    decode: Callable[[bytes, int], tuple[Any, memoryview | None]], data: bytes, limits: Limits
+) -> tuple[Any, memoryview | None]:
     try:
-        return decode(data)
+        return decode(data, limits.max_names)
     except ValueError as e:  # malformed protobuf, or a string that is not UTF-8
         raise GRPCError(Status.INVALID_ARGUMENT, f"cannot parse request: {e}") from None
+    except ProtocolError as e:  # past a limit, found before the rest was parsed
+        raise GRPCError(Status[e.status], e.message) from None
 
 
 class _Session:
@@ -398,7 +402,7 @@ class _Session:
     def _handle(self, data: bytes, first: bool) -> None:
         counters = self.service.counters
         counters.requests += 1
-        request, node = _decode(self.kind.decode, data)
+        request, node = _decode(self.kind.decode, data, self.service.limits)
         if first:
             node_id, cluster = _node_fields(node)
             self.node, self.cluster = _shown(node_id, cluster)

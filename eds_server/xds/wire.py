@@ -8,12 +8,13 @@ Tests check the result against the official generated code.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable, Sequence
 
 from ..protowire import FieldValue, fields, length_delimited, string_field, text
 from ..store import Resource
-from .common import EDS_TYPE_URL
+from .common import EDS_TYPE_URL, ProtocolError
 from .delta import DeltaRequest
 from .sotw import Request
 
@@ -79,14 +80,23 @@ def _error_message(value: FieldValue) -> str:
     return next((text(v) for n, v in fields(value) if n == 2), "")
 
 
-def sotw_request(data: bytes) -> tuple[Request, memoryview | None]:
-    """A DiscoveryRequest, and its encoded Node if it carries one."""
+def _too_many(what: str, limit: int) -> ProtocolError:
+    return ProtocolError("RESOURCE_EXHAUSTED", f"more than {limit} {what} in one request (limit {limit})")
+
+
+def sotw_request(data: bytes, max_names: int = sys.maxsize) -> tuple[Request, memoryview | None]:
+    """A DiscoveryRequest, and its encoded Node if it carries one.
+
+    Past `max_names` names, parsing stops at once: a 4 MiB request of tiny names would otherwise cost
+    a second of CPU before the limit refused it."""
     version = type_url = nonce = ""
     names: list[str] = []
     node: memoryview | None = None
     error: str | None = None
     for number, value in fields(data):
         if number == 3:
+            if len(names) >= max_names:
+                raise _too_many("resource names", max_names)
             names.append(text(value))
         elif number == 1:
             version = text(value)
@@ -103,8 +113,9 @@ def sotw_request(data: bytes) -> tuple[Request, memoryview | None]:
     return request, node
 
 
-def delta_request(data: bytes) -> tuple[DeltaRequest, memoryview | None]:
-    """A DeltaDiscoveryRequest, and its encoded Node if it carries one."""
+def delta_request(data: bytes, max_names: int = sys.maxsize) -> tuple[DeltaRequest, memoryview | None]:
+    """A DeltaDiscoveryRequest, and its encoded Node if it carries one; each list of names (subscribe,
+    unsubscribe, initial versions) is refused past `max_names` without reading the rest."""
     type_url = nonce = ""
     subscribe: list[str] = []
     unsubscribe: list[str] = []
@@ -113,8 +124,12 @@ def delta_request(data: bytes) -> tuple[DeltaRequest, memoryview | None]:
     error: str | None = None
     for number, value in fields(data):
         if number == 3:
+            if len(subscribe) >= max_names:
+                raise _too_many("names to subscribe", max_names)
             subscribe.append(text(value))
         elif number == 4:
+            if len(unsubscribe) >= max_names:
+                raise _too_many("names to unsubscribe", max_names)
             unsubscribe.append(text(value))
         elif number == 1 and not isinstance(value, int):
             node = value
@@ -123,6 +138,8 @@ def delta_request(data: bytes) -> tuple[DeltaRequest, memoryview | None]:
         elif number == 5:
             if isinstance(value, int):
                 raise ValueError("initial_resource_versions entry is not a message")
+            if len(initial) >= max_names:
+                raise _too_many("initial resource versions", max_names)
             entry = {n: text(v) for n, v in fields(value)}
             initial[entry.get(1, "")] = entry.get(2, "")
         elif number == 6:
