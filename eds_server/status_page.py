@@ -109,6 +109,9 @@ def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[M
             f'<span class="muted">version <code>{_e(g.get("version"))}</code> · {_n(len(eps), "endpoint")} · '
             f'sources: {_e(", ".join(g.get("sources", [])) or "-")}</span> {" ".join(flags)}</h3>'
         )
+        if g.get("error"):  # the sources' merged endpoints are held back: what is shown is the last accepted
+            parts.append(f'<p class="bad conflict">held back, Envoy would reject the merged endpoints: '
+                         f'<span class="mono">{_e(g["error"])}</span>; serving the last accepted version</p>')
         for s in nacked.get(name, [])[:5]:
             parts.append(f'<p class="bad">NACK from {_e(s.get("node"))} ({_e(s.get("peer"))}): '
                          f'<span class="mono">{_e(s.get("last_nack") or "")}</span></p>')  # fmt: skip

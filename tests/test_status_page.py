@@ -152,3 +152,16 @@ def test_long_lists_are_cut_with_a_link_and_everything_is_escaped() -> None:
     assert page.count('<section class="group"') == 200 and page.count("<tr") < 200 * 52 + 202
     assert "<" + "z>" not in page and "<x>" not in page and "<draining>" not in page and "[::1]:80" in page
     assert 'href="/v1/groups/g0%3C"' in page and "2 NACKs since start" in page
+
+
+def test_a_group_held_back_shows_why() -> None:
+    from eds_server import status_page
+
+    group = {"name": "web", "version": "v1", "sources": ["file:u", "registrations"], "endpoints": [],
+             "error": "endpoint weights in priority 0 add up to <4294967296>"}  # fmt: skip
+    page = status_page.render(version="1", ready=True, pending=[], sources=[], groups=[group], total_groups=1,
+                              total_endpoints=0, streams=[], stats={})  # fmt: skip
+    assert 'class="bad conflict"' in page and "add up to &lt;4294967296&gt;" in page
+    ok = status_page.render(version="1", ready=True, pending=[], sources=[], groups=[{**group, "error": None}],
+                            total_groups=1, total_endpoints=0, streams=[], stats={})  # fmt: skip
+    assert "conflict" not in ok
