@@ -2,7 +2,8 @@
 
 Each source checks its own fields, but only the merged group (every source's endpoints together) is what
 Envoy sees, so the store checks it again here before anything is encoded. Found with a real Envoy 1.40
-(RING_HASH, MAGLEV and locality-weighted clusters reject; ROUND_ROBIN, LEAST_REQUEST and RANDOM accept):
+(RING_HASH and MAGLEV clusters reject, with or without locality_weighted_lb_config; ROUND_ROBIN, also
+locality-weighted, LEAST_REQUEST and RANDOM accepted):
 
 - per priority, the endpoint weights (unset = 1) of all localities together must not pass uint32
   ("The sum of weights of all upstream hosts in a locality exceeds 4294967295", although the check
