@@ -489,4 +489,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Scenario modules `import run`: let them share this module rather than load a second copy, which
+    # would work out the cores after main() narrowed this process to the client cores (and so put the
+    # server under test on a client core).
+    sys.modules.setdefault("run", sys.modules[__name__])
     main()
