@@ -54,6 +54,7 @@ class Config:
     out: Path
     peer: str = ""
     rounds: int = 3
+    shapes: str = ""  # side-by-side shapes to run: comma list of numbers (1-5), all if empty
 
     def size(self, full: int) -> int:
         return max(1, full // 10) if self.quick else full
@@ -147,14 +148,14 @@ def running(cfg: Config, name: str, clients: int) -> Iterator[tuple[Child, Worke
 
 
 @contextmanager
-def profiled(cfg: Config, server: Child, name: str) -> Iterator[None]:
+def profiled(cfg: Config, pid: int, name: str) -> Iterator[None]:
     """With --profile, py-spy samples the server during the measured phase only (on a client core)."""
     if not cfg.profile:
         yield
         return
     out = str(cfg.out / f"{name}.folded")
     args = [str(Path(PY).parent / "py-spy"), "record", "-r", "250", "-f", "raw", "-o", out, "--pid"]
-    spy = subprocess.Popen([*args, str(server.hello["pid"])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spy = subprocess.Popen([*args, str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1)  # attached
     try:
         yield
@@ -204,7 +205,7 @@ def paced_changes(cfg: Config, name: str, server: Child, workers: Workers, n: in
     acks = wait_acks(server, streams, 30)  # a fresh server: the first responses' ACKs
     changes, (user0, sys0), c_client0 = [], server.ask("cpu"), workers.dump()["cpu"]
     t0 = time.monotonic()
-    with profiled(cfg, server, name):
+    with profiled(cfg, server.hello["pid"], name):
         for _ in range(n):
             c0 = cpu(server)
             ch = server.ask("change g0")
@@ -272,7 +273,7 @@ def scenario_churn(cfg: Config) -> dict[str, Any]:
             seq = {n: {v: 0} for n, v in server.ask("versions").items()}
             workers.dump(clear=True)
             c0 = cpu(server)
-            with profiled(cfg, server, f"churn-{variant}"):
+            with profiled(cfg, server.hello["pid"], f"churn-{variant}"):
                 changes = server.ask(f"churn {rate} {seconds} 1")
             t_end = changes[-1][1]
             final = {}
@@ -356,7 +357,7 @@ def scenario_storm(cfg: Config) -> dict[str, Any]:
     with running(cfg, "storm", 4) as (server, workers):
         server.ask(f"set {groups} 10")
         c0 = cpu(server)
-        with profiled(cfg, server, "storm"):
+        with profiled(cfg, server.hello["pid"], "storm"):
             workers.open(server.hello["port"], [f"g{i % groups}" for i in range(streams)], node_every=False)
             missing = workers.wait({}, 60)
         cpu_s = cpu(server) - c0
@@ -463,6 +464,7 @@ def main() -> None:
     p.add_argument("--peer", default="", metavar="COMMAND",
                    help="another xDS server's command (shell words), run side by side with eds-server")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side scenario")
+    p.add_argument("--shapes", default="", help="side-by-side shapes to run, e.g. 2,3 (default: all five)")
     args = p.parse_args()
     default = [n for n in SCENARIOS if n != "sidebyside" or args.peer]
     names = [n for n in args.only.split(",") if n] or default
@@ -471,7 +473,9 @@ def main() -> None:
             p.error(f"unknown scenario {n!r}")
     os.sched_setaffinity(0, set(CLIENT_CORES))
     out = HERE / "results" / ("profile" if args.profile else "") / ("quick" if args.quick else "")
-    cfg = Config(args.quick, args.clients, args.node_bytes, args.profile, out, args.peer, max(1, args.rounds))
+    cfg = Config(
+        args.quick, args.clients, args.node_bytes, args.profile, out, args.peer, max(1, args.rounds), args.shapes
+    )
 
     def too_long(*_: Any) -> None:
         raise TimeoutError("scenario exceeded --time-limit")

@@ -1,6 +1,6 @@
 """Side by side: eds-server and a peer xDS server, both driven through the upstreams file.
 
-    .venv/bin/python bench/run.py --only sidebyside [--peer COMMAND] [--rounds 3] [--quick]
+    .venv/bin/python bench/run.py --only sidebyside [--peer COMMAND] [--rounds 3] [--shapes 2,3] [--quick]
 
 Each server is started as `COMMAND serve --upstreams FILE --listen HOST:PORT --admin HOST:PORT`
 (eds-server: `python -m eds_server`), pinned to the server core, fed by rewriting FILE (a temp file
@@ -18,6 +18,7 @@ kind of VM with these client shapes): a reference, not a same-run comparison.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from run import CLIENT_CORES, SERVER_CORE, Config, Workers, table
+from run import CLIENT_CORES, SERVER_CORE, Config, Workers, profiled, table
 
 EDS_SERVER = [sys.executable, "-m", "eds_server"]
 
@@ -114,6 +115,13 @@ class Served:
                 pass  # the thread ended meanwhile
         return total / 1e9
 
+    def user_sys(self) -> tuple[float, float]:
+        """User and system CPU seconds of the process (clock ticks): where the time goes, roughly."""
+        with open(f"/proc/{self.p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
+
     def rss(self) -> int:
         with open(f"/proc/{self.p.pid}/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -156,42 +164,60 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
             server.settle()
             rss1 = server.rss()
             cpus = []
-            for k in range(1, shape.changes + 1):
-                base = min(r["g0"] for r in workers.all([{"cmd": "counts"}] * len(workers.procs)))
-                c0 = server.cpu()
-                weights[k % endpoints] = k + 1
-                write_atomically(path, upstreams_text(weights))
-                missing = sum(r["remaining"] for r in workers.all(
-                    [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
-                ))  # fmt: skip
-                if missing:
-                    raise RuntimeError(f"{tag}: change {k} missed {missing} streams")
-                server.settle()
-                cpus.append(server.cpu() - c0)
+            user0, sys0 = server.user_sys()
+            python = command is EDS_SERVER  # py-spy samples Python servers only
+            with profiled(cfg, server.p.pid, f"sidebyside-{tag}") if python else contextlib.nullcontext():
+                for k in range(1, shape.changes + 1):
+                    base = min(r["g0"] for r in workers.all([{"cmd": "counts"}] * len(workers.procs)))
+                    c0 = server.cpu()
+                    weights[k % endpoints] = k + 1
+                    write_atomically(path, upstreams_text(weights))
+                    missing = sum(r["remaining"] for r in workers.all(
+                        [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
+                    ))  # fmt: skip
+                    if missing:
+                        raise RuntimeError(f"{tag}: change {k} missed {missing} streams")
+                    server.settle()
+                    cpus.append(server.cpu() - c0)
+            user1, sys1 = server.user_sys()
             errors = workers.dump()["n_errors"]
         finally:
             workers.stop()
             server.stop()
     return {"cpu_per_change_s": statistics.median(cpus), "cpu_s": cpus,
-            "rss_per_stream_b": (rss1 - rss0) / streams, "errors": errors}  # fmt: skip
+            "rss_per_stream_b": (rss1 - rss0) / streams, "errors": errors,
+            "user_s": user1 - user0, "sys_s": sys1 - sys0}  # fmt: skip
+
+
+def chosen_shapes(spec: str) -> list[Shape]:
+    """`--shapes 2,3`: the second and third shapes of SHAPES (all of them for "")."""
+    if not spec:
+        return SHAPES
+    picked = [int(n) for n in spec.split(",") if n.strip()]
+    if not picked or any(not 1 <= n <= len(SHAPES) for n in picked):
+        raise SystemExit(f"--shapes: numbers from 1 to {len(SHAPES)}, got {spec!r}")
+    return [SHAPES[n - 1] for n in picked]
 
 
 def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
     peer = shlex.split(cfg.peer) if cfg.peer else None
+    shapes = chosen_shapes(cfg.shapes)
     servers = [("eds-server", EDS_SERVER)] + ([("peer", peer)] if peer else [])
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n, _ in servers} for s in SHAPES}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n, _ in servers} for s in shapes}
     for r in range(cfg.rounds):
-        for shape in SHAPES:
+        for shape in shapes:
             for name, command in servers:  # A B A B ...: drift in the machine hits both alike
                 results[shape.name][name].append(one_round(cfg, shape, command, f"{name}-r{r}"))
                 got = results[shape.name][name][-1]["cpu_per_change_s"] * 1000
-                print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {got:.1f} ms/change", flush=True)
+                us = results[shape.name][name][-1]
+                print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {got:.1f} ms/change "
+                      f"(user {us['user_s']:.2f} s, system {us['sys_s']:.2f} s in all)", flush=True)  # fmt: skip
     out: dict[str, Any] = {"peer": cfg.peer, "rounds": cfg.rounds, "server_core": SERVER_CORE,
                            "client_cores": CLIENT_CORES, "shapes": {}}  # fmt: skip
     peer_label = "peer" if peer else "gcp (issue)"
     rows = [("shape", "eds CPU/chg ms", f"{peer_label} CPU/chg ms", "ratio", "eds KB/stream",
              f"{peer_label} KB/stream", "ratio")]  # fmt: skip
-    for shape in SHAPES:
+    for shape in shapes:
         per = results[shape.name]
 
         def med(name: str, key: str, per: dict[str, list[dict[str, Any]]] = per) -> float:

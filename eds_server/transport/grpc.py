@@ -387,17 +387,24 @@ class _Session:
 
     async def read(self) -> None:
         first = True
+        reader = self.service.reader
         while True:
-            data = await self.service.reader.read(self.stream, bytes, first=first)
+            data = await reader.read(self.stream, bytes, first=first)
             if data is None:
                 return  # the client ended its side
-            self._handle(data, first)
+            self._on_message(data, first)
             del data  # not kept while idle: a request may carry a 60 KB Node
             first = False
-            # An ACK with nothing new to send wakes no one (one task switch per stream per change
-            # saved); an answer that is due goes out from here when it can.
-            if self.sm.wants_poll and not self._push():
-                self.wake.set()
+            # Further requests are read straight from their DATA frames, as they arrive, until the
+            # stream needs grpclib again (its end, a reset): then on as above.
+            await reader.direct(self.stream, self._on_message)
+
+    def _on_message(self, data: bytes, first: bool = False) -> None:
+        self._handle(data, first)
+        # An ACK with nothing new to send wakes no one (one task switch per stream per change
+        # saved); an answer that is due goes out from here when it can.
+        if self.sm.wants_poll and not self._push():
+            self.wake.set()
 
     def _handle(self, data: bytes, first: bool) -> None:
         counters = self.service.counters

@@ -60,6 +60,7 @@ from hyperframe.frame import (
 )
 
 from ..ratelimit import Bucket
+from .direct import DirectReader, window_update
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -181,6 +182,7 @@ class GuardedH2Connection(H2Connection):
         self.stream_checks = 0  # streams looked at to count open ones: the work test_hostile counts
         self.ping_payload: bytes | None = None  # of our last keepalive PING
         self.refused: set[int] = set()  # new streams over the stream budget, to be refused
+        self.direct: dict[int, DirectReader] = {}  # streams whose DATA frames skip h2 (direct.py)
 
     def _charge(self, frame: Frame) -> None:
         peer = self.peer
@@ -324,11 +326,22 @@ class _H2Protocol(H2Protocol):
     _deadline: asyncio.TimerHandle | None = None
     _saw_request = False
 
+    _held = b""  # the start of a frame not yet complete, while frames are split here
+    _direct_unacked = 0  # bytes of DATA read directly, not yet granted back to the client
+
     def data_received(self, data: bytes) -> None:
         if self._peer_budgets is None:
             return  # refused: closing
+        h2 = cast(GuardedH2Connection, self.connection._connection)
+        if h2.direct or self._held:
+            self._split(h2, data)
+        elif self._feed(h2, data):
+            self.connection.flush()
+
+    def _feed(self, h2: GuardedH2Connection, data: bytes | memoryview) -> bool:
+        """Through h2, and its events to grpclib; False once the connection is being closed."""
         try:
-            events = self.connection.feed(data)
+            events = self.connection.feed(data)  # type: ignore[arg-type]  # h2 takes any buffer
         except H2ProtocolError as e:
             self.connection.flush()  # the GOAWAY h2 queued
             if isinstance(e, _Calm):
@@ -337,10 +350,9 @@ class _H2Protocol(H2Protocol):
             else:
                 log.debug("HTTP/2 protocol error from %s", self._peer, exc_info=True)
             self._close("Protocol error")
-            return
+            return False
         self.connection.flush()
         processors = getattr(self.processor, "processors", {})
-        h2 = cast(GuardedH2Connection, self.connection._connection)
         for event in events:
             if type(event) is RequestReceived:
                 self._saw_request = True
@@ -352,6 +364,65 @@ class _H2Protocol(H2Protocol):
                     continue
             if type(event) in processors:  # unknown frame types and the like are ignored
                 self.processor.process(event)
+        return True
+
+    def _split(self, h2: GuardedH2Connection, data: bytes) -> None:
+        """Cut the input into frames: plain DATA frames of direct streams go to their DirectReader,
+        runs of every other frame to h2, in order. Any other frame on a direct stream that changes
+        its state (HEADERS, RST_STREAM, DATA with END_STREAM or padding) hands the stream back to
+        h2 before h2 reads it. h2 gets whole frames only, so its own buffer stays empty between
+        calls; until it is (the preface, a frame begun before the first stream went direct), and
+        from a frame over the size limit on (h2 reports it), everything goes through h2."""
+        incoming = h2.incoming_buffer
+        buf = self._held + data if self._held else data
+        self._held = b""
+        if incoming._preamble_len or incoming._data:
+            if self._feed(h2, buf):
+                self.connection.flush()
+            return
+        view = memoryview(buf)
+        direct = h2.direct
+        limit = h2.max_inbound_frame_size
+        in_headers = bool(incoming._headers_buffer)  # a header block continues: nothing else may come between
+        pos = run = 0
+        end = len(buf)
+        while end - pos >= 9:
+            length = int.from_bytes(view[pos : pos + 3], "big")
+            if length > limit:
+                pos = end  # h2 refuses it, with the right GOAWAY
+                break
+            after = pos + 9 + length
+            if after > end:
+                break
+            ftype, flags = buf[pos + 3], buf[pos + 4]
+            if ftype == 0:  # DATA
+                reader = direct.get(int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF) if direct else None
+                if reader is not None:
+                    if flags == 0 and length and not in_headers:
+                        if run < pos and not self._feed(h2, view[run:pos]):
+                            return
+                        self._direct_unacked += length
+                        reader.take(view[pos + 9 : after])
+                        run = after
+                    else:
+                        reader.fall_back()
+            elif ftype == 1 or ftype == 3:  # HEADERS (trailers), RST_STREAM
+                if direct:
+                    reader = direct.get(int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF)
+                    if reader is not None:
+                        reader.fall_back()
+                if ftype == 1:
+                    in_headers = not flags & 0x4  # END_HEADERS
+            elif ftype == 5 or ftype == 9:  # PUSH_PROMISE, CONTINUATION
+                in_headers = not flags & 0x4
+            pos = after
+        if run < pos and not self._feed(h2, view[run:pos]):
+            return
+        if pos < end:
+            self._held = bytes(view[pos:])
+        if self._direct_unacked >= self.config.http2_connection_window_size // 2:
+            h2._data_to_send += window_update(0, self._direct_unacked)
+            self._direct_unacked = 0
         self.connection.flush()
 
     def _close(self, reason: str) -> None:
@@ -417,6 +488,9 @@ class _H2Protocol(H2Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._peer_budgets is None:
             return
+        h2 = self.connection._connection
+        for reader in list(getattr(h2, "direct", {}).values()):
+            reader.fall_back()  # grpclib ends the stream its own way
         self.gate.release(self._peer_budgets)
         self._peer_budgets = None
         if self._deadline is not None:
@@ -513,6 +587,24 @@ class MessageReader:
         return await recv_limited(
             stream, message_type, self.max_size, timeout=self.timeout, budget=self.budget, first=first
         )
+
+    async def direct(self, stream: grpclib.server.Stream[Any, Any], on_message: Callable[[bytes], None]) -> None:
+        """Give the stream's further messages to `on_message` as their DATA frames arrive (direct.py),
+        until the stream needs grpclib again (returns: read on with `read`); raises what ended it.
+        Returns at once where that cannot be done (not our h2 connection, data already buffered)."""
+        raw = stream._stream
+        h2 = raw._h2_connection
+        buffer = raw.buffer
+        if not isinstance(h2, GuardedH2Connection) or raw.id is None or raw.id in h2.direct:
+            return
+        if buffer._eof or buffer._acked_size or not buffer._unacked.empty() or raw.id not in h2.streams:
+            return
+        reader = DirectReader(raw, on_message, self, grant_at=max(1, h2.local_settings.initial_window_size // 2))
+        h2.direct[raw.id] = reader
+        try:
+            await reader.done
+        finally:
+            reader.leave()  # if cancelled: the call is over
 
 
 async def recv_limited(

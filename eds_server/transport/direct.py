@@ -1,0 +1,150 @@
+"""Reading an established stream's request messages straight from its DATA frames.
+
+An Envoy stream sends one small request (an ACK) per response, and through h2 and grpclib each one
+costs a frame object and its repr, h2's stream and flow-control state machines, an event, a queue
+put and get, a task switch and two buffered reads: most of the CPU of a fan-out. Once a stream's
+first request has been read the usual way, http2.py's protocol hands the stream's plain DATA frames
+(no END_STREAM, no padding) to a `DirectReader`, which cuts them into gRPC messages and gives each
+to the session at once, inside data_received. Everything else (HEADERS, RST_STREAM, END_STREAM,
+padded DATA) makes the stream fall back to h2 and grpclib first, with any partly received message
+put back in front of grpclib's buffer, so nothing is lost or reordered.
+
+The limits of the usual path hold here too: the message size limit (from the length prefix), the
+partial-message budget, and the time a started message has to finish. Flow control: h2 never sees
+these frames, so their bytes are granted back to the client here, by WINDOW_UPDATE frames queued in
+h2's output buffer once half a window has been consumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from grpclib import GRPCError
+from grpclib.const import Status
+from grpclib.protocol import AckedData
+
+if TYPE_CHECKING:
+    from .http2 import GuardedH2Connection, MessageReader
+
+
+def window_update(stream_id: int, increment: int) -> bytes:
+    """A WINDOW_UPDATE frame (type 8, no flags)."""
+    return b"\x00\x00\x04\x08\x00" + stream_id.to_bytes(4, "big") + increment.to_bytes(4, "big")
+
+
+class DirectReader:
+    """One stream's request messages, cut from the DATA frames the protocol hands over."""
+
+    __slots__ = ("_buf", "_deadline", "_taken", "done", "grant_at", "h2", "limits",
+                 "messages", "on_message", "raw", "stream_id", "unacked")  # fmt: skip
+
+    def __init__(
+        self, raw: Any, on_message: Callable[[bytes], None], limits: MessageReader, grant_at: int
+    ) -> None:  # fmt: skip
+        self.raw = raw  # grpclib's protocol.Stream
+        self.h2: GuardedH2Connection = raw._h2_connection
+        self.stream_id: int = raw.id
+        self.on_message = on_message
+        self.limits = limits
+        self.grant_at = grant_at  # bytes consumed before the stream's window is topped up
+        self.unacked = 0
+        self.messages = 0  # read this way: what tests count to see the path is taken
+        self._buf = bytearray()  # a message begun: its 5-byte prefix (whole or not) and body so far
+        self._taken = 0  # partial-message budget held for it
+        self._deadline: asyncio.TimerHandle | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def take(self, payload: memoryview) -> None:
+        """A DATA frame's payload (no padding): every message it completes goes to on_message."""
+        self.unacked += len(payload)
+        if self.unacked >= self.grant_at:
+            self.h2._data_to_send += window_update(self.stream_id, self.unacked)
+            self.unacked = 0
+        if self._buf:
+            self._buf += payload
+            payload = memoryview(self._buf)
+        try:
+            rest = self._cut(payload)
+        except Exception as e:  # whatever the session raised ends the stream, as on the usual path
+            self.fail(e)
+            return
+        if not self.done.done():
+            self._buf = bytearray(rest)
+            if rest:
+                self._await_rest()
+
+    def _cut(self, data: memoryview) -> memoryview:
+        """Hand over every whole message at the start of `data`; the unfinished rest."""
+        pos, end = 0, len(data)
+        while end - pos >= 5:
+            if data[pos]:
+                raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+            size = int.from_bytes(data[pos + 1 : pos + 5], "big")
+            if size > self.limits.max_size:
+                raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {self.limits.max_size})")
+            if end - pos - 5 < size:
+                self._hold(size)
+                break
+            message = bytes(data[pos + 5 : pos + 5 + size])
+            pos += 5 + size
+            if self._taken or self._deadline is not None:  # it was the message begun before
+                self._release()
+            self.messages += 1
+            self.on_message(message)
+            if self.done.done():  # the session ended the stream, or it fell back meanwhile
+                break
+        return data[pos:]
+
+    def _hold(self, size: int) -> None:
+        """A message's body is still to come: charge it to the partial-message budget, once."""
+        budget = self.limits.budget
+        if budget is not None and not self._taken:
+            if not budget.take(size, self.h2.peer):
+                raise GRPCError(Status.RESOURCE_EXHAUSTED, "server busy receiving other messages, retry later")
+            self._taken = size
+
+    def _release(self) -> None:
+        budget = self.limits.budget
+        if budget is not None and self._taken:
+            budget.give(self._taken, self.h2.peer)
+        self._taken = 0
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _await_rest(self) -> None:
+        timeout = self.limits.timeout
+        if timeout is not None and self._deadline is None:
+            self._deadline = asyncio.get_running_loop().call_later(timeout, self._expired, timeout)
+
+    def _expired(self, timeout: float) -> None:
+        self._deadline = None
+        self.fail(GRPCError(Status.DEADLINE_EXCEEDED, f"message not complete within {timeout:g}s"))
+
+    def leave(self) -> None:
+        """Stop reading this stream's frames (and give back what a message begun held)."""
+        if self.h2.direct.get(self.stream_id) is self:
+            del self.h2.direct[self.stream_id]
+        self._release()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the direct path with `exc`, raised where the session waits on it."""
+        self.leave()
+        self._buf = bytearray()
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+    def fall_back(self) -> None:
+        """Hand the stream back to grpclib, with the bytes of a message begun in front of its buffer."""
+        self.leave()
+        if self._buf:
+            buffer = self.raw.buffer
+            held = bytes(self._buf)
+            self._buf = bytearray()
+            buffer._acked.appendleft(AckedData(memoryview(held), len(held)))
+            buffer._acked_size += len(held)
+        if not self.done.done():
+            self.done.set_result(None)
+
