@@ -110,8 +110,9 @@ async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monk
 
 
 def test_private_api_the_fan_out_relies_on() -> None:
-    """transport/grpc.py writes DATA frames into h2's buffer and shrinks its windows itself: a new
-    h2, hyperframe or grpclib must be checked against _queue_message before it is taken."""
+    """transport/http2.py's queue_message builds DATA frames and shrinks h2's windows itself, and
+    direct.py reads DATA frames past h2 and grpclib: a new h2, hyperframe or grpclib must be
+    checked against them before it is taken."""
     assert (h2.__version__, hyperframe.__version__) == ("4.4.1", "6.1.0")
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
     assert isinstance(conn._data_to_send, bytearray)
@@ -120,6 +121,15 @@ def test_private_api_the_fan_out_relies_on() -> None:
     assert "outbound_flow_control_window" in h2.stream.H2Stream.__init__.__code__.co_names
     names = grpclib.server.Stream.send_message.__code__.co_names
     assert {"_send_initial_metadata_done", "_send_message_done"} <= set(names)
+    # direct.py: h2's frame buffer between frames, grpclib's stream buffer (to check it is empty
+    # and to put back a message begun)
+    buffer = h2.frame_buffer.FrameBuffer(server=True)
+    assert (buffer._preamble_len, buffer._data, buffer._headers_buffer) == (24, bytearray(), [])
+    stream_buffer = grpclib.protocol.Buffer(lambda n: None)
+    assert (stream_buffer._eof, stream_buffer._acked_size, stream_buffer._unacked.empty()) == (False, 0, True)
+    assert list(stream_buffer._acked) == [] and grpclib.protocol.AckedData._fields == ("data", "data_size")
+    # http2.py's connection flush writes through its _Transport
+    assert grpclib.protocol.Connection.flush.__code__.co_names == ("_connection", "data_to_send", "_transport", "write")
 
 
 def test_push_latency_histogram_reads_as_prometheus_clients() -> None:

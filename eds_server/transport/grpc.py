@@ -25,8 +25,6 @@ from grpclib import GRPCError
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.metadata import encode_grpc_message
-from h2.connection import ConnectionInputs
-from h2.stream import StreamInputs
 
 from .. import protowire
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
@@ -39,6 +37,7 @@ from ..xds.common import (
     Event,
     Limits,
     Nack,
+    Nonces,
     ProtocolError,
     Subscribed,
     check_request,
@@ -48,11 +47,13 @@ from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
 from .http2 import (
     ConnectionLimits,
+    Framed,
     MessageReader,
     PartialBudget,
     PassThroughCodec,
     Server,
     limited_handler,
+    queue_message,
     send_frames,
 )
 from .reflection import ReflectionService
@@ -104,6 +105,22 @@ class EdsService:
     _stopping: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _unflushed: dict[Any, None] = field(default_factory=dict)  # grpclib Connections with frames queued
+    nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
+    _framed: tuple[_Kind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
+
+    def framed(self, kind: _Kind, response: Any) -> Framed:
+        """The response encoded and framed, once for all the streams a change sends the same to
+        (same resources, version and nonce: see Nonces)."""
+        version, nonce, resources = kind.version(response), response.nonce, response.resources
+        last = self._framed
+        if (
+            last is not None and last[0] is kind and last[1] == version and last[2] == nonce
+            and len(last[3]) == len(resources) and all(a is b for a, b in zip(last[3], resources, strict=True))
+        ):  # fmt: skip
+            return last[4]
+        framed = Framed(kind.encode(response))
+        self._framed = (kind, version, nonce, resources, framed)
+        return framed
 
     def flush_later(self, connection: Any) -> None:
         """Write `connection`'s queued frames once, after every stream due an answer has queued its
@@ -125,6 +142,7 @@ class EdsService:
             self._ready.set()
 
     def _on_store_change(self, names: frozenset[str] | None) -> None:
+        self.nonces.tick()  # called before the streams are: they all answer this change alike
         if self.store.ready:
             self._ready.set()
 
@@ -281,17 +299,20 @@ class _Kind:
 
     name: str
     decode: Callable[[bytes, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
-    machine: Callable[[Store, Limits], Machine]
+    machine: Callable[[Store, Limits, Nonces], Machine]
     encode: Callable[[Any], bytes]  # the state machine's response -> wire bytes
+    version: Callable[[Any], str]  # the response's version
 
 
 SOTW = _Kind(
     "sotw", wire.sotw_request, SotwStream,
     lambda r: wire.discovery_response(r.version_info, r.resources, r.nonce),
+    lambda r: r.version_info,
 )  # fmt: skip
 DELTA = _Kind(
     "delta", wire.delta_request, DeltaStream,
     lambda r: wire.delta_discovery_response(r.system_version_info, r.resources, r.nonce),
+    lambda r: r.system_version_info,
 )  # fmt: skip
 
 
@@ -313,7 +334,7 @@ class _Session:
         self.service = service
         self.stream = stream
         self.kind = kind
-        self.sm = kind.machine(service.store, service.limits)
+        self.sm = kind.machine(service.store, service.limits, service.nonces)
         self.wake = asyncio.Event()
         self.peer = _peer(stream)
         self.node = "?"
@@ -324,7 +345,7 @@ class _Session:
         self.access: Callable[[str], bool] | None = None  # set from the first request, with authorize
         self.reader: asyncio.Task[None] | None = None
         self.busy = True  # run() is sending (or not started): a change is left to it
-        self.pending: tuple[bytes, Iterable[Resource]] | None = None  # polled in on_change, for run()
+        self.pending: tuple[Framed, Iterable[Resource]] | None = None  # polled in on_change, for run()
 
     def describe(self) -> dict[str, Any]:
         """What /v1/streams shows of this client: at most STREAM_NAMES_SHOWN of its names."""
@@ -358,9 +379,9 @@ class _Session:
         response = self.sm.poll()
         if response is None:
             return True
-        data = self.kind.encode(response)
+        data = self.service.framed(self.kind, response)
         try:
-            sent = _queue_message(self.stream, data)
+            sent = queue_message(self.stream, data)
         except Exception as e:  # e.g. the stream was reset a moment ago: run() finds out properly
             log.debug("push to node=%s deferred: %r", self.node, e)
             sent = False
@@ -468,7 +489,7 @@ class _Session:
                     await self.send(*pending)
                 response = self.sm.poll()
                 if response is not None:
-                    await self.send(self.kind.encode(response), response.resources)
+                    await self.send(self.service.framed(self.kind, response), response.resources)
                 if ended:
                     return  # the client ended its side (after the answer already due, if any)
         finally:
@@ -477,9 +498,9 @@ class _Session:
             if reader.done() and not reader.cancelled():
                 reader.exception()  # retrieved: raised above, or moot once the call ends
 
-    async def send(self, data: bytes, resources: Iterable[Resource]) -> None:
+    async def send(self, data: Framed, resources: Iterable[Resource]) -> None:
         try:
-            if _can_send(self.stream) and _queue_message(self.stream, data):
+            if _can_send(self.stream) and queue_message(self.stream, data):
                 self.service.flush_later(self.stream._stream.connection)
             else:  # no timer for a send that cannot block
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
@@ -506,46 +527,6 @@ def _can_send(stream: grpclib.server.Stream[Any, bytes]) -> bool:
     """A message can be queued now: headers sent, the transport not paused, the stream open."""
     raw = stream._stream
     return bool(stream._send_initial_metadata_done and raw.connection.write_ready.is_set() and raw.closable)
-
-
-def _queue_message(stream: grpclib.server.Stream[Any, bytes], payload: bytes) -> bool:
-    """Queue a whole gRPC message as DATA frames in the connection's h2 buffer if the flow-control
-    windows take it all (False, nothing queued, otherwise). The caller has the buffer written:
-    EdsService.flush_later.
-
-    The frames are built here, not by h2's send_data: per 16 KB frame h2 runs two state machines,
-    builds a frame object and copies the payload three times, a fifth of the CPU of a fan-out.
-    What send_data does that matters is done the same way, once per message: the connection's and
-    the stream's state machines are told (they raise on a closed stream), both windows shrink, and
-    http2.py's connection counts the frames (WINDOW_UPDATEs they pay for, streams touched).
-    grpclib and h2 private API (pinned in constraints.txt; tests/test_grpc.py and the Envoy tests
-    read these frames with h2 and with Envoy)."""
-    raw = stream._stream
-    h2 = raw._h2_connection
-    sid = raw.id
-    assert sid is not None
-    h2_stream = h2.streams.get(sid)
-    size = len(payload) + 5
-    if h2_stream is None or h2.local_flow_control_window(sid) < size:
-        return False
-    h2.state_machine.process_input(ConnectionInputs.SEND_DATA)
-    h2_stream.state_machine.process_input(StreamInputs.SEND_DATA)
-    out, step, tail = h2._data_to_send, h2.max_outbound_frame_size, sid.to_bytes(4, "big")
-    body = memoryview(payload)
-    first = min(step, size)
-    out += (first.to_bytes(3, "big") + b"\x00\x00" + tail + b"\x00" + len(payload).to_bytes(4, "big"))
-    out += body[: first - 5]
-    for pos in range(first - 5, len(payload), step):
-        n = min(step, len(payload) - pos)
-        out += n.to_bytes(3, "big") + b"\x00\x00" + tail  # DATA (type 0), no flags
-        out += body[pos : pos + n]
-    h2.outbound_flow_control_window -= size
-    h2_stream.outbound_flow_control_window -= size
-    note = getattr(h2, "note_data_frames", None)  # http2.py's connection: open-stream and WINDOW_UPDATE budgets
-    if note is not None:
-        note(sid, (size + step - 1) // step)
-    stream._send_message_done = True
-    return True
 
 
 class HealthService(HealthBase):

@@ -41,11 +41,12 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodelay
 from h2.config import H2Configuration
-from h2.connection import H2Connection
+from h2.connection import ConnectionInputs, H2Connection
 from h2.errors import ErrorCodes
 from h2.events import PingAckReceived, RequestReceived
 from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.settings import SettingCodes, Settings
+from h2.stream import StreamInputs
 from hyperframe.frame import (
     DataFrame,
     ExtensionFrame,
@@ -479,7 +480,7 @@ class _H2Protocol(H2Protocol):
             h2_conn.update_settings(
                 {SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
             )
-        self.connection = Connection(h2_conn, cast(asyncio.Transport, transport), config=self.config)
+        self.connection = _Connection(h2_conn, cast(asyncio.Transport, transport), config=self.config)
         self.connection.flush()
         self.connection.initialize()
         self.processor = _Processor(self.handler, self.connection)
@@ -696,8 +697,114 @@ class PassThroughCodec(CodecBase):
             return message_type.parse(data)
         except Exception as e:  # betterproto2 raises assorted errors on garbage
             raise GRPCError(Status.INVALID_ARGUMENT, f"cannot parse request: {e}") from None
-def _grpc_frame(payload: bytes) -> memoryview:
-    return memoryview(b"\x00" + len(payload).to_bytes(4, "big") + payload)
+class Framed:
+    """A gRPC message (length prefix and body) cut into DATA frame payloads: built once for all
+    the streams it goes to, which are sent views of the same bytes, not copies."""
+
+    __slots__ = ("_cuts", "data")
+
+    def __init__(self, payload: bytes) -> None:
+        self.data = b"\x00" + len(payload).to_bytes(4, "big") + payload
+        self._cuts: dict[int, tuple[list[bytes], list[memoryview]]] = {}
+
+    def frames(self, step: int) -> tuple[list[bytes], list[memoryview]]:
+        """For frames of at most `step` bytes: each frame's header up to its stream id, and payload."""
+        cut = self._cuts.get(step)
+        if cut is None:
+            view, n = memoryview(self.data), len(self.data)
+            heads = [min(step, n - pos).to_bytes(3, "big") + b"\x00\x00" for pos in range(0, n, step)]
+            cut = self._cuts[step] = (heads, [view[pos : pos + step] for pos in range(0, n, step)])
+        return cut
+
+
+def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> bool:
+    """Queue a whole gRPC message as DATA frames for the connection's next write if the
+    flow-control windows take it all (False, nothing queued, otherwise). The caller has the
+    connection flushed (one write for every stream a change went to).
+
+    The frames are built here, not by h2's send_data: per 16 KB frame h2 runs two state machines,
+    builds a frame object and copies the payload three times. What send_data does that matters is
+    done the same way, once per message: the connection's and the stream's state machines are told
+    (they raise on a closed stream), both windows shrink, and the connection counts the frames
+    (WINDOW_UPDATEs they pay for, streams touched). The frames' payloads are views of `message`,
+    queued on the connection's `_Transport` behind whatever h2 had queued before them.
+    grpclib and h2 private API (pinned in constraints.txt; tests/test_grpc.py and the Envoy tests
+    read these frames with h2 and with Envoy)."""
+    raw = stream._stream
+    h2 = raw._h2_connection
+    sid = raw.id
+    assert sid is not None
+    h2_stream = h2.streams.get(sid)
+    size = len(message.data)
+    if h2_stream is None or h2.local_flow_control_window(sid) < size:
+        return False
+    h2.state_machine.process_input(ConnectionInputs.SEND_DATA)
+    h2_stream.state_machine.process_input(StreamInputs.SEND_DATA)
+    heads, payloads = message.frames(h2.max_outbound_frame_size)
+    tail = sid.to_bytes(4, "big")
+    pending = getattr(raw._transport, "pending", None)
+    if pending is None:  # not a connection of ours (grpclib's own server): into h2's buffer
+        out = h2._data_to_send
+        for head, payload in zip(heads, payloads, strict=True):
+            out += head + tail
+            out += payload
+    else:
+        if h2._data_to_send:
+            pending.append(h2.data_to_send())  # queued before: written before
+        for head, payload in zip(heads, payloads, strict=True):
+            pending.append(head + tail)
+            pending.append(payload)
+    h2.outbound_flow_control_window -= size
+    h2_stream.outbound_flow_control_window -= size
+    if isinstance(h2, GuardedH2Connection):
+        h2.note_data_frames(sid, len(heads))
+    stream._send_message_done = True
+    return True
+
+
+class _Transport:
+    """The connection's transport as grpclib and its streams see it: DATA frames queued for many
+    streams (`pending`, see queue_message) go out in one writelines, views and all, and whatever is
+    written meanwhile goes out after them, in order."""
+
+    __slots__ = ("_transport", "pending")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self.pending: list[bytes | memoryview] = []
+
+    def write(self, data: bytes) -> None:
+        if self.pending:
+            self.pending.append(data)
+            self.flush()
+        elif data:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if pending and not self._transport.is_closing():
+            self._transport.writelines(pending)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _Connection(Connection):
+    """grpclib's Connection on a `_Transport`, whose queued frames its flush writes too."""
+
+    def __init__(self, h2: H2Connection, transport: asyncio.Transport, *, config: Any) -> None:
+        super().__init__(h2, cast(asyncio.Transport, _Transport(transport)), config=config)
+
+    def flush(self) -> None:
+        transport = cast(_Transport, self._transport)
+        data = self._connection.data_to_send()
+        if data:
+            transport.pending.append(data)
+        transport.flush()
 
 
 def _write(stream: grpclib.server.Stream[Any, Any], data: memoryview, pos: int, window: int) -> int:
@@ -716,21 +823,7 @@ def _write(stream: grpclib.server.Stream[Any, Any], data: memoryview, pos: int, 
     return pos
 
 
-def send_now(stream: grpclib.server.Stream[Any, Any], payload: bytes) -> bool:
-    """Send a whole message at once if nothing has to wait (the usual case); False otherwise."""
-    raw = stream._stream
-    if not stream._send_initial_metadata_done or not raw.connection.write_ready.is_set():
-        return False
-    assert raw.id is not None
-    data = _grpc_frame(payload)
-    if raw._h2_connection.local_flow_control_window(raw.id) < len(data):
-        return False
-    _write(stream, data, 0, len(data))
-    stream._send_message_done = True
-    return True
-
-
-async def send_frames(stream: grpclib.server.Stream[Any, Any], payload: bytes) -> None:
+async def send_frames(stream: grpclib.server.Stream[Any, Any], message: Framed) -> None:
     """grpclib's send_message for a server-streaming response, with one socket write per window.
 
     grpclib writes every 16 KB DATA frame to the socket on its own; fanning a 30 KB assignment out
@@ -740,7 +833,7 @@ async def send_frames(stream: grpclib.server.Stream[Any, Any], payload: bytes) -
         await stream.send_initial_metadata()
     raw = stream._stream
     assert raw.id is not None
-    data = _grpc_frame(payload)
+    data = memoryview(message.data)
     pos = 0
     while pos < len(data):
         await raw.connection.write_ready.wait()

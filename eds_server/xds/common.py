@@ -108,6 +108,26 @@ def check_lengths(names: Iterable[str], limits: Limits) -> None:
             )
 
 
+class Nonces:
+    """Where streams take their nonces from. Streams that share one give the same nonce to their
+    responses to one change (the server calls `tick` as each change begins), so identical responses
+    encode to identical bytes, once for all of them; a stream still never sees a nonce twice."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def tick(self) -> None:
+        self.value += 1
+
+    def after(self, last: int) -> int:
+        """A nonce for a stream whose last one was `last`."""
+        if self.value <= last:
+            self.value = last + 1
+        return self.value
+
+
 class SentResponse(Protocol):
     @property
     def resources(self) -> tuple[Resource, ...]: ...
@@ -128,6 +148,7 @@ class StreamState(Generic[R]):
 
     view: ResourceView
     limits: Limits = field(default_factory=Limits)
+    nonces: Nonces = field(default_factory=Nonces)
 
     subscribed: dict[str, None] = field(default_factory=dict)  # ordered set
     sent: dict[str, str] = field(default_factory=dict)  # name -> version sent (Envoy has it, or soon)
@@ -232,5 +253,5 @@ class StreamState(Generic[R]):
         return [pick]
 
     def _next_nonce(self) -> str:
-        self._nonces += 1
+        self._nonces = self.nonces.after(self._nonces)
         return str(self._nonces)
