@@ -117,7 +117,13 @@ def test_private_api_the_fan_out_relies_on() -> None:
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
     assert isinstance(conn._data_to_send, bytearray)
     assert isinstance(conn.outbound_flow_control_window, int)
-    assert h2.connection.ConnectionInputs.SEND_DATA and h2.stream.StreamInputs.SEND_DATA
+    # queue_message checks states instead of telling the state machines: SEND_DATA must change nothing there
+    conn_sm, stream_sm = h2.connection.H2ConnectionStateMachine, h2.stream
+    assert conn_sm._transitions[
+        (h2.connection.ConnectionState.SERVER_OPEN, h2.connection.ConnectionInputs.SEND_DATA)
+    ] == (None, h2.connection.ConnectionState.SERVER_OPEN)
+    for state in (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE):
+        assert stream_sm._transitions[(state, h2.stream.StreamInputs.SEND_DATA)] == (None, state)
     assert "outbound_flow_control_window" in h2.stream.H2Stream.__init__.__code__.co_names
     names = grpclib.server.Stream.send_message.__code__.co_names
     assert {"_send_initial_metadata_done", "_send_message_done"} <= set(names)

@@ -113,11 +113,12 @@ class EdsService:
         (same resources, version and nonce: see Nonces)."""
         version, nonce, resources = kind.version(response), response.nonce, response.resources
         last = self._framed
-        if (
-            last is not None and last[0] is kind and last[1] == version and last[2] == nonce
-            and len(last[3]) == len(resources) and all(a is b for a, b in zip(last[3], resources, strict=True))
-        ):  # fmt: skip
-            return last[4]
+        if last is not None and last[0] is kind and last[1] == version and last[2] == nonce:
+            held = last[3]
+            if len(held) == len(resources) and (
+                held[0] is resources[0] if len(held) == 1 else all(a is b for a, b in zip(held, resources, strict=True))
+            ):  # fmt: skip
+                return last[4]
         framed = Framed(kind.encode(response))
         self._framed = (kind, version, nonce, resources, framed)
         return framed
@@ -374,7 +375,10 @@ class _Session:
         connection. False: leave it to run()."""
         if self.busy or self.pending is not None or self.service._stopping:
             return False
-        if self.reader is None or self.reader.done() or not _can_send(self.stream):
+        stream = self.stream
+        if not stream._send_initial_metadata_done or not stream._stream.connection.write_ready.is_set():
+            return False  # (queue_message checks the stream is open)
+        if self.reader is None or self.reader.done():
             return False
         response = self.sm.poll()
         if response is None:

@@ -41,12 +41,12 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodelay
 from h2.config import H2Configuration
-from h2.connection import ConnectionInputs, H2Connection
+from h2.connection import ConnectionState, H2Connection
 from h2.errors import ErrorCodes
 from h2.events import PingAckReceived, RequestReceived
 from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.settings import SettingCodes, Settings
-from h2.stream import StreamInputs
+from h2.stream import StreamState
 from hyperframe.frame import (
     DataFrame,
     ExtensionFrame,
@@ -717,6 +717,9 @@ class Framed:
         return cut
 
 
+_SENDING = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE})
+
+
 def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> bool:
     """Queue a whole gRPC message as DATA frames for the connection's next write if the
     flow-control windows take it all (False, nothing queued, otherwise). The caller has the
@@ -724,8 +727,8 @@ def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> b
 
     The frames are built here, not by h2's send_data: per 16 KB frame h2 runs two state machines,
     builds a frame object and copies the payload three times. What send_data does that matters is
-    done the same way, once per message: the connection's and the stream's state machines are told
-    (they raise on a closed stream), both windows shrink, and the connection counts the frames
+    done the same way, once per message: the connection's and the stream's states are checked (their
+    state machines would not change on SEND_DATA), both windows shrink, and the connection counts the frames
     (WINDOW_UPDATEs they pay for, streams touched). The frames' payloads are views of `message`,
     queued on the connection's `_Transport` behind whatever h2 had queued before them.
     grpclib and h2 private API (pinned in constraints.txt; tests/test_grpc.py and the Envoy tests
@@ -736,10 +739,14 @@ def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> b
     assert sid is not None
     h2_stream = h2.streams.get(sid)
     size = len(message.data)
-    if h2_stream is None or h2.local_flow_control_window(sid) < size:
+    # h2's state machines take SEND_DATA in these states without a change or a callback; in any
+    # other the usual path (send_frames, through h2) raises as it should.
+    if (
+        h2_stream is None or h2.state_machine.state is not ConnectionState.SERVER_OPEN
+        or h2_stream.state_machine.state not in _SENDING
+        or min(h2.outbound_flow_control_window, h2_stream.outbound_flow_control_window) < size
+    ):  # fmt: skip
         return False
-    h2.state_machine.process_input(ConnectionInputs.SEND_DATA)
-    h2_stream.state_machine.process_input(StreamInputs.SEND_DATA)
     heads, payloads = message.frames(h2.max_outbound_frame_size)
     tail = sid.to_bytes(4, "big")
     pending = getattr(raw._transport, "pending", None)
