@@ -8,6 +8,8 @@ import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_upstreams import DOCUMENTED
 
 from eds_server import protowire, upstreams
@@ -158,3 +160,35 @@ def test_names_past_the_limit_stop_the_parse(monkeypatch: pytest.MonkeyPatch) ->
         wire.delta_request(initial.SerializeToString(), max_names=10)
     assert wire.sotw_request(discovery_pb2.DiscoveryRequest(resource_names=["a"] * 10).SerializeToString(),
                              max_names=10)[0].resource_names == ("a",) * 10  # fmt: skip
+
+
+def _outcome(parse: object, data: bytes) -> object:
+    try:
+        return parse(data, 3)  # type: ignore[operator]
+    except Exception as e:  # the kind of refusal is what is compared
+        return type(e)
+
+
+def _requests() -> st.SearchStrategy[bytes]:
+    """Well-formed DiscoveryRequests (Envoy's ACKs and more), as xds-protos encodes them."""
+    text = st.text(max_size=20)
+    return st.builds(
+        lambda version, names, nonce, node, error: discovery_pb2.DiscoveryRequest(
+            version_info=version, resource_names=names, type_url=EDS_TYPE_URL, response_nonce=nonce,
+            **({"node": {"id": node}} if node is not None else {}),
+            **({"error_detail": {"message": error}} if error is not None else {}),
+        ).SerializeToString(),
+        text, st.lists(text, max_size=5), text, st.none() | st.text(max_size=300), st.none() | text,
+    )  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_requests(), st.binary(max_size=60), _requests().flatmap(lambda b: st.just(b[: len(b) // 2]))))
+def test_the_plain_request_parse_agrees_with_the_general_one(data: bytes) -> None:
+    """wire._sotw_plain, the ACK fast path, either declines (None) or reads exactly what the general
+    parse reads; and sotw_request as a whole refuses what the general parse refuses."""
+    plain = _outcome(wire._sotw_plain, data)
+    general = _outcome(wire._sotw_request, data)
+    if plain is not None:
+        assert plain == general
+    assert _outcome(wire.sotw_request, data) == general

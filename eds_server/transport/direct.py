@@ -51,7 +51,7 @@ class DirectReader:
         self.grant_at = grant_at  # bytes consumed before the stream's window is topped up
         self.unacked = 0
         self.messages = 0  # read this way: what tests count to see the path is taken
-        self._buf = bytearray()  # a message begun: its 5-byte prefix (whole or not) and body so far
+        self._buf: bytes | bytearray = b""  # a message begun: its 5-byte prefix (whole or not) and body so far
         self._taken = 0  # partial-message budget held for it
         self._deadline: asyncio.TimerHandle | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -71,9 +71,11 @@ class DirectReader:
             self.fail(e)
             return
         if not self.done.done():
-            self._buf = bytearray(rest)
             if rest:
+                self._buf = bytearray(rest)
                 self._await_rest()
+            elif self._buf:
+                self._buf = b""
 
     def _cut(self, data: memoryview) -> memoryview:
         """Hand over every whole message at the start of `data`; the unfinished rest."""
@@ -132,7 +134,7 @@ class DirectReader:
     def fail(self, exc: BaseException) -> None:
         """End the direct path with `exc`, raised where the session waits on it."""
         self.leave()
-        self._buf = bytearray()
+        self._buf = b""
         if not self.done.done():
             self.done.set_exception(exc)
 
@@ -142,7 +144,7 @@ class DirectReader:
         if self._buf:
             buffer = self.raw.buffer
             held = bytes(self._buf)
-            self._buf = bytearray()
+            self._buf = b""
             buffer._acked.appendleft(AckedData(memoryview(held), len(held)))
             buffer._acked_size += len(held)
         if not self.done.done():

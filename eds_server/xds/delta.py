@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..store import Resource
 from .common import (
@@ -41,8 +42,7 @@ class DeltaRequest:
     error_message: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DeltaResponse:
+class DeltaResponse(NamedTuple):
     system_version_info: str  # for debugging only; Envoy tracks versions per resource
     resources: tuple[Resource, ...]
     nonce: str

@@ -89,6 +89,58 @@ def sotw_request(data: bytes, max_names: int = sys.maxsize) -> tuple[Request, me
 
     Past `max_names` names, parsing stops at once: a 4 MiB request of tiny names would otherwise cost
     a second of CPU before the limit refused it."""
+    return _sotw_plain(data, max_names) or _sotw_request(data, max_names)
+
+
+def _sotw_plain(data: bytes, max_names: int) -> tuple[Request, memoryview | None] | None:
+    """The request every ACK is, read in one tight loop: only string and Node fields with one-byte
+    keys, well formed, no error_detail, within `max_names`. None for anything else, which the
+    general parse reads (or refuses) the same as ever. A third of the cost of an ACK's parse."""
+    version = type_url = nonce = ""
+    names: list[str] = []
+    node: memoryview | None = None
+    pos, end = 0, len(data)
+    while pos < end:
+        key = data[pos]
+        if key & 0x87 != 2 or pos + 1 >= end:  # not length-delimited, a longer key, or truncated
+            return None
+        size = data[pos + 1]
+        pos += 2
+        if size & 0x80:
+            size &= 0x7F
+            shift = 7
+            while True:
+                if pos >= end or shift > 28:
+                    return None
+                byte = data[pos]
+                pos += 1
+                size |= (byte & 0x7F) << shift
+                if not byte & 0x80:
+                    break
+                shift += 7
+        stop = pos + size
+        if stop > end:
+            return None
+        number = key >> 3
+        if number == 3:
+            if len(names) >= max_names:
+                return None
+            names.append(str(data[pos:stop], "utf-8"))
+        elif number == 1:
+            version = str(data[pos:stop], "utf-8")
+        elif number == 2:
+            node = memoryview(data)[pos:stop]
+        elif number == 4:
+            type_url = str(data[pos:stop], "utf-8")
+        elif number == 5:
+            nonce = str(data[pos:stop], "utf-8")
+        elif number == 6:
+            return None
+        pos = stop
+    return Request(version, node is not None, tuple(names), type_url, nonce, None), node
+
+
+def _sotw_request(data: bytes, max_names: int) -> tuple[Request, memoryview | None]:
     version = type_url = nonce = ""
     names: list[str] = []
     node: memoryview | None = None
