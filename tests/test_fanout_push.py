@@ -4,6 +4,7 @@ goes, through the stream's task."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -154,3 +155,55 @@ def test_push_latency_histogram_reads_as_prometheus_clients() -> None:
         mine.observe(value)
     expected = [line for line in generate_latest(theirs).decode().splitlines() if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+async def test_a_change_is_encoded_once_for_all_its_streams(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams share nonces per change (xds.common.Nonces), so the same response is the same bytes:
+    encoded and framed once, sent to each stream as views of them. A count, not a time."""
+    from eds_server.transport import grpc as grpc_transport
+
+    built: list[int] = []
+
+    class Counted(http2.Framed):
+        def __init__(self, payload: bytes) -> None:
+            built.append(len(payload))
+            super().__init__(payload)
+
+    monkeypatch.setattr(grpc_transport, "Framed", Counted)
+    h.store.update(SOURCE, {"web": big_group("web", 1500)})
+    async with h.stream() as a, h.stream() as b, h.stream() as c:
+        await a.send_message(first("web"))
+        await a.send_message(reply(await recv(a), "web"))
+        h.store.update(SOURCE, {"web": big_group("web", 1500, weight=3)})  # a has had one response more
+        await a.send_message(reply(await recv(a), "web"))
+        streams, acks = [a, b, c], []
+        for s in (b, c):
+            await s.send_message(first("web"))
+            acks.append(reply(await recv(s), "web"))
+            await s.send_message(acks[-1])
+        await asyncio.sleep(0.05)  # the ACKs read
+        built.clear()
+        h.store.update(SOURCE, {"web": big_group("web", 1500, weight=2)})
+        got = [await recv(s) for s in streams]
+    assert len(built) == 1, built
+    assert len({r.nonce for r in got}) == 1  # one nonce for the change; each stream's nonces still differ
+    assert all(r.nonce != ack.response_nonce for r, ack in zip(got[1:], acks, strict=True))
+
+
+async def test_a_burst_of_new_streams_has_the_heap_trimmed(h: Harness) -> None:
+    """After streams open (each first request carries a Node), glibc's free heap is given back."""
+    from eds_server.heap import HeapTrim
+
+    trim = h.service.heap = HeapTrim(after=3, delay=0.01)
+    if not trim.available:
+        pytest.skip("no malloc_trim in this C library")
+    h.store.update(SOURCE, {"web": big_group("web", 3)})
+    async with h.stream() as a, h.stream() as b, h.stream() as c:
+        for s in (a, b, c):
+            await s.send_message(first("web"))
+            await recv(s)
+        for _ in range(100):  # bounded: 1 s
+            if trim.trims and trim._running is not None and trim._running.done():
+                break
+            await asyncio.sleep(0.01)
+    assert trim.trims == 1 and trim.opened == 0

@@ -27,6 +27,7 @@ from grpclib.const import Cardinality, Status
 from grpclib.metadata import encode_grpc_message
 
 from .. import protowire
+from ..heap import HeapTrim
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Resource, Store
@@ -106,6 +107,7 @@ class EdsService:
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _unflushed: dict[Any, None] = field(default_factory=dict)  # grpclib Connections with frames queued
     nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
+    heap: HeapTrim = field(default_factory=HeapTrim)  # the first requests' Nodes leave free heap behind
     _framed: tuple[_Kind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
 
     def framed(self, kind: _Kind, response: Any) -> Framed:
@@ -143,7 +145,6 @@ class EdsService:
             self._ready.set()
 
     def _on_store_change(self, names: frozenset[str] | None) -> None:
-        self.nonces.tick()  # called before the streams are: they all answer this change alike
         if self.store.ready:
             self._ready.set()
 
@@ -164,6 +165,7 @@ class EdsService:
     def stop(self) -> None:
         """End every open stream cleanly (status OK); Envoy keeps its endpoints and reconnects."""
         self._stopping = True
+        self.heap.stop()
         self._unwatch()
         for session in self.sessions:
             session.wake.set()
@@ -210,6 +212,7 @@ class EdsService:
         self.other_streams -= 1
         self.sessions.add(session)
         self.counters.streams_opened += 1
+        self.heap.stream_opened()
         session.id = self.counters.streams_opened
         try:
             await session.run()

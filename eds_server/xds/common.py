@@ -110,16 +110,13 @@ def check_lengths(names: Iterable[str], limits: Limits) -> None:
 
 class Nonces:
     """Where streams take their nonces from. Streams that share one give the same nonce to their
-    responses to one change (the server calls `tick` as each change begins), so identical responses
-    encode to identical bytes, once for all of them; a stream still never sees a nonce twice."""
+    responses to one change (each takes the shared value, moved past its own last one), so identical
+    responses encode to identical bytes, once for all of them; a stream never sees a nonce twice."""
 
     __slots__ = ("value",)
 
     def __init__(self) -> None:
         self.value = 0
-
-    def tick(self) -> None:
-        self.value += 1
 
     def after(self, last: int) -> int:
         """A nonce for a stream whose last one was `last`."""

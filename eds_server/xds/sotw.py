@@ -78,9 +78,9 @@ class SotwStream(StreamState[Response]):
                 events.append(Ack(req.version_info, names))
             self.in_flight = None
         names = req.resource_names
-        if not first and len(names) == 1 and len(self.subscribed) == 1 and names[0] in self.subscribed:
-            if not self._dropped:
-                return events  # Envoy's usual request: the one name it follows, as before
+        one = len(names) == 1 and len(self.subscribed) == 1
+        if one and not first and not self._dropped and names[0] in self.subscribed:
+            return events  # Envoy's usual request: the one name it follows, as before
         wanted = dict.fromkeys(names)
         wanted.pop(WILDCARD, None)
         added = tuple(n for n in wanted if n not in self.subscribed)
