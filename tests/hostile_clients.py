@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import hpack
+from h2frames import GOAWAY, PREFACE, split
 from hyperframe.frame import (
     DataFrame,
     HeadersFrame,
@@ -27,7 +28,6 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
@@ -90,12 +90,10 @@ async def goaway_code(conn: Conn, wait: float = 3.0) -> int | None:
             break
         if not chunk:
             break
-        buffer += chunk
-        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
-            size = int.from_bytes(buffer[:3], "big")
-            if buffer[3] == 7:
-                code = int.from_bytes(buffer[9 + 4 : 9 + 8], "big")
-            buffer = buffer[9 + size :]
+        frames, buffer = split(buffer + chunk)
+        for f in frames:
+            if f.type == GOAWAY:
+                code = int.from_bytes(f.payload[4:8], "big")
     return code
 
 

@@ -13,6 +13,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from grpclib import GRPCError
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
+from h2frames import PING, PREFACE, split
 
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
@@ -304,7 +305,7 @@ async def test_keepalive_pings_close_a_silent_connection() -> None:
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # preface, SETTINGS
+        writer.write(PREFACE)
         await writer.drain()
         frame_types: list[int] = []
         buffer = b""
@@ -312,12 +313,9 @@ async def test_keepalive_pings_close_a_silent_connection() -> None:
             chunk = await asyncio.wait_for(reader.read(65536), 10)
             if not chunk:
                 break  # the server closed the connection
-            buffer += chunk
-            while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
-                size = int.from_bytes(buffer[:3], "big")
-                frame_types.append(buffer[3])
-                buffer = buffer[9 + size :]
-        assert 6 in frame_types  # PING
+            frames, buffer = split(buffer + chunk)
+            frame_types += [f.type for f in frames]
+        assert PING in frame_types
         assert not chunk  # closed, since we never answered it
     finally:
         writer.close()

@@ -18,6 +18,7 @@ from grpclib import GRPCError
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from h2.settings import SettingCodes, Settings
+from h2frames import PREFACE, split
 from hyperframe.frame import HeadersFrame, PingFrame, RstStreamFrame
 
 from eds_server.encode import encode_group
@@ -143,16 +144,12 @@ async def read_frames(reader: asyncio.StreamReader, wait: float = 5.0) -> list[t
             break
         if not chunk:
             break
-        buffer += chunk
-        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
-            size = int.from_bytes(buffer[:3], "big")
-            frames.append((buffer[3], buffer[9 : 9 + size]))
-            buffer = buffer[9 + size :]
+        got, buffer = split(buffer + chunk)
+        frames += [(f.type, f.payload) for f in got]
     return frames
 
 
 UNKNOWN = b"\x00\x00\x05\x42\x00\x00\x00\x00\x00hello"  # type 0x42, 5 bytes, stream 0
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
 async def test_unknown_frames_are_ignored_and_the_connection_goes_on(caplog: pytest.LogCaptureFixture) -> None:
