@@ -360,11 +360,6 @@ async def test_messages_split_and_merged_across_frames_and_writes(handled: Calla
         assert service.reader.budget is not None and service.reader.budget.used == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a DATA frame begun (in h2's buffer) when the stream goes direct takes "
-    "the stream's next frames into grpclib's buffer, unread while direct",
-)
 async def test_a_frame_begun_before_the_stream_went_direct(handled: Callable[[str], list[bytes]]) -> None:
     async with serving(ConnectionLimits()) as (_, _, port), client_of(port) as client:
         sid, opening = client.new_stream()
@@ -558,12 +553,6 @@ async def test_more_than_the_windows_in_direct_requests_is_not_stalled(handled: 
         assert client.updates.get(a) and client.updates.get(b) and client.updates.get(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: bytes read directly but not yet granted back when the stream falls back "
-    "are never granted: each fall back shrinks the stream's window for good, "
-    "until the client stalls",
-)
 @pytest.mark.parametrize("fall_back", ["padded DATA", "DATA with an undefined flag"])
 async def test_falling_back_and_returning_keeps_the_stream_window(
     fall_back: str, handled: Callable[[str], list[bytes]]
@@ -594,12 +583,6 @@ async def test_falling_back_and_returning_keeps_the_stream_window(
         assert handled("a")[2:] == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pre-existing, not the direct path's own: grpclib's Buffer takes an empty "
-    "DATA frame for the end of the stream ('truncated gRPC message'); the "
-    "direct path hands it to grpclib rather than skip it",
-)
 async def test_an_empty_data_frame_on_a_direct_stream_is_nothing(handled: Callable[[str], list[bytes]]) -> None:
     async with serving(ConnectionLimits()) as (_, service, port), client_of(port) as client:
         sid, _ = await direct_stream(client, service, "a")

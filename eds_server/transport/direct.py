@@ -129,6 +129,9 @@ class DirectReader:
         """Stop reading this stream's frames (and give back what a message begun held)."""
         if self.h2.direct.get(self.stream_id) is self:
             del self.h2.direct[self.stream_id]
+        if self.unacked:  # the stream may go on (a padded frame, say): its window is not lost
+            self.h2._data_to_send += window_update(self.stream_id, self.unacked)
+            self.unacked = 0
         self._release()
 
     def fail(self, exc: BaseException) -> None:

@@ -399,7 +399,13 @@ class _H2Protocol(H2Protocol):
             if ftype == 0:  # DATA
                 reader = direct.get(int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF) if direct else None
                 if reader is not None:
-                    if flags == 0 and length and not in_headers:
+                    if flags == 0 and not length and not in_headers and h2.peer.control.take():
+                        # an empty DATA frame: nothing, for the price of a control frame (grpclib
+                        # would take it for the end of the stream); over budget, h2 says so
+                        if run < pos and not self._feed(h2, view[run:pos]):
+                            return
+                        run = after
+                    elif flags == 0 and length and not in_headers:
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
                         self._direct_unacked += length
@@ -599,6 +605,8 @@ class MessageReader:
         if not isinstance(h2, GuardedH2Connection) or raw.id is None or raw.id in h2.direct:
             return
         if buffer._eof or buffer._acked_size or not buffer._unacked.empty() or raw.id not in h2.streams:
+            return
+        if h2.incoming_buffer._data:  # h2 holds a frame begun, maybe this stream's: it must read it
             return
         reader = DirectReader(raw, on_message, self, grant_at=max(1, h2.local_settings.initial_window_size // 2))
         h2.direct[raw.id] = reader
