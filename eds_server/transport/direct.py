@@ -18,6 +18,7 @@ h2's output buffer once half a window has been consumed.
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,9 @@ from grpclib.protocol import AckedData
 
 if TYPE_CHECKING:
     from .http2 import GuardedH2Connection, MessageReader
+
+
+_PREFIX = struct.Struct(">BL")  # a gRPC message's compressed flag and length
 
 
 def window_update(stream_id: int, increment: int) -> bytes:
@@ -81,9 +85,9 @@ class DirectReader:
         """Hand over every whole message at the start of `data`; the unfinished rest."""
         pos, end = 0, len(data)
         while end - pos >= 5:
-            if data[pos]:
+            compressed, size = _PREFIX.unpack_from(data, pos)
+            if compressed:
                 raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
-            size = int.from_bytes(data[pos + 1 : pos + 5], "big")
             if size > self.limits.max_size:
                 raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {self.limits.max_size})")
             if end - pos - 5 < size:

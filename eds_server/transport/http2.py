@@ -27,6 +27,7 @@ import contextlib
 import logging
 import resource
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from ssl import SSLContext
@@ -83,6 +84,9 @@ def _short_raw_data_repr(data: bytes | None) -> str:
 
 
 hyperframe.frame._raw_data_repr = _short_raw_data_repr
+
+
+_FRAME_HEADER = struct.Struct(">HBBBL")  # length (16 + 8 bits), type, flags, stream id (and its reserved bit)
 
 
 @dataclass
@@ -388,16 +392,16 @@ class _H2Protocol(H2Protocol):
         pos = run = 0
         end = len(buf)
         while end - pos >= 9:
-            length = int.from_bytes(view[pos : pos + 3], "big")
+            high, low, ftype, flags, sid = _FRAME_HEADER.unpack_from(buf, pos)
+            length = high << 8 | low
             if length > limit:
                 pos = end  # h2 refuses it, with the right GOAWAY
                 break
             after = pos + 9 + length
             if after > end:
                 break
-            ftype, flags = buf[pos + 3], buf[pos + 4]
             if ftype == 0:  # DATA
-                reader = direct.get(int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF) if direct else None
+                reader = direct.get(sid & 0x7FFFFFFF) if direct else None
                 if reader is not None:
                     if flags == 0 and not length and not in_headers and h2.peer.control.take():
                         # an empty DATA frame: nothing, for the price of a control frame (grpclib
@@ -415,7 +419,7 @@ class _H2Protocol(H2Protocol):
                         reader.fall_back()
             elif ftype == 1 or ftype == 3:  # HEADERS (trailers), RST_STREAM
                 if direct:
-                    reader = direct.get(int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF)
+                    reader = direct.get(sid & 0x7FFFFFFF)
                     if reader is not None:
                         reader.fall_back()
                 if ftype == 1:

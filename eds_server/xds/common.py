@@ -74,6 +74,8 @@ def response_version(resources: Iterable[Resource], *, digest: bool = False) -> 
     resource's bare version only ever stands for a response that held exactly that resource on a
     stream that followed nothing else (what the SotW reconnect shortcut relies on).
     """
+    if not digest and isinstance(resources, tuple) and len(resources) == 1:
+        return resources[0].version  # the usual response: once per stream per change
     items = sorted((r.name, r.version) for r in resources)
     if len(items) == 1 and not digest:
         return items[0][1]
@@ -164,6 +166,10 @@ class StreamState(Generic[R]):
         """The store changed these names (None: anything may have changed)."""
         if names is None:
             self._dirty.update(self.subscribed)
+        elif isinstance(names, frozenset) and len(names) == 1:  # the usual change, for each stream
+            for name in names:
+                if name in self.subscribed:
+                    self._dirty.add(name)
         else:
             self._dirty.update(n for n in names if n in self.subscribed)
 
