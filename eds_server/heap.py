@@ -32,15 +32,18 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 class HeapTrim:
-    """Trims the heap `delay` seconds after at least `after` streams opened since the last trim."""
+    """Trims the heap once a burst of at least `after` new streams has been quiet for `delay` seconds
+    (or has gone on for `most` seconds: a steady trickle still gets trimmed now and then)."""
 
-    def __init__(self, after: int = 16, delay: float = 1.0) -> None:
+    def __init__(self, after: int = 16, delay: float = 1.0, most: float = 10.0) -> None:
         self.after = after
         self.delay = delay
+        self.most = most
         self.opened = 0  # streams opened since the last trim
         self.trims = 0
         self._trim = _malloc_trim()
         self._timer: asyncio.TimerHandle | None = None
+        self._first = self._last = 0.0  # when the burst's first and latest streams opened
         self._running: asyncio.Future[int] | None = None
 
     @property
@@ -48,17 +51,28 @@ class HeapTrim:
         return self._trim is not None
 
     def stream_opened(self) -> None:
+        if self._trim is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
         self.opened += 1
-        if self._trim is not None and self._timer is None and self.opened >= self.after:
-            self._timer = asyncio.get_running_loop().call_later(self.delay, self._start)
+        if self.opened == 1:
+            self._first = self._last
+        if self._timer is None and self.opened >= self.after:
+            self._timer = loop.call_later(self.delay, self._due)
 
-    def _start(self) -> None:
+    def _due(self) -> None:
+        loop = asyncio.get_running_loop()
+        quiet_at = self._last + self.delay
+        if quiet_at > loop.time() and loop.time() - self._first < self.most:
+            self._timer = loop.call_at(quiet_at, self._due)  # still opening streams: wait for the end
+            return
         self._timer = None
         if self._trim is None or (self._running is not None and not self._running.done()):
             return
         self.opened = 0
         self.trims += 1
-        self._running = asyncio.get_running_loop().run_in_executor(None, self._trim, 0)
+        self._running = loop.run_in_executor(None, self._trim, 0)
 
     def stop(self) -> None:
         if self._timer is not None:

@@ -207,3 +207,29 @@ async def test_a_burst_of_new_streams_has_the_heap_trimmed(h: Harness) -> None:
                 break
             await asyncio.sleep(0.01)
     assert trim.trims == 1 and trim.opened == 0
+
+
+async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
+    """While streams keep opening (a fleet reconnecting), the trim waits: their Nodes are still in
+    buffers. It runs once the burst has been quiet for `delay`, or has gone on for `most`."""
+    from eds_server.heap import HeapTrim
+
+    trim = HeapTrim(after=2, delay=0.1, most=10.0)
+    if not trim.available:
+        pytest.skip("no malloc_trim in this C library")
+    for _ in range(10):  # a burst: a stream every 20 ms, for 0.2 s
+        trim.stream_opened()
+        await asyncio.sleep(0.02)
+    assert trim.trims == 0  # not during the burst
+    for _ in range(50):  # bounded: 1 s
+        if trim.trims:
+            break
+        await asyncio.sleep(0.02)
+    assert trim.trims == 1
+    steady = HeapTrim(after=2, delay=0.1, most=0.15)
+    for _ in range(25):  # a stream every 20 ms for 0.5 s: never quiet, trimmed anyway
+        steady.stream_opened()
+        await asyncio.sleep(0.02)
+    assert steady.trims >= 1
+    trim.stop()
+    steady.stop()
