@@ -729,9 +729,6 @@ class Framed:
         return cut
 
 
-_SENDING = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE})
-
-
 def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> bool:
     """Queue a whole gRPC message as DATA frames for the connection's next write if the
     flow-control windows take it all (False, nothing queued, otherwise). The caller has the
@@ -753,11 +750,12 @@ def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> b
     size = len(message.data)
     # h2's state machines take SEND_DATA in these states without a change or a callback; in any
     # other the usual path (send_frames, through h2) raises as it should.
-    if (
-        h2_stream is None or h2.state_machine.state is not ConnectionState.SERVER_OPEN
-        or h2_stream.state_machine.state not in _SENDING
-        or min(h2.outbound_flow_control_window, h2_stream.outbound_flow_control_window) < size
-    ):  # fmt: skip
+    if h2_stream is None or h2.state_machine.state is not ConnectionState.SERVER_OPEN:
+        return False
+    state = h2_stream.state_machine.state  # compared by identity: an Enum's hash is Python code
+    if state is not StreamState.OPEN and state is not StreamState.HALF_CLOSED_REMOTE:
+        return False
+    if h2.outbound_flow_control_window < size or h2_stream.outbound_flow_control_window < size:
         return False
     heads, payloads = message.frames(h2.max_outbound_frame_size)
     tail = sid.to_bytes(4, "big")

@@ -40,25 +40,25 @@ class ProtocolError(Exception):
 
 
 # What `receive` reports, for logs and counters.
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per ACK, and a frozen one costs twice as much
 class Ack:
     version_info: str
     names: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Nack:
     version_info: str
     names: tuple[str, ...]
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StaleNonce:
     nonce: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Subscribed:
     added: tuple[str, ...]
     removed: tuple[str, ...]

@@ -70,7 +70,7 @@ class SotwStream(StreamState[Response]):
             return [StaleNonce(req.response_nonce)]
         elif self.in_flight is not None:  # the latest nonce: this answers the response in flight
             answered = self.in_flight.resources
-            names = tuple(r.name for r in answered)
+            names = (answered[0].name,) if len(answered) == 1 else tuple(r.name for r in answered)
             self._settle(self.in_flight.resources, req.error_message)
             if req.error_message is not None:
                 events.append(Nack(self.in_flight.version_info, names, req.error_message))
