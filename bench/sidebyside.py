@@ -56,6 +56,7 @@ SHAPES = [
     Shape("1 stream x 1k eps (fixed cost)", 1, 1000, False, 10, (55, 5, None, None)),
 ]
 PER_CONN = 100  # streams per HTTP/2 connection, as in the runs
+IDLE_WAIT = 2.0  # seconds between the last first response and the RSS of idle streams
 # Every load generator connection comes from 127.0.0.1: eds-server's per-IP budgets, sized for one
 # Envoy per IP, are raised for it, and the time a stream has to send its first request (10,000
 # first requests of 60 KB take one core longer than 10 s). The environment reaches eds-server only.
@@ -162,6 +163,7 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
             if workers.wait({}, 180):
                 raise RuntimeError(f"{tag}: not every stream got its first response")
             server.settle()
+            time.sleep(IDLE_WAIT)  # idle: what either server gives back once a burst is over counts
             rss1 = server.rss()
             cpus = []
             user0, sys0 = server.user_sys()

@@ -4,7 +4,7 @@ Every new Envoy stream's first request carries its Node (tens of kilobytes), and
 reconnects at once has thousands of them in buffers together. Python frees them, but glibc keeps the
 freed heap pages: measured at 10,000 streams, about 28 KB per stream of RSS was such free heap,
 more than the streams themselves hold (about 23 KB each). `malloc_trim(0)` returns it. It runs in
-a worker thread (ctypes drops the GIL), a moment after a burst, at most once per `delay`.
+a worker thread (ctypes drops the GIL), once a burst is over.
 Elsewhere than glibc this does nothing.
 """
 
@@ -35,7 +35,7 @@ class HeapTrim:
     """Trims the heap once a burst of at least `after` new streams has been quiet for `delay` seconds
     (or has gone on for `most` seconds: a steady trickle still gets trimmed now and then)."""
 
-    def __init__(self, after: int = 16, delay: float = 1.0, most: float = 10.0) -> None:
+    def __init__(self, after: int = 16, delay: float = 0.5, most: float = 10.0) -> None:
         self.after = after
         self.delay = delay
         self.most = most
