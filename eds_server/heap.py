@@ -45,6 +45,7 @@ class HeapTrim:
         self._timer: asyncio.TimerHandle | None = None
         self._first = self._last = 0.0  # when the burst's first and latest streams opened
         self._running: asyncio.Future[int] | None = None
+        self._long_burst = False
 
     @property
     def available(self) -> bool:
@@ -58,21 +59,22 @@ class HeapTrim:
         self.opened += 1
         if self.opened == 1:
             self._first = self._last
-        if self._timer is None and self.opened >= self.after:
+        if self._timer is None and (self.opened >= self.after or self._long_burst):
             self._timer = loop.call_later(self.delay, self._due)
 
     def _due(self) -> None:
         loop = asyncio.get_running_loop()
+        now = loop.time()
         quiet_at = self._last + self.delay
-        if quiet_at > loop.time() and loop.time() - self._first < self.most:
-            self._timer = loop.call_at(quiet_at, self._due)  # still opening streams: wait for the end
-            return
+        running = self._running is not None and not self._running.done()
+        if running or (quiet_at > now and now - self._first < self.most):
+            self._timer = loop.call_at(now + self.delay if running else quiet_at, self._due)
+            return  # still opening streams (or trimming): wait for the end
         self._timer = None
-        if self._trim is None or (self._running is not None and not self._running.done()):
-            return
+        self._long_burst = quiet_at > now  # trimmed while it goes on: trim again when it ends
         self.opened = 0
         self.trims += 1
-        self._running = loop.run_in_executor(None, self._trim, 0)
+        self._running = loop.run_in_executor(None, self._trim, 0)  # type: ignore[arg-type]
 
     def stop(self) -> None:
         if self._timer is not None:

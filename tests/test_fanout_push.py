@@ -233,3 +233,26 @@ async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
     assert steady.trims >= 1
     trim.stop()
     steady.stop()
+
+
+async def test_a_long_burst_is_trimmed_again_when_it_ends() -> None:
+    """A burst longer than `most` is trimmed while it goes on (its first Nodes are long freed) and
+    once more when it is over, however few streams opened after the first trim."""
+    from eds_server.heap import HeapTrim
+
+    trim = HeapTrim(after=10, delay=0.1, most=0.15)
+    if not trim.available:
+        pytest.skip("no malloc_trim in this C library")
+    for _ in range(50):  # a stream every 20 ms until the burst is trimmed (bounded: 1 s)
+        trim.stream_opened()
+        await asyncio.sleep(0.02)
+        if trim.trims:
+            break
+    assert trim.trims == 1
+    trim.stream_opened()  # the tail of the burst: one stream, fewer than `after`
+    for _ in range(50):  # bounded: 1 s of quiet
+        if trim.trims > 1:
+            break
+        await asyncio.sleep(0.02)
+    assert trim.trims == 2
+    trim.stop()
