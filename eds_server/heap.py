@@ -32,14 +32,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 class HeapTrim:
-    """Trims the heap once a burst of at least `after` new streams has been quiet for `delay` seconds
+    """Trims the heap once a burst of at least `after` new streams (counted as their first requests,
+    Node and all, have been read and dropped) has been quiet for `delay` seconds
     (or has gone on for `most` seconds: a steady trickle still gets trimmed now and then)."""
 
     def __init__(self, after: int = 16, delay: float = 0.5, most: float = 10.0) -> None:
         self.after = after
         self.delay = delay
         self.most = most
-        self.opened = 0  # streams opened since the last trim
+        self.opened = 0  # first requests read since the last trim
         self.trims = 0
         self._trim = _malloc_trim()
         self._timer: asyncio.TimerHandle | None = None
@@ -51,7 +52,7 @@ class HeapTrim:
     def available(self) -> bool:
         return self._trim is not None
 
-    def stream_opened(self) -> None:
+    def first_request_read(self) -> None:
         if self._trim is None:
             return
         loop = asyncio.get_running_loop()

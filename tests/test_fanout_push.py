@@ -218,7 +218,7 @@ async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
     if not trim.available:
         pytest.skip("no malloc_trim in this C library")
     for _ in range(10):  # a burst: a stream every 20 ms, for 0.2 s
-        trim.stream_opened()
+        trim.first_request_read()
         await asyncio.sleep(0.02)
     assert trim.trims == 0  # not during the burst
     for _ in range(50):  # bounded: 1 s
@@ -228,7 +228,7 @@ async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
     assert trim.trims == 1
     steady = HeapTrim(after=2, delay=0.1, most=0.15)
     for _ in range(25):  # a stream every 20 ms for 0.5 s: never quiet, trimmed anyway
-        steady.stream_opened()
+        steady.first_request_read()
         await asyncio.sleep(0.02)
     assert steady.trims >= 1
     trim.stop()
@@ -244,12 +244,12 @@ async def test_a_long_burst_is_trimmed_again_when_it_ends() -> None:
     if not trim.available:
         pytest.skip("no malloc_trim in this C library")
     for _ in range(50):  # a stream every 20 ms until the burst is trimmed (bounded: 1 s)
-        trim.stream_opened()
+        trim.first_request_read()
         await asyncio.sleep(0.02)
         if trim.trims:
             break
     assert trim.trims == 1
-    trim.stream_opened()  # the tail of the burst: one stream, fewer than `after`
+    trim.first_request_read()  # the tail of the burst: one stream, fewer than `after`
     for _ in range(50):  # bounded: 1 s of quiet
         if trim.trims > 1:
             break

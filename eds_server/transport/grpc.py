@@ -212,7 +212,6 @@ class EdsService:
         self.other_streams -= 1
         self.sessions.add(session)
         self.counters.streams_opened += 1
-        self.heap.stream_opened()
         session.id = self.counters.streams_opened
         try:
             await session.run()
@@ -422,6 +421,8 @@ class _Session:
                 return  # the client ended its side
             self._on_message(data, first)
             del data  # not kept while idle: a request may carry a 60 KB Node
+            if first:
+                self.service.heap.first_request_read()
             first = False
             # Further requests are read straight from their DATA frames, as they arrive, until the
             # stream needs grpclib again (its end, a reset): then on as above.
