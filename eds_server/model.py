@@ -7,6 +7,7 @@ them is something Envoy accepts.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,13 @@ class Locality:
     region: str = ""
     zone: str = ""
     subzone: str = ""
+
+
+@functools.lru_cache(maxsize=4096)
+def locality(region: str = "", zone: str = "", subzone: str = "") -> Locality:
+    """One shared Locality per value: sorting and grouping thousands of endpoints then compares
+    localities by identity, not with the dataclass's Python-level __eq__."""
+    return Locality(region, zone, subzone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +65,7 @@ class Endpoint:
             weight=values.get("weight"),
             health=values.get("health", Health.UNKNOWN),
             priority=values.get("priority", 0),
-            locality=Locality(values.get("region", ""), values.get("zone", ""), values.get("subzone", "")),
+            locality=locality(values.get("region", ""), values.get("zone", ""), values.get("subzone", "")),
             hostname=values.get("hostname", ""),
             metadata=values.get("metadata") or {},
         )
