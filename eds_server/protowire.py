@@ -51,22 +51,33 @@ def fields(message: bytes | memoryview) -> Iterator[tuple[int, FieldValue]]:
         key, pos = read_varint(data, pos)
         number, wire_type = key >> 3, key & 7
         if wire_type == 2:
-            size, pos = read_varint(data, pos)
-            if pos + size > end:
-                raise ValueError("truncated message")
+            size, pos = _length(data, pos, end)
             yield number, data[pos : pos + size]
             pos += size
         elif wire_type == 0:
             value, pos = read_varint(data, pos)
             yield number, value
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
         else:
-            raise ValueError(f"unsupported wire type {wire_type}")
+            pos = _skip_fixed(wire_type, pos)
     if pos > end:
         raise ValueError("truncated message")
+
+
+def _length(data: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """A length-delimited field's length, and where its value starts."""
+    size, pos = read_varint(data, pos)
+    if pos + size > end:
+        raise ValueError("truncated message")
+    return size, pos
+
+
+def _skip_fixed(wire_type: int, pos: int) -> int:
+    """Past a fixed-width value (64 or 32 bits); ValueError for a wire type not read here."""
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 5:
+        return pos + 4
+    raise ValueError(f"unsupported wire type {wire_type}")
 
 
 def text(value: FieldValue) -> str:
@@ -92,20 +103,14 @@ def string_fields(message: bytes | memoryview, wanted: set[int]) -> dict[int, st
         key, pos = read_varint(data, pos)
         wire_type = key & 7
         if wire_type == 2:
-            size, pos = read_varint(data, pos)
-            if pos + size > end:
-                raise ValueError("truncated message")
+            size, pos = _length(data, pos, end)
             if key >> 3 in wanted:
                 found[key >> 3] = str(data[pos : pos + size], "utf-8", errors="replace")
             pos += size
         elif wire_type == 0:
             pos = read_varint(data, pos)[1]
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
         else:
-            raise ValueError(f"unsupported wire type {wire_type}")
+            pos = _skip_fixed(wire_type, pos)
     if pos > end:
         raise ValueError("truncated message")
     return found
