@@ -15,14 +15,16 @@ import os
 import re
 import stat
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from . import envoy_limits, fields
 from .model import Endpoint, Group, Locality
+
+T = TypeVar("T")
 
 ENDPOINT_KEYS = (
     "address", "port", "weight", "health", "priority",
@@ -349,18 +351,28 @@ def _group(w: _Walker, name: str, key_node: yaml.Node, node: yaml.Node) -> Group
         return None
     if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null"):
         return Group(name)
-    key = (name, w.key(node)) if w.reuse else None
-    if key is not None:
-        found = w.old_groups.get(key) or w.groups.get(key)
-        if found is not None:
-            w.reused_groups += 1
-            w.groups[key] = found
-            return found
-    n_problems = len(w.problems)
-    group = _group_spec(w, name, node, path)
-    if key is not None and group is not None and len(w.problems) == n_problems:
-        w.groups[key] = group
+    if not w.reuse:
+        return _group_spec(w, name, node, path)
+    key = (name, w.key(node))
+    group, reused = _kept_or_new(w, w.old_groups, w.groups, key, lambda: _group_spec(w, name, node, path))
+    w.reused_groups += reused
     return group
+
+
+def _kept_or_new(
+    w: _Walker, old: Mapping[Any, Any], new: dict[Any, Any], key: Any, build: Callable[[], T]
+) -> tuple[T, bool]:
+    """The last parse's object for the same source text (its checks depend on nothing else), and
+    True; or a new one, kept for the next parse if it came without a problem, and False."""
+    found: T | None = old.get(key) or new.get(key)
+    if found is not None:
+        new[key] = found
+        return found, True
+    n_problems = len(w.problems)
+    made = build()
+    if made is not None and len(w.problems) == n_problems:  # e.g. an unknown key still gives an Endpoint
+        new[key] = made
+    return made, False
 
 
 def _group_spec(w: _Walker, name: str, node: yaml.Node, path: str) -> Group | None:
@@ -404,16 +416,8 @@ def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
     """One endpoint; the last parse's when its text is the same (its checks depend on nothing else)."""
     if not w.reuse:
         return _endpoint_spec(w, node, path)
-    key = w.key(node)
-    found = w.old_endpoints.get(key) or w.endpoints.get(key)
-    if found is not None:
-        w.reused_endpoints += 1
-        w.endpoints[key] = found
-        return found
-    n_problems = len(w.problems)
-    ep = _endpoint_spec(w, node, path)
-    if ep is not None and len(w.problems) == n_problems:  # e.g. an unknown key still gives an Endpoint
-        w.endpoints[key] = ep
+    ep, reused = _kept_or_new(w, w.old_endpoints, w.endpoints, w.key(node), lambda: _endpoint_spec(w, node, path))
+    w.reused_endpoints += reused
     return ep
 
 
