@@ -36,6 +36,7 @@ from h2frames import (
 )
 from hostile_clients import STREAM, Conn, headers
 from test_http2_limits import serving
+from waiting import wait_until
 
 from eds_server.model import Endpoint, Group
 from eds_server.pb.envoy.config.core.v3 import Node
@@ -256,14 +257,6 @@ def reader_of(service: EdsService, node: str) -> DirectReader | None:
     return raw._h2_connection.direct.get(raw.id)  # type: ignore[no-any-return]
 
 
-async def eventually(done: Callable[[], bool], wait: float = WAIT) -> bool:
-    for _ in range(int(wait / 0.01)):  # bounded
-        if done():
-            return True
-        await asyncio.sleep(0.01)
-    return done()
-
-
 @pytest.fixture
 def handled(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[bytes]]:
     """The requests every session handled, in order (by either path); called with a node id: that
@@ -315,7 +308,7 @@ async def test_sotw_acks_are_read_directly_and_responses_keep_flowing() -> None:
             resp = await client.response(sid, i)
             versions.append(resp.version_info)
             await client.send(data(sid, grpc(ack(resp, "web"))))
-        assert await eventually(lambda: service.counters.acks == 41)
+        await wait_until(lambda: service.counters.acks == 41, timeout=WAIT)
         assert len(set(versions)) == 41 and versions[-1] == service.store.get("web").version
         assert reader_of(service, "a") is reader  # never left the direct path...
         assert reader is not None and reader.messages == 41  # ...and read every ACK
@@ -353,7 +346,7 @@ async def test_messages_split_and_merged_across_frames_and_writes(handled: Calla
         big = b"".join(data(sid, g[10][i : i + 16384]) for i in range(0, len(g[10]), 16384))
         for i in range(0, len(big), 1000):
             await write(big[i : i + 1000])
-        assert await eventually(lambda: len(handled("a")) == 2 + len(m))
+        await wait_until(lambda: len(handled("a")) == 2 + len(m), timeout=WAIT)
         assert handled("a")[2:] == m  # every one, in order
         reader = reader_of(service, "a")
         assert reader is not None and reader.messages == 1 + len(m)  # all of them read directly
@@ -372,7 +365,7 @@ async def test_a_frame_begun_before_the_stream_went_direct(handled: Callable[[st
         await asyncio.sleep(0.05)
         await client.send(data(sid, grpc(tagged("t3"))))
         await client.ping()
-        assert await eventually(lambda: len(handled("a")) >= 4, wait=2.0)
+        await wait_until(lambda: len(handled("a")) >= 4, timeout=2.0)
         assert handled("a")[1:] == [tagged("t1"), tagged("t2"), tagged("t3")]
 
 
@@ -404,7 +397,7 @@ async def test_end_stream_after_the_stream_went_direct(
             assert len(client.messages[sid]) == 1
         assert len(handled("a")) == 2 + (last != "empty DATA")
         assert sid not in client.resets
-        assert await eventually(lambda: service.open_streams == 0)
+        await wait_until(lambda: service.open_streams == 0, timeout=WAIT)
     no_tracebacks(caplog)
 
 
@@ -435,7 +428,7 @@ async def test_a_message_begun_then_the_stream_ends(begun: str, end: str, caplog
             await client.send(frame(RST_STREAM, 0, sid, (8).to_bytes(4, "big")))
         else:
             client.close()
-        assert await eventually(lambda: service.open_streams == 1)  # the canary's only
+        await wait_until(lambda: service.open_streams == 1, timeout=WAIT)  # the canary's only
         assert budget.used == 0 and server.gate.peers["127.0.0.1"].partial == 0
         # the server goes on serving: the canary gets the next change, and its ACK is read directly
         service.store.update(SOURCE, group(2))
@@ -470,7 +463,7 @@ async def test_a_bad_message_on_a_direct_stream_ends_it(
         assert await client.until(lambda: sid in client.trailers)
         assert client.status(sid) == status
         assert tagged("before") in handled("a") and after not in handled("a")  # not what came after it
-        assert await eventually(lambda: service.open_streams == 0)
+        await wait_until(lambda: service.open_streams == 0, timeout=WAIT)
         assert service.reader.budget is not None and service.reader.budget.used == 0
         # the connection goes on
         sid2, _ = await direct_stream(client, service, "b")
@@ -506,7 +499,7 @@ async def test_messages_begun_on_direct_streams_share_the_partial_budget() -> No
         assert client.status(b) == RESOURCE_EXHAUSTED and "busy" in client.trailers[b]["grpc-message"]
         assert budget.used == 900_000 and a not in client.trailers
         await client.send(frame(RST_STREAM, 0, a, (8).to_bytes(4, "big")))
-        assert await eventually(lambda: service.open_streams == 0)
+        await wait_until(lambda: service.open_streams == 0, timeout=WAIT)
         assert budget.used == 0 and server.gate.peers["127.0.0.1"].partial == 0
 
 
@@ -545,7 +538,7 @@ async def test_more_than_the_windows_in_direct_requests_is_not_stalled(handled: 
         pending = {sid: bytearray(b"".join(grpc(m) for m in sent[node])) for sid, node in ((a, "a"), (b, "b"))}
         assert sum(len(p) for p in pending.values()) > 8 << 20
         await send_within_windows(client, pending)
-        assert await eventually(lambda: len(handled("a")) == 18 and len(handled("b")) == 18, wait=30)
+        await wait_until(lambda: len(handled("a")) == 18 and len(handled("b")) == 18, timeout=30)
         for node in ("a", "b"):
             assert handled(node)[2:] == sent[node]
             reader = reader_of(service, node)
@@ -568,7 +561,7 @@ async def test_falling_back_and_returning_keeps_the_stream_window(
             await send_within_windows(client, {sid: bytearray(b"".join(grpc(m) for m in messages))})
             expected += messages
             count = 2 + len(expected)
-            assert await eventually(lambda: len(handled("a")) == count), f"round {round_}"  # noqa: B023
+            await wait_until(lambda: len(handled("a")) == count, timeout=WAIT, what=f"round {round_}")  # noqa: B023
             reader = reader_of(service, "a")
             assert reader is not None and reader.messages == (1 if round_ == 0 else 0) + 5  # read directly
             # a request in a frame that makes the stream fall back to h2 and grpclib
@@ -578,8 +571,8 @@ async def test_falling_back_and_returning_keeps_the_stream_window(
             assert await client.until(lambda: min(client.conn_window, client.windows[sid]) >= size)  # noqa: B023
             await client.send(data(sid, payload, PADDED if fall_back == "padded DATA" else 0x20))
             expected.append(back)
-            assert await eventually(lambda: len(handled("a")) == count + 1), f"round {round_}"  # noqa: B023
-            assert await eventually(lambda: reader_of(service, "a") not in (None, reader))  # noqa: B023  # direct again
+            await wait_until(lambda: len(handled("a")) == count + 1, timeout=WAIT, what=f"round {round_}")  # noqa: B023
+            await wait_until(lambda: reader_of(service, "a") not in (None, reader), timeout=WAIT)  # noqa: B023  # direct again
         assert handled("a")[2:] == expected
 
 
@@ -588,7 +581,7 @@ async def test_an_empty_data_frame_on_a_direct_stream_is_nothing(handled: Callab
         sid, _ = await direct_stream(client, service, "a")
         await client.send(data(sid, b"") + data(sid, grpc(tagged("after"))))
         await client.ping()
-        assert await eventually(lambda: tagged("after") in handled("a"), wait=2.0)
+        await wait_until(lambda: tagged("after") in handled("a"), timeout=2.0)
         assert sid not in client.trailers
 
 
@@ -609,7 +602,7 @@ async def test_delta_requests_are_read_directly(handled: Callable[[str], list[by
                                                                resource_names_subscribe=["other"]))))  # fmt: skip
         resp = await client.response(sid, 12, DeltaDiscoveryResponse)
         assert [r.name for r in resp.resources] == ["other"]
-        assert await eventually(lambda: service.counters.acks == 11)
+        await wait_until(lambda: service.counters.acks == 11, timeout=WAIT)
         assert reader_of(service, "d") is reader and reader is not None and reader.messages == 12
         assert len(handled("d")) == 13
 

@@ -16,6 +16,7 @@ import hyperframe
 import pytest
 from test_grpc import SOURCE, Harness, cla_of, first, recv, reply
 from test_grpc import harness as grpc_harness  # noqa: F401 (a fixture)
+from waiting import wait_until
 
 from eds_server.model import Endpoint, Group
 from eds_server.transport import http2
@@ -181,7 +182,7 @@ async def test_a_change_is_encoded_once_for_all_its_streams(h: Harness, monkeypa
             await s.send_message(first("web"))
             acks.append(reply(await recv(s), "web"))
             await s.send_message(acks[-1])
-        await asyncio.sleep(0.05)  # the ACKs read
+        await wait_until(lambda: all(x.sm.in_flight is None for x in h.service.sessions))  # the ACKs read
         built.clear()
         h.store.update(SOURCE, {"web": big_group("web", 1500, weight=2)})
         got = [await recv(s) for s in streams]

@@ -20,6 +20,7 @@ from grpclib.const import Cardinality, Status
 from h2.settings import SettingCodes, Settings
 from h2frames import PREFACE, split
 from hyperframe.frame import HeadersFrame, PingFrame, RstStreamFrame
+from waiting import wait_until
 
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
@@ -272,10 +273,8 @@ async def test_partial_messages_share_one_budget() -> None:
             async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as a:
                 await a.send_request()
                 await a._stream.send_data(b"\x00" + (900_000).to_bytes(4, "big") + b"\x0a" * 1000)
-                for _ in range(100):  # bounded: the server took the first message's share
-                    if service.reader.budget and service.reader.budget.used:
-                        break
-                    await asyncio.sleep(0.02)
+                # the server took the first message's share
+                await wait_until(lambda: service.reader.budget and service.reader.budget.used, timeout=2.0)
                 with pytest.raises(GRPCError) as e:  # a second one does not fit
                     async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
                                                DiscoveryResponse) as b:  # fmt: skip

@@ -8,7 +8,7 @@ import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from waiting import wait_until
 
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
@@ -111,14 +112,6 @@ async def server(state: Path) -> AsyncIterator[Server]:
     state.parent.mkdir()
     async with serving(state) as s:
         yield s
-
-
-async def wait_until(check: Callable[[], bool], timeout: float = 3.0) -> None:
-    for _ in range(int(timeout / 0.02)):  # bounded
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 def ep(port: Any, **more: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from grpclib import GRPCError
 from grpclib.const import Cardinality, Status
 from prometheus_client import CollectorRegistry
 from test_grpc import SOURCE, Harness, cla_of, first, group, harness, no_message, recv, reply
+from waiting import wait_until
 
 from eds_server import admin
 from eds_server.pb.envoy.config.core.v3 import Node
@@ -86,15 +87,6 @@ def session(h: Harness) -> _Session:
     return only
 
 
-async def settled(h: Harness, check: Any) -> None:
-    """Wait (bounded) until the server has handled what was sent: `check()` holds."""
-    for _ in range(250):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    assert check()
-
-
 def store_agrees(h: Harness) -> bool:
     """Every stream's subscriptions are exactly what the store tells it about."""
     following = h.store._following
@@ -111,13 +103,13 @@ async def test_delta_streams_show_the_version_envoy_holds_as_acked(harness: Harn
         await stream.send_message(delta_first("web"))
         r1 = await recv(stream)
         await stream.send_message(delta_reply(r1))
-        await settled(harness, lambda: session(harness).describe()["names"]["web"]["acked"] == good)
+        await wait_until(lambda: session(harness).describe()["names"]["web"]["acked"] == good, timeout=5.0)
         harness.store.update(SOURCE, {"web": group("web", 2)})
         r2 = await recv(stream)
         bad = r2.resources[0].version
         assert session(harness).describe()["names"]["web"]["acked"] == good  # in flight: still the old one
         await stream.send_message(delta_reply(r2, error="rejected"))
-        await settled(harness, lambda: harness.service.counters.nacks == 1)
+        await wait_until(lambda: harness.service.counters.nacks == 1, timeout=5.0)
         assert session(harness).describe()["names"]["web"] == {"sent": bad, "acked": good, "nacked": bad}
 
 
@@ -133,7 +125,7 @@ async def test_delta_subscribe_and_unsubscribe_in_one_request_leave_state_and_st
         r1 = await recv(stream)
         # both lists name "web" (subscribed) and "new" (not): subscribes first, then unsubscribes
         await stream.send_message(delta_reply(r1, subscribe=("web", "new"), unsubscribe=("web", "new")))
-        await settled(harness, lambda: list(session(harness).sm.subscribed) == ["api"])
+        await wait_until(lambda: list(session(harness).sm.subscribed) == ["api"], timeout=5.0)
         assert store_agrees(harness)
         await no_message(stream)
         harness.store.update(SOURCE, {"web": group("web", 2), "api": group("api", 2)})
@@ -157,7 +149,7 @@ async def test_sotw_unsubscribing_while_in_flight_then_acking_keeps_nothing(harn
             await stream.send_message(DiscoveryRequest(type_url=EDS_TYPE_URL))
             await no_message(stream, 0.05)
         await stream.send_message(reply(resp))  # ACKs the last one, and drops everything
-        await settled(harness, lambda: not session(harness).sm.subscribed)
+        await wait_until(lambda: not session(harness).sm.subscribed, timeout=5.0)
         sm = session(harness).sm
         assert not sm.acked and not sm.sent and not sm.nacked
         assert store_agrees(harness) and not harness.store._by_name
@@ -190,7 +182,7 @@ async def test_sotw_a_name_dropped_by_a_stale_request_is_sent_again_when_listed_
         assert [cla_of(r2, i).cluster_name for i in range(len(r2.resources))] == ["web"]
         assert r2.version_info == r1.version_info  # unchanged, but new to the client
         await stream.send_message(reply(r2, "web"))
-        await settled(harness, lambda: session(harness).sm.acked == {"web": r2.version_info})
+        await wait_until(lambda: session(harness).sm.acked == {"web": r2.version_info}, timeout=5.0)
         assert store_agrees(harness)
 
 
@@ -377,8 +369,4 @@ async def test_grpclib_clients_read_the_status_not_a_reset(harness: Harness) -> 
         await asyncio.sleep(0.3)
         status, message = await ended_with(stream)
         assert status == Status.RESOURCE_EXHAUSTED and "more than 1 resource names" in (message or "")
-    for _ in range(100):  # bounded: the server side is gone too
-        if harness.service.open_streams == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert harness.service.open_streams == 0
+    await wait_until(lambda: harness.service.open_streams == 0, timeout=2.0)  # the server side is gone too
