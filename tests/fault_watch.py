@@ -188,10 +188,6 @@ class FaultWatch:
         windows = self.down_windows()
         return [r for r in self.failed() if not any(a <= r.t <= b for a, b in windows)]
 
-    def empty_while_backends_up(self) -> list[Sample]:
-        windows = self.down_windows()
-        return [s for s in self.samples if s.hosts == 0 and not any(a <= s.t <= b for a, b in windows)]
-
     def longest(self, flag: str) -> float:
         """Longest run of consecutive samples for which `flag` holds: "stale" (a loaded source is served
         marked stale), "unready" (eds-server answers nobody: restarting, or waiting for a source)."""
@@ -207,8 +203,8 @@ class FaultWatch:
                 start = None
         return best
 
-    def host_counts(self, since: float = 0.0) -> Counter[int | None]:
-        return Counter(s.hosts for s in self.samples if s.t >= since)
+    def host_counts(self) -> Counter[int | None]:
+        return Counter(s.hosts for s in self.samples)
 
     def summary(self, name: str) -> str:
         failed = self.failed()

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import hpack
-from h2frames import GOAWAY, PREFACE, split
+from h2frames import PREFACE
 from hyperframe.frame import (
     DataFrame,
     HeadersFrame,
@@ -73,28 +73,6 @@ class Conn:
 
     def close(self) -> None:
         self.writer.close()
-
-
-async def goaway_code(conn: Conn, wait: float = 3.0) -> int | None:
-    """Read what the server sent until it closes or `wait` passes: its GOAWAY error code, if any."""
-    buffer = b""
-    code = None
-    end = time.monotonic() + wait
-    for _ in range(10_000):  # bounded
-        left = end - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            chunk = await asyncio.wait_for(conn.reader.read(1 << 16), left)
-        except (TimeoutError, ConnectionError):
-            break
-        if not chunk:
-            break
-        frames, buffer = split(buffer + chunk)
-        for f in frames:
-            if f.type == GOAWAY:
-                code = int.from_bytes(f.payload[4:8], "big")
-    return code
 
 
 async def flood(port: int, src: str, seconds: float, chunk: bytes, *, setup: bytes = b"",

@@ -648,7 +648,7 @@ def test_bad_token_files_are_refused(tmp_path: Path, text: str) -> None:
         load_scoped_tokens(str(path))
 
 
-async def test_a_short_admin_token_is_refused(state: Path) -> None:
+async def test_a_short_admin_token_is_refused() -> None:
     from eds_server.registration_api import RegistrationConfigError
 
     with pytest.raises(RegistrationConfigError):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, note
@@ -182,15 +183,15 @@ def test_an_edit_inside_one_flow_mapping_endpoint_is_spliced() -> None:
     ):
         parser = upstreams.Parser()
         parser.parse(text)
-        try:
-            fresh: object = upstreams.parse(edit, "up.yaml")
-        except upstreams.UpstreamsError as e:
-            fresh = [str(p) for p in e.problems]
-        try:
-            again: object = parser.parse(edit, "up.yaml")
-        except upstreams.UpstreamsError as e:
-            again = [str(p) for p in e.problems]
-        assert again == fresh and parser.spliced == spliced
+        assert outcome(parser.parse, edit) == outcome(upstreams.parse, edit) and parser.spliced == spliced
+
+
+def outcome(parse: Callable[[str, str], Any], text: str) -> object:
+    """What a parse gives: the groups, or its problems as text."""
+    try:
+        return parse(text, "up.yaml")
+    except upstreams.UpstreamsError as e:
+        return [str(p) for p in e.problems]
 
 
 SPLICE_NOISE = ["}", "{", ",", ":", " ", "#", "\n", "'", '"', "[", "]", "&a ", "*a", "!!str ", "0", "9", "weight: 2",
@@ -210,15 +211,7 @@ def test_splicing_gives_what_a_fresh_parse_gives(data: st.DataObject) -> None:
         noise = data.draw(st.lists(st.sampled_from(SPLICE_NOISE), max_size=3).map("".join))
         text = text[:at] + noise + text[at + cut :]
         note(repr(text))
-        try:
-            fresh: object = upstreams.parse(text, "up.yaml")
-        except upstreams.UpstreamsError as e:
-            fresh = [str(p) for p in e.problems]
-        try:
-            again: object = parser.parse(text, "up.yaml")
-        except upstreams.UpstreamsError as e:
-            again = [str(p) for p in e.problems]
-        assert again == fresh
+        assert outcome(parser.parse, text) == outcome(upstreams.parse, text)
 
 
 def test_reuse_keeps_problems_and_their_lines() -> None:
@@ -259,12 +252,4 @@ def test_a_parser_with_history_gives_what_a_fresh_parse_gives(data: st.DataObjec
     for _ in range(3):
         text = render(data.draw, data.draw(gen_files()))
         note(text)
-        try:
-            fresh: object = upstreams.parse(text, "up.yaml")
-        except upstreams.UpstreamsError as e:
-            fresh = [str(p) for p in e.problems]
-        try:
-            again: object = parser.parse(text, "up.yaml")
-        except upstreams.UpstreamsError as e:
-            again = [str(p) for p in e.problems]
-        assert again == fresh
+        assert outcome(parser.parse, text) == outcome(upstreams.parse, text)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import h2.exceptions
+from canary import rss_mb
 from grpclib.client import Channel
 from grpclib.const import Cardinality
 from server_process import EdsServerProcess, write_atomically
@@ -85,11 +86,6 @@ async def canary(server: EdsServerProcess, names: list[str]) -> AsyncIterator[tu
                     await stream.cancel()
     finally:
         channel.close()
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
 async def wait_error(server: EdsServerProcess, words: str) -> str:
