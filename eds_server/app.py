@@ -58,7 +58,7 @@ class Settings:
     send_timeout: float = 30.0
     reset_budget: int = 10_000
     limits: Limits = field(default_factory=Limits)
-    # gRPC connections and per-IP budgets (its max_streams, reset_budget, max_message_size: the fields above)
+    # gRPC connections and per-IP budgets (its max_streams and reset_budget: the fields above)
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
     shutdown_grace: float = 2.0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 from collections.abc import Callable
 
@@ -21,14 +20,16 @@ log = logging.getLogger("eds_server.heap")
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
+    """glibc's malloc_trim, from the C library this process already has loaded (no lookup by name,
+    which runs ldconfig); None where there is none."""
     with contextlib.suppress(OSError, AttributeError):
-        trim = ctypes.CDLL(name).malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
         return trim
     return None
+
+
+_TRIM = _malloc_trim()  # once per process
 
 
 class HeapTrim:
@@ -42,7 +43,7 @@ class HeapTrim:
         self.most = most
         self.opened = 0  # first requests read since the last trim
         self.trims = 0
-        self._trim = _malloc_trim()
+        self._trim = _TRIM
         self._timer: asyncio.TimerHandle | None = None
         self._first = self._last = 0.0  # when the burst's first and latest streams opened
         self._running: asyncio.Future[int] | None = None

@@ -58,7 +58,7 @@ from .http2 import (
     send_frames,
 )
 from .reflection import ReflectionService
-from .unknown import UnknownMethods
+from .unknown import UnknownMethods, clip
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -94,7 +94,6 @@ class EdsService:
     store: Store
     limits: Limits = field(default_factory=Limits)
     send_timeout: float = 30.0
-    max_message_size: int = 4 * 1024 * 1024
     max_streams: int = 100_000  # open streams in total, across connections (health and reflection too)
     other_streams: int = 0  # open health and reflection streams
     reader: MessageReader = field(default_factory=MessageReader)  # size limit, deadlines, partial budget
@@ -174,10 +173,19 @@ class EdsService:
     def open_streams(self) -> int:
         return len(self.sessions)
 
-    def enter_stream(self) -> bool:
-        """Count one more open stream of any service; False (counted as refused) at the total limit."""
+    def _room(self) -> bool:
+        """Whether one more stream of any service fits the total limit (if not, counted as refused)."""
         if len(self.sessions) + self.other_streams >= self.max_streams:
             self.counters.refused += 1
+            return False
+        return True
+
+    def _full(self) -> GRPCError:
+        return GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
+
+    def enter_stream(self) -> bool:
+        """Count one more open health, reflection or fetch stream; False at the total limit."""
+        if not self._room():
             return False
         self.other_streams += 1
         return True
@@ -191,8 +199,9 @@ class EdsService:
         Bounded however many streams and names there are (each stream shows at most
         STREAM_NAMES_SHOWN names), so answering never holds up the event loop for long.
         """
-        page = heapq.nsmallest(limit, (s for s in self.sessions if s.id > after), key=lambda s: s.id)
-        more = len(page) == limit and any(s.id > page[-1].id for s in self.sessions)
+        page = heapq.nsmallest(limit + 1, (s for s in self.sessions if s.id > after), key=lambda s: s.id)
+        more = len(page) > limit
+        page = page[:limit]
         return {"streams": [s.describe() for s in page], "total": len(self.sessions),
                 "next_after": page[-1].id if more else None}  # fmt: skip
 
@@ -207,9 +216,8 @@ class EdsService:
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        if not self.enter_stream():
-            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
-        self.other_streams -= 1
+        if not self._room():
+            raise self._full()
         self.sessions.add(session)
         self.counters.streams_opened += 1
         session.id = self.counters.streams_opened
@@ -223,7 +231,7 @@ class EdsService:
 
     async def fetch_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         if not self.enter_stream():
-            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
+            raise self._full()
         try:
             async with _status_in_trailers(stream):
                 await self._fetch(stream)
@@ -447,7 +455,7 @@ class _Session:
         for event in self.sm.receive(request):
             if isinstance(event, Nack):
                 counters.nacks += 1
-                self.last_nack = _clip(event.message)
+                self.last_nack = clip(event.message)
                 known = self.service.store.resources()
                 for name in event.names:
                     group = name if name in known else "(unknown name)"
@@ -455,7 +463,7 @@ class _Session:
                 log.warning(
                     "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
                     self.node, self.cluster, self.peer, _names(event.names),
-                    event.version_info, _clip(event.message), extra=self._fields("nack"),
+                    event.version_info, clip(event.message), extra=self._fields("nack"),
                 )  # fmt: skip
             elif isinstance(event, Ack):
                 counters.acks += 1
@@ -578,20 +586,14 @@ def _node_fields(raw: memoryview | None) -> tuple[str, str]:
 
 def _shown(node_id: str, cluster: str) -> tuple[str, str]:
     """The same, bounded and escaped for logs."""
-    return _clip(node_id or "?", 200), _clip(cluster or "?", 200)
+    return clip(node_id or "?", 200), clip(cluster or "?", 200)
 
 
 def _names(names: Iterable[str], most: int = 10) -> str:
     """A bounded rendering of a client-chosen list of names, for logs."""
     names = list(names)
-    shown = ",".join(_clip(n, 100) for n in names[:most])
+    shown = ",".join(clip(n, 100) for n in names[:most])
     return shown + (f",... ({len(names)} names)" if len(names) > most else "")
-
-
-def _clip(text: str, most: int = 1000) -> str:
-    """Client-supplied text made safe for a one-line log entry."""
-    text = text if len(text) <= most else text[:most] + "..."
-    return text.encode("unicode_escape").decode("ascii")
 
 
 def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:
@@ -611,12 +613,11 @@ def make_server(
     ssl: SSLContext | None = None,
 ) -> Server:
     """The gRPC server: EDS, health and reflection, all read through one MessageReader and counted
-    against the service's stream limit; `limits` (its max_streams, reset_budget and
-    max_message_size replaced by the arguments of the same meaning) for connections and budgets."""
+    against the service's stream limit; `limits` (its max_streams and reset_budget replaced by the
+    arguments of the same meaning) for connections and budgets."""
     limits = dataclasses.replace(
-        limits or ConnectionLimits(), max_streams=max_streams_per_connection, reset_budget=reset_budget,
-        max_message_size=max_message_size,
-    )  # fmt: skip
+        limits or ConnectionLimits(), max_streams=max_streams_per_connection, reset_budget=reset_budget
+    )
     config = Configuration(
         _keepalive_time=keepalive_time,
         _keepalive_timeout=keepalive_timeout,
@@ -625,7 +626,6 @@ def make_server(
         _http2_max_pings_without_data=0,
         _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
     )
-    service.max_message_size = max_message_size
     service.reader = MessageReader(
         max_message_size, limits.request_timeout, PartialBudget(limits.partial_message_budget, max_message_size)
     )

@@ -101,7 +101,6 @@ class ConnectionLimits:
     max_connections_per_ip: int = 100
     request_timeout: float = 10.0  # to open a first stream, to send a first request, to finish a message
     tls_handshake_timeout: float = 5.0
-    max_message_size: int = 4 * 1024 * 1024
     partial_message_budget: int = 128 * 1024 * 1024  # bytes of messages being received, server-wide
 
 
@@ -263,8 +262,8 @@ class GuardedH2Connection(H2Connection):
         super().send_data(stream_id, *args, **kwargs)
 
     def note_data_frames(self, stream_id: int, frames: int) -> None:
-        """DATA frames queued without send_data (transport/grpc.py's fan-out builds them itself):
-        the same bookkeeping as send_data's."""
+        """DATA frames queued without send_data (queue_message builds them itself): the same
+        bookkeeping as send_data's."""
         self._touched.add(stream_id)
         self._window_credit = min(self._window_credit + WINDOW_CREDIT_PER_DATA_FRAME * frames, 100_000)
 
@@ -499,8 +498,8 @@ class _H2Protocol(H2Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._peer_budgets is None:
             return
-        h2 = self.connection._connection
-        for reader in list(getattr(h2, "direct", {}).values()):
+        h2 = cast(GuardedH2Connection, self.connection._connection)
+        for reader in list(h2.direct.values()):
             reader.fall_back()  # grpclib ends the stream its own way
         self.gate.release(self._peer_budgets)
         self._peer_budgets = None
@@ -759,22 +758,15 @@ def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> b
         return False
     heads, payloads = message.frames(h2.max_outbound_frame_size)
     tail = sid.to_bytes(4, "big")
-    pending = getattr(raw._transport, "pending", None)
-    if pending is None:  # not a connection of ours (grpclib's own server): into h2's buffer
-        out = h2._data_to_send
-        for head, payload in zip(heads, payloads, strict=True):
-            out += head + tail
-            out += payload
-    else:
-        if h2._data_to_send:
-            pending.append(h2.data_to_send())  # queued before: written before
-        for head, payload in zip(heads, payloads, strict=True):
-            pending.append(head + tail)
-            pending.append(payload)
+    pending = cast(_Transport, raw._transport).pending  # every connection of Server's is a _Connection
+    if h2._data_to_send:
+        pending.append(h2.data_to_send())  # queued before: written before
+    for head, payload in zip(heads, payloads, strict=True):
+        pending.append(head + tail)
+        pending.append(payload)
     h2.outbound_flow_control_window -= size
     h2_stream.outbound_flow_control_window -= size
-    if isinstance(h2, GuardedH2Connection):
-        h2.note_data_frames(sid, len(heads))
+    cast(GuardedH2Connection, h2).note_data_frames(sid, len(heads))
     stream._send_message_done = True
     return True
 

@@ -15,7 +15,7 @@ from grpclib.const import Cardinality, Status
 log = logging.getLogger("eds_server.grpc")
 
 
-def _clip(text: str, most: int) -> str:
+def clip(text: str, most: int = 1000) -> str:
     """Client-chosen text made safe for a one-line log entry."""
     text = text if len(text) <= most else text[:most] + "..."
     return text.encode("unicode_escape").decode("ascii")
@@ -64,6 +64,6 @@ class UnknownMethods(dict[str, grpclib.const.Handler]):
             self._warned[key] = None
             if len(self._warned) > self._most:
                 self._warned.popitem(last=False)
-            log.warning("unknown gRPC method %s from %s: %s", _clip(path, 200), key[0], why,
+            log.warning("unknown gRPC method %s from %s: %s", clip(path, 200), key[0], why,
                         extra={"event": "unknown_method", "peer": key[0]})  # fmt: skip
-        return f"unknown method {_clip(path, 200)}: {why}"
+        return f"unknown method {clip(path, 200)}: {why}"
