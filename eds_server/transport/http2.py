@@ -137,6 +137,7 @@ class Gate:
     peers: dict[str, PeerBudgets] = field(default_factory=dict)
     connections: int = 0
     counters: GateCounters = field(default_factory=GateCounters)
+    _prune_at: int = 0  # table size at which idle peers are forgotten next
 
     def admit(self, ip: str) -> PeerBudgets | str:
         """The IP's budgets, or why the connection is refused."""
@@ -144,8 +145,10 @@ class Gate:
             return f"server holds its limit of {self.limits.max_connections} connections"
         peer = self.peers.get(ip)
         if peer is None:
-            if len(self.peers) >= self.limits.max_connections:
+            if len(self.peers) >= max(self._prune_at, self.limits.max_connections):
                 self._forget_idle()
+                # next time at twice what is left: a table of busy peers is not walked per connection
+                self._prune_at = 2 * len(self.peers)
             peer = self.peers[ip] = PeerBudgets(self.limits)
         if peer.connections >= self.limits.max_connections_per_ip:
             return f"{ip} holds its limit of {self.limits.max_connections_per_ip} connections"
