@@ -184,12 +184,22 @@ class Parser:
         self._index = _Index("", {})
 
     def parse(self, text: str, filename: str = "<upstreams>") -> dict[str, Group]:
+        spliced = self.splice(text, filename)
+        return spliced if spliced is not None else self.parse_full(text, filename)
+
+    def splice(self, text: str, filename: str) -> dict[str, Group] | None:
+        """The splice path only (about a millisecond: cheap enough for the event loop); None where
+        the full path is needed."""
         spliced = self._index.splice(text, filename)
         self.spliced = spliced is not None
         if spliced is not None:
             self.reused_groups = len(spliced) - 1
             self.reused_endpoints = len(spliced[self._index.changed].endpoints) - 1
-            return spliced
+        return spliced
+
+    def parse_full(self, text: str, filename: str) -> dict[str, Group]:
+        """The full path (see the class), for a text the splice path has declined."""
+        self.spliced = False
         self._index = _Index("", {})
         w = _Walker(filename, text, self._groups, self._endpoints)
         try:
@@ -205,22 +215,19 @@ class Parser:
     def parse_bytes(self, data: bytes, filename: str) -> dict[str, Group]:
         return self.parse(decode(data, filename), filename)
 
-    def splice_bytes(self, data: bytes, filename: str) -> dict[str, Group] | None:
-        """The splice path only (about a millisecond: cheap enough for the event loop); None where
-        `parse_bytes` would take the full path, or report a problem (UTF-8 included)."""
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        spliced = self._index.splice(text, filename)
-        if spliced is not None:
-            self.spliced = True
-            self.reused_groups = len(spliced) - 1
-            self.reused_endpoints = len(spliced[self._index.changed].endpoints) - 1
-        return spliced
-
 
 _SPLICE_REFUSED = re.compile(r"[\n\r#&*!%]")  # lines, comments, anchors, aliases, tags: the full path
+
+
+def _common_suffix(a: str, b: str, step: int = 4096) -> int:
+    """Length of the common suffix, comparing in C-speed chunks (no reversed copies)."""
+    la, lb = len(a), len(b)
+    n, i = min(la, lb), 0
+    while i + step <= n and a[la - i - step : la - i] == b[lb - i - step : lb - i]:
+        i += step
+    while i < n and a[la - i - 1] == b[lb - i - 1]:
+        i += 1
+    return i
 
 
 def _first_difference(a: str, b: str, step: int = 4096) -> int:
@@ -264,7 +271,7 @@ class _Index:
         if p == len(old) == len(text):
             self.changed = next(iter(self.groups))
             return self.groups
-        q = _first_difference(old[::-1], text[::-1])
+        q = _common_suffix(old, text)
         q = min(q, len(old) - p, len(text) - p)
         k = bisect_right(self.starts, p) - 1
         if k < 0 or len(old) - q > self.ends[k]:

@@ -253,3 +253,11 @@ def test_a_parser_with_history_gives_what_a_fresh_parse_gives(data: st.DataObjec
         text = render(data.draw, data.draw(gen_files()))
         note(text)
         assert outcome(parser.parse, text) == outcome(upstreams.parse, text)
+
+
+@examples(300)
+@given(st.text("ab", max_size=40), st.text("ab", max_size=40), st.integers(1, 8))
+def test_common_suffix_in_chunks(a: str, b: str, step: int) -> None:
+    """The splice's suffix scan, chunked and without reversed copies, finds the common suffix."""
+    expected = next((i for i, (x, y) in enumerate(zip(a[::-1], b[::-1], strict=False)) if x != y), min(len(a), len(b)))
+    assert upstreams._common_suffix(a, b, step) == expected

@@ -110,11 +110,12 @@ class UpstreamsFileSource:
             return False
         # A one-endpoint edit is spliced right here (about a millisecond at 1,000 endpoints);
         # anything else is parsed in a worker thread, so a large file cannot hold up the loop.
-        groups = self._parser.splice_bytes(data, self.path)
         try:
+            text = upstreams.decode(data, self.path)
+            groups = self._parser.splice(text, self.path)
             if groups is None:
                 log.debug("parsing %s (%d bytes) in a worker thread", self.path, len(data))
-                groups = await asyncio.to_thread(self._parse, data)
+                groups = await asyncio.to_thread(self._parser.parse_full, text, self.path)
         except upstreams.UpstreamsError as e:
             self._last_bytes = data  # reported once; the next edit is looked at afresh
             self._error(str(e))
