@@ -104,7 +104,10 @@ def _encode_lb_endpoint(ep: Endpoint) -> bytes:
 
 
 def lb_endpoint_field(ep: Endpoint) -> bytes:
-    """One endpoint's encoded `lb_endpoints` field, from the cache when it was encoded before."""
+    """One endpoint's encoded `lb_endpoints` field: kept on the endpoint, and in a cache by value
+    for equal endpoints made anew."""
+    if ep.wire is not None:
+        return ep.wire
     key = (ep.address, ep.port, ep.weight, ep.health, ep.hostname,
            json.dumps(ep.metadata, sort_keys=True) if ep.metadata else "")  # fmt: skip
     cached = _endpoint_cache.get(key)
@@ -112,37 +115,20 @@ def lb_endpoint_field(ep: Endpoint) -> bytes:
         if len(_endpoint_cache) >= ENDPOINT_CACHE_SIZE:
             del _endpoint_cache[next(iter(_endpoint_cache))]  # the oldest
         cached = _endpoint_cache[key] = length_delimited(2, _encode_lb_endpoint(ep))
+    object.__setattr__(ep, "wire", cached)  # frozen, but this is a cache, not a value (compare=False)
     return cached
 
 
-# group name -> {id(endpoint): (endpoint, its field)} of the group's last encoding: a source that
-# keeps its unchanged Endpoint objects (the file's parser does) has them found by identity, without
-# building and hashing a cache key each. Only the endpoints of the last encoding are kept (alive
-# anyway, in the store), for at most GROUPS_REMEMBERED names.
-_last_fields: dict[str, dict[int, tuple[Endpoint, bytes]]] = {}
-GROUPS_REMEMBERED = 50_000
-
-
 def encode_group(group: Group) -> bytes:
-    last = _last_fields.pop(group.name, None) or {}
-    now: dict[int, tuple[Endpoint, bytes]] = {}
     out = [string_field(1, group.name)]
     for (priority, loc), eps in groupby(_ordered(group), key=_bucket):
         locality = string_field(1, loc.region) + string_field(2, loc.zone) + string_field(3, loc.subzone)
         parts = [length_delimited(1, locality)]
-        for ep in eps:
-            hit = last.get(id(ep))
-            if hit is None or hit[0] is not ep:
-                hit = (ep, lb_endpoint_field(ep))
-            now[id(ep)] = hit
-            parts.append(hit[1])
+        parts.extend(map(lb_endpoint_field, eps))
         weight = group.locality_weights.get(loc)
         if weight is not None:
             parts.append(_uint32_value(3, weight))
         if priority:
             parts.append(varint(5 << 3) + varint(priority))
         out.append(length_delimited(2, b"".join(parts)))
-    if len(_last_fields) >= GROUPS_REMEMBERED:
-        del _last_fields[next(iter(_last_fields))]  # the oldest
-    _last_fields[group.name] = now
     return b"".join(out)

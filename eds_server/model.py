@@ -32,10 +32,18 @@ class Locality:
 
 
 @functools.lru_cache(maxsize=4096)
-def locality(region: str = "", zone: str = "", subzone: str = "") -> Locality:
-    """One shared Locality per value: sorting and grouping thousands of endpoints then compares
-    localities by identity, not with the dataclass's Python-level __eq__."""
+def _interned(region: str, zone: str, subzone: str) -> Locality:
     return Locality(region, zone, subzone)
+
+
+def locality(region: str = "", zone: str = "", subzone: str = "") -> Locality:
+    """One shared Locality per value (every source makes them here): sorting and grouping
+    thousands of endpoints then compares localities by identity, not with the dataclass's
+    Python-level __eq__."""
+    return _interned(region, zone, subzone)
+
+
+NOWHERE = locality()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +55,13 @@ class Endpoint:
     weight: int | None = None  # None: leave load_balancing_weight unset (Envoy uses 1)
     health: Health = Health.UNKNOWN
     priority: int = 0
-    locality: Locality = Locality()
+    locality: Locality = NOWHERE
     hostname: str = ""
     # filter_metadata["envoy.lb"]: JSON-like values, for Envoy's subset load balancer
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    # its encoded lb_endpoints field, once encode.py has made it: an endpoint a source keeps
+    # (the file's parser, Kubernetes, Docker) is encoded once, and found without a cache key
+    wire: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def key(self) -> tuple[str, int]:

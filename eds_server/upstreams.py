@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import yaml
 
 from . import envoy_limits, fields
-from .model import Endpoint, Group, Locality
+from .model import Endpoint, Group, Locality, locality
 
 T = TypeVar("T")
 
@@ -487,7 +487,7 @@ def _localities(w: _Walker, node: yaml.Node, path: str) -> dict[Locality, int]:
         weight = w.field(spec["weight"][1], f"{item_path}.weight", fields.weight)
         if weight is None or None in parts.values():
             continue
-        loc = Locality(parts["region"], parts["zone"], parts["subzone"])
+        loc = locality(parts["region"], parts["zone"], parts["subzone"])
         if loc in out:
             w.problem(item, item_path, "duplicate locality")
             continue

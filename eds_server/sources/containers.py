@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .. import fields
-from ..model import Endpoint, Group, Health, Locality, groups_from
+from ..model import Endpoint, Group, Health, groups_from, locality
 
 AddressMode = Literal["network", "published"]
 SETTING_KEYS = ("port", "weight", "priority", "region", "zone", "subzone", "hostname", "network", "address")
@@ -181,7 +181,7 @@ def labelled_endpoint(
         weight=settings.get("weight"),
         health=health,
         priority=settings.get("priority", 0),
-        locality=Locality(settings.get("region", ""), settings.get("zone", ""), settings.get("subzone", "")),
+        locality=locality(settings.get("region", ""), settings.get("zone", ""), settings.get("subzone", "")),
         hostname=settings.get("hostname", default_hostname),
         metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
     )

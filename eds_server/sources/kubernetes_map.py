@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fields
-from ..model import Endpoint, Group, Health, Locality, groups_from
+from ..model import Endpoint, Group, Health, groups_from, locality
 from .containers import Skip, _settings
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -123,7 +123,7 @@ def slice_endpoints(
                 weight=settings.get("weight"),
                 health=health,
                 priority=settings.get("priority", 0),
-                locality=Locality(str((regions or {}).get(e.get("nodeName") or "", "")), str(e.get("zone") or "")),
+                locality=locality(str((regions or {}).get(e.get("nodeName") or "", "")), str(e.get("zone") or "")),
                 hostname=str(e.get("hostname") or (ref.get("name") if ref.get("kind") == "Pod" else "") or ""),
                 metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
             )
