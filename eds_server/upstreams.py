@@ -549,10 +549,14 @@ def read(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
     return b"".join(chunks)
 
 
-def load(path: str, max_size: int = MAX_FILE_SIZE) -> dict[str, Group]:
-    """Read and parse a file; an unreadable file is one Problem too."""
+def read_required(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
+    """`read`, with a missing file one Problem too (where the file must be there: a first load)."""
     try:
-        data = read(path, max_size)
+        return read(path, max_size)
     except FileNotFoundError as e:
         raise UpstreamsError([Problem(path, 0, "", f"cannot read: {e.strerror or e}")]) from None
-    return parse_bytes(data, path)
+
+
+def load(path: str, max_size: int = MAX_FILE_SIZE) -> dict[str, Group]:
+    """Read and parse a file; an unreadable file is one Problem too."""
+    return parse_bytes(read_required(path, max_size), path)

@@ -17,7 +17,6 @@ import os
 import watchfiles
 
 from .. import upstreams
-from ..model import Group
 from ..store import Store
 
 log = logging.getLogger("eds_server.sources.file")
@@ -57,18 +56,10 @@ class UpstreamsFileSource:
         """Bounded: a regular file of at most max_size bytes (UpstreamsError otherwise)."""
         return upstreams.read(self.path, self.max_size)
 
-    def _parse(self, data: bytes) -> dict[str, Group]:
-        return self._parser.parse_bytes(data, self.path)
-
     def load(self) -> None:
         """First load: raise UpstreamsError so a bad file stops the server from starting."""
-        try:
-            data = self._read()
-        except FileNotFoundError as e:
-            raise upstreams.UpstreamsError(
-                [upstreams.Problem(self.path, 0, "", f"cannot read: {e.strerror or e}")]
-            ) from None
-        groups = self._parse(data)
+        data = upstreams.read_required(self.path, self.max_size)
+        groups = self._parser.parse_bytes(data, self.path)
         self._last_bytes = data
         self.store.update(self.name, groups)
         log.info("loaded %s: %d groups", self.path, len(groups))
@@ -99,12 +90,9 @@ class UpstreamsFileSource:
             # Usually transient: an editor moved the file aside and is about to write it again.
             self._error(f"{self.path}: missing", level=logging.WARNING)
             return False
-        except upstreams.UpstreamsError as e:  # not a regular file, too big, unreadable
+        except upstreams.UpstreamsError as e:  # not a regular file, too big, unreadable (upstreams.read)
             self._last_bytes = None  # the next readable version is looked at afresh
             self._error(str(e))
-            return False
-        except OSError as e:
-            self._error(f"{self.path}: cannot read: {e.strerror or e}")
             return False
         if data == self._last_bytes:
             return False
