@@ -130,6 +130,11 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
+def env_var(flag: str) -> str:
+    """The environment variable of a flag: --max-names is EDS_MAX_NAMES."""
+    return "EDS_" + flag.lstrip("-").upper().replace("-", "_")
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Ends every option's help with its environment variable and built-in default, in one form:
     `[EDS_X] (default Y)`. The variable is EDS_ plus the flag's name; a help text may give its own
@@ -139,7 +144,7 @@ class _HelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         if not action.option_strings or action.help == argparse.SUPPRESS or action.dest in ("help", "version"):
             return text.replace(" [-]", "")
-        env: str | None = "EDS_" + action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+        env: str | None = env_var(action.option_strings[-1])
         if "[-]" in text or env not in _BUILT_IN:
             env, text = None, text.replace("[-]", "")
         text = re.sub(r"\s*\[EDS_[A-Z_]+(=1)?\]", "", text)
@@ -170,7 +175,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         found = re.match(r"argument (--[\w-]+)", message)
         if found and not any(a == found[1] or a.startswith(found[1] + "=") for a in _Parser.argv):
-            env = "EDS_" + found[1][2:].upper().replace("-", "_")
+            env = env_var(found[1])
             if env in os.environ:
                 message += f" (from {env}={os.environ[env]!r})"
         super().error(message)
