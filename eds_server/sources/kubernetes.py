@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,8 +180,10 @@ class KubernetesSource:
             self._regions.pop(name, None)
         self._dirty.update(self._services)  # rare: map every Service again
 
-    def _setter(self, kind: Kind) -> Any:
-        return {SERVICES.plural: self._set_service, SLICES.plural: self._set_slice}.get(kind.plural, self._set_node)
+    def _setter(self, kind: Kind) -> Callable[[Mapping[str, Any] | None, str], None]:
+        if kind.plural == SERVICES.plural:
+            return self._set_service
+        return self._set_slice if kind.plural == SLICES.plural else self._set_node
 
     def apply(self, kind: Kind, event_type: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED) for a Service, an EndpointSlice or a Node."""
@@ -192,14 +194,19 @@ class KubernetesSource:
 
     def replace(self, kind: Kind, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
         """A full listing of one kind in one scope: what it lacks is gone."""
-        known: Mapping[str, Any] = {
-            SERVICES.plural: self._services, SLICES.plural: self._slices,
-        }.get(kind.plural, {f"/{n}": r for n, r in self._regions.items()})  # fmt: skip
+        known: Iterable[str]
+        if kind.plural == SERVICES.plural:
+            known = self._services
+        elif kind.plural == SLICES.plural:
+            known = self._slices
+        else:
+            known = [f"/{n}" for n in self._regions]
+        setter = self._setter(kind)
         listed = {object_key(o): o for o in items}
         for key in [k for k in known if self._in_scope(k, namespace) and k not in listed]:
-            self._setter(kind)(None, key)
+            setter(None, key)
         for key, obj in listed.items():
-            self._setter(kind)(obj, key)
+            setter(obj, key)
 
     def publish(self) -> None:
         """Map the Services that changed again, and hand the store the whole state."""

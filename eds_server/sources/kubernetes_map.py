@@ -105,6 +105,9 @@ def slice_endpoints(
     if number is None:
         return [], None  # the controller has not filled the port yet, or the port has no endpoints
     out, bad = [], []
+    # the same for every endpoint of the slice
+    weight, priority, regions = settings.get("weight"), settings.get("priority", 0), regions or {}
+    metadata = {k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")}
     for e in slice_.get("endpoints") or []:
         health = health_of(e.get("conditions"))
         addresses = e.get("addresses") or []
@@ -120,12 +123,12 @@ def slice_endpoints(
             Endpoint(
                 address=address,
                 port=int(number),
-                weight=settings.get("weight"),
+                weight=weight,
                 health=health,
-                priority=settings.get("priority", 0),
-                locality=locality(str((regions or {}).get(e.get("nodeName") or "", "")), str(e.get("zone") or "")),
+                priority=priority,
+                locality=locality(str(regions.get(e.get("nodeName") or "", "")), str(e.get("zone") or "")),
                 hostname=str(e.get("hostname") or (ref.get("name") if ref.get("kind") == "Pod" else "") or ""),
-                metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
+                metadata=metadata,
             )
         )
     warning = f"{where}: {len(bad)} addresses are not IPs ({', '.join(bad[:3])}); skipped" if bad else None
