@@ -185,8 +185,9 @@ class _Api:
         self.body_timeout = body_timeout
 
     # -- checks --------------------------------------------------------------------------------
-    def _authorize(self, request: web.Request, group: str | None) -> web.Response | None:
-        """None if the request's token may write `group` (None: the group is not known yet)."""
+    def _authenticate(self, request: web.Request) -> web.Response | list[ScopedToken] | None:
+        """The refusal, or who is asking: None for the admin token, else the scoped tokens presented
+        (which groups they may write is `_may_write`'s)."""
         if self.token is None and not self.policy.scoped_tokens:
             return error(403, NO_TOKEN)
         peer = request.remote or "?"
@@ -203,14 +204,18 @@ class _Api:
             return None
         scoped = [t for t in self.policy.scoped_tokens if hmac.compare_digest(given, t.token)] if bearer else []
         if scoped:
-            if group is None or any(t.may_write(group) for t in scoped):
-                return None
-            return error(403, f"this token may not write group {group!r}", "group")
+            return scoped
         failures.take()
         challenge = 'Bearer realm="eds-server"' + (', error="invalid_token"' if presented else "")
         return error(401, "a valid 'Authorization: Bearer TOKEN' header is needed", headers={
             "WWW-Authenticate": challenge,
         })  # fmt: skip
+
+    @staticmethod
+    def _may_write(scoped: list[ScopedToken] | None, group: str) -> web.Response | None:
+        if scoped is None or any(t.may_write(group) for t in scoped):
+            return None
+        return error(403, f"this token may not write group {group!r}", "group")
 
     def _check_address(self, endpoint: Endpoint) -> None:
         problem = self.policy.address_problem(endpoint.address)
@@ -266,11 +271,12 @@ class _Api:
 
     # -- handlers ------------------------------------------------------------------------------
     async def put(self, request: web.Request) -> web.Response:
-        if (denied := self._authorize(request, None)) is not None:
-            return denied
+        caller = self._authenticate(request)
+        if isinstance(caller, web.Response):
+            return caller
         try:
             group, id = self._path(request)
-            if (denied := self._authorize(request, group)) is not None:
+            if (denied := self._may_write(caller, group)) is not None:
                 return denied
             spec = self._parse(await self._body(request))
             endpoint = parse_endpoint({k: v for k, v in spec.items() if k != TTL_KEY}, REGISTRATION_KEYS)
@@ -286,11 +292,12 @@ class _Api:
         return web.json_response(registration_json(self.source, reg), status=201 if created else 200, headers=headers)
 
     async def delete(self, request: web.Request) -> web.Response:
-        if (denied := self._authorize(request, None)) is not None:
-            return denied
+        caller = self._authenticate(request)
+        if isinstance(caller, web.Response):
+            return caller
         try:
             group, id = self._path(request)
-            if (denied := self._authorize(request, group)) is not None:
+            if (denied := self._may_write(caller, group)) is not None:
                 return denied
             await self.source.delete(group, id)
         except RegistrationError as e:
