@@ -151,11 +151,6 @@ class Glob:
         return f"Glob({self.pattern!r})"
 
 
-def compile_pattern(pattern: str) -> Glob:
-    """`*` is any run of characters; everything else stands for itself."""
-    return Glob(pattern)
-
-
 class _AnyOf:
     def __init__(self, patterns: Iterable[str]) -> None:
         self.globs = tuple(Glob(p) for p in dict.fromkeys(patterns))
@@ -176,7 +171,7 @@ class Rule:
     _compiled: dict[str, Glob] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        compiled = {k: compile_pattern(p.lower() if k == "san_dns" else p) for k, p in self.match.items()}
+        compiled = {k: Glob(p.lower() if k == "san_dns" else p) for k, p in self.match.items()}
         object.__setattr__(self, "_compiled", compiled)
 
     def matches(self, uris: tuple[str, ...], dns: tuple[str, ...], node_id: str, node_cluster: str) -> bool:
