@@ -395,15 +395,22 @@ class _Session:
             return True
         data = self.service.framed(self.kind, response)
         try:
-            sent = queue_message(self.stream, data)
+            sent = self._queue(data)
         except Exception as e:  # e.g. the stream was reset a moment ago: run() finds out properly
             log.debug("push to node=%s deferred: %r", self.node, e)
             sent = False
         if not sent:
             self.pending = (data, response.resources)
             return False
-        self.service.flush_later(self.stream._stream.connection)
         self._sent(response.resources)
+        return True
+
+    def _queue(self, data: Framed) -> bool:
+        """Queue the message for its connection's next write (one per change), if the windows
+        take it now."""
+        if not queue_message(self.stream, data):
+            return False
+        self.service.flush_later(self.stream._stream.connection)
         return True
 
     def _check_access(self, names: Iterable[str]) -> None:
@@ -516,9 +523,7 @@ class _Session:
 
     async def send(self, data: Framed, resources: Iterable[Resource]) -> None:
         try:
-            if _can_send(self.stream) and queue_message(self.stream, data):
-                self.service.flush_later(self.stream._stream.connection)
-            else:  # no timer for a send that cannot block
+            if not (_can_send(self.stream) and self._queue(data)):  # no timer for a send that cannot block
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
                 # arrives as the send completes, leaving this stream's tasks behind.
                 async with asyncio.timeout(self.service.send_timeout):
