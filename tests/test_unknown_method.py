@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from server_process import EdsServerProcess
+from test_grpc import Harness
+from test_grpc import harness as harness
 
 pytestmark = pytest.mark.envoy
 
@@ -35,39 +37,26 @@ async def test_an_ads_envoy_is_told_once_per_peer(tmp_path: Path) -> None:
     assert "api_config_source" in warnings[0]
 
 
-async def test_v2_and_other_methods_are_named_and_the_record_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
+async def test_v2_and_other_methods_are_named_and_the_record_is_bounded(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
     from grpclib import GRPCError
-    from grpclib.client import Channel
     from grpclib.const import Cardinality, Status
 
-    from eds_server.encode import encode_group
-    from eds_server.store import Store
-    from eds_server.transport.grpc import EdsService, make_server
     from eds_server.transport.unknown import UnknownMethods
 
-    service = EdsService(Store(encode_group))
-    server = make_server(service, max_streams_per_connection=100, keepalive_time=30, keepalive_timeout=10,
-                         max_message_size=1 << 20)  # fmt: skip
-    await server.start("127.0.0.1", 0)
-    channel = Channel("127.0.0.1", server._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-    try:
-        for path, why in [("/envoy.api.v2.EndpointDiscoveryService/StreamEndpoints", "the v2 xDS API is not served"),
-                          ("/envoy.service.cluster.v3.ClusterDiscoveryService/StreamClusters",
-                           "serves only envoy.service.endpoint.v3.EndpointDiscoveryService")]:  # fmt: skip
-            for _ in range(3):
-                with pytest.raises(GRPCError) as e:
-                    async with channel.request(path, Cardinality.STREAM_STREAM, None, None) as stream:  # type: ignore[type-var]
-                        await stream.send_request(end=True)
-                        await stream.recv_initial_metadata()
-                        await stream.recv_trailing_metadata()
-                assert e.value.status == Status.UNIMPLEMENTED and why in (e.value.message or "")
-            warned = [r.getMessage() for r in caplog.records if path in r.getMessage()]
-            assert len(warned) == 1 and why in warned[0]
-    finally:
-        channel.close()
-        service.stop()
-        server.close()
-        await server.wait_closed()
+    for path, why in [("/envoy.api.v2.EndpointDiscoveryService/StreamEndpoints", "the v2 xDS API is not served"),
+                      ("/envoy.service.cluster.v3.ClusterDiscoveryService/StreamClusters",
+                       "serves only envoy.service.endpoint.v3.EndpointDiscoveryService")]:  # fmt: skip
+        for _ in range(3):
+            with pytest.raises(GRPCError) as e:
+                async with harness.channel.request(path, Cardinality.STREAM_STREAM, None, None) as stream:  # type: ignore[type-var]
+                    await stream.send_request(end=True)
+                    await stream.recv_initial_metadata()
+                    await stream.recv_trailing_metadata()
+            assert e.value.status == Status.UNIMPLEMENTED and why in (e.value.message or "")
+        warned = [r.getMessage() for r in caplog.records if path in r.getMessage()]
+        assert len(warned) == 1 and why in warned[0]
     table = UnknownMethods({}, "x", most=10)
 
     class _Peer:
