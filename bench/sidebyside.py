@@ -34,6 +34,10 @@ from typing import IO, Any
 
 from run import CLIENT_CORES, SERVER_CORE, Config, Workers, profiled, table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from envoy_harness import free_port
+from server_process import write_atomically
+
 EDS_SERVER = [sys.executable, "-m", "eds_server"]
 
 
@@ -70,18 +74,6 @@ def upstreams_text(weights: list[int]) -> str:
     for i, weight in enumerate(weights):
         lines.append(f"      - {{address: 10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}, port: 8080, weight: {weight}}}")
     return "\n".join(lines) + "\n"
-
-
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Served:

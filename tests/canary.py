@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import aiohttp
 from envoy.config.endpoint.v3 import endpoint_pb2
 from grpclib.client import Channel
 from grpclib.const import Cardinality
+from server_process import write_atomically
 
 from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
@@ -35,12 +35,6 @@ BASE_PORT = 20000
 
 def upstreams_text(seq: int) -> str:
     return f"groups:\n  {GROUP}:\n    endpoints: [127.0.0.1:{BASE_PORT + seq % 40000}]\n"
-
-
-def write_upstreams(path: Path, seq: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(upstreams_text(seq))
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -119,7 +113,7 @@ class Canary:
                 self.seq += 1
                 self.written[self.seq] = time.monotonic()
                 if self.admin_port is None:
-                    write_upstreams(self.upstreams, self.seq)
+                    write_atomically(self.upstreams, upstreams_text(self.seq))
                 else:
                     url = f"http://127.0.0.1:{self.admin_port}/v1/groups/{GROUP}/endpoints/canary"
                     body = {"address": "127.0.0.1", "port": BASE_PORT + self.seq % 40000}
