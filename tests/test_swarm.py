@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from docker_engine import DockerEngine, _skip_or_fail, backend_script, free_port, unavailable_reason
+from docker_engine import (
+    DockerEngine,
+    _skip_or_fail,
+    backend_script,
+    free_port,
+    swarm_close,
+    swarm_init,
+    swarm_remove_services,
+    unavailable_reason,
+)
 from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from server_process import EdsServerProcess
 
@@ -240,9 +249,7 @@ def swarm_engine() -> Iterator[DockerEngine]:
     engine = DockerEngine(live_restore=False)
     try:
         engine.start()
-        engine.cli(
-            "swarm", "init", "--advertise-addr", "127.0.0.1", "--listen-addr", f"127.0.0.1:{free_port()}", timeout=60
-        )
+        swarm_init(engine)
     except Exception as exc:
         engine.close()
         _skip_or_fail(f"single-node swarm did not start: {exc}")
@@ -250,12 +257,8 @@ def swarm_engine() -> Iterator[DockerEngine]:
         yield engine
     finally:
         with contextlib.suppress(Exception):
-            ids = engine.cli("service", "ls", "-q").split()
-            if ids:
-                engine.cli("service", "rm", *ids, timeout=60)
-        with contextlib.suppress(Exception):
-            engine.cli("swarm", "leave", "--force", timeout=60)
-        engine.close()
+            swarm_remove_services(engine)
+        swarm_close(engine)
 
 
 @pytest.fixture
@@ -265,9 +268,7 @@ def swarm(swarm_engine: DockerEngine) -> Iterator[DockerEngine]:
     yield swarm_engine
     if not swarm_engine.running:
         swarm_engine.start()
-    ids = swarm_engine.cli("service", "ls", "-q").split()
-    if ids:
-        swarm_engine.cli("service", "rm", *ids, timeout=60)
+    swarm_remove_services(swarm_engine)
     node = swarm_engine.cli("node", "ls", "-q").split()[0]
     swarm_engine.cli("node", "update", "--availability", "active", node)
 
