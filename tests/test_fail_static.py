@@ -26,7 +26,9 @@ def upstreams(ports: list[int], weight: int | None = None) -> str:
 
 
 async def file_error(server: EdsServerProcess) -> str | None:
-    sources = (await server.admin("/v1/sources"))["sources"]
+    """The file source's last error, from the admin API (which runs on the same loop as gRPC: a
+    frozen loop answers nothing, so each call is bounded too)."""
+    sources = (await asyncio.wait_for(server.admin("/v1/sources"), 10))["sources"]
     return next(s["last_error"] for s in sources if s["name"].startswith("file:"))
 
 

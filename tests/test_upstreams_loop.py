@@ -19,6 +19,7 @@ from canary import rss_mb
 from grpclib.client import Channel
 from grpclib.const import Cardinality
 from server_process import EdsServerProcess, write_atomically
+from test_fail_static import wait_error
 from test_upstreams_bounds import BOMB
 
 from eds_server.pb.envoy.config.core.v3 import Node
@@ -88,17 +89,6 @@ async def canary(server: EdsServerProcess, names: list[str]) -> AsyncIterator[tu
         channel.close()
 
 
-async def wait_error(server: EdsServerProcess, words: str) -> str:
-    """Poll the admin API (on the same loop as gRPC) until the file source reports `words`."""
-    for _ in range(500):  # bounded: ~20 s; a frozen loop answers none of these
-        [source] = [s for s in (await asyncio.wait_for(server.admin("/v1/sources"), 10))["sources"]
-                    if s["name"].startswith("file:")]  # fmt: skip
-        if words in (source["last_error"] or ""):
-            return str(source["last_error"])
-        await asyncio.sleep(0.04)
-    raise AssertionError(f"the server never reported {words!r}")
-
-
 async def test_hostile_files_are_refused_while_the_canary_keeps_getting_updates(tmp_path: Path) -> None:
     path = tmp_path / "upstreams.yaml"
     path.write_text(upstreams_text(1))
@@ -113,7 +103,7 @@ async def test_hostile_files_are_refused_while_the_canary_keeps_getting_updates(
                     "/dev/zero": "not a regular file"}  # fmt: skip
         for port, (what, make) in enumerate(hostile.items(), start=2):
             make()
-            await wait_error(server, expected[what])
+            await wait_error(server, expected[what], timeout=20)
             await health.check(HealthCheckRequest())  # the gRPC port answers too
             os.unlink(path)
             write_atomically(path, upstreams_text(port))  # and the next good version is served
