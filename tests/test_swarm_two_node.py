@@ -129,6 +129,21 @@ async def wait_source(watch: FaultWatch, *, live: bool, timeout: float = 60.0) -
     raise AssertionError(f"the swarm source never became {'live' if live else 'stale'}")
 
 
+async def restart_manager(watch: FaultWatch, manager: DockerEngine) -> None:
+    """Restart the manager's engine, marking each step, until the swarm source is live again."""
+    watch.mark("manager restarting")
+    await asyncio.to_thread(manager.restart)
+    watch.mark("manager answers again")
+    await wait_source(watch, live=True)
+    watch.mark("source live again")
+
+
+async def worker_ready(watch: FaultWatch, manager: DockerEngine) -> None:
+    await asyncio.to_thread(wait_for, lambda: node_states(manager).get("worker") == "ready", timeout=30,
+                            what="the worker to be ready again")  # fmt: skip
+    watch.mark("worker ready")
+
+
 def check(watch: FaultWatch, nodes: NodeWatch, name: str, *, unknown_seen: bool) -> None:
     watch.assert_held(name)
     print(f"   worker node as the manager listed it: {nodes}")
@@ -141,14 +156,8 @@ async def test_manager_restart(swarm2: tuple[DockerEngine, DockerEngine], tmp_pa
     ports = await asyncio.to_thread(worker_services, manager)
     async with stack(manager, ports, tmp_path) as watch, NodeWatch(manager, watch.now) as nodes:
         await asyncio.sleep(1.0)
-        watch.mark("manager restarting")
-        await asyncio.to_thread(manager.restart)
-        watch.mark("manager answers again")
-        await wait_source(watch, live=True)
-        watch.mark("source live again")
-        await asyncio.to_thread(wait_for, lambda: node_states(manager).get("worker") == "ready", timeout=30,
-                                what="the worker to be ready again")  # fmt: skip
-        watch.mark("worker ready")
+        await restart_manager(watch, manager)
+        await worker_ready(watch, manager)
         await asyncio.sleep(2.0)
     check(watch, nodes, "two-node swarm, manager engine restarted", unknown_seen=False)  # too short to count on
 
@@ -163,16 +172,10 @@ async def test_worker_frozen_while_the_manager_restarts(
         with worker.frozen():
             watch.mark("worker engine frozen (SIGSTOP dockerd, containerd)")
             await asyncio.sleep(2.0)
-            watch.mark("manager restarting")
-            await asyncio.to_thread(manager.restart)
-            watch.mark("manager answers again")
-            await wait_source(watch, live=True)
-            watch.mark("source live again")
+            await restart_manager(watch, manager)
             await asyncio.sleep(3.0)  # the worker cannot re-register: `unknown` all along
             assert node_states(manager).get("worker") == "unknown"
         watch.mark("worker engine thawed (SIGCONT)")
-        await asyncio.to_thread(wait_for, lambda: node_states(manager).get("worker") == "ready", timeout=30,
-                                what="the worker to be ready again")  # fmt: skip
-        watch.mark("worker ready")
+        await worker_ready(watch, manager)
         await asyncio.sleep(2.0)
     check(watch, nodes, "two-node swarm, worker frozen across a manager restart", unknown_seen=True)
