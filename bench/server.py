@@ -38,7 +38,7 @@ import uvloop
 
 from eds_server.app import App, Settings
 from eds_server.model import Endpoint, Group
-from eds_server.transport.http2 import ConnectionLimits
+from eds_server.transport.h2 import ConnectionLimits
 
 SOURCE = "bench"
 

@@ -25,8 +25,7 @@ from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
-from .transport.http2 import ConnectionLimits
-from .transport.httplimits import HttpLimits, LimitedAppRunner
+from .transport.h2 import ConnectionLimits, HttpLimits, http_runner, runner_port
 from .transport.rest import make_rest_app
 from .upstreams import MAX_FILE_SIZE
 from .xds.common import Limits
@@ -61,6 +60,7 @@ class Settings:
     # gRPC connections and per-IP budgets (its max_streams and reset_budget: the fields above)
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
+    http2: str = "auto"  # which HTTP/2 path: auto, fast or stock (transport/h2/compat.py)
     shutdown_grace: float = 2.0
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
@@ -119,6 +119,7 @@ class App:
             max_message_size=settings.max_message_size,
             reset_budget=settings.reset_budget,
             limits=settings.connection_limits,
+            http2=settings.http2,
         )
         self._http: list[web.AppRunner] = []
         self._stop_sources = asyncio.Event()
@@ -153,10 +154,9 @@ class App:
 
     def stats(self) -> dict[str, Any]:
         counters = dataclasses.asdict(self.service.counters)
-        gate = self.grpc.gate
         return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes,
-                "connections_open": gate.connections, **dataclasses.asdict(gate.counters),
-                "partial_messages_refused": self.service.reader.budget.refused if self.service.reader.budget else 0}
+                "connections_open": self.grpc.connections, "refused_by_reason": self.grpc.refused,
+                "http2_path": "fast" if self.grpc.fast else "stock"}
 
     async def start(self) -> None:
         ssl = self._security()
@@ -176,8 +176,10 @@ class App:
         if self.settings.startup_timeout is not None:
             self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
         host, port = self.settings.listen
-        await self.grpc.start(host, port, ssl=ssl)
-        self.grpc_port = _bound_port(self.grpc)
+        if ssl is not None:
+            self.grpc.ssl = ssl
+        await self.grpc.start(host, port)
+        self.grpc_port = self.grpc.port
         log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         if self.settings.admin is not None:
             app = admin.make_app(
@@ -210,12 +212,12 @@ class App:
         return ssl
 
     async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
-        runner = LimitedAppRunner(app, self.settings.http_limits)
+        runner = http_runner(app, self.settings.http_limits, self.settings.http2)
         await runner.setup()
         self._http.append(runner)
         site = web.TCPSite(runner, *address)
         await site.start()
-        port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        port = runner_port(runner)
         log.info("%s on http://%s:%s", what, address[0], port)
         return port
 
@@ -235,7 +237,7 @@ class App:
         """Stop accepting, end streams cleanly (Envoy keeps its endpoints and reconnects), then
         close everything."""
         if self.grpc_port is not None:
-            self.grpc._server.close()  # type: ignore[union-attr]  # stop accepting first
+            self.grpc.stop_accepting()  # first
         self.service.stop()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.shutdown_grace
@@ -268,6 +270,3 @@ class App:
         task.add_done_callback(done)
         self._tasks.append(task)
 
-
-def _bound_port(server: Any) -> int:
-    return int(server._server.sockets[0].getsockname()[1])

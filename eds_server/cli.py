@@ -32,8 +32,7 @@ from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import RegistrationStateError
-from .transport.http2 import ConnectionLimits
-from .transport.httplimits import HttpLimits
+from .transport.h2 import ConnectionLimits, HttpLimits
 from .xds.common import Limits
 
 log = logging.getLogger("eds_server")
@@ -237,14 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="gRPC connections in total; more are closed with GOAWAY (default 10000)")
     hostile.add_argument("--max-connections-per-ip", type=positive_int, metavar="N",
                          default=_env("EDS_MAX_CONNECTIONS_PER_IP", "100"),
-                         help="gRPC connections from one client IP (default 100)")
+                         help="gRPC connections from one client IP, once the server holds half of "
+                              "--max-connections (many Envoys behind one NAT are served while there is room) "
+                              "(default 100)")
     hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
-                         help="streams one client IP may open at once, refilled at this many per minute; more "
-                              "are refused with REFUSED_STREAM and count as control frames (default 1000)")
+                         help="streams one client IP may end without sending a request (reset, ended, refused "
+                              "or timed out) per 10 s before GOAWAY; also its streams awaiting their first request "
+                              "at once, past which new ones are refused with REFUSED_STREAM. Streams that send "
+                              "their requests cost nothing (default 1000)")
     hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
                          default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
-                         help="PING, SETTINGS, PRIORITY, empty DATA, unknown and unpaid WINDOW_UPDATE frames "
-                              "one client IP may send per 10 s before GOAWAY (default 1000)")
+                         help="PING, PRIORITY, empty DATA, unknown, unpaid WINDOW_UPDATE and repeated SETTINGS "
+                              "frames one connection may send per 10 s before GOAWAY; a connection's first "
+                              "SETTINGS and its ACKs of ours are free (default 1000)")
     hostile.add_argument("--request-timeout", type=duration, metavar="DURATION",
                          default=_env("EDS_REQUEST_TIMEOUT", "10s"),
                          help="for a connection to open a stream, a stream to send its first request, and a "
@@ -262,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
                          default=_env("EDS_HTTP_TIMEOUT", "10s"),
                          help="admin and REST ports: longest wait for a request's headers and body, and "
                               "keepalive of an idle connection (default 10s)")
+    hostile.add_argument("--http2", choices=["auto", "fast", "stock"], default=_env("EDS_HTTP2", "auto"),
+                         help="HTTP/2 path: 'fast' (the per-client limits and fan-out of docs/limits.md) needs the "
+                              "grpclib, h2, hyperframe and aiohttp versions it was tested with; 'auto' falls back "
+                              "to 'stock' (their public API only) with a warning otherwise [EDS_HTTP2] "
+                              "(default auto)")
     serve.add_argument("--keepalive-time", type=duration, metavar="DURATION",
                        default=_env("EDS_KEEPALIVE_TIME", "30s"),
                        help="HTTP/2 ping interval towards clients (default 30s)")
@@ -522,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls_handshake_timeout=args.tls_handshake_timeout,
         ),
         http_limits=HttpLimits(max_connections=args.http_max_connections, timeout=args.http_timeout),
+        http2=args.http2,
         state=args.state,
         admin_token=args.admin_token or None,
         max_registrations=args.max_registrations,

@@ -19,7 +19,7 @@ from test_grpc import harness as grpc_harness  # noqa: F401 (a fixture)
 from waiting import wait_until
 
 from eds_server.model import Endpoint, Group
-from eds_server.transport import http2
+from eds_server.transport.h2 import fast as http2
 from eds_server.transport.grpc import EdsService
 
 
@@ -33,20 +33,21 @@ def big_group(name: str, n: int, weight: int = 1) -> Group:
 
 
 @contextlib.asynccontextmanager
-async def counting_flushes(service: EdsService) -> AsyncIterator[list[int]]:
+async def counting_flushes(server: Any) -> AsyncIterator[list[int]]:
     """How many connections each flush pass wrote."""
     passes: list[int] = []
-    original = service._flush
+    flusher = server.flusher
+    original = flusher._flush
 
     def counted() -> None:
-        passes.append(len(service._unflushed))
+        passes.append(len(flusher._unflushed))
         original()
 
-    service._flush = counted  # type: ignore[method-assign]
+    flusher._flush = counted
     try:
         yield passes
     finally:
-        service._flush = original  # type: ignore[method-assign]
+        flusher._flush = original
 
 
 @pytest.mark.parametrize("endpoints", [3, 1500])  # one DATA frame, and several (a ~40 KB CLA)
@@ -60,7 +61,7 @@ async def test_a_change_reaches_every_stream_in_one_write_per_connection(h: Harn
         for s, ack in zip(streams, acks, strict=True):
             await s.send_message(ack)
         responses_before = h.service.counters.responses
-        async with counting_flushes(h.service) as passes:
+        async with counting_flushes(h.server) as passes:
             h.store.update(SOURCE, {"web": big_group("web", endpoints, weight=2)})
             got = [await recv(s) for s in streams]
         assert passes == [1]  # three streams, one connection: one write

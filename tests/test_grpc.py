@@ -30,7 +30,7 @@ from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from eds_server.store import Store
 from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
-from eds_server.transport.http2 import ConnectionLimits
+from eds_server.transport.h2 import ConnectionLimits
 from eds_server.xds.common import EDS_TYPE_URL
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
@@ -42,8 +42,8 @@ def group(name: str, *ports: int) -> Group:
 
 
 class Harness:
-    def __init__(self, store: Store, service: EdsService, channel: Channel) -> None:
-        self.store, self.service, self.channel = store, service, channel
+    def __init__(self, store: Store, service: EdsService, channel: Channel, server: Any) -> None:
+        self.store, self.service, self.channel, self.server = store, service, channel, server
 
     @contextlib.asynccontextmanager
     async def stream(self) -> AsyncIterator[Any]:
@@ -67,10 +67,10 @@ async def harness() -> AsyncIterator[Harness]:
         max_message_size=1 << 20, limits=ConnectionLimits(stream_budget=100_000),  # tests open thousands
     )  # fmt: skip
     await server.start("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = server.port
     channel = Channel("127.0.0.1", port)
     try:
-        yield Harness(store, service, channel)
+        yield Harness(store, service, channel, server)
     finally:
         channel.close()
         service.stop()
@@ -302,7 +302,7 @@ async def test_keepalive_pings_close_a_silent_connection() -> None:
     server = make_server(EdsService(store), max_streams_per_connection=10, keepalive_time=0.2,
                          keepalive_timeout=0.3, max_message_size=1 << 20)  # fmt: skip
     await server.start("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = server.port
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(PREFACE)
@@ -377,7 +377,7 @@ async def test_reset_flood_gets_goaway() -> None:
     server = make_server(EdsService(store), max_streams_per_connection=100, keepalive_time=30,
                          keepalive_timeout=10, max_message_size=1 << 20, reset_budget=20)  # fmt: skip
     await server.start("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = server.port
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),

@@ -29,7 +29,7 @@ from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, Discovery
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.store import Store
 from eds_server.transport.grpc import EdsService, make_server
-from eds_server.transport.http2 import ConnectionLimits, GuardedH2Connection, PeerBudgets, Server
+from eds_server.transport.h2.fast import ConnectionLimits, GuardedH2Connection, PeerBudgets, Server
 from eds_server.xds.common import EDS_TYPE_URL
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
@@ -39,7 +39,7 @@ HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":autho
 
 def pair(limits: ConnectionLimits) -> tuple[h2.connection.H2Connection, GuardedH2Connection]:
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    server = GuardedH2Connection(h2.config.H2Configuration(client_side=False), PeerBudgets(limits))
+    server = GuardedH2Connection(h2.config.H2Configuration(client_side=False), PeerBudgets(limits), limits)
     server.local_settings = Settings(
         client=False, initial_values={SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_streams}
     )
@@ -77,9 +77,9 @@ def test_h2_private_api_this_relies_on_is_there() -> None:
     for name in ("_receive_frame", "_prepare_for_sending", "_open_streams", "_closed_streams",
                  "highest_inbound_stream_id"):  # fmt: skip
         assert hasattr(base, name) or name in vars(base(h2.config.H2Configuration(client_side=False))), name
-    client, server = pair(ConnectionLimits(control_budget=10))  # SETTINGS and its ACK took 2
+    client, server = pair(ConnectionLimits(control_budget=10))  # the first SETTINGS and the ACKs are free
     with pytest.raises(h2.exceptions.ProtocolError):
-        for _ in range(9):
+        for _ in range(11):
             client.ping(b"12345678")
             server.receive_data(client.data_to_send())
     events = client.receive_data(server.data_to_send())
@@ -111,7 +111,7 @@ async def serving(limits: ConnectionLimits, **kwargs: object) -> AsyncIterator[t
                                 "max_message_size": 1 << 20, "limits": limits, **kwargs}  # fmt: skip
     server = make_server(service, **settings)
     await server.start("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = server.port
     try:
         yield server, service, port
     finally:
@@ -202,7 +202,8 @@ async def test_a_ping_ack_with_another_payload_does_not_keep_a_connection_alive(
 
 
 async def test_per_ip_connection_limit_sheds_with_goaway() -> None:
-    async with serving(ConnectionLimits(max_connections_per_ip=3)) as (server, _, port):
+    # the per-IP cap binds once the server holds half its connections: 3 of 6 here
+    async with serving(ConnectionLimits(max_connections_per_ip=3, max_connections=6)) as (server, _, port):
         held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0)) for _ in range(3)]
         try:
             for _, w in held:
@@ -210,10 +211,10 @@ async def test_per_ip_connection_limit_sheds_with_goaway() -> None:
             reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0))
             frames = await read_frames(reader)
             writer.close()
-            assert (7, b"\x00\x00\x00\x00" + (11).to_bytes(4, "big") + b"127.0.0.9 holds its limit of 3 connections"
+            assert (7, b"\x00\x00\x00\x00" + (11).to_bytes(4, "big") + b"127.0.0.9 holds its limit of 3 connections (server half full)"
                     ) in frames  # fmt: skip
             await fetch_web(port)  # another IP is served
-            assert server.gate.counters.connections_refused == 1
+            assert server.gate.refused["connection_limit"] == 1
         finally:
             for _, w in held:
                 w.close()
@@ -226,7 +227,7 @@ async def test_a_connection_that_opens_no_stream_is_closed() -> None:
         frames = await read_frames(reader)
         writer.close()
         assert any(t == 7 for t, _ in frames)  # GOAWAY, then closed
-        assert server.gate.counters.timed_out == 1
+        assert server.gate.refused["no_stream"] == 1
 
 
 async def test_a_stream_that_sends_no_request_ends_with_deadline_exceeded() -> None:
@@ -267,14 +268,14 @@ async def test_health_is_under_the_message_size_and_stream_limits() -> None:
 
 
 async def test_partial_messages_share_one_budget() -> None:
-    async with serving(ConnectionLimits(partial_message_budget=1 << 20)) as (_, service, port):
+    async with serving(ConnectionLimits(partial_message_budget=1 << 20)) as (server, service, port):
         channel = Channel("127.0.0.1", port)
         try:
             async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as a:
                 await a.send_request()
                 await a._stream.send_data(b"\x00" + (900_000).to_bytes(4, "big") + b"\x0a" * 1000)
                 # the server took the first message's share
-                await wait_until(lambda: service.reader.budget and service.reader.budget.used, timeout=2.0)
+                await wait_until(lambda: server.reader.budget and server.reader.budget.used, timeout=2.0)
                 with pytest.raises(GRPCError) as e:  # a second one does not fit
                     async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
                                                DiscoveryResponse) as b:  # fmt: skip
@@ -309,7 +310,7 @@ async def test_an_unfinished_tls_handshake_is_dropped(tmp_path: Path) -> None:
 def test_partial_budget_shares() -> None:
     """One IP gets a quarter of the server-wide budget; small requests (Envoy's) are refused only by
     their own IP's share, so a client holding the budget does not stop others' requests."""
-    from eds_server.transport.http2 import SMALL_MESSAGE, PartialBudget
+    from eds_server.transport.h2.limits import SMALL_MESSAGE, PartialBudget
 
     limits = ConnectionLimits()
     budget = PartialBudget(total=16 << 20, max_message_size=4 << 20)

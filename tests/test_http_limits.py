@@ -1,4 +1,4 @@
-"""The admin and REST ports' limits (transport/httplimits.py): a connection cap, and deadlines for
+"""The admin and REST ports' limits (transport/h2/http.py): a connection cap, and deadlines for
 headers, bodies and idle keepalive that aiohttp does not have. Loopback, in-process."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from waiting import wait_until
 
-from eds_server.transport.httplimits import HttpLimits, LimitedAppRunner
+from eds_server.transport.h2.http import HttpLimits, LimitedAppRunner
 
 
 @contextlib.asynccontextmanager

@@ -265,7 +265,7 @@ async def serving(ssl: SSLContext | None, authz: str | None) -> AsyncIterator[Ha
     server = make_server(service, max_streams_per_connection=100, keepalive_time=30, keepalive_timeout=10,
                          max_message_size=1 << 20, ssl=ssl)  # fmt: skip
     await server.start("127.0.0.1", 0)
-    harness = Harness(store, service, server._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    harness = Harness(store, service, server.port)  # type: ignore[union-attr]
     try:
         yield harness
     finally:

@@ -1,13 +1,12 @@
 """The gRPC face of the server: the EDS service (one session per stream, driving the sans-IO SotW
 or delta state machine), gRPC health, and the server's assembly with keepalive pings far sooner
-than grpclib's two hours, so half-open Envoy connections are noticed. HTTP/2 details live in
-http2.py.
+than grpclib's two hours, so half-open Envoy connections are noticed. Each stream is driven
+through the StreamIO of the h2 package, the only code that knows HTTP/2 and grpclib's insides.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -20,11 +19,9 @@ from typing import Any, Protocol
 
 import grpclib.const
 import grpclib.server
-import h2.exceptions
 from grpclib import GRPCError
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
-from grpclib.metadata import encode_grpc_message
 
 from .. import protowire
 from ..heap import HeapTrim
@@ -46,17 +43,8 @@ from ..xds.common import (
 )
 from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
-from .http2 import (
-    ConnectionLimits,
-    Framed,
-    MessageReader,
-    PartialBudget,
-    PassThroughCodec,
-    Server,
-    limited_handler,
-    queue_message,
-    send_frames,
-)
+from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server
+from .h2.stock import StockIO
 from .reflection import ReflectionService
 from .unknown import UnknownMethods, clip
 
@@ -96,7 +84,7 @@ class EdsService:
     send_timeout: float = 30.0
     max_streams: int = 100_000  # open streams in total, across connections (health and reflection too)
     other_streams: int = 0  # open health and reflection streams
-    reader: MessageReader = field(default_factory=MessageReader)  # size limit, deadlines, partial budget
+    open_io: Callable[[grpclib.server.Stream[Any, Any]], StreamIO] = StockIO  # set by make_server
     counters: Counters = field(default_factory=Counters)
     sessions: set[_Session] = field(default_factory=set)
     # seconds from a change entering the store to a stream being sent it (metrics hook)
@@ -104,7 +92,6 @@ class EdsService:
     authorize: Authorize | None = None  # None: every client may read every name
     _stopping: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
-    _unflushed: dict[Any, None] = field(default_factory=dict)  # grpclib Connections with frames queued
     nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
     heap: HeapTrim = field(default_factory=HeapTrim)  # the first requests' Nodes leave free heap behind
     _framed: tuple[_Kind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
@@ -123,20 +110,6 @@ class EdsService:
         framed = Framed(kind.encode(response))
         self._framed = (kind, version, nonce, resources, framed)
         return framed
-
-    def flush_later(self, connection: Any) -> None:
-        """Write `connection`'s queued frames once, after every stream due an answer has queued its
-        own: a change fanned out to 100 streams of one connection is one socket write, not 100."""
-        if not self._unflushed:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._unflushed[connection] = None
-
-    def _flush(self) -> None:
-        pending, self._unflushed = self._unflushed, {}
-        for connection in pending:
-            if not connection._transport.is_closing():
-                connection.flush()
-                connection.data_send_process()  # resets grpclib's keepalive bookkeeping
 
     def __post_init__(self) -> None:
         self._unwatch = self.store.watch(self._on_store_change)
@@ -206,12 +179,14 @@ class EdsService:
                 "next_after": page[-1].id if more else None}  # fmt: skip
 
     async def stream_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        async with _status_in_trailers(stream):
-            await self._serve(_Session(self, stream, SOTW))
+        io = self.open_io(stream)
+        async with io.status_in_trailers():
+            await self._serve(_Session(self, stream, io, SOTW))
 
     async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        async with _status_in_trailers(stream):
-            await self._serve(_Session(self, stream, DELTA))
+        io = self.open_io(stream)
+        async with io.status_in_trailers():
+            await self._serve(_Session(self, stream, io, DELTA))
 
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
@@ -233,13 +208,14 @@ class EdsService:
         if not self.enter_stream():
             raise self._full()
         try:
-            async with _status_in_trailers(stream):
-                await self._fetch(stream)
+            io = self.open_io(stream)
+            async with io.status_in_trailers():
+                await self._fetch(stream, io)
         finally:
             self.leave_stream()
 
-    async def _fetch(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        data = await self.reader.read(stream, bytes, first=True)
+    async def _fetch(self, stream: grpclib.server.Stream[bytes, bytes], io: StreamIO) -> None:
+        data = await io.read(first=True)
         if data is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
         req, node = _decode(wire.sotw_request, data, self.limits)
@@ -260,34 +236,6 @@ class EdsService:
         resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names) if n != WILDCARD]
         version = response_version(resources) if resources else ""
         await stream.send_message(wire.discovery_response(version, resources, ""))
-
-@contextlib.asynccontextmanager
-async def _status_in_trailers(stream: grpclib.server.Stream[Any, Any]) -> AsyncIterator[None]:
-    """End a call that fails with trailers carrying its status, and no RST_STREAM after them.
-
-    grpclib follows error trailers with RST_STREAM(NO_ERROR) when the client has not ended its side
-    (RFC 9113 8.1 allows it); a grpclib client that gets both before it reads then reports "Stream
-    reset by remote party" instead of the status. The reset is not needed: clients end their side
-    once they read the trailers (grpclib, grpc-go and Envoy do), as after OK trailers, which grpclib
-    never follows with a reset; a client that does not keeps one stream of its own connection's
-    MAX_CONCURRENT_STREAMS, and grpclib discards (and acknowledges) its further DATA. Follows
-    grpclib 0.4.9's `Stream.send_trailing_metadata` (pinned in constraints.txt), minus the reset.
-    """
-    try:
-        yield
-    except GRPCError as e:
-        if stream._send_trailing_metadata_done:
-            raise
-        headers: list[tuple[str, str]] = []
-        if not stream._send_initial_metadata_done:  # trailers-only
-            headers += [(":status", "200"), ("content-type", stream._content_type)]
-        headers.append(("grpc-status", str(e.status.value)))
-        if e.message is not None:
-            headers.append(("grpc-message", encode_grpc_message(e.message)))
-        stream._send_trailing_metadata_done = True
-        with contextlib.suppress(h2.exceptions.StreamClosedError):  # the client reset it already
-            await stream._stream.send_headers(headers, end_stream=True)
-
 
 class Machine(Protocol):
     """What SotwStream and DeltaStream have in common, as the transport drives them."""
@@ -341,9 +289,10 @@ def _decode(
 class _Session:
     """One stream call: a reader task feeds the state machine, the call's own task writes."""
 
-    def __init__(self, service: EdsService, stream: grpclib.server.Stream[Any, bytes], kind: _Kind):
+    def __init__(self, service: EdsService, stream: grpclib.server.Stream[Any, bytes], io: StreamIO, kind: _Kind):
         self.service = service
         self.stream = stream
+        self.io = io
         self.kind = kind
         self.sm = kind.machine(service.store, service.limits, service.nonces)
         self.wake = asyncio.Event()
@@ -385,9 +334,8 @@ class _Session:
         connection. False: leave it to run()."""
         if self.busy or self.pending is not None or self.service._stopping:
             return False
-        stream = self.stream
-        if not stream._send_initial_metadata_done or not stream._stream.connection.write_ready.is_set():
-            return False  # (queue_message checks the stream is open)
+        if not self.io.ready():
+            return False
         if self.reader is None or self.reader.done():
             return False
         response = self.sm.poll()
@@ -408,10 +356,7 @@ class _Session:
     def _queue(self, data: Framed) -> bool:
         """Queue the message for its connection's next write (one per change), if the windows
         take it now."""
-        if not queue_message(self.stream, data):
-            return False
-        self.service.flush_later(self.stream._stream.connection)
-        return True
+        return self.io.queue(data)
 
     def _check_access(self, names: Iterable[str]) -> None:
         """End the stream (PERMISSION_DENIED) before anything is sent if a name may not be read."""
@@ -429,9 +374,9 @@ class _Session:
 
     async def read(self) -> None:
         first = True
-        reader = self.service.reader
+        io = self.io
         while True:
-            data = await reader.read(self.stream, bytes, first=first)
+            data = await io.read(first=first)
             if data is None:
                 return  # the client ended its side
             self._on_message(data, first)
@@ -441,7 +386,7 @@ class _Session:
             first = False
             # Further requests are read straight from their DATA frames, as they arrive, until the
             # stream needs grpclib again (its end, a reset): then on as above.
-            await reader.direct(self.stream, self._on_message)
+            await io.read_direct(self._on_message)
 
     def _on_message(self, data: bytes, first: bool = False) -> None:
         self._handle(data, first)
@@ -523,11 +468,11 @@ class _Session:
 
     async def send(self, data: Framed, resources: Iterable[Resource]) -> None:
         try:
-            if not (_can_send(self.stream) and self._queue(data)):  # no timer for a send that cannot block
+            if not (self.io.ready() and self._queue(data)):  # no timer for a send that cannot block
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
                 # arrives as the send completes, leaving this stream's tasks behind.
                 async with asyncio.timeout(self.service.send_timeout):
-                    await send_frames(self.stream, data)
+                    await self.io.send(data)
         except TimeoutError:
             self.service.counters.dropped += 1
             log.warning("dropping node=%s peer=%s: not reading", self.node, self.peer)
@@ -542,12 +487,6 @@ class _Session:
             for r in resources:
                 if r.changed_at >= self.opened_at:  # a change, not a first answer
                     observe(now - r.changed_at)
-
-
-def _can_send(stream: grpclib.server.Stream[Any, bytes]) -> bool:
-    """A message can be queued now: headers sent, the transport not paused, the stream open."""
-    raw = stream._stream
-    return bool(stream._send_initial_metadata_done and raw.connection.write_ready.is_set() and raw.closable)
 
 
 class HealthService(HealthBase):
@@ -616,10 +555,11 @@ def make_server(
     reset_budget: int = 10_000,
     limits: ConnectionLimits | None = None,
     ssl: SSLContext | None = None,
-) -> Server:
-    """The gRPC server: EDS, health and reflection, all read through one MessageReader and counted
-    against the service's stream limit; `limits` (its max_streams and reset_budget replaced by the
-    arguments of the same meaning) for connections and budgets."""
+    http2: str = "auto",
+) -> GrpcServer:
+    """The gRPC server: EDS, health and reflection, all counted against the service's stream
+    limit; `limits` (its max_streams and reset_budget replaced by the arguments of the same
+    meaning) for connections and budgets; `http2` picks the path (h2/compat.py)."""
     limits = dataclasses.replace(
         limits or ConnectionLimits(), max_streams=max_streams_per_connection, reset_budget=reset_budget
     )
@@ -631,30 +571,16 @@ def make_server(
         _http2_max_pings_without_data=0,
         _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
     )
-    service.reader = MessageReader(
-        max_message_size, limits.request_timeout, PartialBudget(limits.partial_message_budget, max_message_size)
-    )
-    others = {
-        path: limited_handler(handler, service.reader, service.enter_stream, service.leave_stream)
+    counted = {
+        path: handler
         for svc in (HealthService(service.store), ReflectionService(SERVED))
         for path, handler in svc.__mapping__().items()
     }
-    server = Server(
-        [service, _Mapping(others)],
-        codec=PassThroughCodec(),
-        config=config,
-        limits=limits,
-    )
-    server.ssl = ssl  # e.g. security.server_ssl_context(...): TLS 1.2+, ALPN h2, client certs
-    server._mapping = UnknownMethods(server._mapping, EDS_SERVICE)  # read by each connection's handler
+    server = build_server(
+        [service], counted, enter=service.enter_stream, leave=service.leave_stream, limits=limits,
+        config=config, max_message_size=max_message_size, mode=http2,
+        mapping=lambda table: UnknownMethods(table, EDS_SERVICE),
+    )  # fmt: skip
+    server.ssl = ssl  # e.g. security.server_ssl_context(...): TLS 1.2+, ALPN h2
+    service.open_io = server.open_io
     return server
-
-
-@dataclass
-class _Mapping:
-    """Handlers by path, as grpclib takes services."""
-
-    handlers: dict[str, grpclib.const.Handler]
-
-    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        return self.handlers

@@ -11,20 +11,15 @@ connection cap, so idle, slowloris and half-sent-body clients could hold the adm
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from .base import timeout_middleware
+from .limits import HttpLimits
+
 REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-
-
-@dataclass
-class HttpLimits:
-    max_connections: int = 256
-    timeout: float = 10.0
 
 
 class _Port:
@@ -97,32 +92,22 @@ class _Factory:
         return getattr(self.server, name)
 
 
-def _middleware(timeout: float) -> Callable[..., Awaitable[web.StreamResponse]]:
-    @web.middleware
-    async def limit(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
-        proto = request.protocol
-        if isinstance(proto, _Handler):
-            proto.busy += 1
+def _busy(request: web.Request, delta: int) -> None:
+    """A request starts (+1) or ends (-1): no deadline for the connection while one runs."""
+    proto = request.protocol
+    if isinstance(proto, _Handler):
+        proto.busy += delta
+        if delta > 0:
             proto.disarm()
-        try:
-            async with asyncio.timeout(timeout):
-                return await handler(request)
-        except TimeoutError:
-            raise web.HTTPRequestTimeout(text=f"request not handled within {timeout:g}s\n") from None
-        finally:
-            if isinstance(proto, _Handler):
-                proto.busy -= 1
-                if not proto.busy:
-                    proto.arm()
-
-    return limit
+        elif not proto.busy:
+            proto.arm()
 
 
 class LimitedAppRunner(web.AppRunner):
     """An AppRunner whose sites get the limits above."""
 
     def __init__(self, app: web.Application, limits: HttpLimits) -> None:
-        app.middlewares.insert(0, _middleware(limits.timeout))
+        app.middlewares.insert(0, timeout_middleware(limits.timeout, _busy))
         super().__init__(app, access_log=None, keepalive_timeout=limits.timeout)
         self.port = _Port(limits)
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from grpclib import GRPCError
 from grpclib.const import Status
 from grpclib.protocol import AckedData
 
 if TYPE_CHECKING:
-    from .http2 import GuardedH2Connection, MessageReader
+    from .fast import GuardedH2Connection, MessageReader
 
 
 _PREFIX = struct.Struct(">BL")  # a gRPC message's compressed flag and length
@@ -41,7 +41,7 @@ def window_update(stream_id: int, increment: int) -> bytes:
 class DirectReader:
     """One stream's request messages, cut from the DATA frames the protocol hands over."""
 
-    __slots__ = ("_buf", "_deadline", "_taken", "done", "grant_at", "h2", "limits",
+    __slots__ = ("_buf", "_deadline", "_need", "_taken", "done", "grant_at", "h2", "limits",
                  "messages", "on_message", "raw", "stream_id", "unacked")  # fmt: skip
 
     def __init__(
@@ -56,6 +56,7 @@ class DirectReader:
         self.unacked = 0
         self.messages = 0  # read this way: what tests count to see the path is taken
         self._buf: bytes | bytearray = b""  # a message begun: its 5-byte prefix (whole or not) and body so far
+        self._need = 0  # bytes _buf must hold before a message in it is whole
         self._taken = 0  # partial-message budget held for it
         self._deadline: asyncio.TimerHandle | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -67,8 +68,13 @@ class DirectReader:
             self.h2._data_to_send += window_update(self.stream_id, self.unacked)
             self.unacked = 0
         if self._buf:
-            self._buf += payload
-            payload = memoryview(self._buf)
+            # A message begun: appended in place until it is whole, so a message that arrives in
+            # many frames costs linear time (copying all of it again per frame was quadratic).
+            buf = cast(bytearray, self._buf)
+            buf += payload  # extended in place
+            if len(buf) < self._need:
+                return
+            payload = memoryview(buf)
         try:
             rest = self._cut(payload)
         except Exception as e:  # whatever the session raised ends the stream, as on the usual path
@@ -76,7 +82,8 @@ class DirectReader:
             return
         if not self.done.done():
             if rest:
-                self._buf = bytearray(rest)
+                self._buf = buf = bytearray(rest)  # at most one frame and a partial message
+                self._need = 5 if len(buf) < 5 else 5 + _PREFIX.unpack_from(buf)[1]
                 self._await_rest()
             elif self._buf:
                 self._buf = b""

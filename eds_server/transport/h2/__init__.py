@@ -1,0 +1,108 @@
+"""The one seam between eds-server and the HTTP/2 and HTTP libraries below it.
+
+Everything that touches grpclib, h2, hyperframe or aiohttp internals lives in this package, and
+runs only on the library versions its tests verified (compat.py); otherwise the stock path runs on
+their public API. The services above see a small interface (base.py): a server that opens one
+StreamIO per call (read a request, take further requests directly as they arrive, queue or send a
+response, end with a status), and knows its port and what it refused.
+
+- limits.py: what a client may take, and what each limit charges (pure);
+- headers.py: RFC 9113 request header checks (pure);
+- fast.py, direct.py: the fast gRPC path; http.py: connection limits for the aiohttp ports;
+- stock.py: the public-API gRPC path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from ssl import SSLContext
+from typing import Any, Protocol
+
+import grpclib.const
+import grpclib.server
+from aiohttp import web
+from grpclib.config import Configuration
+
+from . import compat
+from .base import Framed, PassThroughCodec, StreamIO, timeout_middleware
+from .limits import REASONS, ConnectionLimits, HttpLimits, PartialBudget
+
+__all__ = ["REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "StreamIO", "build_server",
+           "http_runner", "runner_port"]  # fmt: skip
+
+
+class GrpcServer(Protocol):
+    """What the application uses of the gRPC server, on either path."""
+
+    fast: bool
+    ssl: SSLContext | None  # TLS for start(), e.g. security.server_ssl_context(...)
+
+    def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StreamIO: ...
+    async def start(self, host: str | None = None, port: int | None = None) -> None: ...
+    def stop_accepting(self) -> None: ...
+    def close(self) -> None: ...
+    async def wait_closed(self) -> None: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def refused(self) -> dict[str, int]: ...
+    @property
+    def connections(self) -> int: ...
+
+
+def build_server(
+    handlers: list[Any],
+    counted: dict[str, grpclib.const.Handler],
+    *,
+    enter: Callable[[], bool],
+    leave: Callable[[], None],
+    limits: ConnectionLimits,
+    config: Configuration,
+    max_message_size: int,
+    mode: str = "auto",
+    mapping: Callable[[dict[str, Any]], Any] | None = None,
+) -> GrpcServer:
+    """The gRPC server for `handlers` (which take a StreamIO from `server.open_io`), and for the
+    `counted` handlers (health, reflection: grpclib-style), whose streams count against
+    `enter`/`leave` and are read within the message limits where the path can. `mapping` wraps
+    the path-to-handler table (unknown methods), on the fast path only."""
+    if compat.fast_path(mode):
+        from .fast import MessageReader, Server, limited_handler, short_frame_reprs
+
+        short_frame_reprs()
+        reader = MessageReader(
+            max_message_size, limits.request_timeout, PartialBudget(limits.partial_message_budget, max_message_size)
+        )
+        others = {path: limited_handler(h, reader, enter, leave) for path, h in counted.items()}
+        return Server([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits,
+                      reader=reader, mapping=mapping)  # fmt: skip
+    from .stock import StockServer, counted_handler
+
+    others = {path: counted_handler(h, enter, leave) for path, h in counted.items()}
+    return StockServer([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits)
+
+
+class _Mapping:
+    """Handlers by path, as grpclib takes services."""
+
+    def __init__(self, handlers: dict[str, grpclib.const.Handler]) -> None:
+        self.handlers = handlers
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return self.handlers
+
+
+def http_runner(app: web.Application, limits: HttpLimits, mode: str = "auto") -> web.AppRunner:
+    """An AppRunner for an aiohttp port with a request deadline, and on the fast path also a
+    connection cap and a deadline for each request's headers (http.py)."""
+    if compat.fast_path(mode, {"aiohttp": compat.VERIFIED["aiohttp"]}):
+        from .http import LimitedAppRunner
+
+        return LimitedAppRunner(app, limits)
+    app.middlewares.insert(0, timeout_middleware(limits.timeout))
+    return web.AppRunner(app, access_log=None, keepalive_timeout=limits.timeout)
+
+
+def runner_port(runner: web.AppRunner) -> int:
+    """The port a started runner's first site listens on."""
+    return int(runner.addresses[0][1])

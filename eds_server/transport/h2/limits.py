@@ -1,0 +1,175 @@
+"""What a client may take of the gRPC port, and what each limit charges. Pure bookkeeping: no
+socket and no other library's internals, so the rules are unit-testable.
+
+The rule: charge what misbehaves, not what is merely large. An Envoy with thousands of EDS
+clusters opens thousands of streams at once, each sending its request straight away, and many
+Envoys may share one address (a NAT, a Docker proxy); none of that costs a budget. What does:
+- streams that end, or are refused, or time out, without ever sending a request (stream churn,
+  idle streams), and streams opened but not yet sent a request beyond a bound at once;
+- stream resets, the client's and those h2 sends on its own (DATA after END_STREAM);
+- control frames that carry no work: PING, PRIORITY, empty DATA, unknown frame types, SETTINGS
+  after the connection's first, WINDOW_UPDATEs not paid for by our DATA. A connection's first
+  SETTINGS, the ACKs of ours and the PING ACKs echoing our keepalive are free, so a fleet that
+  reconnects at once (a server restart) costs nothing.
+Past a budget, GOAWAY ENHANCE_YOUR_CALM. Connections: a total, and per IP, but the per-IP cap
+binds only once the server holds half its total, so one NAT address in front of many Envoys is
+served while the server has room. Every refusal is counted by reason and logged, rate-limited.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...ratelimit import Bucket
+
+log = logging.getLogger("eds_server.grpc")
+
+BUDGET_WINDOW = 10.0  # seconds: budgets are "N per 10 s", refilled continuously
+SMALL_MESSAGE = 256 * 1024  # bytes: a request this small is never refused for others' partial messages
+
+# Why a connection, stream or message was refused or shed: the label values of eds_refused_total.
+REASONS = (
+    "connection_limit",  # over the total or per-IP connection limit
+    "no_stream",  # a connection that opened no stream in time
+    "no_request",  # a stream that sent no request in time
+    "pending_streams",  # a stream refused (REFUSED_STREAM): too many of the IP's streams await a request
+    "calm",  # GOAWAY ENHANCE_YOUR_CALM: over a budget
+    "frame_size",  # a frame longer than we allow, refused from its header
+    "bad_headers",  # a request whose headers break RFC 9113 section 8 (RST_STREAM PROTOCOL_ERROR)
+    "protocol_error",  # any other HTTP/2 protocol error (GOAWAY)
+    "partial_messages",  # a message refused: the partial-message budget is held by others
+)
+
+
+@dataclass
+class ConnectionLimits:
+    """What one client (connection, or IP) may take of the gRPC port."""
+
+    max_streams: int = 10_000  # concurrent streams per connection (MAX_CONCURRENT_STREAMS)
+    stream_budget: int = 1_000  # per IP: streams ended without a request per BUDGET_WINDOW; also at once awaiting one
+    reset_budget: int = 10_000  # stream resets (sent by the client or by h2) per IP per BUDGET_WINDOW
+    control_budget: int = 1_000  # control frames per connection per BUDGET_WINDOW
+    max_connections: int = 10_000  # in total
+    max_connections_per_ip: int = 100  # binds once the server holds half of max_connections
+    request_timeout: float = 10.0  # to open a first stream, to send a first request, to finish a message
+    tls_handshake_timeout: float = 5.0
+    partial_message_budget: int = 128 * 1024 * 1024  # bytes of messages being received, server-wide
+
+
+@dataclass
+class HttpLimits:
+    """The aiohttp ports (admin, registration API, REST EDS): connections at once, and the time a
+    request has to arrive and be handled."""
+
+    max_connections: int = 256
+    timeout: float = 10.0
+
+
+class PeerBudgets:
+    """One client IP's connections and budgets, shared by all its connections."""
+
+    __slots__ = ("connections", "partial", "pending", "resets", "wasted")
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.connections = 0
+        self.partial = 0  # bytes of its messages being received
+        self.pending = 0  # streams opened that have not sent a request yet
+        self.wasted = Bucket(limits.stream_budget, BUDGET_WINDOW)  # streams ended without a request
+        self.resets = Bucket(limits.reset_budget, BUDGET_WINDOW)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.connections or self.partial or self.pending) and self.wasted.full and self.resets.full
+
+
+class LogLimit:
+    """At most `most` warnings per BUDGET_WINDOW: a client that keeps tripping a limit cannot fill the log."""
+
+    def __init__(self, most: int = 20) -> None:
+        self.bucket = Bucket(most, BUDGET_WINDOW)
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        if self.bucket.take():
+            if self.suppressed:
+                msg += f" ({self.suppressed} similar messages suppressed)"
+                self.suppressed = 0
+            log.warning(msg, *args)
+        else:
+            self.suppressed += 1
+
+
+@dataclass
+class Gate:
+    """Connection limits and per-IP budgets of one server, and what it refused."""
+
+    limits: ConnectionLimits
+    peers: dict[str, PeerBudgets] = field(default_factory=dict)
+    connections: int = 0
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    _prune_at: int = 0  # table size at which idle peers are forgotten next
+    _log: LogLimit = field(default_factory=LogLimit)
+
+    def shed(self, reason: str, peer: str, detail: str) -> None:
+        """Count a refusal and log it (rate-limited), with the client's address and why."""
+        self.refused[reason] += 1
+        self._log.warning("%s from %s: %s", reason.replace("_", " "), peer, detail)
+
+    def admit(self, ip: str) -> PeerBudgets | str:
+        """The IP's budgets, or why the connection is refused."""
+        limits = self.limits
+        if self.connections >= limits.max_connections:
+            return f"server holds its limit of {limits.max_connections} connections"
+        peer = self.peers.get(ip)
+        if peer is None:
+            if len(self.peers) >= max(self._prune_at, limits.max_connections):
+                self._forget_idle()
+                # next time at twice what is left: a table of busy peers is not walked per connection
+                self._prune_at = 2 * len(self.peers)
+            peer = self.peers[ip] = PeerBudgets(limits)
+        if peer.connections >= limits.max_connections_per_ip and 2 * self.connections >= limits.max_connections:
+            return f"{ip} holds its limit of {limits.max_connections_per_ip} connections (server half full)"
+        peer.connections += 1
+        self.connections += 1
+        return peer
+
+    def release(self, peer: PeerBudgets) -> None:
+        peer.connections -= 1
+        self.connections -= 1
+
+    def _forget_idle(self) -> None:
+        """Drop IPs with no connection and full budgets: bounded memory, and nobody's debt forgotten."""
+        for ip in [ip for ip, p in self.peers.items() if p.idle]:
+            del self.peers[ip]
+
+
+class PartialBudget:
+    """Bytes of request messages announced but not yet fully received: server-wide, and per client
+    IP (a quarter of the total, at least one message). Messages up to SMALL_MESSAGE (Envoy's
+    requests, node included, are ~60 KB) are refused only by their IP's share, so one client that
+    holds the whole budget cannot stop the others' requests."""
+
+    def __init__(self, total: int, max_message_size: int = 0) -> None:
+        self.total = total
+        self.per_ip = max(total // 4, max_message_size)
+        self.used = 0
+        self.refused = 0
+
+    def take(self, n: int, peer: PeerBudgets | None = None) -> bool:
+        if peer is not None and peer.partial + n > self.per_ip:
+            self.refused += 1
+            return False
+        if n > SMALL_MESSAGE and self.used + n > self.total:
+            self.refused += 1
+            return False
+        self.used += n
+        if peer is not None:
+            peer.partial += n
+        return True
+
+    def give(self, n: int, peer: PeerBudgets | None = None) -> None:
+        self.used -= n
+        if peer is not None:
+            peer.partial -= n
