@@ -46,9 +46,9 @@ from eds_server.pb.envoy.service.discovery.v3 import (
     DiscoveryRequest,
     DiscoveryResponse,
 )
-from eds_server.transport.h2.direct import DirectReader
 from eds_server.transport.grpc import EdsService, _Session
 from eds_server.transport.h2 import ConnectionLimits
+from eds_server.transport.h2.direct import DirectReader
 from eds_server.xds.common import EDS_TYPE_URL
 
 DELTA = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
@@ -299,7 +299,7 @@ def no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def test_sotw_acks_are_read_directly_and_responses_keep_flowing() -> None:
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         sid, r1 = await direct_stream(client, service, "a")
         reader = reader_of(service, "a")
         versions = [r1.version_info]
@@ -377,7 +377,7 @@ async def test_end_stream_after_the_stream_went_direct(
     last: str, handled: Callable[[str], list[bytes]], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         sid, r1 = await direct_stream(client, service, "a")
         final = bytes(ack(r1, "web", "other"))  # subscribes to "other" too
         if last == "request begun before":  # read directly up to there, then left to grpclib with the rest
@@ -529,7 +529,7 @@ async def send_within_windows(client: Client, pending: dict[int, bytearray]) -> 
 
 
 async def test_more_than_the_windows_in_direct_requests_is_not_stalled(handled: Callable[[str], list[bytes]]) -> None:
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         a, _ = await direct_stream(client, service, "a")
         b, _ = await direct_stream(client, service, "b")
         # 2 x 16 x 300 KB: 9.6 MB, more than the 4 MiB connection window and each 4 MiB stream window
@@ -553,7 +553,7 @@ async def test_falling_back_and_returning_keeps_the_stream_window(
     """A DATA frame the direct path leaves to h2 (padded, or with a flag RFC 9113 does not define,
     which h2 ignores) makes the stream fall back without ending it; it goes direct again after the
     next message."""
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         sid, _ = await direct_stream(client, service, "a")
         expected = []
         for round_ in range(5):  # 5 x 1.5 MB: more than the 4 MiB stream window, granted back at 2 MiB
@@ -577,7 +577,7 @@ async def test_falling_back_and_returning_keeps_the_stream_window(
 
 
 async def test_an_empty_data_frame_on_a_direct_stream_is_nothing(handled: Callable[[str], list[bytes]]) -> None:
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         sid, _ = await direct_stream(client, service, "a")
         await client.send(data(sid, b"") + data(sid, grpc(tagged("after"))))
         await client.ping()
@@ -589,7 +589,7 @@ async def test_an_empty_data_frame_on_a_direct_stream_is_nothing(handled: Callab
 
 
 async def test_delta_requests_are_read_directly(handled: Callable[[str], list[bytes]]) -> None:
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         sid, _ = await direct_stream(client, service, "d", DELTA)
         reader = reader_of(service, "d")
         for i in range(2, 12):  # 10 changes, each ACKed
@@ -612,7 +612,7 @@ async def test_delta_requests_are_read_directly(handled: Callable[[str], list[by
 
 @pytest.mark.parametrize("writes", ["one write", "block cut between writes", "CONTINUATION cut between writes"])
 async def test_a_header_block_among_direct_data_frames(writes: str, handled: Callable[[str], list[bytes]]) -> None:
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         a, _ = await direct_stream(client, service, "a")
         b, _ = client.new_stream()  # for its id: its header block is built here, in three frames
         block = client.conn.encoder.encode(headers(STREAM))
@@ -644,7 +644,7 @@ async def test_a_direct_data_frame_inside_a_header_block_is_a_protocol_error(
 ) -> None:
     """RFC 9113 6.10: nothing may come between a HEADERS frame and its CONTINUATION, a direct
     stream's DATA no more than any other frame; h2 answers GOAWAY PROTOCOL_ERROR."""
-    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as client:
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         a, _ = await direct_stream(client, service, "a")
         b, _ = client.new_stream()
         block = client.conn.encoder.encode(headers(STREAM))

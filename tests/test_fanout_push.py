@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpclib.server
 import h2
@@ -20,7 +21,6 @@ from waiting import wait_until
 
 from eds_server.model import Endpoint, Group
 from eds_server.transport.h2 import fast as http2
-from eds_server.transport.grpc import EdsService
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -65,6 +66,7 @@ async def harness() -> AsyncIterator[Harness]:
     server = make_server(
         service, max_streams_per_connection=1000, keepalive_time=30, keepalive_timeout=10,
         max_message_size=1 << 20, limits=ConnectionLimits(stream_budget=100_000),  # tests open thousands
+        http2=os.environ.get("EDS_HTTP2", "auto"),
     )  # fmt: skip
     await server.start("127.0.0.1", 0)
     port = server.port
@@ -183,7 +185,8 @@ async def test_reconnect_with_current_version_is_not_resent(harness: Harness) ->
         (DiscoveryRequest(node=Node(id="n"), type_url="type.googleapis.com/x.Y"), Status.INVALID_ARGUMENT),
         (DiscoveryRequest(node=Node(id="n"), resource_names=["x" * 2000]), Status.INVALID_ARGUMENT),
         (DiscoveryRequest(node=Node(id="n"), resource_names=["a"] * 10_001), Status.RESOURCE_EXHAUSTED),
-        (DiscoveryRequest(node=Node(id="n"), resource_names=["a" * 1000] * 1100), Status.RESOURCE_EXHAUSTED),
+        pytest.param(DiscoveryRequest(node=Node(id="n"), resource_names=["a" * 1000] * 1100),
+                     Status.RESOURCE_EXHAUSTED, marks=pytest.mark.fast_path),  # over --max-message-size
     ],
 )
 async def test_bad_requests_get_grpc_errors(
@@ -269,6 +272,7 @@ async def test_stop_ends_streams_cleanly(harness: Harness) -> None:
     assert harness.service.open_streams == 0
 
 
+@pytest.mark.fast_path  # stock grpclib: no size limit before the body, 100 streams a connection
 async def test_oversize_length_prefix_is_refused_before_the_body(harness: Harness) -> None:
     harness.store.update(SOURCE, {})
     with pytest.raises(GRPCError) as e:
@@ -419,6 +423,7 @@ async def test_total_stream_limit(harness: Harness) -> None:
     assert harness.service.counters.refused == 1
 
 
+@pytest.mark.fast_path  # stock grpclib: no size limit before the body, 100 streams a connection
 async def test_truncated_grpc_frame_is_an_error_not_a_hang(harness: Harness) -> None:
     harness.store.update(SOURCE, {})
     with pytest.raises(GRPCError) as e:
@@ -443,6 +448,7 @@ async def test_ten_thousand_names_in_one_request(harness: Harness) -> None:
         assert len(cla_of(resp, 7).endpoints) == 1 and not cla_of(resp, 8).endpoints
 
 
+@pytest.mark.fast_path  # stock grpclib: no size limit before the body, 100 streams a connection
 async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harness) -> None:
     import gc
     import os
@@ -519,6 +525,7 @@ async def test_a_client_that_half_closes_still_gets_its_answer(harness: Harness)
         assert await asyncio.wait_for(stream.recv_message(), 5) is None  # then the call ends, OK
 
 
+@pytest.mark.fast_path  # stock grpclib: an application error
 async def test_length_prefix_then_end_of_stream_is_an_error(harness: Harness) -> None:
     harness.store.update(SOURCE, {"web": group("web", 1)})
     with pytest.raises(GRPCError) as e:

@@ -211,8 +211,8 @@ async def test_per_ip_connection_limit_sheds_with_goaway() -> None:
             reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0))
             frames = await read_frames(reader)
             writer.close()
-            assert (7, b"\x00\x00\x00\x00" + (11).to_bytes(4, "big") + b"127.0.0.9 holds its limit of 3 connections (server half full)"
-                    ) in frames  # fmt: skip
+            why = b"127.0.0.9 holds its limit of 3 connections (server half full)"
+            assert (7, b"\x00\x00\x00\x00" + (11).to_bytes(4, "big") + why) in frames
             await fetch_web(port)  # another IP is served
             assert server.gate.refused["connection_limit"] == 1
         finally:
@@ -268,7 +268,7 @@ async def test_health_is_under_the_message_size_and_stream_limits() -> None:
 
 
 async def test_partial_messages_share_one_budget() -> None:
-    async with serving(ConnectionLimits(partial_message_budget=1 << 20)) as (server, service, port):
+    async with serving(ConnectionLimits(partial_message_budget=1 << 20)) as (server, _service, port):
         channel = Channel("127.0.0.1", port)
         try:
             async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as a:

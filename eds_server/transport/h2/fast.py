@@ -96,7 +96,7 @@ class GuardedH2Connection(H2Connection):
         super().__init__(config=config)
         self.peer = peer
         self.control = Bucket(limits.control_budget, BUDGET_WINDOW)
-        self.pending_limit = limits.stream_budget
+        self.pending_limit = limits.max_streams  # an IP's streams awaiting a request: one connection's worth
         self._touched: set[int] = set()  # streams a frame was sent or received on since the last count
         self._receiving = False
         self._window_credit = 100
