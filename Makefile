@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint protos bench wheel clean
+.PHONY: setup demo test test-stock lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine
 
 test: $(STAMP)  ## the whole suite, real Envoy included
 	$(PY) -m pytest
+
+test-stock: $(STAMP)  ## the gRPC and Envoy tests again, on the stock HTTP/2 path (docs/limits.md)
+	EDS_HTTP2=stock $(PY) -m pytest tests/test_grpc.py tests/test_envoy_xds.py tests/test_big_envoy.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -185,7 +185,8 @@ class App:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
                 self.service.describe_streams,
-                make_registry(self.store, self.service, self.source_status),
+                make_registry(self.store, self.service, self.source_status,
+                              lambda: (self.grpc.connections, self.grpc.refused)),
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
             )  # fmt: skip
             self.admin_port = await self._serve_http(app, self.settings.admin, "admin")

@@ -51,9 +51,10 @@ class LatencyHistogram(Collector):
 
 class _StateCollector(Collector):
     def __init__(
-        self, store: Store, service: EdsService, sources: Callable[[], list[dict[str, Any]]]
-    ) -> None:
-        self.store, self.service, self.sources = store, service, sources
+        self, store: Store, service: EdsService, sources: Callable[[], list[dict[str, Any]]],
+        transport: Callable[[], tuple[int, dict[str, int]]] | None,
+    ) -> None:  # fmt: skip
+        self.store, self.service, self.sources, self.transport = store, service, sources, transport
 
     def collect(self) -> Iterator[Metric]:
         c = self.service.counters
@@ -79,6 +80,16 @@ class _StateCollector(Collector):
             ("eds_encodes", self.store.encodes, "Groups encoded (once per changed group)"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        if self.transport is not None:
+            connections, refused = self.transport()
+            yield GaugeMetricFamily("eds_connections_open", "Open gRPC connections", value=connections)
+            by_reason = CounterMetricFamily(
+                "eds_refused", "Connections, streams and frames refused or shed, by reason (docs/limits.md)",
+                labels=["reason"],
+            )
+            for reason, n in refused.items():
+                by_reason.add_metric([reason], n)
+            yield by_reason
         # every served group from 0, so the first NACK is an increase a rate() or alert can see
         nacks = CounterMetricFamily("eds_group_nacks", "Rejections per group", labels=["group"])
         for group in sorted(self.store.resources().keys() | c.nacks_by_group.keys()):
@@ -109,11 +120,13 @@ class _StateCollector(Collector):
 
 
 def make_registry(
-    store: Store, service: EdsService, sources: Callable[[], list[dict[str, Any]]]
+    store: Store, service: EdsService, sources: Callable[[], list[dict[str, Any]]],
+    transport: Callable[[], tuple[int, dict[str, int]]] | None = None,
 ) -> CollectorRegistry:
-    """A registry of its own (not the process-global one), wired into the service's latency hook."""
+    """A registry of its own (not the process-global one), wired into the service's latency hook;
+    `transport` gives the gRPC port's open connections and refusals by reason."""
     registry = CollectorRegistry()
-    registry.register(_StateCollector(store, service, sources))
+    registry.register(_StateCollector(store, service, sources, transport))
     latency = LatencyHistogram()
     registry.register(latency)
     service.observe_push_latency = latency.observe

@@ -190,5 +190,17 @@ def render(
         f'<h2 id="sources">Sources</h2>{_sources(sources)}'
         f'<h2 id="groups">Groups</h2>{_groups(groups, total_groups, streams, nacks)}'
         f'<h2 id="streams">Streams</h2>{_streams(streams, total_streams)}'
+        f"{_refused(stats)}"
         "</body></html>"
     )
+
+
+def _refused(stats: Mapping[str, Any]) -> str:
+    """What the gRPC port refused or shed, by reason (docs/limits.md), if anything."""
+    refused = {k: v for k, v in (stats.get("refused_by_reason") or {}).items() if v}
+    if not refused:
+        return '<h2 id="refused">Refused</h2><p class="muted">nothing refused or shed</p>'
+    rows = "".join(f"<tr><td>{_e(k)}</td><td>{int(v)}</td></tr>" for k, v in sorted(refused.items()))
+    return ('<h2 id="refused">Refused</h2><p class="muted">connections, streams and frames refused or shed '
+            "since start, by reason (the server log names each client)</p>"
+            f"<table><tr><th>reason</th><th>count</th></tr>{rows}</table>")

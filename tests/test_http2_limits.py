@@ -324,3 +324,18 @@ def test_partial_budget_shares() -> None:
     budget.give(60_000, other)
     budget.give(4 << 20, attackers[0])
     assert budget.take(SMALL_MESSAGE + 1, other)
+
+
+def test_refusals_are_metrics_by_reason() -> None:
+    from prometheus_client import generate_latest
+
+    from eds_server.encode import encode_group
+    from eds_server.metrics import make_registry
+    from eds_server.store import Store
+
+    store = Store(encode_group)
+    registry = make_registry(store, EdsService(store), list, lambda: (3, {"calm": 2, "bad_headers": 0}))
+    text = generate_latest(registry).decode()
+    assert 'eds_refused_total{reason="calm"} 2.0' in text
+    assert 'eds_refused_total{reason="bad_headers"} 0.0' in text  # every reason from 0, for rate()
+    assert "eds_connections_open 3.0" in text
