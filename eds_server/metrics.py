@@ -9,8 +9,9 @@ our own groups and sources, never from client input, so a client cannot grow the
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -19,15 +20,17 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from . import __version__
-from .store import Store
+from .observe import StreamObserver, StreamView
+from .store import Resource, Store
 from .transport.grpc import EdsService
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class LatencyHistogram(Collector):
+class LatencyHistogram(Collector, StreamObserver):
     """eds_push_latency_seconds: Prometheus histogram semantics (a value lands in the first bucket
-    whose bound is >= it), kept in plain counters. Call `observe` from the event loop only."""
+    whose bound is >= it), kept in plain counters. Call `observe` from the event loop only; as a
+    stream observer it observes every response that carries a change (not a stream's first answer)."""
 
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         self.bounds = bounds
@@ -37,6 +40,12 @@ class LatencyHistogram(Collector):
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def responded(self, s: StreamView, resources: Iterable[Resource]) -> None:
+        now = time.monotonic()
+        for r in resources:
+            if r.changed_at >= s.opened_at:  # a change, not a first answer
+                self.observe(now - r.changed_at)
 
     def collect(self) -> Iterator[Metric]:
         buckets, total = [], 0
@@ -129,5 +138,5 @@ def make_registry(
     registry.register(_StateCollector(store, service, sources, transport))
     latency = LatencyHistogram()
     registry.register(latency)
-    service.observe_push_latency = latency.observe
+    service.observers.add(latency)
     return registry

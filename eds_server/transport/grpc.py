@@ -25,6 +25,7 @@ from grpclib.const import Cardinality, Status
 
 from .. import protowire
 from ..heap import HeapTrim
+from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, clip, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Resource, Store
@@ -46,7 +47,7 @@ from ..xds.sotw import SotwStream
 from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server
 from .h2.stock import StockIO
 from .reflection import ReflectionService
-from .unknown import UnknownMethods, clip
+from .unknown import UnknownMethods
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -55,19 +56,6 @@ STREAM_NAMES_SHOWN = 100  # per stream in /v1/streams; Envoy follows one name pe
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
 SERVED = (EDS_SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
           "grpc.reflection.v1alpha.ServerReflection")  # fmt: skip
-
-
-@dataclass
-class Counters:
-    streams_opened: int = 0
-    denied: int = 0  # streams and fetches refused by the authorization hook
-    dropped: int = 0  # streams ended for not reading (send timeout)
-    refused: int = 0  # streams refused at the total limit
-    nacks_by_group: dict[str, int] = field(default_factory=dict)  # known groups only: bounded
-    requests: int = 0
-    responses: int = 0
-    acks: int = 0
-    nacks: int = 0
 
 
 # (peer certificate as ssl's getpeercert() gives it, or None; node id; node cluster) -> whether that client
@@ -86,9 +74,8 @@ class EdsService:
     other_streams: int = 0  # open health and reflection streams
     open_io: Callable[[grpclib.server.Stream[Any, Any]], StreamIO] = StockIO  # set by make_server
     counters: Counters = field(default_factory=Counters)
+    observers: Observers = field(default_factory=Observers)  # told of every stream event: add() more
     sessions: set[_Session] = field(default_factory=set)
-    # seconds from a change entering the store to a stream being sent it (metrics hook)
-    observe_push_latency: Callable[[float], None] | None = None
     authorize: Authorize | None = None  # None: every client may read every name
     _stopping: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -112,6 +99,7 @@ class EdsService:
         return framed
 
     def __post_init__(self) -> None:
+        self.observers.observers[:0] = [self.counters, StreamLog(), _HeapTrimOnFirstRequest(self)]
         self._unwatch = self.store.watch(self._on_store_change)
         if self.store.ready:
             self._ready.set()
@@ -201,8 +189,7 @@ class EdsService:
         finally:
             self.sessions.discard(session)
             self.store.unfollow(session.on_change)
-            log.info("%s stream closed: node=%s peer=%s", session.kind.name, session.node, session.peer,
-                     extra=session._fields("stream_closed"))  # fmt: skip
+            self.observers.closed(session)
 
     async def fetch_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         if not self.enter_stream():
@@ -227,11 +214,11 @@ class EdsService:
             access = self.authorize(stream.peer.cert(), *_node_fields(node))
             refused = [n for n in dict.fromkeys(req.resource_names) if not access(n)]
             if refused:
-                self.counters.denied += 1
+                self.observers.access_denied(None, refused, str(access))
                 node_id, cluster = _shown(*_node_fields(node))
                 log.warning("PERMISSION_DENIED fetch: node=%s cluster=%s peer=%s (%s) may not read %s",
-                            node_id, cluster, _peer(stream), access, _names(refused))  # fmt: skip
-                raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {_names(refused)}")
+                            node_id, cluster, _peer(stream), access, names_shown(refused))  # fmt: skip
+                raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {names_shown(refused)}")
         await self._ready.wait()
         resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names) if n != WILDCARD]
         version = response_version(resources) if resources else ""
@@ -318,7 +305,15 @@ class _Session:
                 "transport": self.kind.name, "names": names, "names_total": len(self.sm.subscribed),
                 "last_nack": self.last_nack}  # fmt: skip
 
-    def _fields(self, event: str) -> dict[str, str]:
+    @property
+    def transport(self) -> str:
+        return self.kind.name
+
+    @property
+    def subscribed(self) -> Iterable[str]:
+        return self.sm.subscribed
+
+    def fields(self, event: str) -> dict[str, str]:
         """Structured fields for JSON logs."""
         return {"event": event, "transport": self.kind.name, "node": self.node, "node_cluster": self.cluster,
                 "peer": self.peer}  # fmt: skip
@@ -364,13 +359,8 @@ class _Session:
             return
         refused = [n for n in names if not self.access(n)]
         if refused:
-            self.service.counters.denied += 1
-            log.warning(
-                "PERMISSION_DENIED %s stream: node=%s cluster=%s peer=%s (%s) may not read %s",
-                self.kind.name, self.node, self.cluster, self.peer, self.access, _names(refused),
-                extra=self._fields("denied"),
-            )  # fmt: skip
-            raise ProtocolError("PERMISSION_DENIED", f"not allowed to read {_names(refused)}")
+            self.service.observers.access_denied(self, refused, str(self.access))
+            raise ProtocolError("PERMISSION_DENIED", f"not allowed to read {names_shown(refused)}")
 
     async def read(self) -> None:
         first = True
@@ -381,8 +371,6 @@ class _Session:
                 return  # the client ended its side
             self._on_message(data, first)
             del data  # not kept while idle: a request may carry a 60 KB Node
-            if first:
-                self.service.heap.first_request_read()
             first = False
             # Further requests are read straight from their DATA frames, as they arrive, until the
             # stream needs grpclib again (its end, a reset): then on as above.
@@ -396,8 +384,8 @@ class _Session:
             self.wake.set()
 
     def _handle(self, data: bytes, first: bool) -> None:
-        counters = self.service.counters
-        counters.requests += 1
+        observers = self.service.observers
+        observers.request(self)
         request, node = _decode(self.kind.decode, data, self.service.limits)
         if first:
             node_id, cluster = _node_fields(node)
@@ -406,33 +394,19 @@ class _Session:
                 self.access = self.service.authorize(self.stream.peer.cert(), node_id, cluster)
         for event in self.sm.receive(request):
             if isinstance(event, Nack):
-                counters.nacks += 1
                 self.last_nack = clip(event.message)
                 known = self.service.store.resources()
-                for name in event.names:
-                    group = name if name in known else "(unknown name)"
-                    counters.nacks_by_group[group] = counters.nacks_by_group.get(group, 0) + 1
-                log.warning(
-                    "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
-                    self.node, self.cluster, self.peer, _names(event.names),
-                    event.version_info, clip(event.message), extra=self._fields("nack"),
-                )  # fmt: skip
+                groups = [name if name in known else "(unknown name)" for name in event.names]
+                observers.nack(self, event.names, groups, event.version_info, self.last_nack)
             elif isinstance(event, Ack):
-                counters.acks += 1
-                if log.isEnabledFor(logging.DEBUG):  # _names is not free, and every ACK passes here
-                    log.debug("ACK from node=%s for %s", self.node, _names(event.names))
+                observers.ack(self, event.names)
             elif isinstance(event, Subscribed):
                 self._check_access(event.added)
                 self.service.store.follow(self.on_change, event.added, event.removed)
                 if not first:
-                    log.debug("node=%s subscribed %s, unsubscribed %s", self.node,
-                              _names(event.added), _names(event.removed))  # fmt: skip
+                    observers.subscribed(self, event.added, event.removed)
         if first:
-            log.info(
-                "%s stream opened: node=%s cluster=%s peer=%s names=%s",
-                self.kind.name, self.node, self.cluster, self.peer, _names(self.sm.subscribed),
-                extra=self._fields("stream_opened"),
-            )  # fmt: skip
+            observers.opened(self)
 
     async def run(self) -> None:
         reader = self.reader = asyncio.create_task(self.read())
@@ -474,19 +448,22 @@ class _Session:
                 async with asyncio.timeout(self.service.send_timeout):
                     await self.io.send(data)
         except TimeoutError:
-            self.service.counters.dropped += 1
-            log.warning("dropping node=%s peer=%s: not reading", self.node, self.peer)
+            self.service.observers.stopped_reading(self)
             raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
         self._sent(resources)
 
     def _sent(self, resources: Iterable[Resource]) -> None:
-        self.service.counters.responses += 1
-        observe = self.service.observe_push_latency
-        if observe is not None:
-            now = time.monotonic()
-            for r in resources:
-                if r.changed_at >= self.opened_at:  # a change, not a first answer
-                    observe(now - r.changed_at)
+        self.service.observers.responded(self, resources)
+
+
+class _HeapTrimOnFirstRequest(StreamObserver):
+    """The first requests' Nodes (60 KB each from Envoy) leave free heap behind: trim it after a burst."""
+
+    def __init__(self, service: EdsService) -> None:
+        self.service = service
+
+    def opened(self, s: StreamView) -> None:
+        self.service.heap.first_request_read()
 
 
 class HealthService(HealthBase):
@@ -531,13 +508,6 @@ def _node_fields(raw: memoryview | None) -> tuple[str, str]:
 def _shown(node_id: str, cluster: str) -> tuple[str, str]:
     """The same, bounded and escaped for logs."""
     return clip(node_id or "?", 200), clip(cluster or "?", 200)
-
-
-def _names(names: Iterable[str], most: int = 10) -> str:
-    """A bounded rendering of a client-chosen list of names, for logs."""
-    names = list(names)
-    shown = ",".join(clip(n, 100) for n in names[:most])
-    return shown + (f",... ({len(names)} names)" if len(names) > most else "")
 
 
 def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:

@@ -12,13 +12,9 @@ import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Cardinality, Status
 
+from ..observe import clip
+
 log = logging.getLogger("eds_server.grpc")
-
-
-def clip(text: str, most: int = 1000) -> str:
-    """Client-chosen text made safe for a one-line log entry."""
-    text = text if len(text) <= most else text[:most] + "..."
-    return text.encode("unicode_escape").decode("ascii")
 
 
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"

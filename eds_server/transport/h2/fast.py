@@ -60,8 +60,8 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from ...observe import clip
 from ...ratelimit import Bucket
-from ..unknown import clip
 from .base import Framed
 from .direct import DirectReader, window_update
 from .headers import request_problem, trailers_problem
