@@ -242,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "10000"),
                          help="streams one client IP may end without sending a request (reset, ended, refused "
                               "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
-                              "more than --max-streams-per-connection of an IP's streams awaiting their first "
-                              "request at once are refused with REFUSED_STREAM (default 10000)")
+                              "past 1000 of an IP's streams awaiting their first request while they could send "
+                              "it, new ones are refused with REFUSED_STREAM (default 10000)")
     hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
                          default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
                          help="PING, PRIORITY, empty DATA, unknown, unpaid WINDOW_UPDATE and repeated SETTINGS "

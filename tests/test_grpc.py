@@ -409,8 +409,10 @@ async def test_reset_flood_gets_goaway() -> None:
 
 
 async def test_total_stream_limit(harness: Harness) -> None:
+    """--max-streams in total, of which one client IP may hold half: one client cannot take every
+    stream while another has none."""
     harness.store.update(SOURCE, {"web": group("web", 1)})
-    harness.service.max_streams = 2
+    harness.service.max_streams = 4
     async with harness.stream() as a, harness.stream() as b:
         for s in (a, b):
             await s.send_message(first("web"))

@@ -79,6 +79,7 @@ class EdsService:
     authorize: Authorize | None = None  # None: every client may read every name
     _stopping: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _by_ip: dict[str, int] = field(default_factory=dict)  # open streams of each client IP
     nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
     heap: HeapTrim = field(default_factory=HeapTrim)  # the first requests' Nodes leave free heap behind
     _framed: tuple[_Kind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
@@ -134,9 +135,12 @@ class EdsService:
     def open_streams(self) -> int:
         return len(self.sessions)
 
-    def _room(self) -> bool:
-        """Whether one more stream of any service fits the total limit (if not, counted as refused)."""
-        if len(self.sessions) + self.other_streams >= self.max_streams:
+    def _room(self, ip: str) -> bool:
+        """Whether one more stream of any service from `ip` fits (if not, counted as refused): the
+        total limit, and half of it per client IP, so one client cannot take every stream while
+        another has none."""
+        total = len(self.sessions) + self.other_streams
+        if total >= self.max_streams or 2 * self._by_ip.get(ip, 0) >= self.max_streams:
             self.counters.refused += 1
             return False
         return True
@@ -144,15 +148,25 @@ class EdsService:
     def _full(self) -> GRPCError:
         return GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
 
-    def enter_stream(self) -> bool:
-        """Count one more open health, reflection or fetch stream; False at the total limit."""
-        if not self._room():
+    def _count(self, ip: str, n: int) -> None:
+        held = self._by_ip.get(ip, 0) + n
+        if held:
+            self._by_ip[ip] = held
+        else:
+            del self._by_ip[ip]
+
+    def enter_stream(self, stream: grpclib.server.Stream[Any, Any]) -> bool:
+        """Count one more open health, reflection or fetch stream; False at the limits."""
+        ip = _ip(stream)
+        if not self._room(ip):
             return False
         self.other_streams += 1
+        self._count(ip, 1)
         return True
 
-    def leave_stream(self) -> None:
+    def leave_stream(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         self.other_streams -= 1
+        self._count(_ip(stream), -1)
 
     def describe_streams(self, after: int = 0, limit: int = 100) -> dict[str, Any]:
         """One page of /v1/streams: the `limit` oldest streams opened after stream `after`.
@@ -179,27 +193,30 @@ class EdsService:
     async def _serve(self, session: _Session) -> None:
         if self._stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        if not self._room():
+        ip = _ip(session.stream)
+        if not self._room(ip):
             raise self._full()
         self.sessions.add(session)
+        self._count(ip, 1)
         self.counters.streams_opened += 1
         session.id = self.counters.streams_opened
         try:
             await session.run()
         finally:
             self.sessions.discard(session)
+            self._count(ip, -1)
             self.store.unfollow(session.on_change)
             self.observers.closed(session)
 
     async def fetch_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        if not self.enter_stream():
+        if not self.enter_stream(stream):
             raise self._full()
         try:
             io = self.open_io(stream)
             async with io.status_in_trailers():
                 await self._fetch(stream, io)
         finally:
-            self.leave_stream()
+            self.leave_stream(stream)
 
     async def _fetch(self, stream: grpclib.server.Stream[bytes, bytes], io: StreamIO) -> None:
         data = await io.read(first=True)
@@ -508,6 +525,11 @@ def _node_fields(raw: memoryview | None) -> tuple[str, str]:
 def _shown(node_id: str, cluster: str) -> tuple[str, str]:
     """The same, bounded and escaped for logs."""
     return clip(node_id or "?", 200), clip(cluster or "?", 200)
+
+
+def _ip(stream: grpclib.server.Stream[Any, Any]) -> str:
+    addr = stream.peer.addr()
+    return str(addr[0]) if addr else "?"
 
 
 def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:

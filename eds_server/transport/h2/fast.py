@@ -72,8 +72,11 @@ log = logging.getLogger("eds_server.grpc")
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
 FILE_RESERVE = 600  # descriptors kept for the admin and REST ports (256 each by default) and files
 WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
+OPEN_WINDOW = 65_535  # bytes of connection window left: the client could have sent its requests
 
 _FRAME_HEADER = struct.Struct(">HBBBL")  # length (16 + 8 bits), type, flags, stream id (and its reserved bit)
+
+Stream = grpclib.server.Stream[Any, Any]
 
 
 class _Calm(H2ProtocolError):
@@ -96,7 +99,7 @@ class GuardedH2Connection(H2Connection):
         super().__init__(config=config)
         self.peer = peer
         self.control = Bucket(limits.control_budget, BUDGET_WINDOW)
-        self.pending_limit = limits.max_streams  # an IP's streams awaiting a request: one connection's worth
+        self.pending_limit = limits.pending_streams
         self._touched: set[int] = set()  # streams a frame was sent or received on since the last count
         self._receiving = False
         self._window_credit = 100
@@ -140,9 +143,10 @@ class GuardedH2Connection(H2Connection):
                 return  # trailers, or an error h2 reports itself
             if "END_STREAM" in frame.flags:
                 self._wasted("ended by its headers")
-            elif peer.pending >= self.pending_limit:
+            elif peer.pending >= self.pending_limit and self.inbound_flow_control_window >= OPEN_WINDOW:
                 # Refused cheaply (RST_STREAM REFUSED_STREAM, no handler): a client that sends its
-                # requests never gets here; one that opens streams and sends nothing pays for it.
+                # requests never gets here, nor one whose requests wait for our flow control (a big
+                # Envoy's first requests, 60 KB each); one that opens streams and sends nothing pays.
                 self.refused.add(sid)
                 self._wasted(f"refused, {peer.pending} streams awaiting a request")
             else:
@@ -693,13 +697,14 @@ async def recv_limited(
 
 
 def limited_handler(
-    handler: grpclib.const.Handler, reader: MessageReader, enter: Callable[[], bool], leave: Callable[[], None]
-) -> grpclib.const.Handler:
+    handler: grpclib.const.Handler, reader: MessageReader,
+    enter: Callable[[Stream], bool], leave: Callable[[Stream], None],
+) -> grpclib.const.Handler:  # fmt: skip
     """A grpclib handler whose stream reads through `reader` and counts against a stream limit
     (`enter` False: refused with RESOURCE_EXHAUSTED), for services grpclib would read unbounded."""
 
     async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
-        if not enter():
+        if not enter(stream):
             raise GRPCError(Status.RESOURCE_EXHAUSTED, "server holds its limit of streams")
         try:
             received = 0
@@ -713,7 +718,7 @@ def limited_handler(
             stream.recv_message = recv_message  # type: ignore[method-assign]
             await handler.func(stream)
         finally:
-            leave()
+            leave(stream)
 
     return grpclib.const.Handler(run, handler.cardinality, handler.request_type, handler.reply_type)
 

@@ -5,8 +5,8 @@ The rule: charge what misbehaves, not what is merely large. An Envoy with thousa
 clusters opens thousands of streams at once, each sending its request straight away, and many
 Envoys may share one address (a NAT, a Docker proxy); none of that costs a budget. What does:
 - streams that end, or are refused, or time out, without ever sending a request (stream churn,
-  idle streams); streams awaiting their first request are bounded per IP at one connection's
-  worth (max_streams: an Envoy's first requests may wait on flow control, never that many);
+  idle streams); an IP's streams awaiting their first request are bounded while its connection
+  has window to send them (a big Envoy's first requests may wait on our flow control: not charged);
 - stream resets, the client's and those h2 sends on its own (DATA after END_STREAM);
 - control frames that carry no work: PING, PRIORITY, empty DATA, unknown frame types, SETTINGS
   after the connection's first, WINDOW_UPDATEs not paid for by our DATA. A connection's first
@@ -50,6 +50,7 @@ class ConnectionLimits:
 
     max_streams: int = 10_000  # concurrent streams per connection (MAX_CONCURRENT_STREAMS)
     stream_budget: int = 10_000  # per IP: streams ended (or refused) without a request per BUDGET_WINDOW
+    pending_streams: int = 1_000  # per IP: streams awaiting their first request, past which new ones are refused
     reset_budget: int = 10_000  # stream resets (sent by the client or by h2) per IP per BUDGET_WINDOW
     control_budget: int = 1_000  # control frames per connection per BUDGET_WINDOW
     max_connections: int = 10_000  # in total

@@ -20,6 +20,8 @@ from grpclib.const import Status
 from .base import Framed, plain_status
 from .limits import REASONS, ConnectionLimits
 
+Stream = grpclib.server.Stream[Any, Any]
+
 
 class StockIO:
     """A stream through grpclib's public Stream API."""
@@ -89,16 +91,16 @@ class StockServer(grpclib.server.Server):
 
 
 def counted_handler(
-    handler: grpclib.const.Handler, enter: Callable[[], bool], leave: Callable[[], None]
+    handler: grpclib.const.Handler, enter: Callable[[Stream], bool], leave: Callable[[Stream], None]
 ) -> grpclib.const.Handler:
     """A grpclib handler whose stream counts against a stream limit (`enter` False: refused)."""
 
     async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
-        if not enter():
+        if not enter(stream):
             raise GRPCError(Status.RESOURCE_EXHAUSTED, "server holds its limit of streams")
         try:
             await handler.func(stream)
         finally:
-            leave()
+            leave(stream)
 
     return grpclib.const.Handler(run, handler.cardinality, handler.request_type, handler.reply_type)
