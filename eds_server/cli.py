@@ -239,11 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="gRPC connections from one client IP, once the server holds half of "
                               "--max-connections (many Envoys behind one NAT are served while there is room) "
                               "(default 100)")
-    hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "10000"),
+    hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
                          help="streams one client IP may end without sending a request (reset, ended, refused "
                               "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
                               "past 1000 of an IP's streams awaiting their first request while they could send "
-                              "it, new ones are refused with REFUSED_STREAM (default 10000)")
+                              "it, new ones are refused with REFUSED_STREAM (default 1000)")
     hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
                          default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
                          help="PING, PRIORITY, empty DATA, unknown, unpaid WINDOW_UPDATE and repeated SETTINGS "

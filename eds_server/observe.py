@@ -23,6 +23,7 @@ class StreamView(Protocol):
     """What an observer may read of a stream."""
 
     id: int
+    requested: bool  # its first request was read
     node: str
     cluster: str
     peer: str
@@ -186,5 +187,7 @@ class StreamLog(StreamObserver):
         log.warning("dropping node=%s peer=%s: not reading", s.node, s.peer)
 
     def closed(self, s: StreamView) -> None:
+        if not s.requested:  # never sent a request: nothing was logged of it (and churn cannot flood the log)
+            return
         log.info("%s stream closed: node=%s peer=%s", s.transport, s.node, s.peer, extra=s.fields("stream_closed"))
 

@@ -38,7 +38,7 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "reset_churn": ((), "ENHANCE_YOUR_CALM"),
     "open_close_churn": ((), "ENHANCE_YOUR_CALM"),
     "data_after_end": ((), "ENHANCE_YOUR_CALM"),
-    "idle_streams": (("--request-timeout", "2s"), "ENHANCE_YOUR_CALM"),
+    "idle_streams": (("--request-timeout", "2s"), "REFUSED_STREAM"),
     "idle_connections": (("--request-timeout", "2s"), "no stream opened"),
     "partial_messages": (("--request-timeout", "3s", "--partial-message-budget", str(32 << 20)), None),
     "big_health_message": (("--max-message-size", str(1 << 20), "--partial-message-budget", str(32 << 20)), None),

@@ -195,6 +195,7 @@ class EdsService:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
         ip = _ip(session.stream)
         if not self._room(ip):
+            session.io.refused()
             raise self._full()
         self.sessions.add(session)
         self._count(ip, 1)
@@ -209,10 +210,11 @@ class EdsService:
             self.observers.closed(session)
 
     async def fetch_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
+        io = self.open_io(stream)
         if not self.enter_stream(stream):
+            io.refused()
             raise self._full()
         try:
-            io = self.open_io(stream)
             async with io.status_in_trailers():
                 await self._fetch(stream, io)
         finally:
@@ -305,6 +307,7 @@ class _Session:
         self.cluster = "?"
         self.opened_at = time.monotonic()
         self.id = 0  # set once the service takes the stream: ids grow with opening order
+        self.requested = False  # its first request was read
         self.last_nack: str | None = None
         self.access: Callable[[str], bool] | None = None  # set from the first request, with authorize
         self.reader: asyncio.Task[None] | None = None
@@ -423,6 +426,7 @@ class _Session:
                 if not first:
                     observers.subscribed(self, event.added, event.removed)
         if first:
+            self.requested = True
             observers.opened(self)
 
     async def run(self) -> None:

@@ -60,6 +60,9 @@ class StreamIO(Protocol):
     def status_in_trailers(self) -> contextlib.AbstractAsyncContextManager[None]:
         """End a call that raises GRPCError with its status in trailers."""
 
+    def refused(self) -> None:
+        """The call was refused at the stream limits: charged to its client like a stream without a request."""
+
 
 class PassThroughCodec(CodecBase):
     """Protobuf codec that sends `bytes` as they are and can leave requests undecoded."""

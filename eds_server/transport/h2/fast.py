@@ -164,7 +164,8 @@ class GuardedH2Connection(H2Connection):
         elif isinstance(frame, RstStreamFrame):
             if sid in self.awaiting:
                 self._answered(sid)
-                self._wasted("reset before its request")
+                if self.inbound_flow_control_window >= OPEN_WINDOW:  # not a request our window held back
+                    self._wasted("reset before its request")
             if not peer.resets.take():
                 raise _Calm("over its budget of stream resets")
             return
@@ -705,6 +706,7 @@ def limited_handler(
 
     async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
         if not enter(stream):
+            charge_refusal(stream)
             raise GRPCError(Status.RESOURCE_EXHAUSTED, "server holds its limit of streams")
         try:
             received = 0
@@ -852,6 +854,15 @@ async def send_frames(stream: grpclib.server.Stream[Any, Any], message: Framed) 
 
 
 
+def charge_refusal(stream: Stream) -> None:
+    """A stream refused at the stream limits: charged to its IP as a stream without a request, so a
+    client that keeps opening streams past the limits ends in GOAWAY instead of costing a handler each."""
+    raw = stream._stream
+    h2 = raw._h2_connection
+    if isinstance(h2, GuardedH2Connection) and raw.id is not None:
+        h2.no_request(raw.id)
+
+
 class Flusher:
     """Writes each connection's queued frames once, after every stream due an answer has queued
     its own: a change fanned out to 100 streams of one connection is one socket write, not 100."""
@@ -906,6 +917,9 @@ class FastIO:
 
     def status_in_trailers(self) -> contextlib.AbstractAsyncContextManager[None]:
         return status_in_trailers(self.stream)
+
+    def refused(self) -> None:
+        charge_refusal(self.stream)
 
 
 @contextlib.asynccontextmanager

@@ -50,6 +50,9 @@ class StockIO:
     def status_in_trailers(self) -> contextlib.AbstractAsyncContextManager[None]:
         return plain_status()
 
+    def refused(self) -> None:
+        """Nothing is charged on the stock path."""
+
 
 class StockServer(grpclib.server.Server):
     """grpclib's server, listening on a socket of ours (so its port is known without internals)."""
