@@ -488,10 +488,27 @@ class _HeapTrimOnFirstRequest(StreamObserver):
 
 
 class HealthService(HealthBase):
-    """grpc.health.v1: SERVING once every source has delivered its first state."""
+    """grpc.health.v1: SERVING once every source has delivered its first state.
+
+    Watch streams wait on readiness changing, not on every store change: a thousand of them cost
+    nothing while groups change (each used to wake on every change of any group)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._flipped: asyncio.Event | None = None  # set (and replaced) when readiness changes
+        self._was_ready = store.ready
+
+    def _readiness_changed(self) -> asyncio.Event:
+        if self._flipped is None:
+            self._flipped = asyncio.Event()
+            self.store.watch(self._on_store_change)
+        return self._flipped
+
+    def _on_store_change(self, names: frozenset[str] | None) -> None:
+        if self.store.ready != self._was_ready and self._flipped is not None:
+            self._was_ready = self.store.ready
+            flipped, self._flipped = self._flipped, asyncio.Event()
+            flipped.set()
 
     def _status(self, service: str) -> HealthCheckResponse:
         if service not in ("", EDS_SERVICE):
@@ -502,19 +519,14 @@ class HealthService(HealthBase):
         return self._status(message.service)
 
     async def watch(self, message: HealthCheckRequest) -> AsyncIterator[HealthCheckResponse]:
-        changed = asyncio.Event()
-        unwatch = self.store.watch(lambda _: changed.set())
-        try:
-            last = None
-            while True:
-                current = self._status(message.service)
-                if current != last:
-                    yield current
-                    last = current
-                await changed.wait()
-                changed.clear()
-        finally:
-            unwatch()
+        last = None
+        while True:
+            flipped = self._readiness_changed()
+            current = self._status(message.service)
+            if current != last:
+                yield current
+                last = current
+            await flipped.wait()
 
 
 def _node_fields(raw: memoryview | None) -> tuple[str, str]:

@@ -42,7 +42,7 @@ from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodel
 from h2.config import H2Configuration
 from h2.connection import ConnectionState, H2Connection
 from h2.errors import ErrorCodes
-from h2.events import PingAckReceived, RequestReceived, TrailersReceived
+from h2.events import DataReceived, PingAckReceived, RequestReceived, StreamEnded, StreamReset, TrailersReceived
 from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.exceptions import StreamClosedError
 from h2.settings import SettingCodes, Settings
@@ -106,6 +106,9 @@ class GuardedH2Connection(H2Connection):
         self.stream_checks = 0  # streams looked at to count open ones: the work test_hostile counts
         self.ping_payload: bytes | None = None  # of our last keepalive PING
         self.awaiting: set[int] = set()  # streams opened that have sent no DATA yet
+        # their RequestReceived events, and when: grpclib starts no handler for a stream until its
+        # request begins, so a stream that sends nothing costs an h2 stream, not a task
+        self.held: dict[int, tuple[RequestReceived, float]] = {}
         self.refused: set[int] = set()  # new streams to refuse (REFUSED_STREAM): too many await a request
         self.bad: dict[int, str] = {}  # streams whose headers were malformed, and why (answered PROTOCOL_ERROR)
         self.direct: dict[int, DirectReader] = {}  # streams whose DATA frames skip h2 (direct.py)
@@ -134,6 +137,7 @@ class GuardedH2Connection(H2Connection):
         """The connection is gone: its streams no longer await a request."""
         self.peer.pending -= len(self.awaiting)
         self.awaiting.clear()
+        self.held.clear()
 
     def _charge(self, frame: Frame) -> None:
         peer = self.peer
@@ -290,6 +294,7 @@ class _H2Protocol(H2Protocol):
     _deadline: asyncio.TimerHandle | None = None
     _saw_request = False
     _dead = False  # closing after a protocol error or a refusal: input is ignored
+    _sweep: asyncio.TimerHandle | None = None  # for streams held without a request
 
     _held: bytes | bytearray = b""  # the start of a frame not yet complete, while frames are split here
     _direct_unacked = 0  # bytes of DATA read directly, not yet granted back to the client
@@ -347,6 +352,7 @@ class _H2Protocol(H2Protocol):
             return False
         self.connection.flush()
         processors = getattr(self.processor, "processors", {})
+        held = h2.held
         for event in events:
             kind = type(event)
             if kind is RequestReceived:
@@ -365,6 +371,18 @@ class _H2Protocol(H2Protocol):
                     if self._dead:
                         return False
                     continue
+                if sid in h2.awaiting:  # no DATA yet: grpclib hears of it when its request begins
+                    if not held:
+                        self._sweep_later()
+                    held[sid] = (request, asyncio.get_running_loop().time())
+                    continue
+            elif held and (kind is DataReceived or kind is StreamEnded):
+                begun = held.pop(cast(DataReceived, event).stream_id, None)
+                if begun is not None:
+                    self.processor.process(begun[0])
+            elif held and kind is StreamReset:
+                if held.pop(cast(StreamReset, event).stream_id, None) is not None:
+                    continue  # grpclib never knew it
             elif kind is TrailersReceived:
                 trailers = cast(TrailersReceived, event)
                 problem = trailers_problem(trailers.headers)  # type: ignore[arg-type]
@@ -374,6 +392,40 @@ class _H2Protocol(H2Protocol):
             if kind in processors:  # unknown frame types and the like are ignored
                 self.processor.process(event)
         return True
+
+    def _sweep_later(self) -> None:
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._sweep_held)
+
+    def _sweep_held(self) -> None:
+        """Streams held without a request past the request timeout are answered DEADLINE_EXCEEDED
+        (trailers only, as a handler would) and charged as streams without a request."""
+        self._sweep = None
+        if self._dead:
+            return
+        h2 = cast(GuardedH2Connection, self.connection._connection)
+        timeout = self.gate.limits.request_timeout
+        now = asyncio.get_running_loop().time()
+        expired = []
+        for sid, (_, since) in h2.held.items():  # in opening order: the oldest first
+            if now - since < timeout:
+                break
+            expired.append(sid)
+        for sid in expired:
+            del h2.held[sid]
+            stream = h2.streams.get(sid)
+            if stream is not None and not stream.closed:
+                trailers = [(":status", "200"), ("content-type", "application/grpc"),
+                            ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)),
+                            ("grpc-message", f"no request within {timeout:g}s")]  # fmt: skip
+                h2.send_headers(sid, trailers, end_stream=True)
+            h2.no_request(sid)
+            if self._dead:
+                return
+        self.connection.flush()
+        if h2.held:
+            oldest = next(iter(h2.held.values()))[1]
+            self._sweep = asyncio.get_running_loop().call_at(oldest + timeout, self._sweep_held)
 
     def _refuse(self, h2: GuardedH2Connection, sid: int, code: ErrorCodes, reason: str, why: str) -> None:
         """End one stream with RST_STREAM `code`, before any handler sees it."""
@@ -529,6 +581,8 @@ class _H2Protocol(H2Protocol):
         self._peer_budgets = None
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
         super().connection_lost(exc)
 
 
