@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
                          help="streams one client IP may end without sending a request (reset, ended, refused "
                               "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
-                              "past 10000 of an IP's streams awaiting their first request while they could send "
+                              "past 4096 of an IP's streams awaiting their first request while they could send "
                               "it, new ones are refused with REFUSED_STREAM (default 1000)")
     hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
                          default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),

@@ -41,6 +41,8 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
+from eds_server.protowire import length_delimited as _field
+
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
@@ -347,24 +349,10 @@ PROTOCOL_ERROR, FRAME_SIZE_ERROR = 1, 6
 OUR_WINDOW = 1 << 30  # the attacker's receive windows: the server never waits on it
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _field(number: int, value: bytes) -> bytes:
-    """A length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
-
-
 def discovery_request(names: tuple[str, ...] = ("canary",), *, node: str | None = None, nonce: str = "",
                       padding: int = 0) -> bytes:  # fmt: skip
-    """A DiscoveryRequest built by hand (this process does not import the server's code); `padding`
-    bytes of an unknown field (15, which the server skips unread) make it as big as wanted."""
+    """A DiscoveryRequest built field by field; `padding` bytes of an unknown field (15, which the
+    server skips unread) make it as big as wanted."""
     body = _field(2, _field(1, node.encode()) + _field(2, b"hostile")) if node is not None else b""
     body += b"".join(_field(3, n.encode()) for n in names) + _field(4, EDS_TYPE_URL.encode())
     if nonce:

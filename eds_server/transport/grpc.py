@@ -80,6 +80,7 @@ class EdsService:
     _stopping: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _by_ip: dict[str, int] = field(default_factory=dict)  # open streams of each client IP
+    _others_by_ip: dict[str, int] = field(default_factory=dict)  # of which health, reflection, fetch
     nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
     heap: HeapTrim = field(default_factory=HeapTrim)  # the first requests' Nodes leave free heap behind
     _framed: tuple[_Kind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
@@ -148,25 +149,34 @@ class EdsService:
     def _full(self) -> GRPCError:
         return GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
 
-    def _count(self, ip: str, n: int) -> None:
-        held = self._by_ip.get(ip, 0) + n
+    def _count(self, ip: str, n: int, table: dict[str, int] | None = None) -> None:
+        table = self._by_ip if table is None else table
+        held = table.get(ip, 0) + n
         if held:
-            self._by_ip[ip] = held
+            table[ip] = held
         else:
-            del self._by_ip[ip]
+            del table[ip]
 
     def enter_stream(self, stream: grpclib.server.Stream[Any, Any]) -> bool:
-        """Count one more open health, reflection or fetch stream; False at the limits."""
+        """Count one more open health, reflection or fetch stream; False at the limits, which for
+        these services include a hundredth of --max-streams per client IP (a health Watch costs a
+        task, and nothing legitimate holds thousands from one address)."""
         ip = _ip(stream)
+        if 100 * self._others_by_ip.get(ip, 0) >= self.max_streams:
+            self.counters.refused += 1
+            return False
         if not self._room(ip):
             return False
         self.other_streams += 1
         self._count(ip, 1)
+        self._count(ip, 1, self._others_by_ip)
         return True
 
     def leave_stream(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         self.other_streams -= 1
-        self._count(_ip(stream), -1)
+        ip = _ip(stream)
+        self._count(ip, -1)
+        self._count(ip, -1, self._others_by_ip)
 
     def describe_streams(self, after: int = 0, limit: int = 100) -> dict[str, Any]:
         """One page of /v1/streams: the `limit` oldest streams opened after stream `after`.

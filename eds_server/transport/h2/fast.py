@@ -123,15 +123,20 @@ class GuardedH2Connection(H2Connection):
         self.awaiting.discard(stream_id)
         self.peer.pending -= 1
 
-    def no_request(self, stream_id: int) -> None:
-        """A stream timed out waiting for its first request: charged as a wasted stream."""
+    def no_request(self, stream_id: int, why: str = "no request in time", defer: bool = False) -> None:
+        """A stream ended, or was refused, without a request: charged as a wasted stream. Over the
+        budget, the connection is ended; `defer`: once the running handler has answered (from
+        inside one, ending the connection at once would cancel that very handler)."""
         if stream_id in self.awaiting:
             self._answered(stream_id)
         try:
-            self._wasted("no request in time")
+            self._wasted(why)
         except _Calm as e:
             if self.on_calm is not None:
-                self.on_calm(str(e))
+                if defer:
+                    asyncio.get_running_loop().call_soon(self.on_calm, str(e))
+                else:
+                    self.on_calm(str(e))
 
     def forget(self) -> None:
         """The connection is gone: its streams no longer await a request."""
@@ -145,6 +150,8 @@ class GuardedH2Connection(H2Connection):
         if isinstance(frame, HeadersFrame):
             if sid in self.streams or sid <= self.highest_inbound_stream_id:
                 return  # trailers, or an error h2 reports itself
+            if not peer.wasted.peek():  # an IP that spent its budget opens nothing until it refills
+                raise _Calm("over its budget of streams without a request")
             if "END_STREAM" in frame.flags:
                 self._wasted("ended by its headers")
             elif peer.pending >= self.pending_limit and self.inbound_flow_control_window >= OPEN_WINDOW:
@@ -721,7 +728,7 @@ async def recv_limited(
             except TimeoutError:
                 h2 = raw._h2_connection
                 if isinstance(h2, GuardedH2Connection) and raw.id is not None:
-                    h2.no_request(raw.id)
+                    h2.no_request(raw.id, defer=True)
                 raise GRPCError(Status.DEADLINE_EXCEEDED, f"no request within {timeout:g}s") from None
         else:
             header = await raw.recv_data(5)
@@ -914,7 +921,7 @@ def charge_refusal(stream: Stream) -> None:
     raw = stream._stream
     h2 = raw._h2_connection
     if isinstance(h2, GuardedH2Connection) and raw.id is not None:
-        h2.no_request(raw.id)
+        h2.no_request(raw.id, "refused at the stream limits", defer=True)
 
 
 class Flusher:
