@@ -45,11 +45,13 @@ from ..xds.common import (
 from ..xds.delta import DeltaStream
 from ..xds.sotw import SotwStream
 from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server
+from .h2.limits import LogLimit
 from .h2.stock import StockIO
 from .reflection import ReflectionService
 from .unknown import UnknownMethods
 
 log = logging.getLogger("eds_server.grpc")
+_refusal_log = LogLimit()  # a client that keeps hitting the stream limits cannot fill the log
 
 STREAM_NAMES_SHOWN = 100  # per stream in /v1/streams; Envoy follows one name per stream
 
@@ -142,9 +144,14 @@ class EdsService:
         another has none."""
         total = len(self.sessions) + self.other_streams
         if total >= self.max_streams or 2 * self._by_ip.get(ip, 0) >= self.max_streams:
-            self.counters.refused += 1
+            self._refused(ip, f"{total} streams open, {self._by_ip.get(ip, 0)} of them from {ip}")
             return False
         return True
+
+    def _refused(self, ip: str, why: str) -> None:
+        self.counters.refused += 1
+        _refusal_log.warning("refusing a stream from %s (RESOURCE_EXHAUSTED): %s (--max-streams %d)",
+                             ip, why, self.max_streams)  # fmt: skip
 
     def _full(self) -> GRPCError:
         return GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
@@ -163,7 +170,7 @@ class EdsService:
         task, and nothing legitimate holds thousands from one address)."""
         ip = _ip(stream)
         if 100 * self._others_by_ip.get(ip, 0) >= self.max_streams:
-            self.counters.refused += 1
+            self._refused(ip, f"{self._others_by_ip[ip]} health, reflection and fetch streams from it")
             return False
         if not self._room(ip):
             return False
