@@ -262,13 +262,13 @@ def handled(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[bytes]]:
     """The requests every session handled, in order (by either path); called with a node id: that
     stream's."""
     seen: list[tuple[_Session, bytes]] = []
-    original = _Session._handle
+    original = _Session.receive
 
     def spy(self: _Session, data: bytes, first: bool) -> None:
         seen.append((self, bytes(data)))
         original(self, data, first)
 
-    monkeypatch.setattr(_Session, "_handle", spy)
+    monkeypatch.setattr(_Session, "receive", spy)
     return lambda node: [d for s, d in seen if s.node == node]
 
 

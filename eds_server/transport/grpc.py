@@ -9,13 +9,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import heapq
-import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from ssl import SSLContext
-from typing import Any, Protocol
+from typing import Any
 
 import grpclib.const
 import grpclib.server
@@ -23,27 +21,21 @@ from grpclib import GRPCError
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 
-from .. import protowire
 from ..heap import HeapTrim
-from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, clip, names_shown
+from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from ..store import Resource, Store
 from ..xds import wire
 from ..xds.common import (
     WILDCARD,
-    Ack,
-    Event,
     Limits,
-    Nack,
     Nonces,
     ProtocolError,
-    Subscribed,
     check_request,
     response_version,
 )
-from ..xds.delta import DeltaStream
-from ..xds.sotw import SotwStream
+from ..xds.session import DELTA, SOTW, Authorize, SessionDriver, StreamKind, decode_request, node_fields, shown
 from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server
 from .h2.limits import LogLimit
 from .h2.stock import StockIO
@@ -53,16 +45,11 @@ from .unknown import UnknownMethods
 log = logging.getLogger("eds_server.grpc")
 _refusal_log = LogLimit()  # a client that keeps hitting the stream limits cannot fill the log
 
-STREAM_NAMES_SHOWN = 100  # per stream in /v1/streams; Envoy follows one name per stream
-
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
 SERVED = (EDS_SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
           "grpc.reflection.v1alpha.ServerReflection")  # fmt: skip
 
 
-# (peer certificate as ssl's getpeercert() gives it, or None; node id; node cluster) -> whether that client
-# may read a name. `str()` of the returned check is logged on a denial. security.Policy.for_client is one.
-Authorize = Callable[[dict[str, Any] | None, str, str], Callable[[str], bool]]
 
 
 @dataclass
@@ -85,9 +72,9 @@ class EdsService:
     _others_by_ip: dict[str, int] = field(default_factory=dict)  # of which health, reflection, fetch
     nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
     heap: HeapTrim = field(default_factory=HeapTrim)  # the first requests' Nodes leave free heap behind
-    _framed: tuple[_Kind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
+    _framed: tuple[StreamKind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
 
-    def framed(self, kind: _Kind, response: Any) -> Framed:
+    def framed(self, kind: StreamKind, response: Any) -> Framed:
         """The response encoded and framed, once for all the streams a change sends the same to
         (same resources, version and nonce: see Nonces)."""
         version, nonce, resources = kind.version(response), response.nonce, response.resources
@@ -189,7 +176,7 @@ class EdsService:
         """One page of /v1/streams: the `limit` oldest streams opened after stream `after`.
 
         Bounded however many streams and names there are (each stream shows at most
-        STREAM_NAMES_SHOWN names), so answering never holds up the event loop for long.
+        xds.session.STREAM_NAMES_SHOWN names), so answering never holds up the event loop for long.
         """
         page = heapq.nsmallest(limit + 1, (s for s in self.sessions if s.id > after), key=lambda s: s.id)
         more = len(page) > limit
@@ -241,17 +228,18 @@ class EdsService:
         data = await io.read(first=True)
         if data is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
-        req, node = _decode(wire.sotw_request, data, self.limits)
         try:
+            req, node = decode_request(wire.sotw_request, data, self.limits)
             check_request(req.type_url, req.resource_names, self.limits)
+            fields = node_fields(node)
         except ProtocolError as e:
             raise GRPCError(Status[e.status], e.message) from None
         if self.authorize is not None:
-            access = self.authorize(stream.peer.cert(), *_node_fields(node))
+            access = self.authorize(stream.peer.cert(), *fields)
             refused = [n for n in dict.fromkeys(req.resource_names) if not access(n)]
             if refused:
                 self.observers.access_denied(None, refused, str(access))
-                node_id, cluster = _shown(*_node_fields(node))
+                node_id, cluster = shown(*fields)
                 log.warning("PERMISSION_DENIED fetch: node=%s cluster=%s peer=%s (%s) may not read %s",
                             node_id, cluster, _peer(stream), access, names_shown(refused))  # fmt: skip
                 raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {names_shown(refused)}")
@@ -260,103 +248,23 @@ class EdsService:
         version = response_version(resources) if resources else ""
         await stream.send_message(wire.discovery_response(version, resources, ""))
 
-class Machine(Protocol):
-    """What SotwStream and DeltaStream have in common, as the transport drives them."""
+class _Session(SessionDriver):
+    """One stream call: the session driver (xds/session.py) with its IO: a reader task feeds it,
+    the call's own task writes, and a change is pushed from the store's callback when it can."""
 
-    subscribed: dict[str, None]
-    sent: dict[str, str]
-    nacked: dict[str, str]
-
-    def receive(self, req: Any) -> list[Event]: ...
-    def acked_version(self, name: str) -> str | None: ...
-    def changed(self, names: Iterable[str] | None) -> None: ...
-    @property
-    def wants_poll(self) -> bool: ...
-    def poll(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """What differs between a StreamEndpoints and a DeltaEndpoints call."""
-
-    name: str
-    decode: Callable[[bytes, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
-    machine: Callable[[Store, Limits, Nonces], Machine]
-    encode: Callable[[Any], bytes]  # the state machine's response -> wire bytes
-    version: Callable[[Any], str]  # the response's version
-
-
-SOTW = _Kind(
-    "sotw", wire.sotw_request, SotwStream,
-    lambda r: wire.discovery_response(r.version_info, r.resources, r.nonce),
-    lambda r: r.version_info,
-)  # fmt: skip
-DELTA = _Kind(
-    "delta", wire.delta_request, DeltaStream,
-    lambda r: wire.delta_discovery_response(r.system_version_info, r.resources, r.nonce),
-    lambda r: r.system_version_info,
-)  # fmt: skip
-
-
-def _decode(
-    decode: Callable[[bytes, int], tuple[Any, memoryview | None]], data: bytes, limits: Limits
-) -> tuple[Any, memoryview | None]:
-    try:
-        return decode(data, limits.max_names)
-    except ValueError as e:  # malformed protobuf, or a string that is not UTF-8
-        raise GRPCError(Status.INVALID_ARGUMENT, f"cannot parse request: {e}") from None
-    except ProtocolError as e:  # past a limit, found before the rest was parsed
-        raise GRPCError(Status[e.status], e.message) from None
-
-
-class _Session:
-    """One stream call: a reader task feeds the state machine, the call's own task writes."""
-
-    def __init__(self, service: EdsService, stream: grpclib.server.Stream[Any, bytes], io: StreamIO, kind: _Kind):
+    def __init__(self, service: EdsService, stream: grpclib.server.Stream[Any, bytes], io: StreamIO, kind: StreamKind):
+        super().__init__(kind, service.store, service.limits, service.nonces, service.observers,
+                         _peer(stream), stream.peer.cert, service.authorize)  # fmt: skip
         self.service = service
         self.stream = stream
         self.io = io
-        self.kind = kind
-        self.sm = kind.machine(service.store, service.limits, service.nonces)
         self.wake = asyncio.Event()
-        self.peer = _peer(stream)
-        self.node = "?"
-        self.cluster = "?"
-        self.opened_at = time.monotonic()
-        self.id = 0  # set once the service takes the stream: ids grow with opening order
-        self.requested = False  # its first request was read
-        self.last_nack: str | None = None
-        self.access: Callable[[str], bool] | None = None  # set from the first request, with authorize
         self.reader: asyncio.Task[None] | None = None
         self.busy = True  # run() is sending (or not started): a change is left to it
         self.pending: tuple[Framed, Iterable[Resource]] | None = None  # polled in on_change, for run()
 
-    def describe(self) -> dict[str, Any]:
-        """What /v1/streams shows of this client: at most STREAM_NAMES_SHOWN of its names."""
-        names = {
-            name: {"sent": self.sm.sent.get(name), "acked": self.sm.acked_version(name),
-                   "nacked": self.sm.nacked.get(name)}
-            for name in itertools.islice(self.sm.subscribed, STREAM_NAMES_SHOWN)
-        }  # fmt: skip
-        return {"id": self.id, "node": self.node, "cluster": self.cluster, "peer": self.peer,
-                "transport": self.kind.name, "names": names, "names_total": len(self.sm.subscribed),
-                "last_nack": self.last_nack}  # fmt: skip
-
-    @property
-    def transport(self) -> str:
-        return self.kind.name
-
-    @property
-    def subscribed(self) -> Iterable[str]:
-        return self.sm.subscribed
-
-    def fields(self, event: str) -> dict[str, str]:
-        """Structured fields for JSON logs."""
-        return {"event": event, "transport": self.kind.name, "node": self.node, "node_cluster": self.cluster,
-                "peer": self.peer}  # fmt: skip
-
     def on_change(self, names: frozenset[str] | None) -> None:
-        self.sm.changed(names)
+        super().on_change(names)
         if self.sm.wants_poll and not self._push():
             self.wake.set()
 
@@ -390,15 +298,6 @@ class _Session:
         take it now."""
         return self.io.queue(data)
 
-    def _check_access(self, names: Iterable[str]) -> None:
-        """End the stream (PERMISSION_DENIED) before anything is sent if a name may not be read."""
-        if self.access is None:
-            return
-        refused = [n for n in names if not self.access(n)]
-        if refused:
-            self.service.observers.access_denied(self, refused, str(self.access))
-            raise ProtocolError("PERMISSION_DENIED", f"not allowed to read {names_shown(refused)}")
-
     async def read(self) -> None:
         first = True
         io = self.io
@@ -414,37 +313,11 @@ class _Session:
             await io.read_direct(self._on_message)
 
     def _on_message(self, data: bytes, first: bool = False) -> None:
-        self._handle(data, first)
+        self.receive(data, first)
         # An ACK with nothing new to send wakes no one (one task switch per stream per change
         # saved); an answer that is due goes out from here when it can.
         if self.sm.wants_poll and not self._push():
             self.wake.set()
-
-    def _handle(self, data: bytes, first: bool) -> None:
-        observers = self.service.observers
-        observers.request(self)
-        request, node = _decode(self.kind.decode, data, self.service.limits)
-        if first:
-            node_id, cluster = _node_fields(node)
-            self.node, self.cluster = _shown(node_id, cluster)
-            if self.service.authorize is not None:
-                self.access = self.service.authorize(self.stream.peer.cert(), node_id, cluster)
-        for event in self.sm.receive(request):
-            if isinstance(event, Nack):
-                self.last_nack = clip(event.message)
-                known = self.service.store.resources()
-                groups = [name if name in known else "(unknown name)" for name in event.names]
-                observers.nack(self, event.names, groups, event.version_info, self.last_nack)
-            elif isinstance(event, Ack):
-                observers.ack(self, event.names)
-            elif isinstance(event, Subscribed):
-                self._check_access(event.added)
-                self.service.store.follow(self.on_change, event.added, event.removed)
-                if not first:
-                    observers.subscribed(self, event.added, event.removed)
-        if first:
-            self.requested = True
-            observers.opened(self)
 
     async def run(self) -> None:
         reader = self.reader = asyncio.create_task(self.read())
@@ -544,20 +417,6 @@ class HealthService(HealthBase):
                 yield current
                 last = current
             await flipped.wait()
-
-
-def _node_fields(raw: memoryview | None) -> tuple[str, str]:
-    """The node's id and cluster as sent ("" if absent), read without parsing the whole Node."""
-    try:
-        found = protowire.string_fields(raw, {1, 2}) if raw else {}
-    except ValueError:
-        raise GRPCError(Status.INVALID_ARGUMENT, "cannot parse node") from None
-    return found.get(1, ""), found.get(2, "")
-
-
-def _shown(node_id: str, cluster: str) -> tuple[str, str]:
-    """The same, bounded and escaped for logs."""
-    return clip(node_id or "?", 200), clip(cluster or "?", 200)
 
 
 def _ip(stream: grpclib.server.Stream[Any, Any]) -> str:
