@@ -56,8 +56,12 @@ def test_a_request_subscribes_and_a_response_is_due() -> None:
     sent = DiscoveryResponse.parse(SOTW.encode(response))
     d.receive(bytes(reply(sent, "web")), first=False)
     assert rec.events[-1] == "ack ['web']"
-    d.receive(bytes(reply(sent, "web", error="bad")), first=False)
-    assert rec.events[-1] == "nack ['web'] bad"
+    store.update(SOURCE, {"web": group("web", 8081)})
+    d.on_change(frozenset({"web"}))
+    changed = d.sm.poll()
+    assert changed is not None and d.sm.poll() is None  # one response in flight
+    d.receive(bytes(reply(DiscoveryResponse.parse(SOTW.encode(changed)), "web", error="bad")), first=False)
+    assert rec.events[-1] == "nack ['web'] bad" and d.last_nack == "bad"
 
 
 def test_garbage_and_denied_names_end_the_stream() -> None:
