@@ -601,7 +601,7 @@ async def test_the_store_serves_the_union_with_other_sources(state: Path) -> Non
         assert sorted(e.port for e in store.get("web").group.endpoints) == [1, 80]  # the file's stay
 
 
-# -- issue 11: scope, address policy, names, tokens, throttling, the temp file -----------------------
+# -- hardening: scope, address policy, names, tokens, throttling, the temp file -----------------------
 async def test_group_names_with_control_or_format_characters_are_refused(server: Server) -> None:
     for name in ("web%0Aforged%20line", "web%00", "web%E2%80%AEtxt.exe"):  # newline, NUL, RIGHT-TO-LEFT OVERRIDE
         before = server.snapshot()
