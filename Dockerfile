@@ -20,9 +20,10 @@ RUN groupadd --system --gid 10001 eds \
 WORKDIR /src
 
 # Layer 1, rebuilt only when pyproject.toml or constraints.txt change: the runtime dependencies
-# (pyproject's [project].dependencies, no dev extras) at the versions pinned in constraints.txt.
+# (pyproject's [project].dependencies and the kubernetes extra, as deploy/kubernetes/ runs this
+# image; no demo or dev extras) at the versions pinned in constraints.txt.
 COPY pyproject.toml constraints.txt ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['kubernetes']))" \
         > /tmp/requirements.txt \
  && pip install -c constraints.txt -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt

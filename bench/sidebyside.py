@@ -6,14 +6,14 @@ Each server is started as `COMMAND serve --upstreams FILE --listen HOST:PORT --a
 (eds-server: `python -m eds_server`), pinned to the server core, fed by rewriting FILE (a temp file
 renamed over it, one endpoint's weight changed per change) and measured from outside: CPU from
 /proc/PID/task/*/schedstat (nanoseconds, every thread), RSS from /proc/PID/status. The shapes are
-the ones of issue 12's table; each round runs every shape on eds-server, then on the peer (A B A B
+the reference table's (below); each round runs every shape on eds-server, then on the peer (A B A B
 ...), and the table gives medians over rounds and the ratio eds-server / peer.
 
 Each change sets one endpoint's weight to a new value (the others keep theirs), as an operator's
 edit of one line would. A change counts from just before the file is renamed until every stream has received a new
 response and the server's CPU has settled (its ACKs processed). Without --peer, the peer columns
-hold the figures of the table in issue 12 (go-control-plane, measured on another day in the same
-kind of VM with these client shapes): a reference, not a same-run comparison.
+hold the reference figures of go-control-plane's LinearCache, measured once on another day in the same
+kind of VM with these client shapes (`Shape.reference`): a reference, not a same-run comparison.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class Shape:
     endpoints: int
     node_every: bool
     changes: int
-    # issue 12's table: eds-server and go-control-plane CPU per change (ms), RSS per stream (KB)
-    issue: tuple[float, float, float | None, float | None]
+    # the reference run, before this bench: eds-server and go-control-plane CPU per change (ms), RSS per
+    # stream (KB), what the side-by-side figures are compared with when no --peer is given
+    reference: tuple[float, float, float | None, float | None]
 
 
 SHAPES = [
@@ -59,7 +60,7 @@ SHAPES = [
     Shape("100 streams x one group of 10k eps", 100, 10_000, False, 5, (640, 70, None, None)),
     Shape("1 stream x 1k eps (fixed cost)", 1, 1000, False, 10, (55, 5, None, None)),
 ]
-PER_CONN = 100  # streams per HTTP/2 connection, as in the issue's runs
+PER_CONN = 100  # streams per HTTP/2 connection, as in the reference run
 IDLE_WAIT = 2.0  # seconds between the last first response and the RSS of idle streams
 # Every load generator connection comes from 127.0.0.1: eds-server's per-IP budgets, sized for one
 # Envoy per IP, are raised for it, and the time a stream has to send its first request (10,000
@@ -208,7 +209,7 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
                       f"(user {us['user_s']:.2f} s, system {us['sys_s']:.2f} s in all)", flush=True)  # fmt: skip
     out: dict[str, Any] = {"peer": cfg.peer, "rounds": cfg.rounds, "server_core": SERVER_CORE,
                            "client_cores": CLIENT_CORES, "shapes": {}}  # fmt: skip
-    peer_label = "peer" if peer else "gcp (issue)"
+    peer_label = "peer" if peer else "gcp (reference)"
     rows = [("shape", "eds CPU/chg ms", f"{peer_label} CPU/chg ms", "ratio", "eds KB/stream",
              f"{peer_label} KB/stream", "ratio")]  # fmt: skip
     for shape in shapes:
@@ -221,19 +222,19 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
         if peer:
             peer_cpu, peer_rss = med("peer", "cpu_per_change_s") * 1000, med("peer", "rss_per_stream_b") / 1000
         else:
-            peer_cpu = shape.issue[1]
-            peer_rss = shape.issue[3] if shape.issue[3] is not None else math.nan
+            peer_cpu = shape.reference[1]
+            peer_rss = shape.reference[3] if shape.reference[3] is not None else math.nan
         show_rss = shape.streams >= 1000
         out["shapes"][shape.name] = {
             "streams": cfg.size(shape.streams), "endpoints": cfg.size(shape.endpoints),
             "node_every": shape.node_every, "eds_cpu_ms": eds_cpu, "peer_cpu_ms": peer_cpu,
             "cpu_ratio": eds_cpu / peer_cpu, "eds_rss_kb": eds_rss, "peer_rss_kb": peer_rss,
-            "peer_is_issue_figure": not peer, "issue_eds_cpu_ms": shape.issue[0], "rounds": per,
+            "peer_is_reference_figure": not peer, "reference_eds_cpu_ms": shape.reference[0], "rounds": per,
         }  # fmt: skip
         rows.append((shape.name, f"{eds_cpu:.1f}", f"{peer_cpu:.1f}", f"{eds_cpu / peer_cpu:.2f}",
                      f"{eds_rss:.1f}" if show_rss else "-", f"{peer_rss:.1f}" if show_rss else "-",
                      f"{eds_rss / peer_rss:.2f}" if show_rss else "-"))  # fmt: skip
     title = f"side by side, medians of {cfg.rounds} interleaved rounds" if peer else (
-        f"eds-server through its file, medians of {cfg.rounds} rounds, against issue 12's go-control-plane figures")
+        f"eds-server through its file, medians of {cfg.rounds} rounds, against go-control-plane's reference figures")
     table(title + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)
     return out

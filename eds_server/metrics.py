@@ -14,7 +14,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -133,8 +133,12 @@ def make_registry(
     transport: Callable[[], tuple[int, dict[str, int]]] | None = None,
 ) -> CollectorRegistry:
     """A registry of its own (not the process-global one), wired into the service's latency hook;
-    `transport` gives the gRPC port's open connections and refusals by reason."""
+    `transport` gives the gRPC port's open connections and refusals by reason. The process's memory,
+    CPU and open files (`process_*`) and the garbage collector (`python_gc_*`) are on it too, as every
+    Prometheus user expects: prometheus_client's own collectors, which read /proc when scraped."""
     registry = CollectorRegistry()
+    ProcessCollector(registry=registry)  # each registers itself (GCCollector only where it can: CPython)
+    GCCollector(registry=registry)
     registry.register(_StateCollector(store, service, sources, transport))
     latency = LatencyHistogram()
     registry.register(latency)

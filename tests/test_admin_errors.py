@@ -17,7 +17,7 @@ async def test_admin_errors_are_json_with_a_hint(tmp_path: Path) -> None:
             ("GET", "/v1/registrations", 404, "--state FILE and/or --admin-token"),
             ("PUT", "/v1/groups/web/endpoints/vm-1", 404, "--state FILE and/or --admin-token"),
             ("GET", "/v1/nothing", 404, "/v1/groups"),
-            ("GET", "/v1/groups/nope", 404, None),
+            ("GET", "/v1/groups/nope", 404, "GET /v1/groups"),
             ("POST", "/v1/groups", 405, "allowed: GET"),
         ]:
             async with s.request(method, base + where) as r:

@@ -141,7 +141,7 @@ def test_removed_group_is_sent_as_empty_not_as_removal(view: View) -> None:
 
 
 def test_wildcard_is_no_resource_but_is_answered(view: View) -> None:
-    """Issue 10 item 7: "*" (or nothing) on the first request gets one empty answer, never a CLA named "*"."""
+    """EDS has no wildcard: "*" (or nothing) on the first request gets one empty answer, never a CLA named "*"."""
     s = DeltaStream(view)
     s.receive(req(("*",), node=True))
     r = s.poll()
@@ -152,7 +152,7 @@ def test_wildcard_is_no_resource_but_is_answered(view: View) -> None:
 
 
 def test_acked_version_is_what_envoy_holds_not_what_it_rejected(view: View) -> None:
-    """Issue 10 item 1."""
+    """`acked` is the version the client holds: not one in flight, not one it rejected."""
     s = DeltaStream(view)
     s.receive(req(("web", "api"), node=True, initial={"api": "api-1"}))
     assert s.acked_version("api") == "api-1"  # what a reconnecting client says it has
@@ -172,7 +172,7 @@ def test_acked_version_is_what_envoy_holds_not_what_it_rejected(view: View) -> N
 
 @pytest.mark.parametrize("before", [False, True])
 def test_subscribe_and_unsubscribe_of_one_name_in_one_request(view: View, before: bool) -> None:
-    """Issue 10 item 2: subscribes apply first, then unsubscribes; the events say the same net change."""
+    """Subscribes apply first, then unsubscribes; the events say the same net change."""
     s = DeltaStream(view)
     s.receive(req(("web", "api") if before else ("api",), node=True))
     events = s.receive(req(("web",), ("web",)))
@@ -183,7 +183,7 @@ def test_subscribe_and_unsubscribe_of_one_name_in_one_request(view: View, before
 
 
 def test_max_names_is_a_total_per_stream(view: View) -> None:
-    """Issue 10 item 4."""
+    """--max-names counts every name a stream follows, across its requests."""
     s = DeltaStream(view, Limits(max_names=10))
     s.receive(req(tuple(f"n{i}" for i in range(6)), node=True))
     s.receive(req(tuple(f"n{i}" for i in range(6, 10))))
@@ -197,7 +197,7 @@ def test_max_names_is_a_total_per_stream(view: View) -> None:
 
 
 def test_reconnect_names_are_counted_once(view: View) -> None:
-    """Issue 10 item 4: 6 names subscribed with their 6 versions is 6 names, not 12."""
+    """6 names subscribed with their 6 versions is 6 names, not 12."""
     many = tuple(f"n{i}" for i in range(6))
     s = DeltaStream(view, Limits(max_names=10))
     s.receive(req(many, node=True, initial={n: "x" for n in many}))
@@ -205,7 +205,7 @@ def test_reconnect_names_are_counted_once(view: View) -> None:
 
 
 def test_resubscribing_a_rejected_name_answers_it(view: View) -> None:
-    """Issue 10 item 6: the protocol says the server must still provide the resource."""
+    """Subscribing again to a rejected name answers it: the protocol says the server must still provide the resource."""
     s = DeltaStream(view)
     s.receive(req(("web",), node=True))
     r1 = s.poll()
@@ -218,7 +218,7 @@ def test_resubscribing_a_rejected_name_answers_it(view: View) -> None:
 
 
 def test_a_rejected_bundle_is_sorted_out_one_resource_at_a_time(view: View) -> None:
-    """Issue 10 item 9: the good one of a rejected pair is resent and accepted; the bad one is not resent."""
+    """The good one of a rejected pair is resent and accepted; the bad one is not resent."""
     s = DeltaStream(view)
     s.receive(req(("web", "api"), node=True))
     r1 = s.poll()

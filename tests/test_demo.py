@@ -47,8 +47,9 @@ async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -
     before = hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
     log = tmp_path / "demo.log"
     with log.open("wb") as out:
+        # from outside the checkout: the example and Envoy's config come from the package
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "eds_server", "demo",
-                                                    stdout=out, stderr=out)  # fmt: skip
+                                                    stdout=out, stderr=out, cwd=tmp_path)  # fmt: skip
     try:
         found = await wait_for(lambda: asyncio.sleep(0, log.read_text()),
                                lambda text: re.search(r"Edit (\S+/upstreams\.yaml)", text), timeout=30)  # fmt: skip

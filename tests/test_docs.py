@@ -44,3 +44,20 @@ def test_readme_starts_with_contents_then_prerequisites_quick_start_and_envoy() 
     headings = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.M)
     assert headings[:5] == ["Contents", "Prerequisites", "Quick start", "Install", "Point your Envoy at it"]
     assert len((ROOT / "README.md").read_text().splitlines()) < 400
+
+
+def test_no_tracker_references() -> None:
+    """Readers of the project cannot see its issue tracker: docs, code and tests say what and why in
+    words of their own (the changelog keeps dates and versions, not issue numbers)."""
+    reference = re.compile(r"\b(issue|item)s? #?[0-9]+", re.I)
+    found = []
+    for path in sorted(ROOT.rglob("*")):
+        parts = path.relative_to(ROOT).parts
+        if path.suffix not in (".py", ".md", ".sh", ".yaml", ".toml") or parts[0].startswith(".") or parts[:2] == (
+            "eds_server", "pb"
+        ) or "node_modules" in parts or parts[0] in ("build", "dist"):
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if reference.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

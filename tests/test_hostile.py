@@ -1,4 +1,4 @@
-"""Hostile clients (issue 11): whatever one client does, a well-behaved one keeps getting its updates.
+"""Hostile clients: whatever one client does, a well-behaved one keeps getting its updates.
 
 Each attack runs against a real eds-server process from another loopback address (127.0.0.2+,
 so per-IP limits tell it from the canary at 127.0.0.1), the server and the attacker each on a core
@@ -25,7 +25,7 @@ HOSTILE = Path(__file__).with_name("hostile_clients.py")
 BASELINE_SECONDS = 3.0
 ATTACK_SECONDS = 6.0
 TOKEN = "hostile-test-token-0123456789"
-RSS_CAP_MB = 250  # the server idles at ~50 MB; the attacks of issue 11 took it to 1.7 GB
+RSS_CAP_MB = 250  # the server idles at ~50 MB; these attacks took it to 1.7 GB before the per-client limits
 DELAY_BOUND_S = 0.5  # the canary's median delay: ~3 ms here without an attack, at most ~16 ms with one
 
 # attack -> (extra server flags, what the server log must show)
@@ -47,7 +47,7 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
 
 
 def pin(pid: int, cpu: int) -> None:
-    """Server on one core, attacker on another (as the audit of issue 11 ran them), where there are two."""
+    """Server on one core, attacker on another (as the attacks were first measured), where there are two."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:
         os.sched_setaffinity(pid, {cpus[cpu]})

@@ -28,7 +28,7 @@ KIT = Path(__file__).resolve().parent.parent / "examples" / "monitoring"
 DASHBOARD = KIT / "grafana-dashboard.json"
 ALERTS = KIT / "prometheus-alerts.yaml"
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
-SERIES = re.compile(r"\beds_[a-z0-9_]+")
+SERIES = re.compile(r"\b(?:eds|process|python_gc)_[a-z0-9_]+")
 # Grafana's variables, as the dashboard would fill them in for "All"
 GRAFANA_VARIABLES = {"$job": ".*", "$instance": ".*", "$__rate_interval": "15s", "$__range": "5m"}
 
@@ -37,6 +37,23 @@ def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, expression) for every query of the dashboard."""
     dash = json.loads(DASHBOARD.read_text())
     return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
+
+
+def test_the_process_and_the_garbage_collector_are_on_metrics() -> None:
+    """What every Prometheus user expects beside the server's own series: memory, CPU, open files, GC."""
+    from prometheus_client import generate_latest
+
+    from eds_server.encode import encode_group
+    from eds_server.metrics import make_registry
+    from eds_server.store import Store
+    from eds_server.transport.grpc import EdsService
+
+    store = Store(encode_group)
+    scraped = {s.name for f in text_string_to_metric_families(generate_latest(make_registry(store, EdsService(store),
+                                                                                            list)).decode())
+               for s in f.samples}  # fmt: skip
+    assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "process_max_fds",
+            "python_gc_collections_total", "eds_ready"} <= scraped  # fmt: skip
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -69,7 +86,8 @@ def test_dashboard_is_well_formed() -> None:
 def test_alert_rules_are_well_formed() -> None:
     rules = alert_rules()
     names = {r["alert"] for r in rules}
-    assert {"EdsServerNotReady", "EdsServerSourceUnhealthy", "EdsServerNacks", "EdsServerStreamsDropped"} <= names
+    assert {"EdsServerNotReady", "EdsServerSourceDegraded", "EdsServerSourceUnhealthy", "EdsServerNacks",
+            "EdsServerStreamsDropped"} <= names  # fmt: skip
     for rule in rules:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical")
@@ -77,6 +95,42 @@ def test_alert_rules_are_well_formed() -> None:
     if PROMTOOL is not None:  # Prometheus's own checker: PromQL syntax, durations, templates
         out = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(PROMTOOL is None and not os.environ.get("CI"),
+                    reason="needs Debian's prometheus (apt-get install prometheus; .ci/run does)")
+def test_a_source_that_fails_after_loading_is_degraded_not_unhealthy(tmp_path: Path) -> None:
+    """promtool's rule unit test: series in, alerts out. A loaded source that fails fires Degraded
+    after 2 minutes; one that never loaded fires Unhealthy after 5, never both for one source."""
+    assert PROMTOOL is not None
+    series = [
+        {"series": 'eds_source_loaded{job="eds",instance="a",source="file"}', "values": "1x10"},
+        {"series": 'eds_source_healthy{job="eds",instance="a",source="file"}', "values": "1 0x9"},
+        {"series": 'eds_source_loaded{job="eds",instance="a",source="docker"}', "values": "0x10"},
+        {"series": 'eds_source_healthy{job="eds",instance="a",source="docker"}', "values": "0x10"},
+    ]
+    labels = {"job": "eds", "instance": "a", "severity": "warning"}
+    tests = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m", "tests": [{"interval": "1m",
+             "input_series": series, "alert_rule_test": [
+                 {"eval_time": "4m", "alertname": "EdsServerSourceDegraded",
+                  "exp_alerts": [{"exp_labels": {**labels, "source": "file"}}]},
+                 {"eval_time": "4m", "alertname": "EdsServerSourceUnhealthy", "exp_alerts": []},
+                 {"eval_time": "6m", "alertname": "EdsServerSourceUnhealthy",
+                  "exp_alerts": [{"exp_labels": {**labels, "source": "docker"}}]},
+             ]}]}  # fmt: skip
+    for check in tests["tests"][0]["alert_rule_test"]:  # promtool compares annotations too, when given
+        check["exp_alerts"] = [{**a, "exp_annotations": _annotations(check["alertname"], a["exp_labels"])}
+                               for a in check["exp_alerts"]]  # fmt: skip
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(tests))
+    out = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "test.yaml")], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _annotations(alert: str, labels: dict[str, str]) -> dict[str, str]:
+    """The rule's annotations with its templates filled in from `labels`."""
+    rule = next(r for r in alert_rules() if r["alert"] == alert)
+    return {k: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m[1]], v) for k, v in rule["annotations"].items()}
 
 
 async def _get(session: aiohttp.ClientSession, url: str, **params: str) -> Any:

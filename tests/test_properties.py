@@ -655,7 +655,7 @@ class Client:
     answered: int = 0  # responses ACKed or NACKed
     blocked: dict[str, str] = field(default_factory=dict)  # name -> NACKed version, until content changes
     nacked: dict[str, set[str]] = field(default_factory=dict)  # name -> every version NACKed
-    # name -> version NACKed as part of a response of several: sent again once, alone (issue 10 item 9)
+    # name -> version NACKed as part of a response of several: sent again once, alone
     suspect: dict[str, str] = field(default_factory=dict)
 
     def answer(self, ok: bool) -> None:
@@ -819,7 +819,7 @@ class SotwHarness(Harness):
             empty_ok = c.answered == 0 and len(c.nonces) <= 1
             nonce = "" if (op[3] and empty_ok) or not c.nonces else c.nonces[-1]
             if nonce == "" and c.nonces:
-                # written before the first response was seen: stale (issue 10 item 3)
+                # written before the first response was seen: stale
                 event("sotw: subscription change with an empty nonce, response in flight")
                 self.stale(names, "")
                 return
@@ -870,9 +870,9 @@ class DeltaHarness(Harness):
         sub, unsub = change or ((), ())
         events = self.s.receive(DeltaRequest(type_url=EDS_TYPE_URL, subscribe=sub, unsubscribe=unsub,
                                              response_nonce=nonce, error_message=error))  # fmt: skip
-        for name in sub:  # subscribes first, then unsubscribes (issue 10 item 2)
+        for name in sub:  # subscribes first, then unsubscribes
             self.c.subscribed[name] = None
-            self.c.blocked.pop(name, None)  # subscribed again: provided again (issue 10 item 6)
+            self.c.blocked.pop(name, None)  # subscribed again: provided again
             self.c.suspect.pop(name, None)
             self.c.nacked.pop(name, None)
         for name in unsub:
@@ -915,8 +915,8 @@ def test_delta_stream_against_a_client_model(ready: bool, first: Any, ops: list[
 
 
 def test_regression_sotw_nack_of_an_unsubscribed_name() -> None:
-    """Found by test_sotw_stream_against_a_client_model. Since issue 10 item 3 a request with no nonce
-    after a response is stale: the name stays subscribed. But the client dropped `a` before it saw r1,
+    """Found by test_sotw_stream_against_a_client_model. The nonce decides whether a request counts:
+    one with no nonce after a response is stale: the name stays subscribed. But the client dropped `a` before it saw r1,
     so it ignored `a` there (the NACK is not about `a`), and `a` listed again is new to it: sent again."""
     view = View(True)
     s = SotwStream(view)

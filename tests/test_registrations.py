@@ -164,6 +164,14 @@ async def test_register_replace_read_delete(server: Server, state: Path) -> None
     assert [r["id"] for r in json.loads(state.read_text())["registrations"]] == ["web-2"]
 
 
+async def test_a_post_to_a_group_points_to_put_with_an_id(server: Server) -> None:
+    before = server.snapshot()
+    answer = await server.request("POST", "/v1/groups/web/endpoints", {"address": "10.0.0.1", "port": 80})
+    assert answer.status == 405 and answer.headers["Allow"] == "GET,HEAD"
+    assert "PUT /v1/groups/web/endpoints/{id}" in answer.body["hint"] and answer.body["error"]
+    assert server.snapshot() == before
+
+
 async def test_group_names_are_the_files_rule_and_may_hold_any_printable_character(server: Server) -> None:
     a = await server.put("outbound|80||a%2Fb", "x", ep(1))  # %2F: a '/' in the group name
     assert a.status == 201, a.body
@@ -593,7 +601,7 @@ async def test_the_store_serves_the_union_with_other_sources(state: Path) -> Non
         assert sorted(e.port for e in store.get("web").group.endpoints) == [1, 80]  # the file's stay
 
 
-# -- issue 11: scope, address policy, names, tokens, throttling, the temp file -----------------------
+# -- hardening: scope, address policy, names, tokens, throttling, the temp file -----------------------
 async def test_group_names_with_control_or_format_characters_are_refused(server: Server) -> None:
     for name in ("web%0Aforged%20line", "web%00", "web%E2%80%AEtxt.exe"):  # newline, NUL, RIGHT-TO-LEFT OVERRIDE
         before = server.snapshot()

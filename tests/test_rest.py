@@ -79,9 +79,20 @@ async def test_oversize_body_is_refused(rest: tuple[Store, str]) -> None:
 
 
 async def test_deeply_nested_json_is_a_400_not_a_500(rest: tuple[Store, str]) -> None:
-    """Issue 10 item 10: json.loads raises RecursionError on deep nesting."""
+    """json.loads raises RecursionError on deep nesting: a 400 naming it, and the server keeps serving."""
     store, url = rest
     store.update("t", {})
     async with aiohttp.ClientSession() as s, s.post(url, data="[" * 30_000 + "]" * 30_000) as r:
         assert r.status == 400 and "nested" in await r.text()
     assert (await post(url, {"resourceNames": ["web"]}))[0] == 200  # still serving
+
+
+async def test_a_get_is_told_what_the_rest_port_serves(rest: tuple[Store, str]) -> None:
+    """A curl or browser on the REST port gets JSON naming the one thing it answers, not plain `405`."""
+    _, url = rest
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url) as r:
+            assert r.status == 405 and r.headers["Allow"] == "POST"
+            assert f"POST {PATH}" in (await r.json())["message"]
+        async with s.get(url.removesuffix(PATH) + "/") as r:
+            assert r.status == 404 and f"POST {PATH}" in (await r.json())["message"]

@@ -107,7 +107,7 @@ async def recv(stream: Any, timeout: float = 5.0) -> Any:
 async def denied(stream: Any) -> str:
     """The stream ends with PERMISSION_DENIED; its message.
 
-    The status comes in trailers with no RST_STREAM after them (issue 10 item 11), so grpclib's
+    The status comes in trailers with no RST_STREAM after them (docs/xds-behaviour.md), so grpclib's
     client reports it as a GRPCError: from the first read if nothing was sent before, else from
     the trailers once the messages end.
     """

@@ -204,7 +204,7 @@ def test_reconnect_with_old_version_gets_current(view: View) -> None:
 
 
 def test_ack_records_no_version_for_names_dropped_meanwhile(view: View) -> None:
-    """Issue 10 item 3: nothing is kept for unsubscribed names, however often a client drops and ACKs."""
+    """Nothing is kept for unsubscribed names, however often a client drops and ACKs."""
     s = SotwStream(view)
     s.receive(first("web"))
     r = s.poll()
@@ -220,7 +220,7 @@ def test_ack_records_no_version_for_names_dropped_meanwhile(view: View) -> None:
 
 
 def test_empty_nonce_after_a_response_is_stale(view: View) -> None:
-    """Issue 10 item 3: the protocol treats it as stale, not as a subscription change."""
+    """An empty nonce after a response: the protocol treats it as stale, not as a subscription change."""
     s = SotwStream(view)
     s.receive(first("web"))
     r = s.poll()
@@ -291,7 +291,7 @@ def test_a_name_dropped_and_asked_again_before_the_response_was_read(view: View)
 
 
 def test_a_bundle_asked_again_before_it_was_read_is_still_sorted_out_one_at_a_time(view: View) -> None:
-    """The same for a rejected bundle: each of its resources is resent alone (issue 10 item 9)."""
+    """The same for a rejected bundle: each of its resources is resent alone."""
     view.set("api", b"api-1")
     s = SotwStream(view)
     s.receive(first("web", "api"))
@@ -318,7 +318,7 @@ def test_a_stale_request_with_nothing_in_flight_changes_nothing(view: View) -> N
 
 
 def test_reconnect_of_a_multi_name_stream_answers_every_name(view: View) -> None:
-    """Issue 10 item 5: the digest does not say which names the client still holds."""
+    """A reconnect is answered in full: the version digest does not say which names the client still holds."""
     view.set("api", b"api-1")
     s = SotwStream(view)
     s.receive(first("web", "api"))
@@ -332,7 +332,8 @@ def test_reconnect_of_a_multi_name_stream_answers_every_name(view: View) -> None
 
 
 def test_multi_name_streams_never_send_a_bare_resource_version(view: View) -> None:
-    """Issue 10 item 5: so a resource's own version proves a one-name stream's holding."""
+    """A multi-name stream's version is always a digest, so a resource's own version proves what a
+    one-name stream holds."""
     view.set("api", b"api-1")
     s = SotwStream(view)
     s.receive(first("web", "api"))
@@ -353,7 +354,7 @@ def test_multi_name_streams_never_send_a_bare_resource_version(view: View) -> No
 
 @pytest.mark.parametrize("names", [("*",), ()])
 def test_wildcard_and_empty_first_request_get_an_empty_answer(view: View, names: tuple[str, ...]) -> None:
-    """Issue 10 item 7: EDS has no wildcard; never a CLA named "*", never a client left waiting."""
+    """EDS has no wildcard; never a CLA named "*", never a client left waiting."""
     s = SotwStream(view)
     s.receive(first(*names))
     r = s.poll()
@@ -365,7 +366,7 @@ def test_wildcard_and_empty_first_request_get_an_empty_answer(view: View, names:
 
 
 def test_a_rejected_bundle_is_sorted_out_one_resource_at_a_time(view: View) -> None:
-    """Issue 10 item 9."""
+    """A NACK of several resources: each is resent alone, and only the good ones again."""
     view.set("api", b"api-1")
     s = SotwStream(view)
     s.receive(first("web", "api"))

@@ -1,9 +1,10 @@
 """The upstreams file's input bounds and incremental parsing.
 
-Bounds (issue 11, item 11): regular files only (no FIFO, no device behind a symlink), a size
-limit, no anchors or aliases, and `eds-server check` gives the verdict the server gives.
-Incremental parsing (issue 12): a re-parse reuses the groups and endpoints whose text did not
-change, and gives exactly what a fresh parse gives, problems and their lines included.
+Bounds, so a hostile or huge file cannot freeze or exhaust the server: regular files only (no FIFO,
+no device behind a symlink), a size limit, no anchors or aliases, and `eds-server check` gives the
+verdict the server gives. Incremental parsing, so an edit of a big file costs what changed: a
+re-parse reuses the groups and endpoints whose text did not change, and gives exactly what a fresh
+parse gives, problems and their lines included.
 """
 
 from __future__ import annotations

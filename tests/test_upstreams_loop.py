@@ -1,7 +1,7 @@
 """A real server process while its upstreams file is big or hostile: the event loop keeps answering.
 
-Issue 11 item 11: an alias bomb, a FIFO and a symlink to /dev/zero each froze the loop (or filled
-memory), and a valid 20,000-endpoint file stalled it for seconds. A canary (a gRPC health client on
+Before the file's input bounds, an alias bomb, a FIFO and a symlink to /dev/zero each froze the loop
+(or filled memory), and a valid 20,000-endpoint file stalled it for seconds. A canary (a gRPC health client on
 the xDS port plus an EDS stream) runs meanwhile; what is asserted are counts and memory, never times.
 """
 

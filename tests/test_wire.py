@@ -121,7 +121,7 @@ def test_cached_piece_encoding_equals_the_generated_classes() -> None:
 
 
 def test_a_present_but_empty_node_is_a_node() -> None:
-    """Issue 10 item 8: `node {}` encodes as a zero-length field, which is still a node."""
+    """`node {}` encodes as a zero-length field, which is still a node."""
     sotw = discovery_pb2.DiscoveryRequest(resource_names=["web"])
     sotw.node.SetInParent()
     req, node = wire.sotw_request(sotw.SerializeToString())

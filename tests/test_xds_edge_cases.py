@@ -1,4 +1,4 @@
-"""Issue 10: xDS edge cases that other clients than a stock Envoy reach, each through the gRPC port.
+"""xDS edge cases that other clients than a stock Envoy reach, each through the gRPC port.
 
 The same cases are pinned on the state machines in test_sotw.py and test_delta.py; these show that
 the transport, the store and /v1/streams agree with them. Decisions: docs/xds-behaviour.md.

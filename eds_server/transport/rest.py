@@ -63,6 +63,16 @@ def make_rest_app(store: Store, limits: Limits, max_body: int) -> web.Applicatio
             "controlPlane": {"identifier": CONTROL_PLANE_ID},
         })  # fmt: skip
 
+    async def wrong_method(request: web.Request) -> web.Response:
+        """A curl or browser GET gets JSON saying what this port serves, not aiohttp's plain `405`."""
+        return web.json_response(
+            {"message": f"{request.method} {request.path}: the REST port answers only POST {PATH} "
+                        "with a DiscoveryRequest (Envoy's api_type: REST)"},
+            status=405 if request.path == PATH else 404, headers={"Allow": "POST"},
+        )  # fmt: skip
+
     app = web.Application(client_max_size=max_body)
     app.router.add_post(PATH, discovery)
+    app.router.add_route("*", PATH, wrong_method)
+    app.router.add_route("*", "/{tail:.*}", wrong_method)
     return app
