@@ -1,4 +1,4 @@
-"""Requests on established streams read straight from their DATA frames (transport/direct.py), over
+"""Requests on established streams read straight from their DATA frames (transport/h2/direct.py), over
 real loopback sockets, by a raw HTTP/2 client that writes its frames (and TCP writes) exactly as a
 test needs them.
 

@@ -113,7 +113,7 @@ async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monk
 
 
 def test_private_api_the_fan_out_relies_on() -> None:
-    """transport/http2.py's queue_message builds DATA frames and shrinks h2's windows itself, and
+    """transport/h2/fast.py's queue_message builds DATA frames and shrinks h2's windows itself, and
     direct.py reads DATA frames past h2 and grpclib: a new h2, hyperframe or grpclib must be
     checked against them before it is taken."""
     assert (h2.__version__, hyperframe.__version__) == ("4.4.1", "6.1.0")
