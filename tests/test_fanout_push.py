@@ -88,7 +88,7 @@ async def test_a_message_larger_than_the_window_still_arrives_whole(h: Harness) 
 
 
 async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """http2.py lets a client send WINDOW_UPDATEs only as paid for by DATA frames we sent: frames
+    """fast.py lets a client send WINDOW_UPDATEs only as paid for by DATA frames we sent: frames
     built by the fan-out path must count, or an Envoy taking big responses gets GOAWAY."""
     noted: list[int] = []
     original = http2.GuardedH2Connection.note_data_frames
@@ -137,7 +137,7 @@ def test_private_api_the_fan_out_relies_on() -> None:
     stream_buffer = grpclib.protocol.Buffer(lambda n: None)
     assert (stream_buffer._eof, stream_buffer._acked_size, stream_buffer._unacked.empty()) == (False, 0, True)
     assert list(stream_buffer._acked) == [] and grpclib.protocol.AckedData._fields == ("data", "data_size")
-    # http2.py's connection flush writes through its _Transport
+    # fast.py's connection flush writes through its _Transport
     assert grpclib.protocol.Connection.flush.__code__.co_names == ("_connection", "data_to_send", "_transport", "write")
 
 

@@ -3,7 +3,7 @@
 An Envoy stream sends one small request (an ACK) per response, and through h2 and grpclib each one
 costs a frame object and its repr, h2's stream and flow-control state machines, an event, a queue
 put and get, a task switch and two buffered reads: most of the CPU of a fan-out. Once a stream's
-first request has been read the usual way, http2.py's protocol hands the stream's plain DATA frames
+first request has been read the usual way, fast.py's protocol hands the stream's plain DATA frames
 (no END_STREAM, no padding) to a `DirectReader`, which cuts them into gRPC messages and gives each
 to the session at once, inside data_received. Everything else (HEADERS, RST_STREAM, END_STREAM,
 padded DATA) makes the stream fall back to h2 and grpclib first, with any partly received message
