@@ -176,6 +176,8 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
                     cpus.append(server.cpu() - c0)
             user1, sys1 = server.user_sys()
             errors = workers.dump()["n_errors"]
+            if errors:  # a refused or reset stream is not a stream served: the figure would mislead
+                raise RuntimeError(f"{tag}: {errors} stream errors (refused, reset or ended early)")
         finally:
             workers.stop()
             server.stop()

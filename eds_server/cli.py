@@ -158,6 +158,13 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _http2_mode(value: str) -> str:
+    """argparse checks `choices` on the command line only, not on a default from EDS_HTTP2."""
+    if value not in ("auto", "fast", "stock"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, fast, stock)")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """Says when a bad value came from the environment, not the command line: argparse names only
     the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`."""
@@ -241,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
                          help="streams one client IP may end without sending a request (reset, ended, refused "
                               "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
-                              "past 4096 of an IP's streams awaiting their first request while they could send "
+                              "past 16384 of an IP's streams awaiting their first request while they could send "
                               "it, new ones are refused with REFUSED_STREAM (default 1000)")
     hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
                          default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
@@ -265,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                          default=_env("EDS_HTTP_TIMEOUT", "10s"),
                          help="admin and REST ports: longest wait for a request's headers and body, and "
                               "keepalive of an idle connection (default 10s)")
-    hostile.add_argument("--http2", choices=["auto", "fast", "stock"], default=_env("EDS_HTTP2", "auto"),
+    hostile.add_argument("--http2", type=_http2_mode, choices=["auto", "fast", "stock"],
+                         default=_env("EDS_HTTP2", "auto"),
                          help="HTTP/2 path: 'fast' (the per-client limits and fan-out of docs/limits.md) needs the "
                               "grpclib, h2, hyperframe and aiohttp versions it was tested with; 'auto' falls back "
                               "to 'stock' (their public API only) with a warning otherwise [EDS_HTTP2] "

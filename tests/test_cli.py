@@ -220,3 +220,13 @@ def test_a_bad_value_from_the_environment_says_so() -> None:
     out = subprocess.run(args, capture_output=True, text=True, timeout=30, env={**os.environ, "EDS_DEBOUNCE": "10"})
     assert out.returncode == 2
     assert "argument --debounce: '10' has no unit" in out.stderr and "(from EDS_DEBOUNCE='10')" in out.stderr
+
+
+def test_a_bad_http2_mode_from_the_environment_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """argparse checks choices on the command line only: EDS_HTTP2 is checked by its type."""
+    monkeypatch.setenv("EDS_HTTP2", "")
+    from eds_server import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["serve", "--upstreams", "x.yaml"])
+    assert e.value.code == 2

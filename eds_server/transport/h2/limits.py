@@ -50,7 +50,7 @@ class ConnectionLimits:
 
     max_streams: int = 10_000  # concurrent streams per connection (MAX_CONCURRENT_STREAMS)
     stream_budget: int = 1_000  # per IP: streams ended (or refused) without a request per BUDGET_WINDOW
-    pending_streams: int = 4_096  # per IP: streams awaiting their first request (four Envoy connections' worth)
+    pending_streams: int = 16_384  # per IP: streams awaiting their first request (16 Envoy connections' worth)
     reset_budget: int = 10_000  # stream resets (sent by the client or by h2) per IP per BUDGET_WINDOW
     control_budget: int = 1_000  # control frames per connection per BUDGET_WINDOW
     max_connections: int = 10_000  # in total
