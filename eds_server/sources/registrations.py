@@ -33,6 +33,7 @@ from typing import Any
 from .. import fields, upstreams
 from ..model import Endpoint, Group, endpoint_json
 from ..store import Store
+from .state_lock import StateLock, StateLockError
 
 log = logging.getLogger("eds_server.sources.registrations")
 
@@ -301,6 +302,7 @@ class RegistrationSource:
         self._wake: asyncio.Event | None = None
         self._dirty = False  # the file still holds entries that have expired since
         self._loaded = False
+        self._lock = StateLock(state_path) if state_path is not None else None
         store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
@@ -336,6 +338,7 @@ class RegistrationSource:
         if path is None:
             log.warning("registrations are kept in memory only (no state file): a restart loses them")
         else:
+            self._hold(path)
             try:
                 with open(path, "rb") as f:
                     data: bytes | None = f.read()
@@ -365,6 +368,23 @@ class RegistrationSource:
         self._loaded = True
         self._publish(set(state.touched), initial=True)
         state.touched.clear()
+
+    def _hold(self, path: str) -> None:
+        assert self._lock is not None
+        try:
+            self._lock.acquire()
+        except StateLockError as e:
+            raise RegistrationStateError(f"{path}: {e}") from None
+        except OSError as e:
+            raise RegistrationStateError(
+                f"{path}: cannot write the lock file {self._lock.path}: {e.strerror or e} "
+                "(its directory must exist and be writable)"
+            ) from None
+
+    def close(self) -> None:
+        """Let another process take the state file."""
+        if self._lock is not None:
+            self._lock.release()
 
     def _parse(self, path: str, data: bytes) -> tuple[_State, int]:
         def bad(where: str, message: str) -> RegistrationStateError:
@@ -632,6 +652,7 @@ class RegistrationSource:
             if self._writer is not None and not self._writer.done():
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(self._writer), 5.0)
+            self.close()
 
 
 def reject_constant(name: str) -> Any:
