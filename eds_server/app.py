@@ -19,6 +19,8 @@ from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
+from .sources.etcd_client import EtcdOptions
+from .sources.etcd_wire import is_etcd, parse_target
 from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
 from .sources.swarm import SwarmSource
@@ -33,6 +35,7 @@ from .xds.common import Limits
 
 if TYPE_CHECKING:
     from .sources.kubernetes import KubernetesSource
+    from .sources.registrations_etcd import EtcdRegistrationSource
 
 log = logging.getLogger("eds_server")
 
@@ -66,7 +69,8 @@ class Settings:
     tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
     tls_client_ca: str | None = None  # require client certificates issued by this CA (mTLS)
     authz: str | None = None  # authorization file: which groups a client may read
-    state: str | None = None  # the registrations' state file (None: registrations kept in memory only)
+    state: str | None = None  # the registrations' state file or etcd:// URL (None: kept in memory only)
+    etcd: EtcdOptions = field(default_factory=EtcdOptions)  # TLS and auth for an etcd:// state
     admin_token: str | None = None  # turns the registration API's writes on
     max_registrations: int = MAX_REGISTRATIONS
     registration_policy: RegistrationPolicy = field(default_factory=RegistrationPolicy)  # scoped tokens, CIDRs
@@ -103,11 +107,16 @@ class App:
 
             self.kubernetes_source = KubernetesSource(self.store, settings.kubernetes, debounce=settings.debounce)
         # after the file and Docker: on a duplicate address in a group, the first source wins
-        self.registrations = (
-            RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
-            if settings.state or settings.admin_token or settings.registration_policy.scoped_tokens
-            else None
-        )
+        self.registrations: RegistrationSource | EtcdRegistrationSource | None = None
+        if is_etcd(settings.state):
+            from .sources.registrations_etcd import EtcdRegistrationSource
+
+            assert settings.state is not None
+            self.registrations = EtcdRegistrationSource(self.store, parse_target(settings.state), settings.etcd,
+                                                        max_registrations=settings.max_registrations)  # fmt: skip
+        elif settings.state or settings.admin_token or settings.registration_policy.scoped_tokens:
+            self.registrations = RegistrationSource(self.store, settings.state,
+                                                    max_registrations=settings.max_registrations)  # fmt: skip
         self.service = EdsService(
             self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams
         )
@@ -148,7 +157,8 @@ class App:
         if self.kubernetes_source is not None:
             out.append(self.kubernetes_source.status())
         if self.registrations is not None:
-            out.append(self.registrations.status())
+            status = self.registrations.status()
+            out.append(status if isinstance(status, dict) else status.as_json())
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -171,7 +181,8 @@ class App:
             k8s = self.kubernetes_source
             self._spawn(k8s.run(self._stop_sources), "kubernetes source", k8s.name)
         if self.registrations is not None:
-            self.registrations.load()  # raises RegistrationStateError: refuse to start
+            if isinstance(self.registrations, RegistrationSource):
+                self.registrations.load()  # raises RegistrationStateError: refuse to start
             self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)
         if self.settings.startup_timeout is not None:
             self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
