@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from ..model import Endpoint, Group
 from ..store import Store
@@ -116,6 +116,7 @@ class EtcdRegistrationSource:
         self._members: dict[str, dict[str, Endpoint]] = {}
         self._groups: dict[str, Group] = {}
         self._skipped: dict[bytes, str] = {}  # keys whose value is not a registration -> why (warned once)
+        self._turns = Turns()
         store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
@@ -356,10 +357,28 @@ class EtcdRegistrationSource:
         check_weights(view, reg)
 
     async def put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None = None) -> tuple[Registration, bool]:
-        """Register, replace or renew; returns once etcd committed it and this replica serves it."""
+        """Register, replace or renew; returns once etcd committed it and this replica serves it.
+
+        Writes to one group through this replica take turns (their transactions would fail each
+        other's compare); an unchanged registration with a TTL is only a lease keep-alive."""
         if not self.liveness.loaded:
             raise RegistrationError(503, "registrations are not loaded from etcd yet")
         check_merged(self.store, self.name, group, self._members.get(group, {}), id, endpoint)
+        old = self._state.regs.get((group, id))
+        lease = self._leases.get((group, id), 0)
+        if old is not None and old.endpoint == endpoint and old.ttl == ttl and ttl is not None and lease:
+            try:
+                if await self._keep_alive(lease, asyncio.get_running_loop().time() + WRITE_DEADLINE):
+                    self._renewed[(group, id)] = self._mono()
+                    return old, False
+            except (EtcdUnavailable, TimeoutError) as e:
+                raise self._unreachable(e) from None
+            except wire.EtcdError as e:
+                raise RegistrationError(503, f"etcd refused the renewal: {e.message}") from None
+        async with self._turns.take(group):
+            return await self._put(group, id, endpoint, ttl)
+
+    async def _put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None) -> tuple[Registration, bool]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WRITE_DEADLINE
         key = (group, id)
@@ -368,13 +387,8 @@ class EtcdRegistrationSource:
         reg = Registration(group, id, endpoint, ttl, line=value)
         try:
             old = self._state.regs.get(key)
-            if old is not None and old.endpoint == endpoint and old.ttl == ttl:
-                if ttl is None:
-                    return old, False  # the same again
-                lease = self._leases.get(key, 0)
-                if lease and await self._keep_alive(lease, deadline):
-                    self._renewed[key] = self._mono()
-                    return old, False
+            if old is not None and old.endpoint == endpoint and old.ttl is None and ttl is None:
+                return old, False  # the same again
             view, revision = self._state, self._revision
             for _ in range(ATTEMPTS):  # bounded; each failed compare means another write to this group
                 try:
@@ -449,6 +463,29 @@ class EtcdRegistrationSource:
         if deleted and deleted[0].lease:
             self._revoke(deleted[0].lease)
         return (self._entry(deleted[0]) if deleted else None) or old
+
+
+class Turns:
+    """One lock per key, kept only while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def take(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
 
 _background: set[asyncio.Task[None]] = set()  # revocations under way (a reference, so they are not collected)
