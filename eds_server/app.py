@@ -17,6 +17,7 @@ from .encode import encode_group
 from .metrics import make_registry
 from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
+from .sources.base import Source
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
 from .sources.etcd_client import EtcdOptions
@@ -84,6 +85,8 @@ class App:
         self.settings = settings
         self.store = Store(encode_group)
         debounce_ms = round(settings.debounce * 1000)
+        # The merge order, also the store's: on a duplicate address in a group the first source wins
+        # (docs/fail-static.md). Each source declares itself to the store as it is made.
         self.file_source = (
             UpstreamsFileSource(
                 settings.upstreams, self.store, debounce_ms=max(1, debounce_ms), max_size=settings.max_upstreams_size
@@ -106,7 +109,6 @@ class App:
             from .sources.kubernetes import KubernetesSource
 
             self.kubernetes_source = KubernetesSource(self.store, settings.kubernetes, debounce=settings.debounce)
-        # after the file and Docker: on a duplicate address in a group, the first source wins
         self.registrations: RegistrationSource | EtcdRegistrationSource | None = None
         if is_etcd(settings.state):
             from .sources.registrations_etcd import EtcdRegistrationSource
@@ -117,6 +119,10 @@ class App:
         elif settings.state or settings.admin_token or settings.registration_policy.scoped_tokens:
             self.registrations = RegistrationSource(self.store, settings.state,
                                                     max_registrations=settings.max_registrations)  # fmt: skip
+        candidates: list[Source | None] = [
+            self.file_source, self.docker_source, self.swarm_source, self.kubernetes_source, self.registrations,
+        ]  # fmt: skip
+        self.sources: list[Source] = [s for s in candidates if s is not None]
         self.service = EdsService(
             self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams
         )
@@ -137,29 +143,8 @@ class App:
         self.rest_port: int | None = None
 
     def source_status(self) -> list[dict[str, Any]]:
-        out = []
-        if self.file_source is not None:
-            out.append({
-                "name": self.file_source.name,
-                "loaded": self.file_source.name not in self.store.pending_sources,
-                "last_error": self.file_source.last_error,
-            })  # fmt: skip
-        for d, count in ((self.docker_source, "containers"), (self.swarm_source, "services")):
-            if d is not None:
-                out.append({
-                    "name": d.name,
-                    "loaded": d.name not in self.store.pending_sources,
-                    "connected": d.connected,
-                    "stale": not d.connected,
-                    count: len(d._inspects if isinstance(d, DockerSource) else d._services),
-                    "last_error": d.last_error,
-                })  # fmt: skip
-        if self.kubernetes_source is not None:
-            out.append(self.kubernetes_source.status())
-        if self.registrations is not None:
-            status = self.registrations.status()
-            out.append(status if isinstance(status, dict) else status.as_json())
-        return out
+        """What each source says of itself, in merge order (for /v1/sources, the status page, metrics)."""
+        return [source.status().as_json() for source in self.sources]
 
     def stats(self) -> dict[str, Any]:
         counters = dataclasses.asdict(self.service.counters)
@@ -170,20 +155,10 @@ class App:
 
     async def start(self) -> None:
         ssl = self._security()
-        if self.file_source is not None:
-            self.file_source.load()
-            self._spawn(self.file_source.run(self._stop_sources), "upstreams file watcher", self.file_source.name)
-        if self.docker_source is not None:
-            self._spawn(self.docker_source.run(self._stop_sources), "docker source", self.docker_source.name)
-        if self.swarm_source is not None:
-            self._spawn(self.swarm_source.run(self._stop_sources), "swarm source", self.swarm_source.name)
-        if self.kubernetes_source is not None:
-            k8s = self.kubernetes_source
-            self._spawn(k8s.run(self._stop_sources), "kubernetes source", k8s.name)
-        if self.registrations is not None:
-            if isinstance(self.registrations, RegistrationSource):
-                self.registrations.load()  # raises RegistrationStateError: refuse to start
-            self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)
+        for source in self.sources:
+            await source.start()  # raises UpstreamsError, RegistrationStateError: refuse to start
+        for source in self.sources:
+            self._spawn(source.run(self._stop_sources), f"source {source.name}", source.name)
         if self.settings.startup_timeout is not None:
             self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
         host, port = self.settings.listen

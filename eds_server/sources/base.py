@@ -106,14 +106,17 @@ class Liveness:
 
     def __init__(self, store: Store, name: str, what: str) -> None:
         self.store, self.name, self.what = store, name, what
-        self.loaded = False
         self.live_now = False
         self.last_error: str | None = None
+
+    @property
+    def loaded(self) -> bool:
+        """It delivered its first state to the store."""
+        return self.name not in self.store.pending_sources
 
     def live(self, detail: str = "") -> None:
         if not self.live_now:
             log.info("%s: following %s%s", self.name, self.what, f": {detail}" if detail else "")
-        self.loaded = True
         self.live_now, self.last_error = True, None
         self.store.mark_stale(self.name, False)
 

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from .. import fields, upstreams
 from ..model import Endpoint, Group, endpoint_json
 from ..store import Store
+from .base import SourceStatus
 from .state_lock import StateLock, StateLockError
 
 log = logging.getLogger("eds_server.sources.registrations")
@@ -398,15 +399,15 @@ class RegistrationSource:
     def expires_in(self, reg: Registration) -> float | None:
         return None if reg.deadline is None else max(0.0, reg.deadline - self._mono())
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "loaded": self._loaded,
-            "state_file": self.state_path,
-            "registrations": len(self._state.regs),
+    def status(self) -> SourceStatus:
+        """Live once loaded; `last_error` is the last failed write of the state file."""
+        return SourceStatus(self.name, self._loaded, self._loaded, self.last_error, {
+            "state_file": self.state_path, "registrations": len(self._state.regs),
             "max_registrations": self.max_registrations,
-            "last_error": self.last_error,
-        }
+        })  # fmt: skip
+
+    async def start(self) -> None:
+        self.load()
 
     # -- start ---------------------------------------------------------------------------------
     def load(self) -> None:

@@ -25,8 +25,9 @@ import aiodocker
 
 from ..model import Endpoint, Group, Health, groups_from
 from ..store import Store
+from .base import Backoff
 from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
-from .docker import Backoff, EngineFollower, EngineGone
+from .docker import EngineFollower, EngineGone
 
 log = logging.getLogger("eds_server.sources.swarm")
 
@@ -265,6 +266,9 @@ class SwarmSource(EngineFollower):
         self._local_node: str | None = None
         self._hot: dict[str, float] = {}  # service id -> re-poll its tasks until this loop time
 
+    def _counts(self) -> dict[str, int]:
+        return {"services": len(self._services)}
+
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
         """Hand the store the whole current state (it works out what changed)."""
@@ -280,7 +284,7 @@ class SwarmSource(EngineFollower):
         self._services.pop(sid, None)
         self._tasks.pop(sid, None)
         self._hot.pop(sid, None)
-        self._warned.pop(sid, None)
+        self.warnings.forget(sid)
         return known
 
     def _heat(self, sid: str) -> None:
@@ -324,7 +328,7 @@ class SwarmSource(EngineFollower):
         for sid in services:
             if _updating(services[sid]) or any(task_transitional(t) for t in tasks[sid]):
                 self._hot[sid] = max(self._hot.get(sid, 0.0), now + self.poll_window)
-        self._warned = {sid: w for sid, w in self._warned.items() if sid in services}
+        self.warnings.keep(services)
         self.last_sync = now
         self.publish()
 
