@@ -12,6 +12,7 @@ import base64
 import os
 import shutil
 import signal
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,13 @@ class Member:
     peer_port: int
     data_dir: Path
     log_path: Path
+    tls: bool = False
     proc: asyncio.subprocess.Process | None = None
     cpu_seconds_before: float = 0.0  # CPU of earlier runs of this member (it may be restarted)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def running(self) -> bool:
@@ -52,15 +54,19 @@ class Member:
 
 @dataclass
 class EtcdCluster:
+    """`tls`: (certificate, key, CA) for the client port (https); `token`: sent with every call."""
+
     root: Path
     size: int = 3
+    tls: tuple[Path, Path, Path] | None = None
     members: list[Member] = field(default_factory=list)
+    token: str | None = None
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         for i in range(self.size):
             self.members.append(Member(f"n{i}", free_port(), free_port(), self.root / f"n{i}",
-                                       self.root / f"etcd-n{i}.log"))  # fmt: skip
+                                       self.root / f"etcd-n{i}.log", tls=self.tls is not None))  # fmt: skip
 
     @property
     def endpoints(self) -> str:
@@ -80,6 +86,7 @@ class EtcdCluster:
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", f"eds-test-{self.members[0].peer_port}",
                 "--logger", "zap", "--log-outputs", "stderr",
+                *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else []),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
             )  # fmt: skip
 
@@ -116,9 +123,11 @@ class EtcdCluster:
         return "\n".join(out)
 
     async def call(self, m: Member, path: str, body: dict[str, Any], timeout: float = 3.0) -> dict[str, Any]:
+        context = ssl.create_default_context(cafile=str(self.tls[2])) if self.tls else False
+        headers = {"Authorization": self.token} if self.token else None
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
-            s.post(m.url + path, json=body) as r,
+            s.post(m.url + path, json=body, ssl=context, headers=headers) as r,
         ):
             reply: dict[str, Any] = await r.json(content_type=None)
         if "error" in reply:
