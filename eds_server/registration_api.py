@@ -7,7 +7,7 @@
     GET    /v1/registrations                   all of them
 
 Errors are JSON, `{"error": "...", "field": "..." | null}`, and change nothing. A 2xx answer to a
-write is sent only once the state file holds the change and the store serves it.
+write is sent only once the state (a file, or etcd) holds the change and the store serves it.
 
 Writes need the admin token (every group) or a scoped token (the groups its patterns match, from
 `--registration-tokens FILE`); tokens are at least 16 characters. A client IP that fails to

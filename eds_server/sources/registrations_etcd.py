@@ -117,6 +117,7 @@ class EtcdRegistrationSource:
         self._groups: dict[str, Group] = {}
         self._skipped: dict[bytes, str] = {}  # keys whose value is not a registration -> why (warned once)
         self._turns = Turns()
+        self._relist = False  # list again rather than resume the watch
         store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
@@ -197,7 +198,10 @@ class EtcdRegistrationSource:
             else:
                 self._put_local(self._state, event.kv)
             touched.add(key)
-        self._advance(max(self._revision, message.revision), touched)
+        # the events' own revisions, not the header's: a catching-up watch may send a batch stamped
+        # with the store's current revision before it has sent every event up to it
+        revision = max((e.kv.mod_revision for e in message.events), default=self._revision)
+        self._advance(max(self._revision, revision), touched)
 
     def _advance(self, revision: int, touched: set[Key], initial: bool = False) -> None:
         self._publish(touched, initial)
@@ -245,8 +249,9 @@ class EtcdRegistrationSource:
         reply = await self.client.call("/v3/kv/range", wire.range_request(self.keys.all, wire.range_end(self.keys.all)),
                                        deadline=deadline)  # fmt: skip
         revision = wire.revision(reply)
+        first = not self.liveness.loaded
         self._replace(wire.kvs(reply), revision)
-        if not self.liveness.loaded:
+        if first:
             log.info("registrations: listed %s at revision %d: %d registrations",
                      self.target, revision, len(self._state.regs))  # fmt: skip
         self.liveness.live(f"{len(self._state.regs)} registrations")
@@ -278,7 +283,14 @@ class EtcdRegistrationSource:
             if stop.is_set():
                 return
             try:
-                await self.client.call("/v3/kv/range", body, deadline=loop.time() + PROBE_TIMEOUT)
+                reply = await self.client.call("/v3/kv/range", body, deadline=loop.time() + PROBE_TIMEOUT)
+                if wire.revision(reply) < self._revision:  # etcd restored from an older backup
+                    log.warning("registrations: etcd is at revision %d, behind this view (%d): listing again",
+                                wire.revision(reply), self._revision)  # fmt: skip
+                    self._relist = True
+                    if watching is not None:
+                        watching.cancel()
+                    return
             except (EtcdUnavailable, wire.EtcdError) as e:
                 failures += 1
                 self.liveness.lost(str(e))
@@ -296,8 +308,9 @@ class EtcdRegistrationSource:
         try:
             while not stop.is_set():  # bounded by `stop`; each round waits a backoff
                 try:
-                    if not self.liveness.loaded:
+                    if not self.liveness.loaded or self._relist:
                         await self._list()
+                        self._relist = False
                     watching = asyncio.create_task(self._watch_or_relist(), name="etcd watch")
                     probing = asyncio.create_task(self._probe(stop, watching), name="etcd probe")
                     await asyncio.wait({watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -389,14 +402,16 @@ class EtcdRegistrationSource:
             old = self._state.regs.get(key)
             if old is not None and old.endpoint == endpoint and old.ttl is None and ttl is None:
                 return old, False  # the same again
-            view, revision = self._state, self._revision
+            view, revision, fresh = self._state, self._revision, False
             for _ in range(ATTEMPTS):  # bounded; each failed compare means another write to this group
                 try:
                     self._checks(view, reg)
                 except RegistrationError:
-                    if view is not self._state:
+                    if fresh:
                         raise
-                    view, revision = await self._group_now(group, deadline)  # a stale view must not refuse
+                    # this replica's view may be behind: refuse only on the group as etcd holds it now
+                    view, revision = await self._group_now(group, deadline)
+                    fresh = True
                     continue
                 lease = 0
                 if ttl is not None:
@@ -418,6 +433,7 @@ class EtcdRegistrationSource:
                 if lease:
                     self._revoke(lease)
                 view, revision = await self._group_now(group, deadline)
+                fresh = True
                 old = view.regs.get(key)
         except (EtcdUnavailable, TimeoutError) as e:
             raise self._unreachable(e) from None
