@@ -240,6 +240,9 @@ async def test_all_of_etcd_down_for_20_s_keeps_every_endpoint_and_refuses_writes
             assert (await late.admin("/readyz"))["ready"] is False
             metrics = await _text(r.http, f"http://127.0.0.1:{r.a.admin_port}/metrics")
             assert 'eds_source_healthy{source="registrations"} 0.0' in metrics
+            page = await _text(r.http, f"http://127.0.0.1:{r.a.admin_port}/")
+            row = '<td class="mono">registrations</td><td><span class="ok">loaded</span></td><td><span class="bad">'
+            assert row + "stale" in page  # the status page says it too
             print(f"\netcd down 20 s: Envoy host counts seen {sorted(set(seen))} in {len(seen)} polls; "
                   f"a write answered 503 in {refused[0]:.2f} s")  # fmt: skip
             assert set(seen) == {4}  # no Envoy cluster lost an endpoint
