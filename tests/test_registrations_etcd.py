@@ -112,6 +112,11 @@ async def test_a_write_through_one_replica_reaches_both_envoys_within_a_second(t
         assert len(keys) == 20
         assert len({json.loads(v)["endpoint"]["port"] for v in keys.values()}) == 20
         await r.wait_both(lambda p: p == set(range(9100, 9120)))
+        # and Envoy's weight limit: two weights that fit alone, not together, through A and B at once
+        answers = await asyncio.gather(r.put(r.a, "heavy", "x", 9200, weight=3_000_000_000),
+                                       r.put(r.b, "heavy", "y", 9201, weight=3_000_000_000))  # fmt: skip
+        assert sorted(status for status, _ in answers) == [201, 409], answers
+        assert "over Envoy's limit" in next(body["error"] for status, body in answers if status == 409)
 
 
 async def test_a_ttl_renewed_through_either_replica_lives_and_expires_without_them(tmp_path: Path) -> None:

@@ -72,6 +72,30 @@ class Backoff:
         self.attempt = 0
 
 
+class Debounce:
+    """Changes this close together are published as one: the first change starts the wait, and
+    the publish comes `delay` after it however many follow (a steady stream cannot hold it off)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.since: float | None = None  # when the first unpublished change came
+
+    def changed(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+
+    def timeout(self, now: float, longest: float) -> float:
+        """How long to wait for the next event: at most `longest`, less if a publish falls due."""
+        return longest if self.since is None else max(0.0, min(longest, self.delay - (now - self.since)))
+
+    def due(self, now: float) -> bool:
+        """True (once) when the pending changes should be published now."""
+        if self.since is not None and now - self.since >= self.delay:
+            self.since = None
+            return True
+        return False
+
+
 class WarnOnce:
     """Per object, log a warning when it first appears or changes, not on every publish."""
 

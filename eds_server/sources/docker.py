@@ -20,7 +20,7 @@ import aiodocker
 
 from ..model import Group
 from ..store import Store
-from .base import Backoff, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Debounce, Liveness, SourceStatus, WarnOnce
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
 log = logging.getLogger("eds_server.sources.docker")
@@ -218,15 +218,12 @@ class DockerSource(EngineFollower):
         await self.relist(docker)  # after subscribing, so nothing falls between the two
         self._connected(backoff, len(self._inspects), "containers")
         loop = asyncio.get_running_loop()
-        dirty_since: float | None = None
+        pending = Debounce(self.debounce)
         last_seen = loop.time()
         while not stop.is_set():
             now = loop.time()
-            timeout = self.ping_interval
-            if dirty_since is not None:
-                timeout = max(0.0, min(timeout, self.debounce - (now - dirty_since)))
             try:
-                event = await asyncio.wait_for(subscriber.get(), timeout)
+                event = await asyncio.wait_for(subscriber.get(), pending.timeout(now, self.ping_interval))
             except TimeoutError:
                 event = False
             now = loop.time()
@@ -234,10 +231,9 @@ class DockerSource(EngineFollower):
                 raise EngineGone("event stream ended")
             if event is not False:
                 last_seen = now
-                if await self.handle(docker, event) and dirty_since is None:
-                    dirty_since = now
-            if dirty_since is not None and now - dirty_since >= self.debounce:
-                dirty_since = None
+                if await self.handle(docker, event):
+                    pending.changed(now)
+            if pending.due(now):
                 self.publish()
             if now - last_seen >= self.ping_interval:
                 await self._request(docker.version())  # a half-open connection fails here

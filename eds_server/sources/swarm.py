@@ -25,7 +25,7 @@ import aiodocker
 
 from ..model import Endpoint, Group, Health, groups_from
 from ..store import Store
-from .base import Backoff
+from .base import Backoff, Debounce
 from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
 from .docker import EngineFollower, EngineGone
 
@@ -376,13 +376,11 @@ class SwarmSource(EngineFollower):
         await self.relist(docker)  # after subscribing, so nothing falls between the two
         self._connected(backoff, len(self._services), "services")
         loop = asyncio.get_running_loop()
-        dirty_since: float | None = None
+        pending = Debounce(self.debounce)
         last_seen = next_poll = loop.time()
         while not stop.is_set():
             now = loop.time()
-            timeout = self.ping_interval
-            if dirty_since is not None:
-                timeout = min(timeout, self.debounce - (now - dirty_since))
+            timeout = pending.timeout(now, self.ping_interval)
             if self._hot:
                 timeout = min(timeout, next_poll - now)
             try:
@@ -394,17 +392,16 @@ class SwarmSource(EngineFollower):
                 raise EngineGone("event stream ended")
             if event is not False:
                 last_seen = now
-                if await self.handle(docker, event) and dirty_since is None:
-                    dirty_since = now
+                if await self.handle(docker, event):
+                    pending.changed(now)
             if self._hot and now >= next_poll:
                 next_poll = now + self.poll_interval
-                if await self._poll_hot(docker) and dirty_since is None:
-                    dirty_since = now
+                if await self._poll_hot(docker):
+                    pending.changed(now)
                 last_seen = now
             elif not self._hot:
                 next_poll = now
-            if dirty_since is not None and now - dirty_since >= self.debounce:
-                dirty_since = None
+            if pending.due(now):
                 self.publish()
             if now - last_seen >= self.ping_interval:
                 await self._request(docker.version())  # a half-open connection fails here
