@@ -238,3 +238,10 @@ def test_etcd_settings_refused_in_one_line(args: list[str], message: str) -> Non
     assert out.returncode == 2, out.stderr
     errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and message in errors[0], out.stderr
+
+
+def test_the_etcd_source_is_imported_only_when_configured() -> None:
+    code = ("import sys, eds_server.cli, eds_server.app; "
+            "print('eds_server.sources.registrations_etcd' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "False", out.stderr
