@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -463,8 +464,16 @@ def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
         raise ValueError("--etcd-user needs a password: EDS_ETCD_PASSWORD or --etcd-password-file")
     if args.etcd_key and not args.etcd_cert:
         raise ValueError("--etcd-key needs --etcd-cert")
-    return EtcdOptions(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
-                       password=password if args.etcd_user else None)  # fmt: skip
+    options = EtcdOptions(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+                          password=password if args.etcd_user else None)  # fmt: skip
+    for flag, path in (("--etcd-ca", args.etcd_ca), ("--etcd-cert", args.etcd_cert), ("--etcd-key", args.etcd_key)):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+    try:
+        options.ssl_context()  # unusable files stop the start here rather than at the first connection
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--etcd-ca, --etcd-cert, --etcd-key: cannot be used: {e}") from None
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:

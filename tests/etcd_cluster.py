@@ -61,6 +61,8 @@ class EtcdCluster:
     tls: tuple[Path, Path, Path] | None = None
     members: list[Member] = field(default_factory=list)
     token: str | None = None
+    client_ca: Path | None = None  # set: etcd requires client certificates issued by it
+    client: tuple[Path, Path] | None = None  # the certificate and key the tests' own calls present
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -87,10 +89,12 @@ class EtcdCluster:
                 "--initial-cluster-token", f"eds-test-{self.members[0].peer_port}",
                 "--logger", "zap", "--log-outputs", "stderr",
                 *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else []),
+                *(["--client-cert-auth", "--trusted-ca-file", str(self.client_ca)] if self.client_ca else []),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
             )  # fmt: skip
 
-    async def start(self, timeout: float = 20.0) -> None:
+    async def start(self, timeout: float = 20.0, client: tuple[Path, Path] | None = None) -> None:
+        self.client = client or self.client
         for m in self.members:
             if not m.running:
                 await self.start_member(m)
@@ -124,6 +128,8 @@ class EtcdCluster:
 
     async def call(self, m: Member, path: str, body: dict[str, Any], timeout: float = 3.0) -> dict[str, Any]:
         context = ssl.create_default_context(cafile=str(self.tls[2])) if self.tls else False
+        if context and self.client:
+            context.load_cert_chain(str(self.client[0]), str(self.client[1]))
         headers = {"Authorization": self.token} if self.token else None
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,

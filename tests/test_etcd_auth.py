@@ -95,3 +95,35 @@ async def _readyz(server: EdsServerProcess) -> dict[str, Any] | None:
         return await server.admin("/readyz")  # type: ignore[no-any-return]
     except aiohttp.ClientError:
         return None
+
+
+async def test_a_client_certificate_for_an_etcd_that_requires_one(tmp_path: Path) -> None:
+    etcd_binary()
+    ca = CertAuthority("etcd test CA", tmp_path / "pki")
+    server = ca.issue(tmp_path / "pki" / "etcd", ips=["127.0.0.1"], dns=["localhost"])
+    client = ca.issue(tmp_path / "pki" / "eds-server", common_name="eds-server")
+    cluster = EtcdCluster(tmp_path / "etcd", size=1, tls=(server.cert, server.key, ca.cert_path),
+                          client_ca=ca.cert_path)  # fmt: skip
+    try:
+        await cluster.start(client=(client.cert, client.key))
+        state = f"etcd://127.0.0.1:{cluster.members[0].client_port}/eds"
+        common = ("--state", state, "--admin-token", TOKEN, "--registration-allow-cidr", "127.0.0.0/8")
+        ca_file = str(ca.cert_path)
+        with_cert = (*common, "--etcd-ca", ca_file, "--etcd-cert", str(client.cert), "--etcd-key", str(client.key))
+        async with EdsServerProcess(None, *with_cert, workdir=tmp_path) as server, aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{server.admin_port}/v1/groups/web/endpoints/a"
+            async with http.put(url, json={"address": "127.0.0.1", "port": 1, "ttl": 30}, headers=AUTH) as r:
+                assert r.status == 201, await r.text()
+        without = EdsServerProcess(None, *common, "--etcd-ca", ca_file, workdir=tmp_path)
+        await without.start(wait_ready=False)
+        try:
+            for _ in range(50):  # bounded: 5 s
+                ready = await _readyz(without)
+                if ready and ready["waiting_for"][0]["last_error"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert ready is not None and not ready["ready"]  # refused at the handshake: nothing served
+        finally:
+            await without.stop()
+    finally:
+        await cluster.stop()

@@ -229,6 +229,8 @@ async def test_turns_serialize_one_key_and_forget_it_after() -> None:
         (["--state", "etcd://127.0.0.1:2379"], "a key prefix is needed"),
         (["--state", "etcd://127.0.0.1:2379/eds", "--etcd-user", "eds"], "--etcd-user needs a password"),
         (["--state", "/tmp/state.json", "--etcd-ca", "/tmp/ca.pem"], "--etcd-ca needs --state etcd://"),
+        (["--state", "etcd://h:1/eds", "--etcd-ca", "/nonexistent/ca.pem"], "--etcd-ca /nonexistent/ca.pem: no such"),
+        (["--state", "etcd://h:1/eds", "--etcd-cert", "/nonexistent/c.pem"], "--etcd-cert /nonexistent/c.pem: no such"),
     ],
 )
 def test_etcd_settings_refused_in_one_line(args: list[str], message: str) -> None:
