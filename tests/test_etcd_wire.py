@@ -78,6 +78,7 @@ def test_key_layout_keeps_each_group_in_its_own_range() -> None:
     assert not start <= keys.key("web2", "a") < end  # "web" does not hold "web2"
     assert not start <= keys.key("web/x", "a") < end
     assert keys.parse(b"/eds/other/web/a") is None and keys.parse(b"/eds/registrations/web") is None
+    assert keys.parse(b"/eds/registrations/%ff/a") is None and keys.parse(b"/eds/registrations/\xff/a") is None
 
 
 def test_range_end_is_etcds_prefix_end() -> None:

@@ -8,6 +8,7 @@ Figures (windows, CPU) are printed; `pytest -s` shows them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -117,6 +118,17 @@ async def test_a_write_through_one_replica_reaches_both_envoys_within_a_second(t
                                        r.put(r.b, "heavy", "y", 9201, weight=3_000_000_000))  # fmt: skip
         assert sorted(status for status, _ in answers) == [201, 409], answers
         assert "over Envoy's limit" in next(body["error"] for status, body in answers if status == 409)
+
+        # what someone else wrote under the prefix is skipped, with one warning, and breaks nothing
+        for key, value in [("/eds/registrations/web/junk", b"not json"), ("/eds/registrations/%ff/x", b"{}"),
+                           ("/eds/registrations/web/other", b'{"group":"api","id":"x","endpoint":{}}')]:
+            await r.cluster.any_call("/v3/kv/put", {"key": base64.b64encode(key.encode()).decode(),
+                                                    "value": base64.b64encode(value).decode()})  # fmt: skip
+        assert (await r.put(r.b, "web", "after-junk", 9300))[0] == 201
+        await r.wait_both(lambda p: 9300 in p and len(p) == 21, timeout=1.0)
+        for s in (r.a, r.b):
+            assert (await s.admin("/v1/sources"))["sources"][0]["live"]
+            assert s.log_text().count("etcd key '/eds/registrations/web/junk'") == 1
 
 
 async def test_a_ttl_renewed_through_either_replica_lives_and_expires_without_them(tmp_path: Path) -> None:

@@ -143,10 +143,13 @@ class KeyLayout:
         """(group, id) of a registration key; None for a key of something else under the prefix."""
         if not key.startswith(self.all):
             return None
-        group, slash, id = key[len(self.all) :].decode("utf-8", "replace").partition("/")
-        if not slash or not group or not id or "/" in id:
-            return None
-        return unquote(group, errors="strict"), id
+        try:
+            group, slash, id = key[len(self.all) :].decode("utf-8").partition("/")
+            if not slash or not group or not id or "/" in id:
+                return None
+            return unquote(group, errors="strict"), id
+        except UnicodeDecodeError:
+            return None  # not written by eds-server
 
 
 # -- requests ---------------------------------------------------------------------------------------

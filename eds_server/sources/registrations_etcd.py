@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from ..model import Endpoint, Group
 from ..store import Store
 from . import etcd_wire as wire
-from .base import Backoff, Liveness, SourceStatus
+from .base import Backoff, Liveness, SourceStatus, WarnOnce
 from .etcd_client import EtcdClient, EtcdOptions, EtcdUnavailable
 from .registrations import (
     MAX_REGISTRATIONS,
@@ -115,7 +115,7 @@ class EtcdRegistrationSource:
         self._moved = asyncio.Event()  # set on every revision change of the view
         self._members: dict[str, dict[str, Endpoint]] = {}
         self._groups: dict[str, Group] = {}
-        self._skipped: dict[bytes, str] = {}  # keys whose value is not a registration -> why (warned once)
+        self._skipped = WarnOnce(log)  # keys whose value is not a registration
         self._turns = Turns()
         self._relist = False  # list again rather than resume the watch
         store.add_source(name)
@@ -147,21 +147,18 @@ class EtcdRegistrationSource:
 
     # -- the view ------------------------------------------------------------------------------
     def _entry(self, kv: wire.KeyValue) -> Registration | None:
+        """The registration a key holds; None for another key, or a value that is not one (warned once)."""
         key = self.keys.parse(kv.key)
-        problem: str | None = None
         if key is None:
             return None
+        shown = kv.key.decode("utf-8", "replace")
         try:
             key = (check_group(key[0]), check_id(key[1]))
             endpoint, ttl = decode(key, kv.value)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            problem = f"etcd key {kv.key.decode('utf-8', 'replace')!r}: {e}; skipped"
-        if problem is not None:
-            if self._skipped.get(kv.key) != problem:
-                log.warning("%s", problem)
-            self._skipped[kv.key] = problem
+            self._skipped.update({shown: f"etcd key {shown!r}: {e}; skipped"})
             return None
-        self._skipped.pop(kv.key, None)
+        self._skipped.forget(shown)
         return Registration(key[0], key[1], endpoint, ttl, line=kv.value)
 
     def _put_local(self, state: State, kv: wire.KeyValue) -> None:
@@ -191,6 +188,7 @@ class EtcdRegistrationSource:
             if key is None:
                 continue
             if event.deleted:
+                self._skipped.forget(event.kv.key.decode("utf-8", "replace"))
                 if self._state.remove(key) is not None:
                     log.info("registration %s/%s removed (deleted or expired in etcd)", *key)
                 self._leases.pop(key, None)
