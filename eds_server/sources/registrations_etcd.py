@@ -24,8 +24,10 @@ import contextlib
 import json
 import logging
 import math
+import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 
 from ..model import Endpoint, Group
 from ..store import Store
@@ -58,7 +60,7 @@ WRITE_DEADLINE = 4.0  # seconds a write may spend reaching etcd before it answer
 PROBE_INTERVAL = 1.0
 PROBE_TIMEOUT = 1.5
 CATCH_UP_TIMEOUT = 3.0  # a committed write waits this long, at most, for the watch to bring it here
-ATTEMPTS = 8  # compare failures (concurrent writes to one group) before answering 503
+ATTEMPTS = 64  # tries of one write (each failed compare: another replica wrote to the group first)
 
 
 def lease_ttl(ttl: float) -> int:
@@ -348,17 +350,18 @@ class EtcdRegistrationSource:
     def _unreachable(self, e: Exception) -> RegistrationError:
         return RegistrationError(503, f"etcd cannot be reached ({e}): the change may not have been made; retry")
 
-    async def _group_now(self, group: str, deadline: float) -> tuple[State, int]:
+    async def _group_now(self, group: str, deadline: float) -> GroupView:
         """The group as etcd holds it now (a linearizable read), for checks that must not see a stale view."""
         prefix = self.keys.group(group)
         reply = await self.client.call("/v3/kv/range", wire.range_request(prefix, wire.range_end(prefix)),
                                        deadline=deadline)  # fmt: skip
-        state = State()
+        state, leases = State(), {}
         for kv in wire.kvs(reply):
             reg = self._entry(kv)
             if reg is not None:
                 state.add(reg)
-        return state, wire.revision(reply)
+                leases[reg.key] = kv.lease
+        return GroupView(state, wire.revision(reply), leases, fresh=True)
 
     def _checks(self, view: State, reg: Registration) -> None:
         """The group rules on `view` (this replica's, or the group as etcd holds it now); the count
@@ -393,50 +396,51 @@ class EtcdRegistrationSource:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WRITE_DEADLINE
         key = (group, id)
-        etcd_key = self.keys.key(group, id)
         value = encode(group, id, endpoint, ttl)
         reg = Registration(group, id, endpoint, ttl, line=value)
+        old = self._state.regs.get(key)
+        if old is not None and old.endpoint == endpoint and old.ttl is None and ttl is None:
+            return old, False  # the same again
+        view = GroupView(self._state, self._revision, self._leases, fresh=False)
+        lease = 0
         try:
-            old = self._state.regs.get(key)
-            if old is not None and old.endpoint == endpoint and old.ttl is None and ttl is None:
-                return old, False  # the same again
-            view, revision, fresh = self._state, self._revision, False
-            for _ in range(ATTEMPTS):  # bounded; each failed compare means another write to this group
+            for attempt in range(ATTEMPTS):  # bounded, and by the deadline
                 try:
-                    self._checks(view, reg)
+                    self._checks(view.state, reg)
                 except RegistrationError:
-                    if fresh:
+                    if view.fresh:
                         raise
                     # this replica's view may be behind: refuse only on the group as etcd holds it now
-                    view, revision = await self._group_now(group, deadline)
-                    fresh = True
+                    view = await self._group_now(group, deadline)
                     continue
-                lease = 0
-                if ttl is not None:
-                    granted = await self.client.call("/v3/lease/grant", {"TTL": str(lease_ttl(ttl))},
-                                                     deadline=deadline)  # fmt: skip
-                    lease = int(granted["ID"])
+                if ttl is not None and not lease:
+                    lease = int((await self.client.call("/v3/lease/grant", {"TTL": str(lease_ttl(ttl))},
+                                                        deadline=deadline))["ID"])  # fmt: skip
+                old = view.state.regs.get(key)
+                old_lease = view.leases.get(key, 0) if old is not None else 0
                 group_range = self.keys.group(group)
                 reply = await self.client.call("/v3/kv/txn", wire.txn(
-                    [wire.unchanged_since(group_range, wire.range_end(group_range), revision)],
-                    [wire.put(etcd_key, value, lease)],
+                    [wire.unchanged_since(group_range, wire.range_end(group_range), view.revision)],
+                    [wire.put(self.keys.key(group, id), value, lease)],
                 ), deadline=deadline)  # fmt: skip
                 if reply.get("succeeded"):
+                    lease, granted = 0, lease  # it is the registration's now
                     await self._caught_up(wire.revision(reply))
-                    old_lease = self._leases.get(key) if old is not None else None
-                    if old_lease and old_lease != lease:
+                    if old_lease and old_lease != granted:
                         self._revoke(old_lease)
-                    now = self._state.regs.get(key, reg)
-                    return now, old is None
-                if lease:
-                    self._revoke(lease)
-                view, revision = await self._group_now(group, deadline)
-                fresh = True
-                old = view.regs.get(key)
+                    return self._state.regs.get(key, reg), old is None
+                # another replica wrote to this group first: out of step with it, then look again
+                await asyncio.sleep(random.uniform(0, min(0.1, 0.005 * 2**attempt)))
+                if loop.time() >= deadline:
+                    break
+                view = await self._group_now(group, deadline)
         except (EtcdUnavailable, TimeoutError) as e:
             raise self._unreachable(e) from None
         except wire.EtcdError as e:
             raise RegistrationError(503, f"etcd refused the change: {e.message}") from None
+        finally:
+            if lease:
+                self._revoke(lease)  # granted, not used
         raise RegistrationError(503, f"group {group!r} is changing too often to register into; retry")
 
     async def _keep_alive(self, lease: int, deadline: float) -> bool:
@@ -477,6 +481,17 @@ class EtcdRegistrationSource:
         if deleted and deleted[0].lease:
             self._revoke(deleted[0].lease)
         return (self._entry(deleted[0]) if deleted else None) or old
+
+
+@dataclass
+class GroupView:
+    """What a write's checks are made on: this replica's view, or one group as etcd holds it now
+    (`fresh`), as of `revision`, with each registration's lease."""
+
+    state: State
+    revision: int
+    leases: Mapping[Key, int]
+    fresh: bool
 
 
 class Turns:
