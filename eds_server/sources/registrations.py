@@ -26,7 +26,7 @@ import re
 import secrets
 import time
 import unicodedata
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -288,6 +288,40 @@ def check_merged(store: Store, source: str, group: str, members: Mapping[str, En
         )
 
 
+class Delivered:
+    """The groups a registration store hands the store, rebuilt only for the groups a change touched
+    (the others' Group objects are reused, so the store re-encodes only those)."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self.store, self.name = store, name
+        self.members: dict[str, dict[str, Endpoint]] = {}  # group -> id -> endpoint
+        self.groups: dict[str, Group] = {}
+
+    def publish(self, regs: Mapping[Key, Registration], touched: Iterable[Key], initial: bool = False) -> None:
+        """Deliver the groups of the registrations in `touched` as `regs` now holds them."""
+        groups: set[str] = set()
+        for key in touched:
+            group, id = key
+            groups.add(group)
+            reg = regs.get(key)
+            if reg is not None:
+                self.members.setdefault(group, {})[id] = reg.endpoint
+            elif group in self.members:
+                self.members[group].pop(id, None)
+        for group in groups:
+            members = self.members.get(group)
+            if members:
+                # order does not matter: the encoding is canonical, so is the version
+                self.groups[group] = Group(group, tuple(members.values()))
+            else:
+                self.members.pop(group, None)
+                self.groups.pop(group, None)
+        if groups or initial:
+            changed = self.store.update(self.name, dict(self.groups))
+            if changed:
+                log.info("registrations: groups changed: %s", ", ".join(sorted(changed)))
+
+
 class Registrations(Protocol):
     """What the registration API needs of a registration store (a state file, or etcd)."""
 
@@ -378,8 +412,7 @@ class RegistrationSource:
         self._clock = clock
         self._mono = monotonic
         self._state = State()  # committed: on disk and in the store
-        self._groups: dict[str, Group] = {}  # what the store has from us
-        self._members: dict[str, dict[str, Endpoint]] = {}  # group -> id -> endpoint, as _state
+        self._delivered = Delivered(store, name)  # what the store has from us
         self._queue: list[tuple[_Op, asyncio.Future[_Outcome]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -536,7 +569,7 @@ class RegistrationSource:
         return out.registration, out.created
 
     def _check_merged(self, group: str, id: str, endpoint: Endpoint) -> None:
-        check_merged(self.store, self.name, group, self._members.get(group, {}), id, endpoint)
+        check_merged(self.store, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
 
     async def delete(self, group: str, id: str) -> Registration:
         out = await self._submit(_Delete(group, id))
@@ -646,28 +679,7 @@ class RegistrationSource:
 
     # -- delivering ----------------------------------------------------------------------------
     def _publish(self, touched: set[Key], initial: bool = False) -> None:
-        """Deliver the groups of the changed registrations (the others' Group objects are reused)."""
-        groups: set[str] = set()
-        for key in touched:
-            group, id = key
-            groups.add(group)
-            reg = self._state.regs.get(key)
-            if reg is not None:
-                self._members.setdefault(group, {})[id] = reg.endpoint
-            elif group in self._members:
-                self._members[group].pop(id, None)
-        for group in groups:
-            members = self._members.get(group)
-            if members:
-                # order does not matter: the encoding is canonical, so is the version
-                self._groups[group] = Group(group, tuple(members.values()))
-            else:
-                self._members.pop(group, None)
-                self._groups.pop(group, None)
-        if touched or initial:
-            changed = self.store.update(self.name, dict(self._groups))
-            if changed:
-                log.info("registrations: groups changed: %s", ", ".join(sorted(changed)))
+        self._delivered.publish(self._state.regs, touched, initial)
 
     def expire(self) -> int:
         """Drop what has expired, from the store at once; the file follows (see the module doc)."""

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-from ..model import Endpoint, Group
+from ..model import Endpoint
 from ..store import Store
 from . import etcd_wire as wire
 from .base import Backoff, Liveness, SourceStatus, WarnOnce
@@ -38,6 +38,7 @@ from .registrations import (
     MAX_REGISTRATIONS,
     MAX_STATE_BYTES,
     SOURCE_NAME,
+    Delivered,
     Key,
     Registration,
     RegistrationError,
@@ -115,8 +116,7 @@ class EtcdRegistrationSource:
         self._renewed: dict[Key, float] = {}  # monotonic time this replica last saw it written or renewed
         self._revision = 0  # the view is etcd's as of this revision
         self._moved = asyncio.Event()  # set on every revision change of the view
-        self._members: dict[str, dict[str, Endpoint]] = {}
-        self._groups: dict[str, Group] = {}
+        self._delivered = Delivered(store, name)  # what the store has from us
         self._skipped = WarnOnce(log)  # keys whose value is not a registration
         self._turns = Turns()
         self._relist = False  # list again rather than resume the watch
@@ -212,25 +212,7 @@ class EtcdRegistrationSource:
             self._moved = asyncio.Event()
 
     def _publish(self, touched: set[Key], initial: bool) -> None:
-        groups: set[str] = set()
-        for group, id in touched:
-            groups.add(group)
-            reg = self._state.regs.get((group, id))
-            if reg is not None:
-                self._members.setdefault(group, {})[id] = reg.endpoint
-            elif group in self._members:
-                self._members[group].pop(id, None)
-        for group in groups:
-            members = self._members.get(group)
-            if members:
-                self._groups[group] = Group(group, tuple(members.values()))
-            else:
-                self._members.pop(group, None)
-                self._groups.pop(group, None)
-        if touched or initial:
-            changed = self.store.update(self.name, dict(self._groups))
-            if changed:
-                log.info("registrations: groups changed: %s", ", ".join(sorted(changed)))
+        self._delivered.publish(self._state.regs, touched, initial)
 
     async def _caught_up(self, revision: int) -> None:
         """Wait (bounded) until the view holds `revision`: a write answers once this replica serves it."""
@@ -377,7 +359,7 @@ class EtcdRegistrationSource:
         other's compare); an unchanged registration with a TTL is only a lease keep-alive."""
         if not self.liveness.loaded:
             raise RegistrationError(503, "registrations are not loaded from etcd yet")
-        check_merged(self.store, self.name, group, self._members.get(group, {}), id, endpoint)
+        check_merged(self.store, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
         old = self._state.regs.get((group, id))
         lease = self._leases.get((group, id), 0)
         if old is not None and old.endpoint == endpoint and old.ttl == ttl and ttl is not None and lease:
