@@ -16,7 +16,7 @@ from .registration_api import RegistrationPolicy, add_routes
 from .store import Resource, Store
 
 if TYPE_CHECKING:
-    from .sources.registrations import RegistrationSource
+    from .sources.registrations import Registrations
 
 log = logging.getLogger("eds_server.admin")
 
@@ -88,7 +88,7 @@ def make_app(
     stats: Callable[[], dict[str, Any]],
     streams: Callable[[int, int], dict[str, Any]],  # (after, limit) -> one page
     registry: CollectorRegistry,
-    registrations: RegistrationSource | None = None,
+    registrations: Registrations | None = None,
     admin_token: str | None = None,
     registration_policy: RegistrationPolicy | None = None,
 ) -> web.Application:

@@ -17,8 +17,11 @@ from .encode import encode_group
 from .metrics import make_registry
 from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
+from .sources.base import Source
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
+from .sources.etcd_client import EtcdOptions
+from .sources.etcd_wire import is_etcd, parse_target
 from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
 from .sources.swarm import SwarmSource
@@ -32,6 +35,7 @@ from .xds.common import Limits
 
 if TYPE_CHECKING:
     from .sources.kubernetes import KubernetesSource
+    from .sources.registrations_etcd import EtcdRegistrationSource
 
 log = logging.getLogger("eds_server")
 
@@ -66,7 +70,8 @@ class Settings:
     tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
     tls_client_ca: str | None = None  # require client certificates issued by this CA (mTLS)
     authz: str | None = None  # authorization file: which groups a client may read
-    state: str | None = None  # the registrations' state file (None: registrations kept in memory only)
+    state: str | None = None  # the registrations' state file or etcd:// URL (None: kept in memory only)
+    etcd: EtcdOptions = field(default_factory=EtcdOptions)  # TLS and auth for an etcd:// state
     admin_token: str | None = None  # turns the registration API's writes on
     max_registrations: int = MAX_REGISTRATIONS
     registration_policy: RegistrationPolicy = field(default_factory=RegistrationPolicy)  # scoped tokens, CIDRs
@@ -80,6 +85,8 @@ class App:
         self.settings = settings
         self.store = Store(encode_group)
         debounce_ms = round(settings.debounce * 1000)
+        # The merge order, also the store's: on a duplicate address in a group the first source wins
+        # (docs/fail-static.md). Each source declares itself to the store as it is made.
         self.file_source = (
             UpstreamsFileSource(
                 settings.upstreams, self.store, debounce_ms=max(1, debounce_ms), max_size=settings.max_upstreams_size
@@ -102,12 +109,20 @@ class App:
             from .sources.kubernetes import KubernetesSource
 
             self.kubernetes_source = KubernetesSource(self.store, settings.kubernetes, debounce=settings.debounce)
-        # after the file and Docker: on a duplicate address in a group, the first source wins
-        self.registrations = (
-            RegistrationSource(self.store, settings.state, max_registrations=settings.max_registrations)
-            if settings.state or settings.admin_token or settings.registration_policy.scoped_tokens
-            else None
-        )
+        self.registrations: RegistrationSource | EtcdRegistrationSource | None = None
+        if is_etcd(settings.state):
+            from .sources.registrations_etcd import EtcdRegistrationSource
+
+            assert settings.state is not None
+            self.registrations = EtcdRegistrationSource(self.store, parse_target(settings.state), settings.etcd,
+                                                        max_registrations=settings.max_registrations)  # fmt: skip
+        elif settings.state or settings.admin_token or settings.registration_policy.scoped_tokens:
+            self.registrations = RegistrationSource(self.store, settings.state,
+                                                    max_registrations=settings.max_registrations)  # fmt: skip
+        candidates: list[Source | None] = [
+            self.file_source, self.docker_source, self.swarm_source, self.kubernetes_source, self.registrations,
+        ]  # fmt: skip
+        self.sources: list[Source] = [s for s in candidates if s is not None]
         self.service = EdsService(
             self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams
         )
@@ -129,28 +144,8 @@ class App:
         self.rest_port: int | None = None
 
     def source_status(self) -> list[dict[str, Any]]:
-        out = []
-        if self.file_source is not None:
-            out.append({
-                "name": self.file_source.name,
-                "loaded": self.file_source.name not in self.store.pending_sources,
-                "last_error": self.file_source.last_error,
-            })  # fmt: skip
-        for d, count in ((self.docker_source, "containers"), (self.swarm_source, "services")):
-            if d is not None:
-                out.append({
-                    "name": d.name,
-                    "loaded": d.name not in self.store.pending_sources,
-                    "connected": d.connected,
-                    "stale": not d.connected,
-                    count: len(d._inspects if isinstance(d, DockerSource) else d._services),
-                    "last_error": d.last_error,
-                })  # fmt: skip
-        if self.kubernetes_source is not None:
-            out.append(self.kubernetes_source.status())
-        if self.registrations is not None:
-            out.append(self.registrations.status())
-        return out
+        """What each source says of itself, in merge order (for /v1/sources, the status page, metrics)."""
+        return [source.status().as_json() for source in self.sources]
 
     def stats(self) -> dict[str, Any]:
         counters = dataclasses.asdict(self.service.counters)
@@ -160,19 +155,10 @@ class App:
 
     async def start(self) -> None:
         ssl = self._security()
-        if self.file_source is not None:
-            self.file_source.load()
-            self._spawn(self.file_source.run(self._stop_sources), "upstreams file watcher", self.file_source.name)
-        if self.docker_source is not None:
-            self._spawn(self.docker_source.run(self._stop_sources), "docker source", self.docker_source.name)
-        if self.swarm_source is not None:
-            self._spawn(self.swarm_source.run(self._stop_sources), "swarm source", self.swarm_source.name)
-        if self.kubernetes_source is not None:
-            k8s = self.kubernetes_source
-            self._spawn(k8s.run(self._stop_sources), "kubernetes source", k8s.name)
-        if self.registrations is not None:
-            self.registrations.load()  # raises RegistrationStateError: refuse to start
-            self._spawn(self.registrations.run(self._stop_sources), "registration expiry", self.registrations.name)
+        for source in self.sources:
+            await source.start()  # raises UpstreamsError, RegistrationStateError: refuse to start
+        for source in self.sources:
+            self._spawn(source.run(self._stop_sources), f"source {source.name}", source.name)
         if self.settings.startup_timeout is not None:
             self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
         host, port = self.settings.listen

@@ -19,6 +19,7 @@ from . import __version__
 
 if TYPE_CHECKING:
     from .app import Settings
+    from .sources.etcd_client import EtcdOptions
 
 # Only the standard library at import, so `--version` and `--help` answer at once: the server's
 # modules (grpclib, aiohttp, protobuf, ...: about half a second) are imported by the command that
@@ -329,8 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--authz", metavar="FILE", default=_env("EDS_AUTHZ", None),
                      help="which groups each client may read, by certificate or node [EDS_AUTHZ]")
     reg = serve.add_argument_group("registration API (endpoints that are not containers)")
-    reg.add_argument("--state", metavar="FILE", default=_env("EDS_STATE", None),
-                     help="registrations' state file, kept across restarts [EDS_STATE]")
+    reg.add_argument("--state", metavar="FILE|etcd://HOST:PORT[,HOST:PORT...]/PREFIX", default=_env("EDS_STATE", None),
+                     help="where registrations are kept: a state file (one server), or etcd under PREFIX "
+                          "(replicas share them) [EDS_STATE]")
+    reg.add_argument("--etcd-ca", metavar="FILE", default=_env("EDS_ETCD_CA", None),
+                     help="CA certificates to verify etcd's (turns TLS to etcd on) [EDS_ETCD_CA]")
+    reg.add_argument("--etcd-cert", metavar="FILE", default=_env("EDS_ETCD_CERT", None),
+                     help="client certificate for etcd, PEM (turns TLS to etcd on) [EDS_ETCD_CERT]")
+    reg.add_argument("--etcd-key", metavar="FILE", default=_env("EDS_ETCD_KEY", None),
+                     help="its private key (default: in --etcd-cert) [EDS_ETCD_KEY]")
+    reg.add_argument("--etcd-user", metavar="USER", default=_env("EDS_ETCD_USER", None),
+                     help="etcd user (password from EDS_ETCD_PASSWORD or --etcd-password-file) [EDS_ETCD_USER]")
+    reg.add_argument("--etcd-password-file", metavar="FILE", default=_env("EDS_ETCD_PASSWORD_FILE", None),
+                     help="file holding the etcd user's password [EDS_ETCD_PASSWORD_FILE]")
     reg.add_argument("--admin-token", metavar="TOKEN", default=_env("EDS_ADMIN_TOKEN", None),
                      help="bearer token for registration writes on the admin HTTP; prefer EDS_ADMIN_TOKEN, "
                           "as arguments are visible to other local users [EDS_ADMIN_TOKEN]")
@@ -470,6 +482,43 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
+    """The etcd connection settings; ValueError for a bad state URL or a missing password."""
+    import ssl
+
+    from .sources.etcd_client import EtcdOptions
+    from .sources.etcd_wire import is_etcd, parse_target
+
+    etcd_flags = [f for f in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
+                  if getattr(args, f)]  # fmt: skip
+    if not is_etcd(args.state):
+        if etcd_flags:
+            raise ValueError(f"--{etcd_flags[0].replace('_', '-')} needs --state etcd://...")
+        return EtcdOptions()
+    parse_target(args.state)  # EtcdUrlError is a ValueError
+    password = os.environ.get("EDS_ETCD_PASSWORD")
+    if args.etcd_password_file:
+        try:
+            with open(args.etcd_password_file, encoding="utf-8") as f:
+                password = f.read(4096).strip()
+        except OSError as e:
+            raise ValueError(f"--etcd-password-file {args.etcd_password_file}: {e.strerror or e}") from None
+    if args.etcd_user and not password:
+        raise ValueError("--etcd-user needs a password: EDS_ETCD_PASSWORD or --etcd-password-file")
+    if args.etcd_key and not args.etcd_cert:
+        raise ValueError("--etcd-key needs --etcd-cert")
+    options = EtcdOptions(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+                          password=password if args.etcd_user else None)  # fmt: skip
+    for flag, path in (("--etcd-ca", args.etcd_ca), ("--etcd-cert", args.etcd_cert), ("--etcd-key", args.etcd_key)):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+    try:
+        options.ssl_context()  # unusable files stop the start here rather than at the first connection
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--etcd-ca, --etcd-cert, --etcd-key: cannot be used: {e}") from None
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
@@ -533,6 +582,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if policy.scoped_tokens and args.admin is None:
         log.error("--registration-tokens needs the admin HTTP, which serves the registration API: drop --admin off")
         return 2
+    try:
+        etcd = _etcd_options(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     docker = DockerOptions(
         label_prefix=args.docker_label_prefix,
         network=args.docker_network,
@@ -582,6 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         http_limits=HttpLimits(max_connections=args.http_max_connections, timeout=args.http_timeout),
         http2=args.http2,
         state=args.state,
+        etcd=etcd,
         admin_token=args.admin_token or None,
         max_registrations=args.max_registrations,
         registration_policy=policy,

@@ -7,7 +7,7 @@
     GET    /v1/registrations                   all of them
 
 Errors are JSON, `{"error": "...", "field": "..." | null}`, and change nothing. A 2xx answer to a
-write is sent only once the state file holds the change and the store serves it.
+write is sent only once the state (a file, or etcd) holds the change and the store serves it.
 
 Writes need the admin token (every group) or a scoped token (the groups its patterns match, from
 `--registration-tokens FILE`); tokens are at least 16 characters. A client IP that fails to
@@ -37,7 +37,7 @@ from .sources.registrations import (
     TTL_KEY,
     Registration,
     RegistrationError,
-    RegistrationSource,
+    Registrations,
     check_group,
     check_id,
     check_ttl,
@@ -146,7 +146,7 @@ def error(status: int, message: str, field: str | None = None, headers: dict[str
     return web.json_response({"error": message, "field": field}, status=status, headers=headers)
 
 
-def registration_json(source: RegistrationSource, reg: Registration) -> dict[str, Any]:
+def registration_json(source: Registrations, reg: Registration) -> dict[str, Any]:
     out: dict[str, Any] = {"group": reg.group, "id": reg.id, **endpoint_json(reg.endpoint)}
     if reg.ttl is not None:
         out["ttl"] = reg.ttl
@@ -172,7 +172,7 @@ def _finite(text: str) -> float:
 
 class _Api:
     def __init__(
-        self, source: RegistrationSource, token: str | None, max_body: int, body_timeout: float,
+        self, source: Registrations, token: str | None, max_body: int, body_timeout: float,
         policy: RegistrationPolicy,
     ) -> None:  # fmt: skip
         self.source = source
@@ -337,7 +337,7 @@ async def _write_needs_an_id(request: web.Request) -> web.Response:
 
 def add_routes(
     app: web.Application,
-    source: RegistrationSource,
+    source: Registrations,
     token: str | None,
     *,
     max_body: int = MAX_BODY,

@@ -66,7 +66,12 @@ def _sources(sources: Sequence[Mapping[str, Any]]) -> str:
     for s in sources:
         loaded = '<span class="ok">loaded</span>' if s.get("loaded") else '<span class="warn">waiting</span>'
         stale = s.get("stale", False)
-        live = '<span class="bad">stale</span>' if stale else '<span class="ok">live</span>'
+        if stale:
+            live = '<span class="bad">stale</span>'
+        elif s.get("live", True):
+            live = '<span class="ok">live</span>'
+        else:
+            live = '<span class="warn">not yet</span>'
         error = s.get("last_error")
         cls = "nack" if error or stale else ""
         rows.append((cls, f'<td class="mono">{_e(s.get("name"))}</td><td>{loaded}</td><td>{live}</td>'

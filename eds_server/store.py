@@ -44,7 +44,8 @@ class Resource:
 class Store:
     def __init__(self, encode: Encoder) -> None:
         self._encode = encode
-        self._by_source: dict[str, dict[str, Group]] = {}
+        self._by_source: dict[str, dict[str, Group]] = {}  # in declaration order: the merge order
+        self._order: list[str] = []  # every declared source, in declaration order
         self._pending: list[str] = []  # sources that have not delivered their first state
         self._resources: dict[str, Resource] = {}
         self._watchers: dict[Watcher, None] = {}  # told of every change (ordered set)
@@ -58,10 +59,14 @@ class Store:
 
     # -- sources -------------------------------------------------------------------------------
     def add_source(self, name: str) -> None:
-        """Declare a source; the store is not ready until each declared source has delivered."""
+        """Declare a source; the store is not ready until each declared source has delivered.
+
+        Sources merge in the order they are declared (the first one's endpoint wins on a duplicate
+        address), whichever delivers first."""
         if name in self._by_source or name in self._pending:
             raise ValueError(f"source {name!r} added twice")
         self._pending.append(name)
+        self._order.append(name)
 
     def update(self, source: str, groups: Mapping[str, Group]) -> frozenset[str]:
         """Replace everything `source` provides; return (and announce) the names whose CLA changed."""
@@ -69,7 +74,10 @@ class Store:
             raise KeyError(f"unknown source {source!r}")
         was_ready = self.ready
         old = self._by_source.get(source, {})
+        first = source not in self._by_source
         self._by_source[source] = dict(groups)
+        if first:
+            self._by_source = {s: self._by_source[s] for s in self._order if s in self._by_source}
         if source in self._pending:
             self._pending.remove(source)
         changed = frozenset(n for n in old.keys() | groups.keys() if self._refresh(n))

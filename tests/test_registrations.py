@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -535,7 +537,7 @@ async def test_a_failed_write_refuses_the_change_and_keeps_the_old_file(
         assert answer.status == 503 and "No space left" in answer.body["error"]
     assert server.snapshot() == before
     assert json.loads(state.read_text())["registrations"][0]["id"] == "kept"  # whole, and the old one
-    assert os.listdir(state.parent) == [state.name]  # no temp file left behind
+    assert sorted(os.listdir(state.parent)) == [state.name, f"{state.name}.lock"]  # no temp file left behind
     assert server.source.last_error is not None and "No space left" in server.source.last_error
     monkeypatch.undo()
     assert (await server.put("web", "new", ep(2))).status == 201
@@ -687,3 +689,21 @@ def test_the_state_file_is_written_through_a_fresh_temp_file(tmp_path: Path) -> 
     write_atomically(str(state), b"{}")
     assert state.read_bytes() == b"{}" and target.read_text() == "untouched"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.tmp", "victim"]  # no leftovers
+
+
+def test_a_second_process_on_the_same_state_file_is_refused_naming_the_holder(state: Path) -> None:
+    state.parent.mkdir()
+    holder = RegistrationSource(Store(encode_group), str(state))
+    holder.load()
+    code = (
+        "import sys; from eds_server.store import Store; from eds_server.encode import encode_group\n"
+        "from eds_server.sources.registrations import RegistrationSource, RegistrationStateError\n"
+        "try:\n    RegistrationSource(Store(encode_group), sys.argv[1]).load()\n"
+        "except RegistrationStateError as e:\n    print(e); sys.exit(3)\n"
+    )
+    refused = subprocess.run([sys.executable, "-c", code, str(state)], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 3, refused.stderr
+    assert f"in use by process {os.getpid()}" in refused.stdout and str(state) in refused.stdout
+    holder.close()
+    taken = subprocess.run([sys.executable, "-c", code, str(state)], capture_output=True, text=True, timeout=30)
+    assert taken.returncode == 0, taken.stdout + taken.stderr

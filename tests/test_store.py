@@ -185,3 +185,15 @@ def test_problems_with_a_source_part() -> None:
     assert store.problems_with("api", "web", weighted("web", (2, 2)))
     assert store.problems_with("api", "web", None) == []
     assert store.problems_with("file", "web", None) == []
+
+
+def test_sources_merge_in_the_order_declared_whichever_delivers_first() -> None:
+    store, _ = make("file", "docker", "registrations")
+    mine = Group("web", (Endpoint("127.0.0.1", 1, weight=7),))
+    theirs = Group("web", (Endpoint("127.0.0.1", 1, weight=3),))
+    store.update("registrations", {"web": theirs})  # a state file loads at start, before Docker
+    store.update("docker", {"web": mine})
+    store.update("file", {})
+    assert [e.weight for e in store.get("web").group.endpoints] == [7]  # Docker comes first
+    assert store.sources_of("web") == ["docker", "registrations"]
+    assert store.endpoint_sources("web") == {("127.0.0.1", 1): "docker"}

@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +20,7 @@ import aiodocker
 
 from ..model import Group
 from ..store import Store
+from .base import Backoff, Debounce, Liveness, SourceStatus, WarnOnce
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
 log = logging.getLogger("eds_server.sources.docker")
@@ -32,21 +32,6 @@ STOP_SIGNALS = {"15", "SIGTERM", "9", "SIGKILL", "2", "SIGINT", "3", "SIGQUIT"}
 
 class EngineGone(Exception):
     pass
-
-
-class Backoff:
-    """Full-jitter exponential backoff, capped."""
-
-    def __init__(self, initial: float = 0.2, cap: float = 5.0) -> None:
-        self.initial, self.cap, self.attempt = initial, cap, 0
-
-    def next(self) -> float:
-        delay = min(self.cap, self.initial * 2**self.attempt)
-        self.attempt += 1
-        return random.uniform(delay / 2, delay)
-
-    def reset(self) -> None:
-        self.attempt = 0
 
 
 class EngineFollower:
@@ -74,24 +59,34 @@ class EngineFollower:
         self.resync_interval = max(30.0, resync_interval)
         self.ping_interval = ping_interval
         self.request_timeout = request_timeout
-        self.connected = False
-        self.last_error: str | None = None
+        self.liveness = Liveness(store, self.name, self.what)
         self.last_sync: float | None = None
-        self._warned: dict[str, str] = {}  # object id -> last warning logged
+        self.warnings = WarnOnce(log)  # per container or service
         store.add_source(self.name)
+
+    @property
+    def connected(self) -> bool:
+        return self.liveness.live_now
+
+    @property
+    def last_error(self) -> str | None:
+        return self.liveness.last_error
+
+    def status(self) -> SourceStatus:
+        return self.liveness.status(connected=self.connected, **self._counts())
+
+    def _counts(self) -> dict[str, int]:
+        return {}
+
+    async def start(self) -> None:
+        """Nothing to check before serving: until the engine is listed the store waits (not ready)."""
 
     async def _request(self, coro: Any) -> Any:
         return await asyncio.wait_for(coro, self.request_timeout)
 
     def _publish(self, warnings: Mapping[str, str | None], groups: Mapping[str, Group]) -> None:
         """Log each object's warning once (until it changes), and hand the store the whole state."""
-        for oid, warning in warnings.items():
-            if warning and self._warned.get(oid) != warning:
-                log.warning("%s", warning)
-            if warning:
-                self._warned[oid] = warning
-            else:
-                self._warned.pop(oid, None)
+        self.warnings.update(warnings)
         changed = self.store.update(self.name, groups)
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
@@ -100,10 +95,7 @@ class EngineFollower:
         raise NotImplementedError
 
     def _connected(self, backoff: Backoff, count: int, kind: str) -> None:
-        if not self.connected:
-            log.info("%s: connected: %d labelled %s", self.name, count, kind)
-        self.connected, self.last_error = True, None
-        self.store.mark_stale(self.name, False)
+        self.liveness.live(f"{count} labelled {kind}")
         backoff.reset()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -129,22 +121,7 @@ class EngineFollower:
                     await asyncio.wait_for(stop.wait(), backoff.next())
 
     def _lost(self, reason: str) -> None:
-        if self.connected or self.last_error is None:
-            if self.name in self.store.pending_sources:
-                log.warning(
-                    "%s: %s unreachable (%s); not loaded yet: %s; retrying",
-                    self.name, self.what, reason,
-                    "serving without it (--startup-timeout passed)" if self.store.ready
-                    else "nothing is answered to Envoy until it is (Envoy keeps what it has)",
-                )  # fmt: skip
-            else:
-                log.warning(
-                    "%s: %s unreachable (%s); serving the last known endpoints (stale) and retrying",
-                    self.name, self.what, reason,
-                )  # fmt: skip
-        self.connected = False
-        self.last_error = reason
-        self.store.mark_stale(self.name, True)
+        self.liveness.lost(reason)
 
 
 class DockerSource(EngineFollower):
@@ -154,6 +131,9 @@ class DockerSource(EngineFollower):
         super().__init__(store, options, **kwargs)
         self._inspects: dict[str, Mapping[str, Any]] = {}  # container id -> docker inspect
         self._draining: set[str] = set()
+
+    def _counts(self) -> dict[str, int]:
+        return {"containers": len(self._inspects)}
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
@@ -167,7 +147,7 @@ class DockerSource(EngineFollower):
     def forget(self, cid: str) -> None:
         self._inspects.pop(cid, None)
         self._draining.discard(cid)
-        self._warned.pop(cid, None)
+        self.warnings.forget(cid)
 
     # -- engine --------------------------------------------------------------------------------
     async def _inspect(self, docker: aiodocker.Docker, cid: str) -> Mapping[str, Any] | None:
@@ -238,15 +218,12 @@ class DockerSource(EngineFollower):
         await self.relist(docker)  # after subscribing, so nothing falls between the two
         self._connected(backoff, len(self._inspects), "containers")
         loop = asyncio.get_running_loop()
-        dirty_since: float | None = None
+        pending = Debounce(self.debounce)
         last_seen = loop.time()
         while not stop.is_set():
             now = loop.time()
-            timeout = self.ping_interval
-            if dirty_since is not None:
-                timeout = max(0.0, min(timeout, self.debounce - (now - dirty_since)))
             try:
-                event = await asyncio.wait_for(subscriber.get(), timeout)
+                event = await asyncio.wait_for(subscriber.get(), pending.timeout(now, self.ping_interval))
             except TimeoutError:
                 event = False
             now = loop.time()
@@ -254,10 +231,9 @@ class DockerSource(EngineFollower):
                 raise EngineGone("event stream ended")
             if event is not False:
                 last_seen = now
-                if await self.handle(docker, event) and dirty_since is None:
-                    dirty_since = now
-            if dirty_since is not None and now - dirty_since >= self.debounce:
-                dirty_since = None
+                if await self.handle(docker, event):
+                    pending.changed(now)
+            if pending.due(now):
                 self.publish()
             if now - last_seen >= self.ping_interval:
                 await self._request(docker.version())  # a half-open connection fails here

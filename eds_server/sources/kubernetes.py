@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from ..store import Store
-from .docker import Backoff
+from .base import Backoff, Liveness, SourceStatus, WarnOnce
 from .kubernetes_map import (
     REGION_LABEL,
     KubernetesOptions,
@@ -109,8 +109,7 @@ class KubernetesSource:
         self.debounce = debounce
         self.request_timeout = request_timeout
         self.watch_timeout = watch_timeout
-        self.connected = False
-        self.last_error: str | None = None
+        self.liveness = Liveness(store, self.name, "the API server")
         self.watches_open = 0
         self.events = 0  # watch events applied, for tests and benchmarks
         self.relists = 0
@@ -119,7 +118,7 @@ class KubernetesSource:
         self._slices_of: dict[str, set[str]] = {}  # Service key -> its slices' keys
         self._cache: dict[str, ServiceEndpoints] = {}  # Service key -> what it contributes
         self._dirty: set[str] = set()  # Service keys to map again
-        self._warned: dict[str, str] = {}
+        self.warnings = WarnOnce(log)  # per Service
         self._regions: dict[str, str] = {}  # node name -> region (with node_regions)
         self._scopes = [(kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))]
         if options.node_regions:
@@ -222,29 +221,33 @@ class KubernetesSource:
         warnings: dict[str, str] = {}
         for entry in self._cache.values():
             warnings.update(entry.warnings)
-        for oid, warning in warnings.items():
-            if self._warned.get(oid) != warning:
-                log.warning("%s", warning)
-        self._warned = warnings
+        self.warnings.replace(warnings)
         changed = self.store.update(self.name, groups_of(self._cache[k] for k in sorted(self._cache)))
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "loaded": self.name not in self.store.pending_sources,
-            "connected": self.connected,
-            "stale": not self.connected,
-            "services": len(self._services),
-            "endpointslices": len(self._slices),
-            "node_regions": len(self._regions) if self.options.node_regions else None,
-            "watches": self.watches_open,
-            "relists": self.relists,
-            "events": self.events,
-            "namespaces": list(self.options.namespaces) or "all",
-            "last_error": self.last_error,
-        }
+    @property
+    def connected(self) -> bool:
+        return self.liveness.live_now
+
+    @property
+    def last_error(self) -> str | None:
+        return self.liveness.last_error
+
+    def status(self) -> SourceStatus:
+        return self.liveness.status(
+            connected=self.connected,
+            services=len(self._services),
+            endpointslices=len(self._slices),
+            node_regions=len(self._regions) if self.options.node_regions else None,
+            watches=self.watches_open,
+            relists=self.relists,
+            events=self.events,
+            namespaces=list(self.options.namespaces) or "all",
+        )
+
+    async def start(self) -> None:
+        """Nothing to check before serving: until every scope is listed the store waits (not ready)."""
 
     # -- API server ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -295,22 +298,14 @@ class KubernetesSource:
             self._changed.set()
 
     def _failed(self, scope: tuple[Kind, str | None] | None, reason: str) -> None:
-        if self.connected or self.last_error is None:
-            log.warning("%s: cannot follow the API server (%s); serving the last known endpoints (stale) and "
-                        "retrying", self.name, reason)  # fmt: skip
         if scope is not None:
             self._down[scope] = reason
-        self.connected = False
-        self.last_error = reason
-        self.store.mark_stale(self.name, True)
+        self.liveness.lost(reason)
 
     def _recovered(self, scope: tuple[Kind, str | None]) -> None:
         self._down.pop(scope, None)
         if not self._down and self.loaded and not self.connected:
-            log.info("%s: following %d annotated Services, %d EndpointSlices",
-                     self.name, len(self._services), len(self._slices))  # fmt: skip
-            self.connected, self.last_error = True, None
-            self.store.mark_stale(self.name, False)
+            self.liveness.live(f"{len(self._services)} annotated Services, {len(self._slices)} EndpointSlices")
 
     async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
         """List, then watch from the list's version; on 410 list again; on errors back off."""

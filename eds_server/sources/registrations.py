@@ -26,13 +26,15 @@ import re
 import secrets
 import time
 import unicodedata
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .. import fields, upstreams
 from ..model import Endpoint, Group, endpoint_json
 from ..store import Store
+from .base import SourceStatus
+from .state_lock import StateLock, StateLockError
 
 log = logging.getLogger("eds_server.sources.registrations")
 
@@ -133,18 +135,25 @@ class Registration:
         return len(self.line)
 
 
-def _make(
-    group: str, id: str, ep: Endpoint, ttl: float | None, expires_at: float | None, deadline: float | None
-) -> Registration:
+def registration_entry(group: str, id: str, ep: Endpoint, ttl: float | None) -> dict[str, Any]:
+    """A registration as the state file and etcd hold it (the file adds `expires_at`)."""
     entry: dict[str, Any] = {"group": group, "id": id, "endpoint": endpoint_json(ep)}
     if ttl is not None:
         entry["ttl"] = ttl
+    return entry
+
+
+def _make(
+    group: str, id: str, ep: Endpoint, ttl: float | None, expires_at: float | None, deadline: float | None
+) -> Registration:
+    entry = registration_entry(group, id, ep, ttl)
+    if ttl is not None:
         entry["expires_at"] = expires_at
     line = json.dumps(entry, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     return Registration(group, id, ep, ttl, expires_at, deadline, line)
 
 
-class _State:
+class State:
     """Registrations plus the indexes the checks need; copied once per commit (O(n), n <= the limit)."""
 
     def __init__(self) -> None:
@@ -155,8 +164,8 @@ class _State:
         self.earliest = math.inf  # no deadline is before this (a lower bound: expiry scans only when due)
         self.touched: set[Key] = set()  # registrations changed since this copy was made
 
-    def copy(self) -> _State:
-        new = _State()
+    def copy(self) -> State:
+        new = State()
         new.regs = dict(self.regs)
         new.by_address = dict(self.by_address)
         new.weights = dict(self.weights)
@@ -216,6 +225,115 @@ class _State:
         lines = b",\n".join([r.line for r in self.regs.values()])
         head = f'{{"version": {STATE_FORMAT_VERSION}, "registrations": [\n'.encode()
         return head + lines + b"\n]}\n"
+
+
+def check_put(state: State, reg: Registration, max_registrations: int, max_state_bytes: int) -> None:
+    """Raise RegistrationError(409) if adding `reg` to `state` breaks a rule; changes nothing."""
+    check_address(state, reg)
+    check_limits(state, reg, max_registrations, max_state_bytes)
+    check_weights(state, reg)
+
+
+def check_address(group_state: State, reg: Registration) -> None:
+    """One id per address:port in a group (only `reg`'s group of `group_state` is looked at)."""
+    ep = reg.endpoint
+    other = group_state.by_address.get((reg.group, ep.address, ep.port))
+    if other is not None and other != reg.id:
+        raise RegistrationError(
+            409, f"{upstreams._show(ep)} is already registered in group {reg.group!r} as {other!r}", "address"
+        )
+
+
+def check_limits(state: State, reg: Registration, max_registrations: int, max_state_bytes: int) -> None:
+    """How many registrations, and how many bytes of them, all groups together."""
+    old = state.regs.get(reg.key)
+    if old is None and len(state.regs) >= max_registrations:
+        raise RegistrationError(409, f"registration limit reached ({max_registrations})")
+    if state.size - (old.size if old else 0) + reg.size > max_state_bytes:
+        raise RegistrationError(409, f"registration limit reached (state size {max_state_bytes} bytes)")
+
+
+def check_weights(group_state: State, reg: Registration) -> None:
+    """Envoy's limit on the weights of one priority of the group (registrations alone)."""
+    ep, group = reg.endpoint, reg.group
+    old = group_state.regs.get(reg.key)
+    bucket = (group, ep.priority)
+    total = group_state.weights.get(bucket, 0) + (ep.weight or 1)
+    if old is not None and old.endpoint.priority == ep.priority:
+        total -= old.endpoint.weight or 1
+    if total > fields.UINT32_MAX:
+        raise RegistrationError(
+            409,
+            f"the weights of group {group!r} in priority {ep.priority} would add "
+            f"up to {total}, over Envoy's limit of {fields.UINT32_MAX}",
+            "weight",
+        )
+
+
+def check_merged(store: Store, source: str, group: str, members: Mapping[str, Endpoint], id: str,
+                 endpoint: Endpoint) -> None:  # fmt: skip
+    """Refuse what would make the group, merged with the other sources, one Envoy rejects. (The
+    store checks again on every change: this is for a clear answer to the caller.)"""
+
+    def part(members: Mapping[str, Endpoint]) -> Group | None:
+        return Group(group, tuple(members.values())) if members else None
+
+    if members.get(id) == endpoint or store.problems_with(source, group, part(members)):
+        return  # no change, or already refused for reasons of the other sources
+    problems = store.problems_with(source, group, part({**members, id: endpoint}))
+    if problems:
+        raise RegistrationError(
+            409, f"group {group!r} merged with the other sources would be rejected by Envoy: {problems[0]}",
+            "weight",
+        )
+
+
+class Delivered:
+    """The groups a registration store hands the store, rebuilt only for the groups a change touched
+    (the others' Group objects are reused, so the store re-encodes only those)."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self.store, self.name = store, name
+        self.members: dict[str, dict[str, Endpoint]] = {}  # group -> id -> endpoint
+        self.groups: dict[str, Group] = {}
+
+    def publish(self, regs: Mapping[Key, Registration], touched: Iterable[Key], initial: bool = False) -> None:
+        """Deliver the groups of the registrations in `touched` as `regs` now holds them."""
+        groups: set[str] = set()
+        for key in touched:
+            group, id = key
+            groups.add(group)
+            reg = regs.get(key)
+            if reg is not None:
+                self.members.setdefault(group, {})[id] = reg.endpoint
+            elif group in self.members:
+                self.members[group].pop(id, None)
+        for group in groups:
+            members = self.members.get(group)
+            if members:
+                # order does not matter: the encoding is canonical, so is the version
+                self.groups[group] = Group(group, tuple(members.values()))
+            else:
+                self.members.pop(group, None)
+                self.groups.pop(group, None)
+        if groups or initial:
+            changed = self.store.update(self.name, dict(self.groups))
+            if changed:
+                log.info("registrations: groups changed: %s", ", ".join(sorted(changed)))
+
+
+class Registrations(Protocol):
+    """What the registration API needs of a registration store (a state file, or etcd)."""
+
+    name: str
+    max_registrations: int
+
+    def registrations(self, group: str | None = None) -> list[Registration]: ...
+    def get(self, group: str, id: str) -> Registration | None: ...
+    def expires_in(self, reg: Registration) -> float | None: ...
+    async def put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None = None
+                  ) -> tuple[Registration, bool]: ...  # fmt: skip
+    async def delete(self, group: str, id: str) -> Registration | None: ...
 
 
 # -- ops: applied in order to a copy of the state, then written once ---------------------------------
@@ -293,14 +411,14 @@ class RegistrationSource:
         self.writes = 0  # state file writes, for tests and metrics
         self._clock = clock
         self._mono = monotonic
-        self._state = _State()  # committed: on disk and in the store
-        self._groups: dict[str, Group] = {}  # what the store has from us
-        self._members: dict[str, dict[str, Endpoint]] = {}  # group -> id -> endpoint, as _state
+        self._state = State()  # committed: on disk and in the store
+        self._delivered = Delivered(store, name)  # what the store has from us
         self._queue: list[tuple[_Op, asyncio.Future[_Outcome]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._dirty = False  # the file still holds entries that have expired since
         self._loaded = False
+        self._lock = StateLock(state_path) if state_path is not None else None
         store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
@@ -314,15 +432,15 @@ class RegistrationSource:
     def expires_in(self, reg: Registration) -> float | None:
         return None if reg.deadline is None else max(0.0, reg.deadline - self._mono())
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "loaded": self._loaded,
-            "state_file": self.state_path,
-            "registrations": len(self._state.regs),
+    def status(self) -> SourceStatus:
+        """Live once loaded; `last_error` is the last failed write of the state file."""
+        return SourceStatus(self.name, self._loaded, self._loaded, self.last_error, {
+            "state_file": self.state_path, "registrations": len(self._state.regs),
             "max_registrations": self.max_registrations,
-            "last_error": self.last_error,
-        }
+        })  # fmt: skip
+
+    async def start(self) -> None:
+        self.load()
 
     # -- start ---------------------------------------------------------------------------------
     def load(self) -> None:
@@ -332,10 +450,11 @@ class RegistrationSource:
         written is found now rather than at the first registration.
         """
         path = self.state_path
-        state = _State()
+        state = State()
         if path is None:
             log.warning("registrations are kept in memory only (no state file): a restart loses them")
         else:
+            self._hold(path)
             try:
                 with open(path, "rb") as f:
                     data: bytes | None = f.read()
@@ -366,7 +485,24 @@ class RegistrationSource:
         self._publish(set(state.touched), initial=True)
         state.touched.clear()
 
-    def _parse(self, path: str, data: bytes) -> tuple[_State, int]:
+    def _hold(self, path: str) -> None:
+        assert self._lock is not None
+        try:
+            self._lock.acquire()
+        except StateLockError as e:
+            raise RegistrationStateError(f"{path}: {e}") from None
+        except OSError as e:
+            raise RegistrationStateError(
+                f"{path}: cannot write the lock file {self._lock.path}: {e.strerror or e} "
+                "(its directory must exist and be writable)"
+            ) from None
+
+    def close(self) -> None:
+        """Let another process take the state file."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def _parse(self, path: str, data: bytes) -> tuple[State, int]:
         def bad(where: str, message: str) -> RegistrationStateError:
             return RegistrationStateError(
                 f"{path}: {where}{': ' if where else ''}{message} "
@@ -382,7 +518,7 @@ class RegistrationSource:
         if top.get("version") != STATE_FORMAT_VERSION:
             raise bad("version", f"{top.get('version')!r} is not a known state file version")
         wall, mono = self._clock(), self._mono()
-        state = _State()
+        state = State()
         dropped = 0
         for i, entry in enumerate(top["registrations"]):
             where = f"registrations[{i}]"
@@ -433,21 +569,7 @@ class RegistrationSource:
         return out.registration, out.created
 
     def _check_merged(self, group: str, id: str, endpoint: Endpoint) -> None:
-        """Refuse what would make the group, merged with the other sources, one Envoy rejects. (The
-        store checks again on every change: this is for a clear answer to the caller.)"""
-        members = self._members.get(group, {})
-        if members.get(id) == endpoint or self.store.problems_with(self.name, group, self._part(group, members)):
-            return  # no change, or already refused for reasons of the other sources
-        problems = self.store.problems_with(self.name, group, self._part(group, {**members, id: endpoint}))
-        if problems:
-            raise RegistrationError(
-                409, f"group {group!r} merged with the other sources would be rejected by Envoy: {problems[0]}",
-                "weight",
-            )
-
-    @staticmethod
-    def _part(group: str, members: Mapping[str, Endpoint]) -> Group | None:
-        return Group(group, tuple(members.values())) if members else None
+        check_merged(self.store, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
 
     async def delete(self, group: str, id: str) -> Registration:
         out = await self._submit(_Delete(group, id))
@@ -536,7 +658,7 @@ class RegistrationSource:
                 self._wake.set()
         return outcomes
 
-    def _apply(self, state: _State, op: _Op, wall: float, mono: float) -> tuple[_Outcome, bool]:
+    def _apply(self, state: State, op: _Op, wall: float, mono: float) -> tuple[_Outcome, bool]:
         if isinstance(op, _Flush):
             return _Outcome(), True
         key = (op.group, op.id)
@@ -547,57 +669,17 @@ class RegistrationSource:
             state.remove(key)
             return _Outcome(old), True
         ep = op.endpoint
-        other = state.by_address.get((op.group, ep.address, ep.port))
-        if other is not None and other != op.id:
-            raise RegistrationError(
-                409, f"{upstreams._show(ep)} is already registered in group {op.group!r} as {other!r}", "address"
-            )
-        if old is None and len(state.regs) >= self.max_registrations:
-            raise RegistrationError(409, f"registration limit reached ({self.max_registrations})")
         if old is not None and old.ttl is None and op.ttl is None and old.endpoint == ep:
             return _Outcome(old), False  # the same again: nothing to write
         reg = _make(op.group, op.id, ep, op.ttl, None if op.ttl is None else wall + op.ttl,
                     None if op.ttl is None else mono + op.ttl)  # fmt: skip
-        if state.size - (old.size if old else 0) + reg.size > self.max_state_bytes:
-            raise RegistrationError(409, f"registration limit reached (state size {self.max_state_bytes} bytes)")
-        bucket = (op.group, ep.priority)
-        total = state.weights.get(bucket, 0) + (ep.weight or 1)
-        if old is not None and old.endpoint.priority == ep.priority:
-            total -= old.endpoint.weight or 1
-        if total > fields.UINT32_MAX:
-            raise RegistrationError(
-                409,
-                f"the weights of group {op.group!r} in priority {ep.priority} would add "
-                f"up to {total}, over Envoy's limit of {fields.UINT32_MAX}",
-                "weight",
-            )
+        check_put(state, reg, self.max_registrations, self.max_state_bytes)
         state.add(reg)
         return _Outcome(reg, created=old is None), True
 
     # -- delivering ----------------------------------------------------------------------------
     def _publish(self, touched: set[Key], initial: bool = False) -> None:
-        """Deliver the groups of the changed registrations (the others' Group objects are reused)."""
-        groups: set[str] = set()
-        for key in touched:
-            group, id = key
-            groups.add(group)
-            reg = self._state.regs.get(key)
-            if reg is not None:
-                self._members.setdefault(group, {})[id] = reg.endpoint
-            elif group in self._members:
-                self._members[group].pop(id, None)
-        for group in groups:
-            members = self._members.get(group)
-            if members:
-                # order does not matter: the encoding is canonical, so is the version
-                self._groups[group] = Group(group, tuple(members.values()))
-            else:
-                self._members.pop(group, None)
-                self._groups.pop(group, None)
-        if touched or initial:
-            changed = self.store.update(self.name, dict(self._groups))
-            if changed:
-                log.info("registrations: groups changed: %s", ", ".join(sorted(changed)))
+        self._delivered.publish(self._state.regs, touched, initial)
 
     def expire(self) -> int:
         """Drop what has expired, from the store at once; the file follows (see the module doc)."""
@@ -632,6 +714,7 @@ class RegistrationSource:
             if self._writer is not None and not self._writer.done():
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(self._writer), 5.0)
+            self.close()
 
 
 def reject_constant(name: str) -> Any:

@@ -25,8 +25,9 @@ import aiodocker
 
 from ..model import Endpoint, Group, Health, groups_from
 from ..store import Store
+from .base import Backoff, Debounce
 from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
-from .docker import Backoff, EngineFollower, EngineGone
+from .docker import EngineFollower, EngineGone
 
 log = logging.getLogger("eds_server.sources.swarm")
 
@@ -265,6 +266,9 @@ class SwarmSource(EngineFollower):
         self._local_node: str | None = None
         self._hot: dict[str, float] = {}  # service id -> re-poll its tasks until this loop time
 
+    def _counts(self) -> dict[str, int]:
+        return {"services": len(self._services)}
+
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
         """Hand the store the whole current state (it works out what changed)."""
@@ -280,7 +284,7 @@ class SwarmSource(EngineFollower):
         self._services.pop(sid, None)
         self._tasks.pop(sid, None)
         self._hot.pop(sid, None)
-        self._warned.pop(sid, None)
+        self.warnings.forget(sid)
         return known
 
     def _heat(self, sid: str) -> None:
@@ -324,7 +328,7 @@ class SwarmSource(EngineFollower):
         for sid in services:
             if _updating(services[sid]) or any(task_transitional(t) for t in tasks[sid]):
                 self._hot[sid] = max(self._hot.get(sid, 0.0), now + self.poll_window)
-        self._warned = {sid: w for sid, w in self._warned.items() if sid in services}
+        self.warnings.keep(services)
         self.last_sync = now
         self.publish()
 
@@ -372,13 +376,11 @@ class SwarmSource(EngineFollower):
         await self.relist(docker)  # after subscribing, so nothing falls between the two
         self._connected(backoff, len(self._services), "services")
         loop = asyncio.get_running_loop()
-        dirty_since: float | None = None
+        pending = Debounce(self.debounce)
         last_seen = next_poll = loop.time()
         while not stop.is_set():
             now = loop.time()
-            timeout = self.ping_interval
-            if dirty_since is not None:
-                timeout = min(timeout, self.debounce - (now - dirty_since))
+            timeout = pending.timeout(now, self.ping_interval)
             if self._hot:
                 timeout = min(timeout, next_poll - now)
             try:
@@ -390,17 +392,16 @@ class SwarmSource(EngineFollower):
                 raise EngineGone("event stream ended")
             if event is not False:
                 last_seen = now
-                if await self.handle(docker, event) and dirty_since is None:
-                    dirty_since = now
+                if await self.handle(docker, event):
+                    pending.changed(now)
             if self._hot and now >= next_poll:
                 next_poll = now + self.poll_interval
-                if await self._poll_hot(docker) and dirty_since is None:
-                    dirty_since = now
+                if await self._poll_hot(docker):
+                    pending.changed(now)
                 last_seen = now
             elif not self._hot:
                 next_poll = now
-            if dirty_since is not None and now - dirty_since >= self.debounce:
-                dirty_since = None
+            if pending.due(now):
                 self.publish()
             if now - last_seen >= self.ping_interval:
                 await self._request(docker.version())  # a half-open connection fails here

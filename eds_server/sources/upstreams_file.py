@@ -18,6 +18,7 @@ import watchfiles
 
 from .. import upstreams
 from ..store import Store
+from .base import SourceStatus
 
 log = logging.getLogger("eds_server.sources.file")
 
@@ -51,6 +52,13 @@ class UpstreamsFileSource:
         self._last_bytes: bytes | None = None
         self._reloading = asyncio.Lock()  # one parse at a time: the parser keeps the last version
         store.add_source(self.name)
+
+    def status(self) -> SourceStatus:
+        """Live while it watches the file; an invalid version is `last_error`, the last good one served."""
+        return SourceStatus(self.name, self.name not in self.store.pending_sources, True, self.last_error)
+
+    async def start(self) -> None:
+        self.load()
 
     def _read(self) -> bytes:
         """Bounded: a regular file of at most max_size bytes (UpstreamsError otherwise)."""

@@ -1,0 +1,163 @@
+"""What every source is to the rest of the server, and the pieces more than one of them needs.
+
+A source delivers whole states of its groups to the store and says how it is doing through
+`status()`; the App, the status page, `/v1/sources`, `/readyz` and the metrics know sources by that
+alone. The followers of something remote (Docker, Swarm, Kubernetes, etcd) share the rest: a
+jittered backoff between attempts, one log line per change of health rather than per attempt, and
+marking their groups stale while the last known state is served without being followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..store import Store
+
+log = logging.getLogger("eds_server.sources")
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """loaded: it delivered its first state; live: it follows what it reads from now; stale: its
+    last state is served but no longer followed (loaded and not live); last_error: why not live, or
+    the last refused input."""
+
+    name: str
+    loaded: bool
+    live: bool
+    last_error: str | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)  # counts, paths: shown as they are
+
+    @property
+    def stale(self) -> bool:
+        return self.loaded and not self.live
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "loaded": self.loaded, "live": self.live, "stale": self.stale,
+                **self.details, "last_error": self.last_error}  # fmt: skip
+
+
+class Source(Protocol):
+    """One provider of groups. The App starts each (in merge order), runs each until stopped."""
+
+    name: str
+
+    async def start(self) -> None:
+        """What must hold before serving at all (e.g. a valid upstreams file); raising refuses to start."""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow what it reads until `stop` is set, delivering to the store; never raises for a fault
+        of what it follows (that is `status().last_error`)."""
+
+    def status(self) -> SourceStatus: ...
+
+
+class Backoff:
+    """Full-jitter exponential backoff, capped."""
+
+    def __init__(self, initial: float = 0.2, cap: float = 5.0) -> None:
+        self.initial, self.cap, self.attempt = initial, cap, 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.initial * 2**self.attempt)
+        self.attempt += 1
+        return random.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class Debounce:
+    """Changes this close together are published as one: the first change starts the wait, and
+    the publish comes `delay` after it however many follow (a steady stream cannot hold it off)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.since: float | None = None  # when the first unpublished change came
+
+    def changed(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+
+    def timeout(self, now: float, longest: float) -> float:
+        """How long to wait for the next event: at most `longest`, less if a publish falls due."""
+        return longest if self.since is None else max(0.0, min(longest, self.delay - (now - self.since)))
+
+    def due(self, now: float) -> bool:
+        """True (once) when the pending changes should be published now."""
+        if self.since is not None and now - self.since >= self.delay:
+            self.since = None
+            return True
+        return False
+
+
+class WarnOnce:
+    """Per object, log a warning when it first appears or changes, not on every publish."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self._warned: dict[str, str] = {}
+
+    def update(self, warnings: Mapping[str, str | None]) -> None:
+        for oid, warning in warnings.items():
+            if warning and self._warned.get(oid) != warning:
+                self._log.warning("%s", warning)
+            if warning:
+                self._warned[oid] = warning
+            else:
+                self._warned.pop(oid, None)
+
+    def replace(self, warnings: Mapping[str, str]) -> None:
+        """The whole set of current warnings: objects not in it are forgotten."""
+        self.update(warnings)
+        self._warned = dict(warnings)
+
+    def forget(self, oid: str) -> None:
+        self._warned.pop(oid, None)
+
+    def keep(self, oids: set[str] | Mapping[str, Any]) -> None:
+        self._warned = {oid: w for oid, w in self._warned.items() if oid in oids}
+
+
+class Liveness:
+    """A remote source's health: live or not, why not, told to the store (stale marking) and logged
+    once per change rather than once per retry."""
+
+    def __init__(self, store: Store, name: str, what: str) -> None:
+        self.store, self.name, self.what = store, name, what
+        self.live_now = False
+        self.last_error: str | None = None
+
+    @property
+    def loaded(self) -> bool:
+        """It delivered its first state to the store."""
+        return self.name not in self.store.pending_sources
+
+    def live(self, detail: str = "") -> None:
+        if not self.live_now:
+            log.info("%s: following %s%s", self.name, self.what, f": {detail}" if detail else "")
+        self.live_now, self.last_error = True, None
+        self.store.mark_stale(self.name, False)
+
+    def lost(self, reason: str) -> None:
+        if self.live_now or self.last_error is None:
+            if not self.loaded:
+                log.warning(
+                    "%s: %s unreachable (%s); not loaded yet: %s; retrying", self.name, self.what, reason,
+                    "serving without it (--startup-timeout passed)" if self.store.ready
+                    else "nothing is answered to Envoy until it is (Envoy keeps what it has)",
+                )  # fmt: skip
+            else:
+                log.warning("%s: %s unreachable (%s); serving the last known endpoints (stale) and retrying",
+                            self.name, self.what, reason)  # fmt: skip
+        self.live_now = False
+        self.last_error = reason
+        self.store.mark_stale(self.name, True)
+
+    def status(self, **details: Any) -> SourceStatus:
+        return SourceStatus(self.name, self.loaded, self.live_now, self.last_error, details)
