@@ -161,3 +161,17 @@ class Liveness:
 
     def status(self, **details: Any) -> SourceStatus:
         return SourceStatus(self.name, self.loaded, self.live_now, self.last_error, details)
+
+
+class Followed:
+    """What a source that follows something remote shows of its Liveness."""
+
+    liveness: Liveness
+
+    @property
+    def connected(self) -> bool:
+        return self.liveness.live_now
+
+    @property
+    def last_error(self) -> str | None:
+        return self.liveness.last_error

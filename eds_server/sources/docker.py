@@ -20,7 +20,7 @@ import aiodocker
 
 from ..model import Group
 from ..store import Store
-from .base import Backoff, Debounce, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Debounce, Followed, Liveness, SourceStatus, WarnOnce
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
 log = logging.getLogger("eds_server.sources.docker")
@@ -34,7 +34,7 @@ class EngineGone(Exception):
     pass
 
 
-class EngineFollower:
+class EngineFollower(Followed):
     """What the Docker and Swarm sources share: settings, bounded requests, and a reconnect loop that
     keeps the last state (marked stale) while the engine is away."""
 
@@ -63,14 +63,6 @@ class EngineFollower:
         self.last_sync: float | None = None
         self.warnings = WarnOnce(log)  # per container or service
         store.add_source(self.name)
-
-    @property
-    def connected(self) -> bool:
-        return self.liveness.live_now
-
-    @property
-    def last_error(self) -> str | None:
-        return self.liveness.last_error
 
     def status(self) -> SourceStatus:
         return self.liveness.status(connected=self.connected, **self._counts())

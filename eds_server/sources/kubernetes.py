@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from ..store import Store
-from .base import Backoff, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Followed, Liveness, SourceStatus, WarnOnce
 from .kubernetes_map import (
     REGION_LABEL,
     KubernetesOptions,
@@ -92,7 +92,7 @@ async def make_client(options: KubernetesOptions) -> Any:
     return client.ApiClient(cfg)
 
 
-class KubernetesSource:
+class KubernetesSource(Followed):
     name = "kubernetes"
 
     def __init__(
@@ -225,14 +225,6 @@ class KubernetesSource:
         changed = self.store.update(self.name, groups_of(self._cache[k] for k in sorted(self._cache)))
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
-
-    @property
-    def connected(self) -> bool:
-        return self.liveness.live_now
-
-    @property
-    def last_error(self) -> str | None:
-        return self.liveness.last_error
 
     def status(self) -> SourceStatus:
         return self.liveness.status(
