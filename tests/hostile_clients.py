@@ -14,7 +14,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import hpack
@@ -142,6 +142,19 @@ def unknown_flood(port: int, src: str, seconds: float) -> Awaitable[dict[str, An
     return flood(port, src, seconds, frame * 1000)
 
 
+async def reconnecting(port: int, src: str, deadline: float, most: int = 1000) -> AsyncIterator[Conn]:
+    """Fresh connections until `deadline`, at most `most`; one refused is tried again 50 ms later."""
+    for _ in range(most):
+        if time.monotonic() > deadline:
+            return
+        try:
+            conn = await Conn.open(port, src)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        yield conn
+
+
 def opening(end: bool = False) -> bytes:
     """HEADERS opening stream 1 of a fresh connection."""
     flags = ["END_HEADERS"] + (["END_STREAM"] if end else [])
@@ -159,12 +172,10 @@ async def churn(port: int, src: str, seconds: float, *, reset: bool, connections
     stats = {"connections": 0, "streams": 0, "goaway": 0}
 
     async def one() -> None:
-        while time.monotonic() < deadline and stats["streams"] < 5_000_000:
-            try:
-                conn = await Conn.open(port, src)
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
+        async for conn in reconnecting(port, src, deadline, 100_000):
+            if stats["streams"] >= 5_000_000:
+                conn.close()
+                return
             stats["connections"] += 1
             try:
                 while time.monotonic() < deadline and conn.next_id < 2**31 - 1000:
@@ -524,14 +535,7 @@ async def oversize_frames(port: int, src: str, seconds: float, connections: int 
 
     async def one(i: int) -> None:
         ftype, flags = (HEADERS, END_HEADERS) if i % 2 else (DATA, 0)
-        for _ in range(1000):  # bounded
-            if time.monotonic() > deadline:
-                return
-            try:
-                conn = await Conn.open(port, src)
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
+        async for conn in reconnecting(port, src, deadline):
             stats["connections"] += 1
             watcher = Watcher(conn, answer=False)
             start = conn.sent + 9  # the payload's first byte
@@ -605,14 +609,7 @@ async def malformed_headers(port: int, src: str, seconds: float, connections: in
 
     async def one() -> None:
         nonlocal turn
-        for _ in range(1000):  # connections, bounded
-            if time.monotonic() > deadline:
-                return
-            try:
-                conn = await Conn.open(port, src)
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
+        async for conn in reconnecting(port, src, deadline):
             watcher = Watcher(conn)
             try:
                 for _ in range(10_000):  # streams, bounded
