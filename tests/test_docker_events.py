@@ -139,3 +139,11 @@ async def test_replayed_event_stream() -> None:
     # health checks run as execs: dozens of exec events, no inspect for any of them
     execs = sum(1 for e in events() if e["Action"].startswith("exec_"))
     assert execs > 10 and engine.inspects < len(events()) - execs
+
+
+def test_a_socket_we_may_not_open_names_the_fix() -> None:
+    from eds_server.sources.docker import with_fix
+
+    reason = "ClientConnectorError: Cannot connect to host localhost:80 ssl:default [Permission denied]"
+    assert "DOCKER_GID" in with_fix(reason) and with_fix(reason).startswith(reason)
+    assert with_fix("500: engine exploded") == "500: engine exploded"
