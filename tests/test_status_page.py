@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from backends import Backend, http_backends
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port
+from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port, wait_for
 from server_process import EdsServerProcess
 from xds_client import nacking_client
 
@@ -104,6 +104,32 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
     # links to the JSON it shows
     for link in ("/v1/sources", "/v1/groups", "/v1/streams", "/metrics", "/v1/groups/web"):
         assert f'href="{link}"' in page
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+async def test_a_file_broken_after_a_good_load_turns_the_badge_amber(tmp_path: Path) -> None:
+    """Ready is not enough: the page says which source's last good state is served, and why."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8080]\n")
+    async with EdsServerProcess(path) as server:
+        admin = f"http://127.0.0.1:{server.admin_port}"
+        path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8080\n")  # a syntax error
+        await wait_for(lambda: server.admin("/readyz"), lambda b: b["state"] == "degraded", timeout=15)
+        dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
+        shot = tmp_path / "status-page-degraded.png"
+        await asyncio.to_thread(chromium, tmp_path, admin + "/", f"--screenshot={shot}",
+                                "--window-size=1280,600", "--hide-scrollbars")  # fmt: skip
+    page = dom.stdout
+    (tmp_path / "status-page-degraded.html").write_text(page)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    badge = re.search(r'<span class="pill ([a-z ]+)" id="state" data-state="degraded">(.*?)</span>', page, re.S)
+    assert badge, page[:2000]
+    assert badge.group(1) == "degraded"
+    assert badge.group(2).startswith(f"degraded: serving the last good state of file:{path} because ")
+    sources = _section(page, "sources", "groups")
+    assert "last load failed" in sources and '<tr class="nack">' in sources
+    assert "127.0.0.1:8080" in _group(page, "web")  # the last good state is what is shown and served
 
 
 def _three_streams_one_nack(body: dict[str, Any]) -> bool:
