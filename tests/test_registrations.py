@@ -783,3 +783,24 @@ async def test_the_audit_line_has_fields_of_its_own_in_json_logs(state: Path, ca
         "address": "fd00::1", "port": 80, "token_name": "admin", "peer": "127.0.0.1", "logger": "eds_server.audit",
         "level": "info"}  # fmt: skip
     assert "endpoint=[fd00::1]:80" in line["msg"] and TOKEN not in json.dumps(line)
+
+
+async def test_a_real_server_writes_the_audit_line_as_json(tmp_path: Path) -> None:
+    """Through the real logging set-up: `--log-format json`, the process's own log."""
+    from server_process import EdsServerProcess
+
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups: {}\n")
+    async with EdsServerProcess(path, "--state", str(tmp_path / "state.json"), "--admin-token", TOKEN,
+                                "--log-format", "json") as server:  # fmt: skip
+        url = f"http://127.0.0.1:{server.admin_port}/v1/groups/web/endpoints/vm-1"
+        async with aiohttp.ClientSession() as s:
+            async with s.put(url, json=ep(8080), headers=AUTH) as r:
+                assert r.status == 201
+            async with s.put(url, json=ep(8080), headers={"Authorization": "Bearer not-the-token-012345"}) as r:
+                assert r.status == 401
+    lines = [json.loads(x) for x in server.log_text().splitlines() if '"eds_server.audit"' in x]
+    assert [(x["result"], x["token_name"], x["address"], x["port"], x["peer"]) for x in lines] == [
+        ("created", "admin", "10.0.0.1", 8080, "127.0.0.1"), ("401", None, None, None, "127.0.0.1")]
+    assert all(x["level"] == "info" and x["id"] == "vm-1" and x["group"] == "web" for x in lines)
+    assert TOKEN not in server.log_text() and "not-the-token" not in server.log_text()
