@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from . import __version__, status_page
 from .model import endpoint_json
 from .registration_api import RegistrationPolicy, add_routes
+from .serving_state import serving_state
 from .store import Resource, Store
 
 if TYPE_CHECKING:
@@ -97,13 +98,19 @@ def make_app(
 
     async def readyz(_: web.Request) -> web.Response:
         pending = store.pending_sources
+        statuses = source_status()
+        state = serving_state(store.ready, statuses)
+        # degraded stays 200: Envoy-facing readiness must not flap while the last good state is served
         body = {
             "ready": store.ready,
+            "state": state.name,
+            "detail": state.describe(),
+            "degraded": [{"source": d.source, "reason": d.reason} for d in state.degraded],
             "pending_sources": list(pending),
             # what each source still waited on is saying, so an unhealthy container says why
             "waiting_for": [
                 {"source": s["name"], "last_error": s.get("last_error")}
-                for s in source_status() if s["name"] in pending
+                for s in statuses if s["name"] in pending
             ],
         }
         return web.json_response(body, status=200 if store.ready else 503)
@@ -142,8 +149,9 @@ def make_app(
         resources = store.resources()
         names = sorted(resources)
         shown = streams(0, status_page.MOST_STREAMS)
+        statuses = source_status()
         page = status_page.render(
-            version=__version__, ready=store.ready, pending=list(store.pending_sources), sources=source_status(),
+            version=__version__, state=serving_state(store.ready, statuses), sources=statuses,
             groups=[group_json(store, resources[n], endpoint_sources=True) for n in names[: status_page.MOST_GROUPS]],
             total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
             streams=shown["streams"], total_streams=shown["total"], stats=stats(),

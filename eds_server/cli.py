@@ -350,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                      default=_env("EDS_MAX_REGISTRATIONS", "10000"),
                      help="most registrations kept; more are refused with 409 (default 10000)")
     reg.add_argument("--registration-tokens", metavar="FILE", default=_env("EDS_REGISTRATION_TOKENS", None),
-                     help="scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...]}]`, each may write only "
-                          "the groups its patterns match")
+                     help="scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...], name: NAME}]`, each may "
+                          "write only the groups its patterns match; audit lines call it by its (optional) name")
     reg.add_argument("--registration-allow-cidr", metavar="CIDR[,CIDR...]",
                      default=_env("EDS_REGISTRATION_ALLOW_CIDR", None),
                      help="allow registering addresses in these CIDRs; loopback, link-local, unspecified and "

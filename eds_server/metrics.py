@@ -21,6 +21,7 @@ from prometheus_client.utils import floatToGoString
 
 from . import __version__
 from .observe import StreamObserver, StreamView
+from .serving_state import serving_state
 from .store import Resource, Store
 from .transport.grpc import EdsService
 
@@ -118,14 +119,19 @@ class _StateCollector(Collector):
         for name in sorted(self.store.conflicts()):
             conflicts.add_metric([name], 1)
         yield conflicts
+        statuses = self.sources()
         loaded = GaugeMetricFamily("eds_source_loaded", "Source delivered its first state", labels=["source"])
         ok = GaugeMetricFamily("eds_source_healthy", "Source's last load or connection succeeded", labels=["source"])
-        for src in self.sources():
+        for src in statuses:
             loaded.add_metric([src["name"]], float(src["loaded"]))
             ok.add_metric([src["name"]], float(src.get("last_error") is None and not src.get("stale", False)))
         yield loaded
         yield ok
         yield GaugeMetricFamily("eds_ready", "All sources loaded (or start-up timeout passed)", value=self.store.ready)
+        yield GaugeMetricFamily(
+            "eds_state", "0 not ready, 1 ready, 2 degraded (ready, but a loaded source fails: its last good state "
+            "is served)", value=serving_state(self.store.ready, statuses).value,
+        )  # fmt: skip
 
 
 def make_registry(

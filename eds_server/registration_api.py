@@ -14,6 +14,10 @@ Writes need the admin token (every group) or a scoped token (the groups its patt
 authenticate too often gets 429 for a while, its correct guesses included. Targets must not be
 loopback, link-local (cloud metadata), unspecified or multicast addresses unless a CIDR of
 `--registration-allow-cidr` holds them: a registration must not point Envoy at itself or its host.
+
+Every write, done or refused, is one INFO line of the `eds_server.audit` logger: id, group,
+address:port, the token's name (never the token), the peer and the result, as fields of their own
+with `--log-format json`, so who changed what Envoy sees can be answered afterwards.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import asyncio
 import hmac
 import ipaddress
 import json
-from collections.abc import Iterable
-from dataclasses import dataclass
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -57,6 +62,10 @@ NO_TOKEN = (
 )
 
 
+audit_log = logging.getLogger("eds_server.audit")
+ADMIN = "admin"  # the token name of the admin token in audit lines
+
+
 class RegistrationConfigError(Exception):
     """Unusable registration settings (token, token file, CIDRs): the server must not start."""
 
@@ -71,8 +80,9 @@ def check_token(token: str, what: str = "--admin-token") -> str:
 
 @dataclass(frozen=True)
 class ScopedToken:
-    token: bytes
+    token: bytes = field(repr=False)
     groups: tuple[Glob, ...]  # the groups it may write
+    name: str = "scoped"  # what audit lines call it: the file's `name:`, else `tokens[i]`
 
     def may_write(self, group: str) -> bool:
         return any(g.match(group) for g in self.groups)
@@ -114,7 +124,8 @@ def parse_cidrs(values: Iterable[str]) -> tuple[ipaddress.IPv4Network | ipaddres
 
 
 def load_scoped_tokens(path: str) -> tuple[ScopedToken, ...]:
-    """`tokens: [{token: "...", groups: ["shop-*", "web"]}, ...]` (`*`: any run of characters)."""
+    """`tokens: [{token: "...", groups: ["shop-*", "web"], name: "shop-ci"}, ...]` (`*`: any run of
+    characters; `name`, optional, is what audit lines call the token: `tokens[i]` without it)."""
     try:
         with open(path, "rb") as f:
             data = yaml.safe_load(f.read(1024 * 1024))
@@ -126,14 +137,17 @@ def load_scoped_tokens(path: str) -> tuple[ScopedToken, ...]:
     out = []
     for i, entry in enumerate(entries):
         where = f"{path}: tokens[{i}]"
-        if not isinstance(entry, dict) or set(entry) != {"token", "groups"}:
-            raise RegistrationConfigError(f"{where}: expected the keys token and groups")
-        token, groups = entry["token"], entry["groups"]
+        if not isinstance(entry, dict) or not {"token", "groups"} <= set(entry) <= {"token", "groups", "name"}:
+            raise RegistrationConfigError(f"{where}: expected the keys token and groups (and name, optional)")
+        token, groups, name = entry["token"], entry["groups"], entry.get("name", f"tokens[{i}]")
+        if not isinstance(name, str) or not name.strip():
+            raise RegistrationConfigError(f"{where}.name: expected a non-empty string")
         if not isinstance(token, str):
             raise RegistrationConfigError(f"{where}.token: expected a string")
         if not isinstance(groups, list) or not groups or not all(isinstance(g, str) and g for g in groups):
             raise RegistrationConfigError(f"{where}.groups: expected a list of group patterns")
-        out.append(ScopedToken(check_token(token, f"{where}.token").encode(), tuple(Glob(g) for g in groups)))
+        out.append(ScopedToken(check_token(token, f"{where}.token").encode(), tuple(Glob(g) for g in groups),
+                               name.strip()))  # fmt: skip
     return tuple(out)
 
 
@@ -168,6 +182,50 @@ def _finite(text: str) -> float:
     if value in (float("inf"), float("-inf")):
         raise ValueError(f"{text} is out of range")
     return value
+
+
+@dataclass
+class _Audit:
+    """What one write did, filled in as it becomes known, logged once when it is answered."""
+
+    method: str
+    peer: str
+    group: str
+    id: str
+    token_name: str | None = None  # None: no valid token was presented
+    address: str | None = None
+    port: int | None = None
+    result: str | None = None  # created, updated, renewed, deleted; else the refusal's status
+
+    def endpoint(self, endpoint: Endpoint) -> None:
+        self.address, self.port = endpoint.address, endpoint.port
+
+    def log(self, response: web.StreamResponse) -> None:
+        result = self.result or str(response.status)
+        where = f"[{self.address}]" if self.address and ":" in self.address else self.address
+        target = f"{where}:{self.port}" if self.address is not None else "-"
+        audit_log.info(
+            "registration %s %s: group=%r id=%r endpoint=%s token=%s peer=%s", self.method, result, self.group,
+            self.id, target, self.token_name or "-", self.peer,
+            extra={"event": "registration", "method": self.method, "result": result, "status": response.status,
+                   "group": self.group, "id": self.id, "address": self.address, "port": self.port,
+                   "token_name": self.token_name, "peer": self.peer},
+        )  # fmt: skip
+
+
+def audited(
+    handler: Callable[[_Api, web.Request, _Audit], Awaitable[web.Response]],
+) -> Callable[[_Api, web.Request], Awaitable[web.Response]]:
+    """One audit line per answered write, whatever path the handler took to its answer."""
+
+    async def wrapper(self: _Api, request: web.Request) -> web.Response:
+        audit = _Audit(request.method, request.remote or "?", request.match_info.get("group", ""),
+                       request.match_info.get("id", ""))  # fmt: skip
+        response = await handler(self, request, audit)
+        audit.log(response)
+        return response
+
+    return wrapper
 
 
 class _Api:
@@ -212,8 +270,13 @@ class _Api:
         })  # fmt: skip
 
     @staticmethod
-    def _may_write(scoped: list[ScopedToken] | None, group: str) -> web.Response | None:
-        if scoped is None or any(t.may_write(group) for t in scoped):
+    def _may_write(scoped: list[ScopedToken] | None, group: str, audit: _Audit) -> web.Response | None:
+        if scoped is None:
+            audit.token_name = ADMIN
+            return None
+        allowed = [t for t in scoped if t.may_write(group)]
+        audit.token_name = (allowed or scoped)[0].name
+        if allowed:
             return None
         return error(403, f"this token may not write group {group!r}", "group")
 
@@ -270,38 +333,49 @@ class _Api:
         return value
 
     # -- handlers ------------------------------------------------------------------------------
-    async def put(self, request: web.Request) -> web.Response:
+    @audited
+    async def put(self, request: web.Request, audit: _Audit) -> web.Response:
         caller = self._authenticate(request)
         if isinstance(caller, web.Response):
             return caller
         try:
             group, id = self._path(request)
-            if (denied := self._may_write(caller, group)) is not None:
+            if (denied := self._may_write(caller, group, audit)) is not None:
                 return denied
             spec = self._parse(await self._body(request))
             endpoint = parse_endpoint({k: v for k, v in spec.items() if k != TTL_KEY}, REGISTRATION_KEYS)
+            audit.endpoint(endpoint)
             self._check_address(endpoint)
             try:
                 ttl = check_ttl(spec.get(TTL_KEY))
             except ValueError as e:
                 raise RegistrationError(422, str(e), TTL_KEY) from None
+            before = self.source.get(group, id)
             reg, created = await self.source.put(group, id, endpoint, ttl)
         except RegistrationError as e:
             return error(e.status, e.message, e.field)
+        renewed = before is not None and before.endpoint == endpoint and before.ttl == ttl
+        audit.result = "created" if created else "renewed" if renewed else "updated"
         headers = {"Location": str(request.rel_url)} if created else None
         return web.json_response(registration_json(self.source, reg), status=201 if created else 200, headers=headers)
 
-    async def delete(self, request: web.Request) -> web.Response:
+    @audited
+    async def delete(self, request: web.Request, audit: _Audit) -> web.Response:
         caller = self._authenticate(request)
         if isinstance(caller, web.Response):
             return caller
         try:
             group, id = self._path(request)
-            if (denied := self._may_write(caller, group)) is not None:
+            if (denied := self._may_write(caller, group, audit)) is not None:
                 return denied
-            await self.source.delete(group, id)
+            if (known := self.source.get(group, id)) is not None:
+                audit.endpoint(known.endpoint)
+            gone = await self.source.delete(group, id)
         except RegistrationError as e:
             return error(e.status, e.message, e.field)
+        if gone is not None:
+            audit.endpoint(gone.endpoint)
+        audit.result = "deleted"
         return web.Response(status=204)
 
     async def get_one(self, request: web.Request) -> web.Response:

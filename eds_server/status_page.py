@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from .serving_state import DEGRADED, READY, ServingState
+
 MOST_GROUPS = 200
 MOST_ENDPOINTS = 50  # per group
 MOST_STREAMS = 200
@@ -28,6 +30,7 @@ vertical-align:top}th{background:#f6f8fa;font-weight:600}code,.mono{font-family:
 .ok{color:#1a7f37}.bad{color:#cf222e;font-weight:600}.warn{color:#9a6700}.muted{color:#57606a}
 tr.nack td{background:#ffebe9}h3 .muted{font-weight:normal}nav a{margin-right:1em}
 .pill{border-radius:1em;padding:0 .6em;border:1px solid}
+.pill.degraded{color:#7d4e00;background:#fff8c5;border-color:#d4a72c}
 """
 
 
@@ -66,13 +69,15 @@ def _sources(sources: Sequence[Mapping[str, Any]]) -> str:
     for s in sources:
         loaded = '<span class="ok">loaded</span>' if s.get("loaded") else '<span class="warn">waiting</span>'
         stale = s.get("stale", False)
+        error = s.get("last_error")
         if stale:
             live = '<span class="bad">stale</span>'
+        elif error and s.get("loaded"):  # it follows, but its last load failed: the last good state is served
+            live = '<span class="warn">last load failed</span>'
         elif s.get("live", True):
             live = '<span class="ok">live</span>'
         else:
             live = '<span class="warn">not yet</span>'
-        error = s.get("last_error")
         cls = "nack" if error or stale else ""
         rows.append((cls, f'<td class="mono">{_e(s.get("name"))}</td><td>{loaded}</td><td>{live}</td>'
                           f'<td class="mono">{_e(error) if error else "-"}</td>'))  # fmt: skip
@@ -162,8 +167,7 @@ def _streams(streams: Sequence[Mapping[str, Any]], total: int) -> str:
 def render(
     *,
     version: str,
-    ready: bool,
-    pending: Sequence[str],
+    state: ServingState,
     sources: Sequence[Mapping[str, Any]],
     groups: Sequence[Mapping[str, Any]],
     total_groups: int,
@@ -172,12 +176,12 @@ def render(
     stats: Mapping[str, Any],
     total_streams: int | None = None,
 ) -> str:
-    """The whole page. `groups`: the first MOST_GROUPS as /v1/groups/{name} gives them (with each
-    endpoint's source); the totals count every group. `streams`: the first ones as /v1/streams gives
-    them, of `total_streams` (default: all are given)."""
+    """The whole page. `state`: ready, degraded or not ready, as `/readyz` says it. `groups`: the first
+    MOST_GROUPS as /v1/groups/{name} gives them (with each endpoint's source); the totals count every
+    group. `streams`: the first ones as /v1/streams gives them, of `total_streams` (default: all)."""
     total_streams = len(streams) if total_streams is None else total_streams
-    state = ('<span class="pill ok">ready</span>' if ready else
-             f'<span class="pill bad">not ready: waiting for {_e(", ".join(pending) or "sources")}</span>')  # fmt: skip
+    css = {READY: "ok", DEGRADED: "degraded"}.get(state.name, "bad")
+    badge = f'<span class="pill {css}" id="state" data-state="{_e(state.name)}">{_e(state.describe())}</span>'
     links = " ".join(f'<a href="{p}">{p}</a>' for p in
                      ("/v1/sources", "/v1/groups", "/v1/streams", "/v1/stats", "/readyz", "/metrics"))  # fmt: skip
     nacks = stats.get("nacks_by_group") or {}
@@ -186,7 +190,7 @@ def render(
         f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">'
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
         f"<title>eds-server {_e(version)}</title><style>{_CSS}</style></head><body>"
-        f'<h1>eds-server <span class="muted">{_e(version)}</span> {state}</h1>'
+        f'<h1>eds-server <span class="muted">{_e(version)}</span> {badge}</h1>'
         f'<p class="muted">{_n(total_groups, "group")}, {_n(total_endpoints, "endpoint")}, '
         f'{_n(total_streams, "stream")} · '
         f'{_n(int(stats.get("acks", 0)), "ACK")}, {_n(int(stats.get("nacks", 0)), "NACK")} · '

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -648,6 +649,7 @@ async def test_scoped_tokens_write_only_their_groups(state: Path, tmp_path: Path
 
 @pytest.mark.parametrize("text", ['tokens:\n  - token: "short"\n    groups: ["a"]\n',
                                   'tokens:\n  - token: "long-enough-token-123"\n    groups: []\n',
+                                  'tokens:\n  - token: "long-enough-token-123"\n    groups: ["a"]\n    name: ""\n',
                                   "tokens: {}\n", "nope: 1\n"])  # fmt: skip
 def test_bad_token_files_are_refused(tmp_path: Path, text: str) -> None:
     from eds_server.registration_api import RegistrationConfigError, load_scoped_tokens
@@ -707,3 +709,98 @@ def test_a_second_process_on_the_same_state_file_is_refused_naming_the_holder(st
     holder.close()
     taken = subprocess.run([sys.executable, "-c", code, str(state)], capture_output=True, text=True, timeout=30)
     assert taken.returncode == 0, taken.stdout + taken.stderr
+
+
+# -- the audit line of every write ------------------------------------------------------------------
+def _audit(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "eds_server.audit"]
+
+
+async def test_every_write_is_one_audit_line_with_who_what_and_the_result(
+    state: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from eds_server.registration_api import RegistrationPolicy, load_scoped_tokens
+
+    shop = "shop-token-0123456789"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f'tokens:\n  - {{token: "{shop}", groups: ["shop-*"], name: shop-ci}}\n'
+                      f'  - {{token: "other-token-0123456789", groups: ["x"]}}\n')  # fmt: skip
+    state.parent.mkdir()
+    policy = RegistrationPolicy(scoped_tokens=load_scoped_tokens(str(tokens)))
+    shop_auth = {"Authorization": f"Bearer {shop}"}
+    caplog.set_level(logging.INFO, logger="eds_server.audit")
+    async with serving(state, api={"policy": policy}) as s:
+        assert (await s.put("shop-web", "a", ep(80, ttl=30), headers=shop_auth)).status == 201
+        assert (await s.put("shop-web", "a", ep(80, ttl=30), headers=shop_auth)).status == 200
+        assert (await s.put("shop-web", "a", ep(81, ttl=30), headers=shop_auth)).status == 200
+        assert (await s.put("billing", "b", ep(80), headers=shop_auth)).status == 403
+        assert (await s.put("web", "d", {"address": "10.0.0.9", "port": 0})).status == 422
+        wrong, other = ({"Authorization": f"Bearer {t}-token-0123456789"} for t in ("wrong", "other"))
+        assert (await s.put("web", "e", ep(90), headers=wrong)).status == 401
+        assert (await s.put("x", "f", ep(91), headers=other)).status == 201
+        assert (await s.delete("shop-web", "a", headers=shop_auth)).status == 204
+    lines = _audit(caplog)
+    got = [(r.method, r.result, r.group, r.id, r.token_name, r.address, r.port) for r in lines]  # type: ignore[attr-defined]
+    assert got == [
+        ("PUT", "created", "shop-web", "a", "shop-ci", "10.0.0.1", 80),
+        ("PUT", "renewed", "shop-web", "a", "shop-ci", "10.0.0.1", 80),
+        ("PUT", "updated", "shop-web", "a", "shop-ci", "10.0.0.1", 81),
+        ("PUT", "403", "billing", "b", "shop-ci", None, None),
+        ("PUT", "422", "web", "d", "admin", None, None),
+        ("PUT", "401", "web", "e", None, None, None),
+        ("PUT", "created", "x", "f", "tokens[1]", "10.0.0.1", 91),
+        ("DELETE", "deleted", "shop-web", "a", "shop-ci", "10.0.0.1", 81),
+    ]
+    assert all(r.levelno == logging.INFO and r.peer == "127.0.0.1" for r in lines)  # type: ignore[attr-defined]
+    assert lines[0].getMessage() == ("registration PUT created: group='shop-web' id='a' endpoint=10.0.0.1:80 "
+                                     "token=shop-ci peer=127.0.0.1")  # fmt: skip
+    text = caplog.text
+    assert shop not in text and TOKEN not in text and "wrong-token" not in text and "other-token" not in text
+
+
+async def test_a_conflicting_write_is_audited_as_409(state: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state.parent.mkdir()
+    caplog.set_level(logging.INFO, logger="eds_server.audit")
+    async with serving(state) as s:
+        assert (await s.put("web", "a", ep(80))).status == 201
+        assert (await s.put("web", "b", ep(80))).status == 409
+    refused = _audit(caplog)[-1]
+    assert (refused.result, refused.status, refused.token_name, refused.address, refused.port) == (  # type: ignore[attr-defined]
+        "409", 409, "admin", "10.0.0.1", 80)
+
+
+async def test_the_audit_line_has_fields_of_its_own_in_json_logs(state: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from eds_server.cli import JsonFormatter
+
+    state.parent.mkdir()
+    caplog.set_level(logging.INFO, logger="eds_server.audit")
+    async with serving(state) as s:
+        assert (await s.put("web", "a", {"address": "fd00::1", "port": 80})).status == 201
+    line = json.loads(JsonFormatter().format(_audit(caplog)[-1]))
+    assert {k: line[k] for k in ("event", "method", "result", "status", "group", "id", "address", "port",
+                                 "token_name", "peer", "logger", "level")} == {
+        "event": "registration", "method": "PUT", "result": "created", "status": 201, "group": "web", "id": "a",
+        "address": "fd00::1", "port": 80, "token_name": "admin", "peer": "127.0.0.1", "logger": "eds_server.audit",
+        "level": "info"}  # fmt: skip
+    assert "endpoint=[fd00::1]:80" in line["msg"] and TOKEN not in json.dumps(line)
+
+
+async def test_a_real_server_writes_the_audit_line_as_json(tmp_path: Path) -> None:
+    """Through the real logging set-up: `--log-format json`, the process's own log."""
+    from server_process import EdsServerProcess
+
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups: {}\n")
+    async with EdsServerProcess(path, "--state", str(tmp_path / "state.json"), "--admin-token", TOKEN,
+                                "--log-format", "json") as server:  # fmt: skip
+        url = f"http://127.0.0.1:{server.admin_port}/v1/groups/web/endpoints/vm-1"
+        async with aiohttp.ClientSession() as s:
+            async with s.put(url, json=ep(8080), headers=AUTH) as r:
+                assert r.status == 201
+            async with s.put(url, json=ep(8080), headers={"Authorization": "Bearer not-the-token-012345"}) as r:
+                assert r.status == 401
+    lines = [json.loads(x) for x in server.log_text().splitlines() if '"eds_server.audit"' in x]
+    assert [(x["result"], x["token_name"], x["address"], x["port"], x["peer"]) for x in lines] == [
+        ("created", "admin", "10.0.0.1", 8080, "127.0.0.1"), ("401", None, None, None, "127.0.0.1")]
+    assert all(x["level"] == "info" and x["id"] == "vm-1" and x["group"] == "web" for x in lines)
+    assert TOKEN not in server.log_text() and "not-the-token" not in server.log_text()

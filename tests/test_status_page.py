@@ -15,9 +15,12 @@ from typing import Any
 import aiohttp
 import pytest
 from backends import Backend, http_backends
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port
+from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port, wait_for
 from server_process import EdsServerProcess
 from xds_client import nacking_client
+
+from eds_server import status_page
+from eds_server.serving_state import serving_state
 
 pytestmark = pytest.mark.envoy
 
@@ -26,6 +29,7 @@ HOSTILE_GROUP = '<i>odd</i>&"group'
 HOSTILE_NODE = "<img src=x onerror=alert(1)>"
 NACK_MESSAGE = "<b>rejected</b> by the status page test"
 TOKEN = "status-page-test-token"
+READY = serving_state(True, [])
 
 
 def chromium(tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -102,6 +106,32 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
         assert f'href="{link}"' in page
 
 
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+async def test_a_file_broken_after_a_good_load_turns_the_badge_amber(tmp_path: Path) -> None:
+    """Ready is not enough: the page says which source's last good state is served, and why."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8080]\n")
+    async with EdsServerProcess(path) as server:
+        admin = f"http://127.0.0.1:{server.admin_port}"
+        path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8080\n")  # a syntax error
+        await wait_for(lambda: server.admin("/readyz"), lambda b: b["state"] == "degraded", timeout=15)
+        dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
+        shot = tmp_path / "status-page-degraded.png"
+        await asyncio.to_thread(chromium, tmp_path, admin + "/", f"--screenshot={shot}",
+                                "--window-size=1280,600", "--hide-scrollbars")  # fmt: skip
+    page = dom.stdout
+    (tmp_path / "status-page-degraded.html").write_text(page)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    badge = re.search(r'<span class="pill ([a-z ]+)" id="state" data-state="degraded">(.*?)</span>', page, re.S)
+    assert badge, page[:2000]
+    assert badge.group(1) == "degraded"
+    assert badge.group(2).startswith(f"degraded: serving the last good state of file:{path} because ")
+    sources = _section(page, "sources", "groups")
+    assert "last load failed" in sources and '<tr class="nack">' in sources
+    assert "127.0.0.1:8080" in _group(page, "web")  # the last good state is what is shown and served
+
+
 def _three_streams_one_nack(body: dict[str, Any]) -> bool:
     streams = body["streams"]
     return len(streams) == 3 and any(n.get("nacked") for s in streams for n in s["names"].values())
@@ -133,18 +163,15 @@ async def test_status_page_without_a_browser(tmp_path: Path) -> None:
     assert "No groups." in text and "No Envoy is connected." in text
 
 
-
-
 def test_long_lists_are_cut_with_a_link_and_everything_is_escaped() -> None:
     """Pure rendering: bounded however much there is."""
-    from eds_server import status_page
-
     ep = {"address": "::1", "port": 80, "health": "<draining>", "zone": "<z>", "source": "file:<f>"}
     groups = [{"name": f"g{i}<", "version": "v<1>", "sources": ["s<"], "endpoints": [ep] * 60} for i in range(200)]
     streams = [{"node": "n<", "cluster": "c<", "peer": "p<", "transport": "sotw", "last_nack": "<x>",
                 "names": {f"g{i}<": {"sent": "v<", "acked": None, "nacked": "v<"} for i in range(30)},
                 "names_total": 500}] * 200  # fmt: skip
-    page = status_page.render(version="1<", ready=False, pending=["file:<p>"], sources=[{"name": "<s>", "loaded": 0}],
+    state = serving_state(False, [{"name": "file:<p>", "loaded": False}])
+    page = status_page.render(version="1<", state=state, sources=[{"name": "<s>", "loaded": 0}],
                               groups=groups, total_groups=300, total_endpoints=18_000, streams=streams,
                               stats={"nacks_by_group": {"g0<": 2}}, total_streams=250)  # fmt: skip
     assert "200 of 300 shown" in page and "50 of 60 shown" in page and "200 of 250 shown" in page
@@ -155,13 +182,11 @@ def test_long_lists_are_cut_with_a_link_and_everything_is_escaped() -> None:
 
 
 def test_a_group_held_back_shows_why() -> None:
-    from eds_server import status_page
-
     group = {"name": "web", "version": "v1", "sources": ["file:u", "registrations"], "endpoints": [],
              "error": "endpoint weights in priority 0 add up to <4294967296>"}  # fmt: skip
-    page = status_page.render(version="1", ready=True, pending=[], sources=[], groups=[group], total_groups=1,
+    page = status_page.render(version="1", state=READY, sources=[], groups=[group], total_groups=1,
                               total_endpoints=0, streams=[], stats={})  # fmt: skip
     assert 'class="bad conflict"' in page and "add up to &lt;4294967296&gt;" in page
-    ok = status_page.render(version="1", ready=True, pending=[], sources=[], groups=[{**group, "error": None}],
+    ok = status_page.render(version="1", state=READY, sources=[], groups=[{**group, "error": None}],
                             total_groups=1, total_endpoints=0, streams=[], stats={})  # fmt: skip
     assert "conflict" not in ok
