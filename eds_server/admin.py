@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from . import __version__, status_page
 from .model import endpoint_json
-from .registration_api import RegistrationPolicy, add_routes
+from .registration_api import RegistrationPolicy, add_routes, registration_json
 from .serving_state import serving_state
 from .store import Resource, Store
 
@@ -150,11 +150,18 @@ def make_app(
         names = sorted(resources)
         shown = streams(0, status_page.MOST_STREAMS)
         statuses = source_status()
+        regs: list[dict[str, Any]] | None = None
+        total_regs = 0
+        if registrations is not None:
+            everyone = sorted(registrations.registrations(), key=lambda r: (r.group, r.id))
+            regs = [registration_json(registrations, r) for r in everyone[: status_page.MOST_GROUPS]]
+            total_regs = len(everyone)
         page = status_page.render(
             version=__version__, state=serving_state(store.ready, statuses), sources=statuses,
             groups=[group_json(store, resources[n], endpoint_sources=True) for n in names[: status_page.MOST_GROUPS]],
             total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
             streams=shown["streams"], total_streams=shown["total"], stats=stats(),
+            registrations=regs, total_registrations=total_regs,
         )  # fmt: skip
         return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
 

@@ -164,6 +164,22 @@ def _streams(streams: Sequence[Mapping[str, Any]], total: int) -> str:
                   rows) + _cut(min(MOST_STREAMS, len(streams)), total, "/v1/streams")  # fmt: skip
 
 
+def _registrations(regs: Sequence[Mapping[str, Any]] | None, total: int) -> str:
+    """The registration API's endpoints, as /v1/registrations gives them (none: no registrations)."""
+    if regs is None:
+        return ""
+    if not regs:
+        return '<h2 id="registrations">Registrations</h2><p class="muted">none</p>'
+    rows = []
+    for r in regs:
+        ttl = f"{r['ttl']:g} s, expires in {r['expires_in']:.0f} s" if "ttl" in r else "-"
+        rows.append(("", f'<td class="mono">{_e(r["id"])}</td><td>{_e(r["group"])}</td>'
+                         f'<td class="mono">{_e(r["address"])}:{int(r["port"])}</td><td>{_e(ttl)}</td>'))  # fmt: skip
+    return ('<h2 id="registrations">Registrations</h2>'
+            + _table(("id", "group", "endpoint", "TTL"), rows)
+            + _cut(len(regs), total, "/v1/registrations"))
+
+
 def render(
     *,
     version: str,
@@ -175,6 +191,8 @@ def render(
     streams: Sequence[Mapping[str, Any]],
     stats: Mapping[str, Any],
     total_streams: int | None = None,
+    registrations: Sequence[Mapping[str, Any]] | None = None,
+    total_registrations: int = 0,
 ) -> str:
     """The whole page. `state`: ready, degraded or not ready, as `/readyz` says it. `groups`: the first
     MOST_GROUPS as /v1/groups/{name} gives them (with each endpoint's source); the totals count every
@@ -182,8 +200,10 @@ def render(
     total_streams = len(streams) if total_streams is None else total_streams
     css = {READY: "ok", DEGRADED: "degraded"}.get(state.name, "bad")
     badge = f'<span class="pill {css}" id="state" data-state="{_e(state.name)}">{_e(state.describe())}</span>'
-    links = " ".join(f'<a href="{p}">{p}</a>' for p in
-                     ("/v1/sources", "/v1/groups", "/v1/streams", "/v1/stats", "/readyz", "/metrics"))  # fmt: skip
+    paths: tuple[str, ...] = ("/v1/sources", "/v1/groups", "/v1/streams", "/v1/stats", "/readyz", "/metrics")
+    if registrations is not None:
+        paths += ("/v1/registrations",)
+    links = " ".join(f'<a href="{p}">{p}</a>' for p in paths)
     nacks = stats.get("nacks_by_group") or {}
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
@@ -199,6 +219,7 @@ def render(
         f'<h2 id="sources">Sources</h2>{_sources(sources)}'
         f'<h2 id="groups">Groups</h2>{_groups(groups, total_groups, streams, nacks)}'
         f'<h2 id="streams">Streams</h2>{_streams(streams, total_streams)}'
+        f"{_registrations(registrations, total_registrations)}"
         f"{_refused(stats)}"
         "</body></html>"
     )

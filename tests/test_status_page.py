@@ -101,8 +101,11 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
     # everything from files and clients is text, never markup
     assert "&lt;img src=x onerror=alert(1)&gt;" in page and "<img" not in page and "<b>" not in page
     assert "&lt;i&gt;odd&lt;/i&gt;&amp;\"group" in page and "<i>" not in page
+    # registrations: id, group, endpoint, TTL
+    registrations = _section(page, "registrations", None)
+    assert ">vm-1<" in registrations and ">web<" in registrations and "127.0.0.2:8080" in registrations
     # links to the JSON it shows
-    for link in ("/v1/sources", "/v1/groups", "/v1/streams", "/metrics", "/v1/groups/web"):
+    for link in ("/v1/sources", "/v1/groups", "/v1/streams", "/metrics", "/v1/groups/web", "/v1/registrations"):
         assert f'href="{link}"' in page
 
 
@@ -190,3 +193,12 @@ def test_a_group_held_back_shows_why() -> None:
     ok = status_page.render(version="1", state=READY, sources=[], groups=[{**group, "error": None}],
                             total_groups=1, total_endpoints=0, streams=[], stats={})  # fmt: skip
     assert "conflict" not in ok
+
+
+def test_registrations_show_their_ttl_and_expiry() -> None:
+    html = status_page._registrations(
+        [{"id": "vm-<1>", "group": "web", "address": "10.0.0.5", "port": 80, "ttl": 30, "expires_in": 12.3}], 250
+    )
+    assert "30 s, expires in 12 s" in html and "vm-&lt;1&gt;" in html and "10.0.0.5:80" in html
+    assert 'href="/v1/registrations"' in html  # 1 of 250 shown: the rest are a link away
+    assert status_page._registrations(None, 0) == ""
