@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from canary import Canary, CanaryReport, peak_rss_mb, upstreams_text
+from hostile_clients import ANSWERED_WITHIN, FRAME_SIZE_ERROR, MALFORMED, PROTOCOL_ERROR
 from server_process import EdsServerProcess
 
 HOSTILE = Path(__file__).with_name("hostile_clients.py")
@@ -43,6 +44,10 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "partial_messages": (("--request-timeout", "3s", "--partial-message-budget", str(32 << 20)), None),
     "big_health_message": (("--max-message-size", str(1 << 20), "--partial-message-budget", str(32 << 20)), None),
     "health_streams": (("--max-streams", "5000"), None),
+    # on the HTTP/2 layer itself (tests/test_h2_attacks.py has their frame-level tests)
+    "big_messages_small_frames": ((), None),
+    "oversize_frames": ((), "FRAME_SIZE_ERROR"),
+    "malformed_headers": ((), "PROTOCOL_ERROR"),
 }
 
 
@@ -100,6 +105,22 @@ def assert_canary_fine(r: CanaryReport, what: str) -> None:
     assert r.fresh_ok >= 3 and r.fresh_failed <= 1, (what, r.summary())
 
 
+def check_attacker(attack: str, seen: dict[str, Any]) -> None:
+    """What the attacker saw, where it says more than the canary: the attack ran, and was answered
+    as it must be."""
+    if attack == "big_messages_small_frames":
+        assert seen["first_response"] and seen["messages"] >= 1, seen
+        assert seen["goaway"] is None and seen["reset"] is None and not seen["trailers"], seen  # valid: read on
+    elif attack == "oversize_frames":
+        assert seen["connections"] >= 12 and seen["unanswered"] == 0, seen
+        assert set(seen["goaway"]) == {str(FRAME_SIZE_ERROR)}, seen
+        assert seen["max_payload_before_goaway"] < ANSWERED_WITHIN, seen
+    elif attack == "malformed_headers":
+        assert seen["sent"] >= len(MALFORMED) and seen["unanswered"] == 0, seen
+        assert set(seen["reset"]) | set(seen["goaway"]) == {str(PROTOCOL_ERROR)}, seen
+        assert seen["valid_failed"] == 0, seen
+
+
 @pytest.mark.parametrize("attack", list(ATTACKS))
 async def test_the_canary_keeps_flowing(tmp_path: Path, attack: str) -> None:
     extra, marker = ATTACKS[attack]
@@ -108,7 +129,8 @@ async def test_the_canary_keeps_flowing(tmp_path: Path, attack: str) -> None:
     assert_canary_fine(result["_during"], "during")
     assert_canary_fine(result["_after"], "after")
     assert result["peak_rss_mb"] < RSS_CAP_MB, result
+    check_attacker(attack, result["attacker"])
     log = result["log"]
-    assert "Traceback" not in log and "NotImplementedError" not in log, log[-3000:]
-    if marker is not None:
-        assert marker in log, log[-3000:]
+    assert "Traceback" not in log and "Server error" not in log and "NotImplementedError" not in log, log[-3000:]
+    if marker is not None:  # on a line naming the attacker
+        assert any(marker in line and src in line for line in log.splitlines()), log[-3000:]
