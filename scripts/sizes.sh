@@ -3,13 +3,7 @@
 # constraints.txt) as a user installs it, server only and with each extra, and the development venv.
 # Usage: scripts/sizes.sh (a few minutes: it installs four venvs from the package index).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-"$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" .
-wheel=$(ls "$work"/dist/eds_server-*.whl)
+source "$(dirname "$0")/wheel.sh"   # PYTHON, work, wheel
 mb() { du -sm "$1" | cut -f1; }
 install() {  # install NAME EXTRAS: a fresh venv with the wheel (and EXTRAS, e.g. "[demo]"); prints its MB
     python3 -m venv "$work/$1"

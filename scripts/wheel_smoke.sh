@@ -2,13 +2,7 @@
 # Build the wheel, install it into a fresh venv (runtime dependencies only, pinned by
 # constraints.txt) and run it there: what `pip install .` / `pipx install .` gives a user.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-"$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" .
-wheel=$(ls "$work"/dist/eds_server-*.whl)
+source "$(dirname "$0")/wheel.sh"   # PYTHON, work, wheel
 "$PYTHON" -m venv "$work/venv"
 "$work/venv/bin/pip" install --quiet -c constraints.txt "$wheel"
 
