@@ -136,7 +136,11 @@ async def test_live_edit_reaches_envoy_and_broken_edit_changes_nothing(
 
     # a broken edit, written in place as a plain editor would: reported, nothing changes
     path.write_text(upstreams_yaml(backends[:1], backends[2:]) + "  bad:\n    endpoints: [nope:1]\n")
-    await envoy.wait_for(lambda: server.admin("/v1/sources"), lambda s: s["sources"][0]["last_error"])
+    # an in-place write can be read half-written first ("file is empty"): wait for the whole file's error
+    await envoy.wait_for(
+        lambda: server.admin("/v1/sources"),
+        lambda s: "groups.bad.endpoints[0]" in (s["sources"][0]["last_error"] or ""),
+    )
     assert "groups.bad.endpoints[0]" in server.log_text()
     assert await envoy.version_text("web") == after
     assert await ports(envoy, "web") == {backends[0].port}
