@@ -18,6 +18,7 @@ from .store import Resource, Store
 
 if TYPE_CHECKING:
     from .sources.registrations import Registrations
+    from .workers import WorkerPool
 
 log = logging.getLogger("eds_server.admin")
 
@@ -92,7 +93,14 @@ def make_app(
     registrations: Registrations | None = None,
     admin_token: str | None = None,
     registration_policy: RegistrationPolicy | None = None,
+    workers: WorkerPool | None = None,  # --workers N: streams, stats and metrics are the workers'
 ) -> web.Application:
+    async def all_streams(after: int, limit: int) -> dict[str, Any]:
+        return await workers.streams(after, limit) if workers is not None else streams(after, limit)
+
+    async def all_stats() -> dict[str, Any]:
+        return await workers.stats(stats()) if workers is not None else stats()
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -132,7 +140,7 @@ def make_app(
         return web.json_response({"sources": source_status()})
 
     async def stats_handler(_: web.Request) -> web.Response:
-        return web.json_response(stats())
+        return web.json_response(await all_stats())
 
     async def streams_handler(request: web.Request) -> web.Response:
         # paged: a server may hold 100,000 streams; ?after=<next_after of the previous page>
@@ -143,12 +151,12 @@ def make_app(
                 raise ValueError
         except ValueError:
             return web.json_response({"error": "after and limit must be integers, limit >= 1"}, status=400)
-        return web.json_response(streams(after, limit))
+        return web.json_response(await all_streams(after, limit))
 
     async def index(_: web.Request) -> web.Response:
         resources = store.resources()
         names = sorted(resources)
-        shown = streams(0, status_page.MOST_STREAMS)
+        shown = await all_streams(0, status_page.MOST_STREAMS)
         statuses = source_status()
         regs: list[dict[str, Any]] | None = None
         total_regs = 0
@@ -160,13 +168,16 @@ def make_app(
             version=__version__, state=serving_state(store.ready, statuses), sources=statuses,
             groups=[group_json(store, resources[n], endpoint_sources=True) for n in names[: status_page.MOST_GROUPS]],
             total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
-            streams=shown["streams"], total_streams=shown["total"], stats=stats(),
+            streams=shown["streams"], total_streams=shown["total"], stats=await all_stats(),
             registrations=regs, total_registrations=total_regs,
         )  # fmt: skip
         return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body = generate_latest(registry)
+        if workers is not None:
+            body = (await workers.metrics(body.decode())).encode()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application(middlewares=[json_errors(registrations is not None)])
     app.router.add_get("/", index)

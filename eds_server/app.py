@@ -24,6 +24,7 @@ from .sources.etcd_client import EtcdOptions
 from .sources.etcd_wire import is_etcd, parse_target
 from .sources.kubernetes_map import KubernetesOptions
 from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
+from .sources.relay import RelaySource, UpstreamOptions
 from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
@@ -36,6 +37,7 @@ from .xds.common import Limits
 if TYPE_CHECKING:
     from .sources.kubernetes import KubernetesSource
     from .sources.registrations_etcd import EtcdRegistrationSource
+    from .workers import WorkerPool
 
 log = logging.getLogger("eds_server")
 
@@ -75,6 +77,9 @@ class Settings:
     admin_token: str | None = None  # turns the registration API's writes on
     max_registrations: int = MAX_REGISTRATIONS
     registration_policy: RegistrationPolicy = field(default_factory=RegistrationPolicy)  # scoped tokens, CIDRs
+    upstream_eds: UpstreamOptions | None = None  # a relay: groups from another eds-server, no other source
+    reuse_port: bool = False  # share --listen with other processes (the workers of --workers N)
+    admin_unix: str | None = None  # admin HTTP on this Unix socket instead (a worker's, read by its owner)
 
 
 class App:
@@ -119,8 +124,10 @@ class App:
         elif settings.state or settings.admin_token or settings.registration_policy.scoped_tokens:
             self.registrations = RegistrationSource(self.store, settings.state,
                                                     max_registrations=settings.max_registrations)  # fmt: skip
+        self.relay = RelaySource(self.store, settings.upstream_eds) if settings.upstream_eds is not None else None
         candidates: list[Source | None] = [
             self.file_source, self.docker_source, self.swarm_source, self.kubernetes_source, self.registrations,
+            self.relay,
         ]  # fmt: skip
         self.sources: list[Source] = [s for s in candidates if s is not None]
         self.service = EdsService(
@@ -137,6 +144,7 @@ class App:
             http2=settings.http2,
         )
         self._http: list[web.AppRunner] = []
+        self.workers: WorkerPool | None = None  # set before start() by the owner of --workers N
         self._stop_sources = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.grpc_port: int | None = None
@@ -164,18 +172,23 @@ class App:
         host, port = self.settings.listen
         if ssl is not None:
             self.grpc.ssl = ssl
-        await self.grpc.start(host, port)
+        await self.grpc.start(host, port, reuse_port=self.settings.reuse_port)
         self.grpc_port = self.grpc.port
         log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
-        if self.settings.admin is not None:
+        if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
                 self.service.describe_streams,
                 make_registry(self.store, self.service, self.source_status,
                               lambda: (self.grpc.connections, self.grpc.refused)),
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
+                self.workers,
             )  # fmt: skip
-            self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
+            if self.settings.admin_unix is not None:
+                await self._serve_unix(app, self.settings.admin_unix)
+            else:
+                assert self.settings.admin is not None
+                self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
         if self.settings.rest_listen is not None:
             app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)
             self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
@@ -207,6 +220,12 @@ class App:
         port = runner_port(runner)
         log.info("%s on http://%s:%s", what, address[0], port)
         return port
+
+    async def _serve_unix(self, app: web.Application, path: str) -> None:
+        runner = http_runner(app, self.settings.http_limits, self.settings.http2)
+        await runner.setup()
+        self._http.append(runner)
+        await web.UnixSite(runner, path).start()
 
     async def _startup_deadline(self, timeout: float) -> None:
         if self.store.ready:

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from . import __version__
 
 if TYPE_CHECKING:
-    from .app import Settings
+    from .app import App, Settings
     from .sources.etcd_client import EtcdOptions
+    from .workers import WorkerPool
 
 # Only the standard library at import, so `--version` and `--help` answer at once: the server's
 # modules (grpclib, aiohttp, protobuf, ...: about half a second) are imported by the command that
@@ -164,6 +165,19 @@ def _http2_mode(value: str) -> str:
     if value not in ("auto", "fast", "stock"):
         raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, fast, stock)")
     return value
+
+
+def _workers(value: str) -> int:
+    """A count of worker processes; 'auto': the cores this process may run on."""
+    if value == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: a number of processes (1-256), or auto")
+    return n
 
 
 class _Parser(argparse.ArgumentParser):
@@ -329,6 +343,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]")
     sec.add_argument("--authz", metavar="FILE", default=_env("EDS_AUTHZ", None),
                      help="which groups each client may read, by certificate or node [EDS_AUTHZ]")
+    relay = serve.add_argument_group("tiers and cores (docs/more-than-one-host.md)")
+    relay.add_argument("--upstream-eds", type=host_port, metavar="HOST:PORT", default=_env("EDS_UPSTREAM_EDS", None),
+                       help="be a relay: serve the groups of the eds-server at HOST:PORT (over delta xDS, only the "
+                            "names asked for here, versions unchanged); takes no other source [EDS_UPSTREAM_EDS]")
+    relay.add_argument("--upstream-eds-ca", metavar="FILE", default=_env("EDS_UPSTREAM_EDS_CA", None),
+                       help="CA certificates to verify the upstream's (turns TLS to it on) [EDS_UPSTREAM_EDS_CA]")
+    relay.add_argument("--upstream-eds-cert", metavar="FILE", default=_env("EDS_UPSTREAM_EDS_CERT", None),
+                       help="client certificate for the upstream (mTLS), PEM [EDS_UPSTREAM_EDS_CERT]")
+    relay.add_argument("--upstream-eds-key", metavar="FILE", default=_env("EDS_UPSTREAM_EDS_KEY", None),
+                       help="its private key (default: in --upstream-eds-cert) [EDS_UPSTREAM_EDS_KEY]")
+    relay.add_argument("--workers", type=_workers, metavar="N|auto", default=_env("EDS_WORKERS", "1"),
+                       help="processes that serve Envoy on --listen (SO_REUSEPORT), fed by this one, which runs "
+                            "the sources; 'auto': one per usable core [EDS_WORKERS] (default 1: this process "
+                            "serves)")
     reg = serve.add_argument_group("registration API (endpoints that are not containers)")
     reg.add_argument("--state", metavar="FILE|etcd://HOST:PORT[,HOST:PORT...]/PREFIX", default=_env("EDS_STATE", None),
                      help="where registrations are kept: a state file (one server), or etcd under PREFIX "
@@ -426,47 +454,60 @@ def check(paths: Sequence[str], authz: Sequence[str] = (), max_size: int = MAX_U
     return status
 
 
-async def serve(settings: Settings) -> int:
-    import asyncio
-    import signal
-
+async def start_app(
+    settings: Settings, extra_ports: Sequence[tuple[str, tuple[str, int] | None]] = (),
+    workers: WorkerPool | None = None,
+) -> App | None:  # fmt: skip
+    """A started App, or None after logging why it could not start (the exit status is then 1)."""
     from . import ports, upstreams
     from .app import App
     from .security import SecurityConfigError
     from .sources.registrations import RegistrationStateError
 
-    log.info("eds-server %s starting (Python %s)", __version__, sys.version.split()[0])
     taken = ports.unbindable([("--listen", settings.listen), ("--admin", settings.admin),
-                              ("--rest-listen", settings.rest_listen)])  # fmt: skip
+                              ("--rest-listen", settings.rest_listen), *extra_ports])  # fmt: skip
     if taken is not None:
         log.error("not starting: %s", taken)
-        return 1
+        return None
     app = App(settings)
+    app.workers = workers
     try:
         await app.start()
     except upstreams.UpstreamsError as e:
         for problem in e.problems:
             log.error("%s", problem)
         log.error("not starting: fix the upstreams file (check it with `eds-server check`)")
-        return 1
+        return None
     except SecurityConfigError as e:
         for reason in e.problems:
             log.error("%s", reason)
         log.error("not starting: fix the TLS or authorization settings")
-        return 1
-    except RegistrationStateError as e:
+        return None
+    except (RegistrationStateError, OSError) as e:
         log.error("not starting: %s", e)
         await app.stop()
-        return 1
-    except OSError as e:
-        log.error("not starting: %s", e)
-        await app.stop()
-        return 1
+        return None
+    return app
+
+
+async def until_signalled() -> None:
+    """Until SIGTERM or SIGINT."""
+    import asyncio
+    import signal
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def serve(settings: Settings) -> int:
+    log.info("eds-server %s starting (Python %s)", __version__, sys.version.split()[0])
+    app = await start_app(settings)
+    if app is None:
+        return 1
+    await until_signalled()
     log.info("shutting down")
     await app.stop()
     return 0
@@ -535,11 +576,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
-    if not (args.upstreams or args.docker or args.swarm or args.kubernetes or args.state or args.admin_token
-            or args.registration_tokens):  # fmt: skip
+    local = {"--upstreams": args.upstreams, "--docker": args.docker, "--swarm": args.swarm,
+             "--kubernetes": args.kubernetes, "--state": args.state, "--admin-token": args.admin_token,
+             "--registration-tokens": args.registration_tokens}  # fmt: skip
+    given = [flag for flag, value in local.items() if value]
+    if args.upstream_eds is not None and given:
+        log.error("--upstream-eds serves its upstream's groups unchanged (versions included) and takes no other "
+                  "source: drop %s, or give it to the upstream eds-server", ", ".join(given))
+        return 2
+    if args.upstream_eds is None and (args.upstream_eds_ca or args.upstream_eds_cert or args.upstream_eds_key):
+        log.error("--upstream-eds-ca, --upstream-eds-cert and --upstream-eds-key need --upstream-eds")
+        return 2
+    if args.upstream_eds is None and not given:
         log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm, --kubernetes and/or --state "
                   "FILE with --admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_KUBERNETES, EDS_STATE, "
-                  "EDS_ADMIN_TOKEN)")
+                  "EDS_ADMIN_TOKEN), or --upstream-eds HOST:PORT to relay another eds-server")
         return 2
     if args.kubernetes and args.kubeconfig and not os.path.isfile(args.kubeconfig):
         log.error("not starting: --kubeconfig %s: no such file", args.kubeconfig)
@@ -566,6 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from .sources.containers import DockerOptions
     from .sources.kubernetes_map import KubernetesOptions
+    from .sources.relay import UpstreamOptions
     from .transport.h2 import ConnectionLimits, HttpLimits
     from .xds.common import Limits
 
@@ -640,7 +692,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         admin_token=args.admin_token or None,
         max_registrations=args.max_registrations,
         registration_policy=policy,
+        upstream_eds=UpstreamOptions(args.upstream_eds[0], args.upstream_eds[1], ca=args.upstream_eds_ca,
+                                     cert=args.upstream_eds_cert, key=args.upstream_eds_key)
+        if args.upstream_eds is not None
+        else None,
     )
+    if args.workers > 1:
+        from .workers import serve_with_workers
+
+        return int(uvloop.run(serve_with_workers(settings, args.workers, args.log_level, args.log_format)))
     return int(uvloop.run(serve(settings)))
 
 

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 # (the store just became ready).
 Watcher = Callable[[frozenset[str] | None], None]
 Encoder = Callable[[Group], bytes]
+# Called with the names that gained their first follower, and those that lost their last one.
+Interest = Callable[[tuple[str, ...], tuple[str, ...]], None]
 EMPTY_CACHE_SIZE = 4096
 
 
@@ -56,6 +58,10 @@ class Store:
         self._stale: set[str] = set()  # sources that cannot currently reach what they follow
         self._conflicts: dict[str, str] = {}  # group -> why its merged state is not served
         self.encodes = 0  # how many groups were encoded, for tests and metrics
+        # A relay's store: a name its upstream has not answered yet is not answered at all (an empty
+        # assignment would empty Envoy's cluster); see `put_resources`.
+        self.withholds = False
+        self.interest: Interest | None = None  # told when the set of followed names changes
 
     # -- sources -------------------------------------------------------------------------------
     def add_source(self, name: str) -> None:
@@ -87,6 +93,32 @@ class Store:
         elif changed and self.ready:
             self._announce(changed)
         return changed
+
+    def put_resources(self, source: str, resources: Mapping[str, Resource], removed: Iterable[str] = ()) -> None:
+        """A relay's resources, as its upstream encoded and versioned them: served unchanged, not merged
+        with any other source (the App gives a relay store no other). Announces the names whose
+        version changed; a removed name is withheld again (Envoy keeps what it has)."""
+        if source not in self._by_source and source not in self._pending:
+            raise KeyError(f"unknown source {source!r}")
+        was_ready = self.ready
+        groups = self._by_source.setdefault(source, {})
+        if source in self._pending:
+            self._pending.remove(source)
+        changed = []
+        for name, resource in resources.items():
+            current = self._resources.get(name)
+            groups[name] = resource.group
+            if current is None or current.version != resource.version:
+                self._resources[name] = resource
+                changed.append(name)
+        for name in removed:
+            groups.pop(name, None)
+            self._resources.pop(name, None)
+        if not was_ready and self.ready:
+            log.info("all sources loaded: serving %d groups", len(self._resources))
+            self._announce(None)
+        elif changed and self.ready:
+            self._announce(frozenset(changed))
 
     def _refresh(self, name: str) -> bool:
         parts = [g[name] for g in self._by_source.values() if name in g]
@@ -222,23 +254,38 @@ class Store:
         A change then costs its subscribers, not every open stream.
         """
         names = self._following.setdefault(watcher, set())
+        by_name, new = self._by_name, []
         for name in add:
             names.add(name)
-            self._by_name.setdefault(name, {})[watcher] = None
+            followers = by_name.get(name)
+            if followers is None:
+                followers = by_name[name] = {}
+                new.append(name)
+            followers[watcher] = None
+        gone = [name for name in remove if name in names and self._drop(name, watcher)]
         for name in remove:
             names.discard(name)
-            self._drop(name, watcher)
+        if self.interest is not None and (new or gone):
+            self.interest(tuple(new), tuple(gone))
 
     def unfollow(self, watcher: Watcher) -> None:
-        for name in self._following.pop(watcher, ()):
-            self._drop(name, watcher)
+        gone = [name for name in self._following.pop(watcher, ()) if self._drop(name, watcher)]
+        if self.interest is not None and gone:
+            self.interest((), tuple(gone))
 
-    def _drop(self, name: str, watcher: Watcher) -> None:
+    def followed(self) -> Iterable[str]:
+        """Every name some watcher follows."""
+        return self._by_name.keys()
+
+    def _drop(self, name: str, watcher: Watcher) -> bool:
+        """Stop telling `watcher` of `name`; True if nobody follows it any more."""
         followers = self._by_name.get(name)
         if followers is not None:
             followers.pop(watcher, None)
             if not followers:
                 del self._by_name[name]
+                return True
+        return False
 
     def _announce(self, names: frozenset[str] | None) -> None:
         for watcher in list(self._watchers):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -21,7 +21,12 @@ class ResourceView(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    # True: a name with no resource is not answered yet (a relay before its upstream answered)
+    withholds: bool
+
     def get(self, name: str) -> Resource: ...
+
+    def resources(self) -> Mapping[str, Resource]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +236,11 @@ class StreamState(Generic[R]):
             return None
         names = [n for n in self.subscribed if n in self._dirty]
         self._dirty.clear()
-        return [self.view.get(n) for n in names]
+        view = self.view
+        if view.withholds:  # told again when the name arrives
+            held = view.resources()
+            names = [n for n in names if n in held]
+        return [view.get(n) for n in names]
 
     def _due(self, current: Iterable[Resource]) -> tuple[Resource, ...]:
         """What Envoy lacks: not sent already, and not a version it rejected."""

@@ -131,7 +131,7 @@ class SotwStream(StreamState[Response]):
         current = self._take_dirty()
         if current is None:
             return None
-        if self._resume_version:
+        if self._resume_version and current:  # (none: withheld by a relay; the resume waits for it)
             resume, self._resume_version = self._resume_version, ""
             if self._holds(current, resume):
                 for r in current:

@@ -69,10 +69,11 @@ class StockServer(grpclib.server.Server):
         return StockIO(stream)
 
     async def start(
-        self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None, **kwargs: Any
-    ) -> None:
+        self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
+        reuse_port: bool | None = None, **kwargs: Any,
+    ) -> None:  # fmt: skip
         family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
-        sock = socket.create_server((host or "", port or 0), family=family, backlog=1024)
+        sock = socket.create_server((host or "", port or 0), family=family, backlog=1024, reuse_port=bool(reuse_port))
         self._sock = sock
         await super().start(sock=sock, ssl=ssl or self.ssl, **kwargs)
 

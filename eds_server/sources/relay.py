@@ -1,0 +1,344 @@
+"""The relay source: groups taken from another eds-server over delta xDS (`--upstream-eds`).
+
+One mechanism for every tier: a relay in front of thousands of Envoys, and each worker process
+of `--workers N` fed by the process that owns the sources, are both this source. It asks its
+upstream only for the names its own streams follow, and serves what the upstream sent byte for
+byte, versions included: an Envoy that moves between relays, workers or the origin keeps its
+versions, and nothing is sent to it again.
+
+Fail static, as every source: a name the upstream has not answered yet is not answered at all
+(the store withholds it); while the upstream is away the last state is served, marked stale, and
+the reconnect says which versions the relay holds (`initial_resource_versions`), so only what
+changed meanwhile comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..decode import DecodeError, decode_group
+from ..protowire import fields, length_delimited, string_field, text, varint
+from ..store import Resource, Store
+from ..xds.common import EDS_TYPE_URL
+from .base import Backoff, Liveness, SourceStatus
+
+if TYPE_CHECKING:
+    from grpclib.client import Channel, Stream
+
+log = logging.getLogger("eds_server.sources.relay")
+
+DELTA_PATH = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
+LINGER = 60.0  # seconds a name stays subscribed upstream after its last follower left
+NACK_CODE_INVALID_ARGUMENT = 3
+
+
+@dataclass(frozen=True)
+class UpstreamOptions:
+    """Where the upstream eds-server is, and how to reach it. TLS is on when a CA is given."""
+
+    host: str
+    port: int
+    ca: str | None = None  # CA certificates to verify the upstream's certificate
+    cert: str | None = None  # client certificate (mTLS), PEM
+    key: str | None = None  # its key (default: in `cert`)
+
+    @property
+    def target(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client context, or None for plaintext; raises OSError or ssl.SSLError for unusable files."""
+        if self.ca is None and self.cert is None:
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_alpn_protocols(["h2"])
+        if self.cert is not None:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
+class Subscriptions:
+    """Which names to ask the upstream for, without IO: those the relay's streams follow, and those
+    dropped less than `linger` ago (a reconnecting Envoy finds them still held).
+
+    `request()` says what the upstream has not been told yet on the current connection;
+    `reconnected()` forgets what was told, so the next request subscribes everything again.
+    """
+
+    def __init__(self, linger: float = LINGER) -> None:
+        self.linger = linger
+        self.wanted: dict[str, None] = {}  # subscribed upstream, or to be (ordered set)
+        self.dropped: dict[str, float] = {}  # name -> when its last follower left
+        self._told: set[str] = set()  # subscribed on the current connection
+        self._untold_removals: set[str] = set()  # unsubscribed here, not yet upstream
+
+    def follow(self, added: Iterable[str], removed: Iterable[str], now: float) -> None:
+        for name in added:
+            self.dropped.pop(name, None)
+            self.wanted[name] = None
+        for name in removed:
+            if name in self.wanted:
+                self.dropped[name] = now
+
+    def expire(self, now: float) -> list[str]:
+        """Names whose linger ran out: no longer wanted (the caller drops what it held of them)."""
+        gone = [name for name, since in self.dropped.items() if now - since >= self.linger]
+        for name in gone:
+            del self.dropped[name]
+            del self.wanted[name]
+            if name in self._told:
+                self._told.discard(name)
+                self._untold_removals.add(name)
+        return gone
+
+    def next_expiry(self, now: float) -> float | None:
+        """Seconds until the next name's linger runs out (None: nothing lingers)."""
+        if not self.dropped:
+            return None
+        return max(0.0, min(self.dropped.values()) + self.linger - now)
+
+    def request(self) -> tuple[list[str], list[str]]:
+        """(subscribe, unsubscribe) the upstream has not been told yet; counts them as told."""
+        subscribe = [n for n in self.wanted if n not in self._told]
+        unsubscribe = sorted(self._untold_removals)
+        self._told.update(subscribe)
+        self._untold_removals.clear()
+        return subscribe, unsubscribe
+
+    def reconnected(self) -> None:
+        self._told.clear()
+        self._untold_removals.clear()
+
+
+def encode_request(
+    node_id: str, *, subscribe: Iterable[str] = (), unsubscribe: Iterable[str] = (),
+    initial_versions: Mapping[str, str] | None = None, nonce: str = "", error: str | None = None,
+    node: bool = False,
+) -> bytes:  # fmt: skip
+    """A DeltaDiscoveryRequest for EDS (field numbers of envoy.service.discovery.v3)."""
+    out = [length_delimited(1, string_field(1, node_id) + string_field(2, "eds-server-relay")
+                            + string_field(6, "eds-server"))] if node else []  # fmt: skip
+    out.append(string_field(2, EDS_TYPE_URL))
+    out.extend(length_delimited(3, n.encode()) for n in subscribe)
+    out.extend(length_delimited(4, n.encode()) for n in unsubscribe)
+    for name, version in (initial_versions or {}).items():
+        out.append(length_delimited(5, string_field(1, name) + string_field(2, version)))
+    out.append(string_field(6, nonce))
+    if error is not None:  # google.rpc.Status{code, message}
+        out.append(length_delimited(7, varint(1 << 3) + varint(NACK_CODE_INVALID_ARGUMENT) + string_field(2, error)))
+    return b"".join(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One DeltaDiscoveryResponse: (name, version, CLA bytes) for each resource, removals, nonce."""
+
+    resources: tuple[tuple[str, str, bytes], ...]
+    removed: tuple[str, ...]
+    nonce: str
+
+
+def decode_response(data: bytes) -> Received:
+    """ValueError (DecodeError) for a response that is not an EDS delta response."""
+    resources: list[tuple[str, str, bytes]] = []
+    removed: list[str] = []
+    nonce, type_url = "", ""
+    for number, value in fields(data):
+        if number == 2:
+            name, version, body = "", "", b""
+            for n2, v2 in fields(_bytes(value)):
+                if n2 == 3:
+                    name = text(v2)
+                elif n2 == 1:
+                    version = text(v2)
+                elif n2 == 2:  # Any{type_url (1), value (2)}
+                    for n3, v3 in fields(_bytes(v2)):
+                        if n3 == 1 and text(v3) != EDS_TYPE_URL:
+                            raise DecodeError(f"resource {name or '?'}: type {text(v3)!r}, not EDS")
+                        if n3 == 2:
+                            body = bytes(_bytes(v3))
+            resources.append((name, version, body))
+        elif number == 4:
+            type_url = text(value)
+        elif number == 6:
+            removed.append(text(value))
+        elif number == 5:
+            nonce = text(value)
+    if type_url not in ("", EDS_TYPE_URL):
+        raise DecodeError(f"response of type {type_url!r}, not EDS")
+    return Received(tuple(resources), tuple(removed), nonce)
+
+
+def _bytes(value: int | memoryview) -> memoryview:
+    if isinstance(value, int):
+        raise DecodeError("expected a message, found a varint")
+    return value
+
+
+class RelaySource:
+    """Follows an upstream eds-server's DeltaEndpoints; the only source of its store."""
+
+    def __init__(self, store: Store, options: UpstreamOptions, *, linger: float = LINGER,
+                 node_id: str | None = None) -> None:  # fmt: skip
+        self.store = store
+        self.options = options
+        self.name = f"upstream-eds:{options.target}"
+        self.node_id = node_id or f"eds-server-relay/{socket.gethostname()}/{os.getpid()}"
+        self.subs = Subscriptions(linger)
+        self.liveness = Liveness(store, self.name, f"upstream eds-server {options.target}")
+        self.responses = 0  # answers taken from the upstream, for tests and status
+        self.nacks = 0
+        self._wake = asyncio.Event()
+        store.add_source(self.name)
+        store.withholds = True
+        store.interest = self._interest
+        self.subs.follow(store.followed(), (), time.monotonic())
+
+    def _interest(self, added: tuple[str, ...], removed: tuple[str, ...]) -> None:
+        self.subs.follow(added, removed, time.monotonic())
+        if added:
+            self._wake.set()
+
+    async def start(self) -> None:
+        self.options.ssl_context()  # unusable TLS files refuse the start, not the first connection
+
+    def status(self) -> SourceStatus:
+        return self.liveness.status(upstream=self.options.target, names=len(self.subs.wanted),
+                                    responses=self.responses)  # fmt: skip
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from grpclib.client import Channel
+        from grpclib.config import Configuration
+
+        from ..transport.h2 import PassThroughCodec
+
+        backoff = Backoff(initial=0.2, cap=5.0)
+        config = Configuration(_keepalive_time=30.0, _keepalive_timeout=10.0)
+        while not stop.is_set():
+            channel = Channel(self.options.host, self.options.port, ssl=self.options.ssl_context(),
+                              codec=PassThroughCodec(), config=config)  # fmt: skip
+            try:
+                await self._follow(channel, stop, backoff)
+                reason = "the upstream ended the stream"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # every failure of the upstream is a reconnect
+                reason = _why(e)
+            finally:
+                channel.close()
+            if stop.is_set():
+                return
+            self.liveness.lost(reason)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff.next())
+
+    async def _follow(self, channel: Channel, stop: asyncio.Event, backoff: Backoff) -> None:
+        from grpclib.const import Cardinality
+
+        self.subs.reconnected()
+        outbox: list[bytes] = []  # ACKs and NACKs, sent by the one writer (messages must not interleave)
+        async with channel.request(DELTA_PATH, Cardinality.STREAM_STREAM, bytes, bytes) as stream:
+            subscribe, _ = self.subs.request()
+            held = self.store.resources()
+            initial = {n: held[n].version for n in subscribe if n in held}
+            await stream.send_message(encode_request(self.node_id, subscribe=subscribe, initial_versions=initial,
+                                                     node=True))  # fmt: skip
+            writer = asyncio.create_task(self._write(stream, stop, outbox))
+            try:
+                while True:
+                    reading = asyncio.ensure_future(stream.recv_message())
+                    done, _ = await asyncio.wait({reading, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    if reading not in done:
+                        reading.cancel()
+                        writer.result()  # raises what stopped it
+                        return  # stopped
+                    data = reading.result()
+                    if data is None:
+                        return
+                    nonce, nack = self._take(data)
+                    if nack is None:
+                        backoff.reset()
+                        self.liveness.live()
+                    outbox.append(encode_request(self.node_id, nonce=nonce, error=nack))
+                    self._wake.set()
+            finally:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
+
+    async def _write(self, stream: Stream[bytes, bytes], stop: asyncio.Event, outbox: list[bytes]) -> None:
+        """Everything sent after the first request: answers, subscription changes as they come,
+        lingering names dropped when their time is up. Returns on stop."""
+        while not stop.is_set():
+            self._wake.clear()
+            while outbox:
+                await stream.send_message(outbox.pop(0))
+            gone = self.subs.expire(time.monotonic())
+            if gone:
+                self.store.put_resources(self.name, {}, removed=gone)
+            subscribe, unsubscribe = self.subs.request()
+            if subscribe or unsubscribe:
+                held = self.store.resources()
+                initial = {n: held[n].version for n in subscribe if n in held}
+                await stream.send_message(encode_request(self.node_id, subscribe=subscribe, unsubscribe=unsubscribe,
+                                                         initial_versions=initial))  # fmt: skip
+            if outbox:
+                continue
+            waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+            try:
+                await asyncio.wait(waits, timeout=self.subs.next_expiry(time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    def _take(self, data: bytes) -> tuple[str, str | None]:
+        """Put one response into the store: (its nonce, the NACK message if it cannot be served,
+        in which case nothing of it is applied)."""
+        try:
+            received = decode_response(data)
+        except ValueError as e:
+            return "", self._rejected(e)
+        try:
+            now = time.monotonic()
+            resources = {name: Resource(name, version, body, decode_group(body), now)
+                         for name, version, body in received.resources}  # fmt: skip
+        except ValueError as e:
+            return received.nonce, self._rejected(e)
+        self.responses += 1
+        wanted = self.subs.wanted
+        self.store.put_resources(self.name, {n: r for n, r in resources.items() if n in wanted},
+                                 removed=[n for n in received.removed if n in wanted])  # fmt: skip
+        return received.nonce, None
+
+    def _rejected(self, e: Exception) -> str:
+        self.nacks += 1
+        log.warning("%s: rejected a response of the upstream (the last good state stays): %s", self.name, e)
+        return str(e)
+
+
+def _why(e: BaseException) -> str:
+    """A connection failure in words (no exception reprs in logs)."""
+    from grpclib.exceptions import GRPCError, StreamTerminatedError
+
+    if isinstance(e, GRPCError):
+        return f"the upstream answered {e.status.name}: {e.message or ''}".rstrip(": ")
+    if isinstance(e, StreamTerminatedError):
+        return "the upstream reset the stream"
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, ssl.SSLError):
+        return f"TLS: {e.reason or e}"
+    if isinstance(e, OSError):
+        return e.strerror or str(e) or type(e).__name__
+    return str(e) or type(e).__name__
