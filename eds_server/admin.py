@@ -121,7 +121,11 @@ def make_app(
                 for s in statuses if s["name"] in pending
             ],
         }
-        return web.json_response(body, status=200 if store.ready else 503)
+        if workers is not None:  # Envoy is served by the workers: ready once they all are
+            waiting = await workers.not_ready()
+            body["workers_not_ready"] = waiting
+            body["ready"] = store.ready and not waiting
+        return web.json_response(body, status=200 if body["ready"] else 503)
 
     async def groups(_: web.Request) -> web.Response:
         resources = store.resources()

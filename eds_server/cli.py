@@ -464,7 +464,8 @@ async def start_app(
     from .security import SecurityConfigError
     from .sources.registrations import RegistrationStateError
 
-    taken = ports.unbindable([("--listen", settings.listen), ("--admin", settings.admin),
+    listen = None if settings.reuse_port else settings.listen  # a worker shares it with the others
+    taken = ports.unbindable([("--listen", listen), ("--admin", settings.admin),
                               ("--rest-listen", settings.rest_listen), *extra_ports])  # fmt: skip
     if taken is not None:
         log.error("not starting: %s", taken)

@@ -162,7 +162,8 @@ class WorkerPool:
             aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
             session.get(f"http://worker{path}") as response,
         ):
-            response.raise_for_status()
+            if response.status != 503:  # /readyz answers 503 with a body
+                response.raise_for_status()
             if path.startswith("/metrics"):
                 return await response.text()
             return await response.json()
@@ -178,6 +179,11 @@ class WorkerPool:
                 continue
             out.append((worker, answer))
         return out
+
+    async def not_ready(self) -> list[int]:
+        """The workers not serving yet (starting, restarting, or waiting for the owner's answer)."""
+        answered = {w.index for w, r in await self._each("/readyz") if r.get("ready")}
+        return [w.index for w in self.workers if w.index not in answered]
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"worker": w.index, "pid": w.process.pid if w.process else None, "alive": w.alive,

@@ -604,6 +604,8 @@ STREAM_NAMES = ("a", "b", "c")
 class View:
     """A store stand-in whose versions are its contents (as the store's are a hash of them)."""
 
+    withholds = False
+
     def __init__(self, ready: bool) -> None:
         self.ready = ready
         self.bodies: dict[str, bytes] = {}

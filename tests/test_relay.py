@@ -93,7 +93,7 @@ async def test_origin_restart_keeps_every_cluster_and_a_change_after_it_arrives(
 
 
 async def test_relay_restart_sends_envoy_nothing_again(tmp_path: Path, backends: list[Backend]) -> None:
-    async with tiers(tmp_path, backends, "DELTA_GRPC") as (origin, relay, envoy, _):
+    async with tiers(tmp_path, backends, "DELTA_GRPC") as (_, relay, envoy, _):
         await envoy.wait_for(lambda: envoy.hosts("api-cluster"), lambda h: len(h) == 1)
         updates = "cluster.web.update_success"
         before = (await envoy.stats(updates))[updates]

@@ -11,6 +11,8 @@ from eds_server.xds.sotw import Request, SotwStream
 
 
 class View:
+    withholds = False
+
     def __init__(self) -> None:
         self.ready = True
         self.bodies: dict[str, bytes] = {}

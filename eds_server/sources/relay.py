@@ -275,6 +275,8 @@ class RelaySource:
             finally:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
+                with contextlib.suppress(Exception):
+                    await stream.cancel()  # ends our half: grpclib refuses to leave a stream open
 
     async def _write(self, stream: Stream[bytes, bytes], stop: asyncio.Event, outbox: list[bytes]) -> None:
         """Everything sent after the first request: answers, subscription changes as they come,
