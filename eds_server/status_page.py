@@ -20,6 +20,7 @@ MOST_GROUPS = 200
 MOST_ENDPOINTS = 50  # per group
 MOST_STREAMS = 200
 MOST_NAMES = 20  # per stream
+MOST_HOSTNAME_CHARS = 80  # a label's text is unbounded; the group's JSON has all of it
 REFRESH_SECONDS = 5
 
 _CSS = """
@@ -45,6 +46,18 @@ def _e(value: object) -> str:
 def _health(value: str) -> str:
     css = {"healthy": "ok", "unknown": "ok", "degraded": "warn", "draining": "warn"}.get(value, "bad")
     return f'<span class="{css}">{_e(value)}</span>'
+
+
+def _hostname(ep: Mapping[str, Any]) -> str:
+    """Which container, Swarm task or pod an address is (the Docker, Swarm and Kubernetes sources keep
+    its name as Envoy's endpoint hostname, unless an `eds.hostname` label says otherwise): an IP alone
+    says nothing once containers come and go."""
+    name = str(ep.get("hostname") or "")
+    if not name:
+        return '<span class="muted">-</span>'
+    if len(name) > MOST_HOSTNAME_CHARS:
+        name = name[: MOST_HOSTNAME_CHARS - 1] + "\u2026"
+    return _e(name)
 
 
 def _locality(ep: Mapping[str, Any]) -> str:
@@ -128,12 +141,13 @@ def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[M
         rows = []
         for ep in eps[:MOST_ENDPOINTS]:
             address = f"[{ep['address']}]" if ":" in str(ep["address"]) else str(ep["address"])
-            cells = (f'<td class="mono">{_e(address)}:{_e(ep["port"])}</td><td>{_health(str(ep["health"]))}</td>'
+            cells = (f'<td class="mono">{_e(address)}:{_e(ep["port"])}</td>'
+                     f'<td class="mono hostname">{_hostname(ep)}</td><td>{_health(str(ep["health"]))}</td>'
                      f'<td>{_locality(ep)}</td><td>{_e(ep.get("weight", "-"))}</td><td>{_e(ep.get("priority", 0))}</td>'
                      f'<td class="mono">{_e(ep.get("source") or "-")}</td>')  # fmt: skip
             rows.append(("", cells))
         if rows:
-            parts.append(_table(("endpoint", "health", "locality", "weight", "priority", "source"), rows))
+            parts.append(_table(("endpoint", "hostname", "health", "locality", "weight", "priority", "source"), rows))
         parts.append(_cut(MOST_ENDPOINTS, len(eps), link) + "</section>")
     parts.append(_cut(min(MOST_GROUPS, len(groups)), total, "/v1/groups"))
     return "".join(parts)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import ast
 import fnmatch
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,6 +35,8 @@ COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 ENVOY_CONFIGS = sorted((ROOT / "envoy").glob("*.yaml"))  # what test_envoy_configs.py validates
 EXACT_TAG = re.compile(r"^[a-z0-9./_-]+:v?\d+\.\d+\.\d+(-[a-z0-9.-]+)?$")
+PROJECT = "eds-server"  # compose's project name: the directory's, as cloned (compose.yaml has no `name:`)
+DOCKER_COMPOSE_V1 = shutil.which("docker-compose")
 
 
 # -- Dockerfile ---------------------------------------------------------------------------------
@@ -250,6 +254,7 @@ BACKENDS = {name: s for name, s in SERVICES.items() if "eds.group" in labels_of(
 
 def test_compose_file_shape() -> None:
     assert "version" not in COMPOSE, "the Compose spec has no `version:`"
+    assert "name" not in COMPOSE, "Compose v1 (Debian 12's docker-compose 1.29) refuses a top-level `name:`"
     assert {"eds-server", "envoy", "web", "api"} <= SERVICES.keys()
     assert set(BACKENDS) == {"web", "api"}
 
@@ -345,9 +350,9 @@ def test_backend_labels_give_an_endpoint(service: str) -> None:
         host_address=args.docker_host_address,
         address_mode=args.docker_address_mode,
     )
-    network = f"{COMPOSE['name']}_default"
+    network = f"{PROJECT}_default"
     inspect = {
-        "Id": "0123456789abcdef", "Name": f"/eds-demo-{service}-1",
+        "Id": "0123456789abcdef", "Name": f"/{PROJECT}-{service}-1",
         "State": {"Status": "running", "Running": True},
         "Config": {"Labels": labels_of(SERVICES[service]), "ExposedPorts": {"80/tcp": {}}},
         "HostConfig": {"NetworkMode": network},
@@ -356,7 +361,7 @@ def test_backend_labels_give_an_endpoint(service: str) -> None:
     found = container_endpoints(inspect, options)
     assert found.warning is None, found.warning
     assert found.endpoints == {
-        service: Endpoint("172.18.0.5", 80, health=Health.HEALTHY, hostname=f"eds-demo-{service}-1")
+        service: Endpoint("172.18.0.5", 80, health=Health.HEALTHY, hostname=f"{PROJECT}-{service}-1")
     }
 
 
@@ -367,12 +372,47 @@ def test_envoy_reaches_eds_server_and_is_published() -> None:
     sock = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     listen = build_parser().parse_args(command_of(SERVICES["eds-server"])).listen
     assert sock["address"] == "eds-server" in SERVICES and sock["port_value"] == listen[1]
-    # Envoy's listener and admin listen on 0.0.0.0 in the container, and compose publishes both.
+    # Envoy's listener listens on 0.0.0.0 in the container, and compose publishes it.
     listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
-    admin = config["admin"]["address"]["socket_address"]
     published = {int(str(p).rsplit(":", 1)[1]) for p in SERVICES["envoy"]["ports"]}
-    for sa in (listener, admin):
-        assert sa["address"] == "0.0.0.0" and sa["port_value"] in published
+    assert listener["address"] == "0.0.0.0" and listener["port_value"] in published
+
+
+def test_envoy_admin_is_neither_reachable_from_the_backends_nor_published() -> None:
+    """The admin has no authentication (/config_dump, POST /quitquitquit) and the backends share
+    Envoy's network: it listens on the container's 127.0.0.1. Publishing it would not help (Docker
+    forwards a published port to the container's network address), so it is not published; the
+    healthcheck runs inside the container (tests/test_envoy_configs.py runs it against a real Envoy)."""
+    admin = _envoy_config()["admin"]["address"]["socket_address"]
+    assert admin["address"] == "127.0.0.1"
+    service = SERVICES["envoy"]
+    published = {int(str(p).rsplit(":", 1)[1].split("/")[0]) for p in service["ports"]}
+    assert admin["port_value"] not in published
+    assert f"127.0.0.1/{admin['port_value']}" in service["healthcheck"]["test"][-1]
+
+
+@pytest.mark.skipif(DOCKER_COMPOSE_V1 is None and not os.environ.get("CI"),
+                    reason="needs Compose v1: apt-get install docker-compose (.ci/run does)")
+def test_compose_v1_accepts_the_file(tmp_path: Path) -> None:
+    """Debian 12 packages Compose v1 (docker-compose 1.29) only: its own validation of the file, and
+    what it makes of it (no Docker engine needed)."""
+    assert DOCKER_COMPOSE_V1 is not None, "docker-compose missing: .ci/run installs it"
+    env = {**os.environ, "DOCKER_GID": "999"}
+    env.pop("COMPOSE_PROJECT_NAME", None)
+    (tmp_path / "empty.env").write_text("")  # not the checkout's .env, which may set DOCKER_GID (docs/docker.md)
+    cmd = [DOCKER_COMPOSE_V1, "--project-directory", str(ROOT), "-f", str(ROOT / "compose.yaml"),
+           "--env-file", str(tmp_path / "empty.env"), "config"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)["services"]
+    assert resolved["eds-server"]["group_add"] == ["999"]
+    assert resolved["envoy"]["depends_on"]["eds-server"]["condition"] == "service_healthy"
+    assert resolved["envoy"]["healthcheck"]["test"] == SERVICES["envoy"]["healthcheck"]["test"]
+    assert resolved["web"]["deploy"]["replicas"] == SERVICES["web"]["deploy"]["replicas"]
+    # without DOCKER_GID, v1 refuses to start too, with the file's message
+    env.pop("DOCKER_GID")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode != 0 and "set DOCKER_GID" in out.stderr
 
 
 def test_envoy_routes() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,10 @@ except FileNotFoundError:  # pragma: no cover
 
 pytestmark = pytest.mark.envoy
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "envoy"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = ROOT / "envoy"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+DEMO_COPY = ROOT / "eds_server" / "demo_files" / "envoy.yaml"  # what `eds-server demo` runs
 TLS_DIR = "/etc/envoy/tls/"  # where envoy-mtls.yaml reads Envoy's certificate, key and the server CA
 
 
@@ -64,6 +68,67 @@ async def test_demo_config_runs() -> None:
         assert await envoy.hosts("api-cluster") == []
         config_dump = await envoy.admin_get("/config_dump?resource=static_clusters")
         assert '"service_name": "api"' in config_dump
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, DEMO_COPY], ids=lambda p: str(p.relative_to(ROOT)))
+def test_admin_is_on_loopback(config: Path) -> None:
+    """Envoy's admin has no authentication: whoever reaches it reads /config_dump and can POST
+    /quitquitquit. In the compose stack the backends share a network with Envoy, so 0.0.0.0 there
+    would hand it to every backend."""
+    admin = yaml.safe_load(config.read_text())["admin"]["address"]["socket_address"]
+    assert ipaddress.ip_address(admin["address"]).is_loopback, f"{config.name}: admin on {admin['address']}"
+
+
+def _on_free_ports(config: Path) -> dict[str, Any]:
+    """A shipped config with every port free and everything on 127.0.0.1, except the admin, whose
+    address is kept as shipped (port 0: the harness learns it)."""
+    boot = yaml.safe_load(config.read_text())
+    admin = boot["admin"]["address"]["socket_address"]
+    for sock in _socket_addresses(boot):
+        if sock is admin:
+            sock["port_value"] = 0
+        else:
+            sock["address"], sock["port_value"] = "127.0.0.1", free_port()  # compose's "eds-server", 0.0.0.0
+    return boot
+
+
+def _connects(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "compose-envoy.yaml"])
+async def test_admin_answers_on_loopback_and_nowhere_else(name: str) -> None:
+    """A real Envoy from the shipped config: the admin answers on 127.0.0.1, and another address of
+    the same host (127.0.0.2 is on lo too) is refused, as a container's network address would be."""
+    async with EnvoyProcess(_on_free_ports(CONFIG_DIR / name)) as envoy:
+        host, _, port = envoy.admin_url.removeprefix("http://").rpartition(":")
+        assert host == "127.0.0.1"
+        assert "state" in await envoy.admin_get("/server_info")
+        assert not _connects("127.0.0.2", int(port))
+        assert _connects("127.0.0.1", int(port))
+
+
+def _compose_healthcheck(admin_port: int) -> list[str]:
+    test = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["envoy"]["healthcheck"]["test"]
+    assert test[0] == "CMD" and "127.0.0.1/9901" in test[-1]
+    return [*test[1:-1], test[-1].replace("127.0.0.1/9901", f"127.0.0.1/{admin_port}")]
+
+
+async def test_compose_healthcheck_asks_the_loopback_admin() -> None:
+    """The compose healthcheck runs inside the Envoy container, the one place that reaches its
+    admin: 0 once Envoy is LIVE, 1 (never Docker's reserved 2) before, when /ready answers 503, and with
+    nothing listening."""
+    async with EnvoyProcess(_on_free_ports(CONFIG_DIR / "compose-envoy.yaml")) as envoy:
+        port = int(envoy.admin_url.rpartition(":")[2])
+        if not await envoy.is_live():  # initial_fetch_timeout: eds-server is not there
+            assert subprocess.run(_compose_healthcheck(port), timeout=30).returncode == 1
+        await envoy.wait_live()
+        assert subprocess.run(_compose_healthcheck(port), timeout=30).returncode == 0
+    assert subprocess.run(_compose_healthcheck(free_port()), capture_output=True, timeout=30).returncode == 1
 
 
 def _demo_bootstrap(xds_port: int, retries: bool) -> dict[str, Any]:

@@ -20,13 +20,16 @@ from server_process import EdsServerProcess
 from xds_client import nacking_client
 
 from eds_server import status_page
+from eds_server.model import endpoint_json
 from eds_server.serving_state import serving_state
+from eds_server.sources.containers import DockerOptions, container_endpoints
 
 pytestmark = pytest.mark.envoy
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE_GROUP = '<i>odd</i>&"group'
 HOSTILE_NODE = "<img src=x onerror=alert(1)>"
+HOSTILE_HOSTNAME = "<s>web</s>-{}"  # an eds.hostname label, or the file's hostname: any text
 NACK_MESSAGE = "<b>rejected</b> by the status page test"
 TOKEN = "status-page-test-token"
 READY = serving_state(True, [])
@@ -47,7 +50,8 @@ def chromium(tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str
 def upstreams(web: list[Backend], api: list[Backend]) -> str:
     return (
         "groups:\n  web:\n    endpoints:\n"
-        + "".join(f"      - {{address: 127.0.0.1, port: {b.port}, zone: eu-west-1a, weight: 2}}\n" for b in web)
+        + "".join(f"      - {{address: 127.0.0.1, port: {b.port}, zone: eu-west-1a, weight: 2, "
+                  f"hostname: {json.dumps(HOSTILE_HOSTNAME.format(i))}}}\n" for i, b in enumerate(web))
         + f"  api:\n    endpoints: [127.0.0.1:{api[0].port}]\n"
         + f"  {json.dumps(HOSTILE_GROUP)}:\n    endpoints: [127.0.0.1:1]\n"
     )
@@ -89,6 +93,10 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
     assert web_version in web and "3 endpoints" in web and "1 endpoint ·" in _group(page, "api")
     assert web.count("eu-west-1a") == 2 and "eu-west-1" in web and web.count(">2</td>") == 2
     assert "127.0.0.2:8080" in web and "registrations" in web and f"file:{path}" in web
+    # each endpoint's hostname (a container's name, with Docker) next to its address, as text
+    for i, b in enumerate(backends[:2]):
+        assert re.search(rf"127\.0\.0\.1:{b.port}</td><td class=\"mono hostname\">&lt;s&gt;web&lt;/s&gt;-{i}</td>", web)
+    assert "<s>" not in page
     # the NACKed group says so, with the client's message, escaped
     api = _group(page, "api")
     assert "NACKed by" in api and "&lt;b&gt;rejected&lt;/b&gt; by the status page test" in api
@@ -202,3 +210,26 @@ def test_registrations_show_their_ttl_and_expiry() -> None:
     assert "30 s, expires in 12 s" in html and "vm-&lt;1&gt;" in html and "10.0.0.5:80" in html
     assert 'href="/v1/registrations"' in html  # 1 of 250 shown: the rest are a link away
     assert status_page._registrations(None, 0) == ""
+
+
+def test_a_containers_name_is_shown_next_to_its_address() -> None:
+    """With Docker, an address says little (containers come and go, IPs are reused): the page names
+    the container, as the Docker source keeps it (Swarm: the task, Kubernetes: the pod)."""
+    inspect = {
+        "Id": "0123456789abcdef", "Name": "/eds-server-web-2",
+        "State": {"Status": "running", "Running": True},
+        "Config": {"Labels": {"eds.group": "web", "eds.port": "80"}},
+        "HostConfig": {"NetworkMode": "eds-server_default"},
+        "NetworkSettings": {"Networks": {"eds-server_default": {"IPAddress": "172.18.0.5"}}},
+    }  # fmt: skip
+    found = container_endpoints(inspect, DockerOptions())
+    endpoints = [{**endpoint_json(found.endpoints["web"]), "source": "docker"}]
+    unnamed = {"address": "10.0.0.9", "port": 80, "health": "healthy", "source": "file:u"}
+    long_name = {**unnamed, "address": "10.0.0.10", "hostname": "x" * 500}
+    group = {"name": "web", "version": "v1", "sources": ["docker"], "endpoints": [*endpoints, unnamed, long_name]}
+    page = status_page.render(version="1", state=READY, sources=[], groups=[group], total_groups=1,
+                              total_endpoints=3, streams=[], stats={})  # fmt: skip
+    assert '172.18.0.5:80</td><td class="mono hostname">eds-server-web-2</td>' in page
+    assert '10.0.0.9:80</td><td class="mono hostname"><span class="muted">-</span></td>' in page
+    cut = "x" * (status_page.MOST_HOSTNAME_CHARS - 1) + "\u2026"
+    assert f'10.0.0.10:80</td><td class="mono hostname">{cut}</td>' in page and "x" * 100 not in page
