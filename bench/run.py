@@ -3,7 +3,8 @@
     .venv/bin/python bench/run.py [--quick] [--only NAME[,NAME]] [--clients N] [--profile]
                                   [--peer COMMAND] [--rounds N]
 
-Scenarios (NAME): fanout, churn, memory, storm, big, and sidebyside (bench/sidebyside.py: eds-server
+Scenarios (NAME): fanout, churn, memory, storm, big, cores (bench/cores.py: --workers 1 and 2, two
+tiers, and --peer, unpinned; by default only with --peer) and sidebyside (bench/sidebyside.py: eds-server
 and --peer COMMAND, any server taking `serve --upstreams FILE --listen HOST:PORT [--admin
 HOST:PORT]`, both driven through the file, interleaved over --rounds; it runs by default only when
 --peer is given). Each starts a fresh server (bench/server.py,
@@ -55,6 +56,7 @@ class Config:
     peer: str = ""
     rounds: int = 3
     shapes: str = ""  # side-by-side shapes to run: comma list of numbers (1-5), all if empty
+    debounce: str = ""  # eds-server's --debounce in the cores scenario ("": its default)
 
     def size(self, full: int) -> int:
         return max(1, full // 10) if self.quick else full
@@ -398,9 +400,15 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
     return run(cfg)
 
 
+def scenario_cores(cfg: Config) -> dict[str, Any]:
+    from cores import scenario_cores as run  # imports this module
+
+    return run(cfg)
+
+
 SCENARIOS: dict[str, Callable[[Config], dict[str, Any]]] = {
     "fanout": scenario_fanout, "churn": scenario_churn, "memory": scenario_memory,
-    "storm": scenario_storm, "big": scenario_big, "sidebyside": scenario_sidebyside,
+    "storm": scenario_storm, "big": scenario_big, "sidebyside": scenario_sidebyside, "cores": scenario_cores,
 }  # fmt: skip
 
 
@@ -465,8 +473,9 @@ def main() -> None:
                    help="another xDS server's command (shell words), run side by side with eds-server")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side scenario")
     p.add_argument("--shapes", default="", help="side-by-side shapes to run, e.g. 2,3 (default: all five)")
+    p.add_argument("--debounce", default="", help="eds-server's --debounce in the cores scenario (default: its own)")
     args = p.parse_args()
-    default = [n for n in SCENARIOS if n != "sidebyside" or args.peer]
+    default = [n for n in SCENARIOS if n not in ("sidebyside", "cores") or args.peer]
     names = [n for n in args.only.split(",") if n] or default
     for n in names:
         if n not in SCENARIOS:
@@ -474,7 +483,8 @@ def main() -> None:
     os.sched_setaffinity(0, set(CLIENT_CORES))
     out = HERE / "results" / ("profile" if args.profile else "") / ("quick" if args.quick else "")
     cfg = Config(
-        args.quick, args.clients, args.node_bytes, args.profile, out, args.peer, max(1, args.rounds), args.shapes
+        args.quick, args.clients, args.node_bytes, args.profile, out, args.peer, max(1, args.rounds), args.shapes,
+        args.debounce,
     )
 
     def too_long(*_: Any) -> None:
@@ -483,7 +493,7 @@ def main() -> None:
     signal.signal(signal.SIGALRM, too_long)
     results: dict[str, dict[str, Any]] = {}
     for n in names:
-        signal.alarm(args.time_limit * (args.rounds * 2 if n == "sidebyside" else 1))  # per round and server
+        signal.alarm(args.time_limit * (args.rounds * 2 if n in ("sidebyside", "cores") else 1))  # per round and server
         started = time.monotonic()
         results[n] = SCENARIOS[n](cfg)
         signal.alarm(0)

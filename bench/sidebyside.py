@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from run import CLIENT_CORES, SERVER_CORE, Config, Workers, profiled, table
+from run import CLIENT_CORES, CORES, SERVER_CORE, Config, Workers, profiled, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from envoy_harness import free_port
@@ -80,13 +80,20 @@ def upstreams_text(weights: list[int]) -> str:
 class Served:
     """A server process under test, measured from outside."""
 
-    def __init__(self, command: list[str], upstreams: Path, log: IO[str]) -> None:
-        self.port, admin = free_port(), free_port()
-        args = [*command, "serve", "--upstreams", str(upstreams), "--listen", f"127.0.0.1:{self.port}",
-                "--admin", f"127.0.0.1:{admin}"]  # fmt: skip
+    def __init__(
+        self, command: list[str], upstreams: Path | None, log: IO[str], extra: list[str] | None = None,
+        pin: bool = True,
+    ) -> None:  # fmt: skip
+        """`extra`: more arguments (e.g. `--workers 2`, `--upstream-eds ...` with no upstreams file);
+        `pin`: on the server core (else on every core, as users run it)."""
+        self.port, self.admin = free_port(), free_port()
+        admin = self.admin
+        args = [*command, "serve", *(["--upstreams", str(upstreams)] if upstreams else []),
+                "--listen", f"127.0.0.1:{self.port}", "--admin", f"127.0.0.1:{admin}", *(extra or [])]  # fmt: skip
+        cores = {SERVER_CORE} if pin else set(CORES)
         self.p = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, **PER_IP_ENV},
-            preexec_fn=lambda: os.sched_setaffinity(0, {SERVER_CORE}),
+            preexec_fn=lambda: os.sched_setaffinity(0, cores),
         )  # fmt: skip
         for _ in range(600):  # bounded: 60 s
             if self.p.poll() is not None:
@@ -97,16 +104,33 @@ class Served:
             time.sleep(0.1)
         raise RuntimeError(f"{args!r} never listened")
 
-    def cpu(self) -> float:
-        """CPU seconds of every thread, in nanosecond resolution (getrusage ticks are 10 ms)."""
-        total = 0
-        task_dir = f"/proc/{self.p.pid}/task"
-        for tid in os.listdir(task_dir):
+    def pids(self) -> list[int]:
+        """The server's process and its children (the workers of `--workers N`)."""
+        out = [self.p.pid]
+        for pid in out:  # grows as children are found
             try:
-                with open(f"{task_dir}/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        out.extend(int(c) for c in f.read().split())
             except OSError:
-                pass  # the thread ended meanwhile
+                pass  # ended meanwhile
+        return out
+
+    def cpu(self) -> float:
+        """CPU seconds of every thread of every process, in nanosecond resolution (getrusage ticks are 10 ms)."""
+        total = 0
+        for pid in self.pids():
+            task_dir = f"/proc/{pid}/task"
+            try:
+                tids = os.listdir(task_dir)
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"{task_dir}/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except OSError:
+                    pass  # the thread ended meanwhile
         return total / 1e9
 
     def user_sys(self) -> tuple[float, float]:
@@ -117,8 +141,11 @@ class Served:
         return int(fields[11]) / tick, int(fields[12]) / tick
 
     def rss(self) -> int:
-        with open(f"/proc/{self.p.pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return total
 
     def settle(self, limit: float = 5.0) -> None:
         """Until the server's CPU stops moving (ACKs processed, buffers flushed), bounded."""

@@ -1,0 +1,190 @@
+"""Every core, and a second tier: eds-server with --workers 1 and 2, two tiers, and a peer, side by side.
+
+    .venv/bin/python bench/run.py --only cores [--peer COMMAND] [--rounds 2] [--quick]
+
+Each server runs unpinned (every core of this machine, as users run it), the load generators on
+the client core(s) as in every scenario; configurations are interleaved round by round, so drift in
+the machine hits each alike. Per shape and configuration, medians over rounds of:
+
+- connect: from opening every stream to every stream holding its first response;
+- delivery p50/p99: from just before the upstreams file is renamed to each stream's receipt of the
+  response carrying the change (CLOCK_MONOTONIC in both processes), over every stream and change;
+- CPU per change: CPU of every process of the server (the owner and its workers; both tiers) from
+  the change until each stream has it and the CPU settles; for two tiers also the origin's share;
+- RSS per stream: all its processes' RSS with the streams open and idle, less before, per stream.
+
+"two tiers" is an origin (upstreams file) and a relay (`--upstream-eds`) that the streams reach:
+its latency less one tier's is the cost of a hop.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import statistics
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from run import CORES, Config, Workers, table
+from sidebyside import EDS_SERVER, IDLE_WAIT, PER_CONN, Served, upstreams_text, write_atomically
+
+
+@dataclass(frozen=True)
+class CoreShape:
+    name: str
+    streams: int
+    endpoints: int
+    changes: int
+
+
+SHAPES = [
+    CoreShape("1k streams x 1k eps", 1000, 1000, 5),
+    CoreShape("10k streams x 1k eps", 10_000, 1000, 3),
+]
+BIG = CoreShape("20k streams x 1k eps, --workers 2", 20_000, 1000, 2)
+
+
+def wait_ready(server: Served, limit: float = 60.0) -> None:
+    """Until eds-server's /readyz says 200 (with workers: every worker listens), bounded."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.admin}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("eds-server never became ready")
+
+
+def configurations(peer: list[str] | None) -> dict[str, list[str] | None]:
+    out: dict[str, list[str] | None] = {"eds --workers 1": [], "eds --workers 2": ["--workers", "2"],
+                                        "eds two tiers": None}  # fmt: skip
+    if peer:
+        out["peer"] = peer
+    return out
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def one_round(
+    cfg: Config, shape: CoreShape, name: str, extra: list[str] | None, peer: list[str] | None
+) -> dict[str, Any]:
+    streams, endpoints = cfg.size(shape.streams), cfg.size(shape.endpoints)
+    work = cfg.out / "cores"
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "upstreams.yaml"
+    weights = [1] * endpoints
+    write_atomically(path, upstreams_text(weights))
+    tuning = ["--debounce", cfg.debounce] if cfg.debounce else []
+    with open(work / f"{name.replace(' ', '_')}.log", "a") as log:
+        origin: Served | None = None
+        if name == "peer":
+            assert peer is not None
+            server = Served(peer, path, log, pin=False)
+        elif extra is None:  # two tiers: the streams reach the relay
+            origin = Served(EDS_SERVER, path, log, extra=tuning, pin=False)
+            wait_ready(origin)
+            server = Served(EDS_SERVER, None, log, extra=["--upstream-eds", f"127.0.0.1:{origin.port}"], pin=False)
+        else:
+            server = Served(EDS_SERVER, path, log, extra=[*extra, *tuning], pin=False)
+        workers = Workers(max(1, min(cfg.clients, math.ceil(streams / 1000))), cfg.node_bytes, log)
+        try:
+            if name != "peer":
+                wait_ready(server)
+            server.settle()
+            rss0 = server.rss()
+            t0 = time.monotonic()
+            workers.open(server.port, ["g0"] * streams, False, per_conn=PER_CONN)
+            missing = sum(r["remaining"] for r in workers.all(
+                [{"cmd": "wait", "counts": {"g0": 1}, "timeout": 180}] * len(workers.procs)))  # fmt: skip
+            connect = time.monotonic() - t0
+            if missing:
+                raise RuntimeError(f"{name}: {missing} streams never got a first response")
+            server.settle()
+            time.sleep(IDLE_WAIT)
+            rss1 = server.rss()
+            workers.dump(clear=True)
+            cpus, origin_cpus, latencies = [], [], []
+            for k in range(1, shape.changes + 1):
+                base = min(r["g0"] for r in workers.all([{"cmd": "counts"}] * len(workers.procs)))
+                c0 = server.cpu()
+                o0 = origin.cpu() if origin else 0.0
+                weights[k % endpoints] = k + 1
+                t_change = time.monotonic_ns()
+                write_atomically(path, upstreams_text(weights))
+                missing = sum(r["remaining"] for r in workers.all(
+                    [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)))  # fmt: skip
+                if missing:
+                    raise RuntimeError(f"{name}: change {k} missed {missing} streams")
+                server.settle()
+                if origin:
+                    origin.settle()
+                    origin_cpus.append(origin.cpu() - o0)
+                cpus.append(server.cpu() - c0 + (origin_cpus[-1] if origin else 0.0))
+                for _, recv, _ in workers.dump(clear=True)["streams"]:
+                    after = [t for _, t in recv if t >= t_change]
+                    if after:
+                        latencies.append((min(after) - t_change) / 1e9)
+            errors = workers.dump()["n_errors"]
+            if errors:
+                raise RuntimeError(f"{name}: {errors} stream errors (refused, reset or ended early)")
+        finally:
+            workers.stop()
+            server.stop()
+            if origin:
+                origin.stop()
+    return {"connect_s": connect, "p50_s": quantile(latencies, 0.5), "p99_s": quantile(latencies, 0.99),
+            "cpu_per_change_s": statistics.median(cpus),
+            "origin_cpu_per_change_s": statistics.median(origin_cpus) if origin_cpus else None,
+            "rss_per_stream_b": (rss1 - rss0) / streams}  # fmt: skip
+
+
+def scenario_cores(cfg: Config) -> dict[str, Any]:
+    peer = shlex.split(cfg.peer) if cfg.peer else None
+    configs = configurations(peer)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n in configs} for s in SHAPES}
+    for r in range(cfg.rounds):
+        for shape in SHAPES:
+            for name, extra in configs.items():
+                got = one_round(cfg, shape, name, extra, peer)
+                results[shape.name][name].append(got)
+                print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: connect {got['connect_s']:.2f} s, "
+                      f"p50 {got['p50_s'] * 1000:.0f} ms, p99 {got['p99_s'] * 1000:.0f} ms, "
+                      f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change", flush=True)  # fmt: skip
+    big = one_round(cfg, BIG, "eds --workers 2", ["--workers", "2"], peer)
+    print(f"  {BIG.name}: {big['rss_per_stream_b'] / 1000:.1f} KB per stream", flush=True)
+    rows = [("shape", "server", "connect s", "p50 ms", "p99 ms", "CPU/change ms", "KB/stream")]
+    out: dict[str, Any] = {"cores": len(CORES), "rounds": cfg.rounds, "peer": cfg.peer, "shapes": {}, "big": big,
+                           "debounce": cfg.debounce or "default"}  # fmt: skip
+    for shape in SHAPES:
+        out["shapes"][shape.name] = {}
+        for name in configs:
+            runs = results[shape.name][name]
+
+            def med(key: str, runs: list[dict[str, Any]] = runs) -> float:
+                return statistics.median(x[key] for x in runs)
+
+            figures = {k: med(k) for k in ("connect_s", "p50_s", "p99_s", "cpu_per_change_s", "rss_per_stream_b")}
+            if name == "eds two tiers":
+                figures["origin_cpu_per_change_s"] = med("origin_cpu_per_change_s")
+            out["shapes"][shape.name][name] = {**figures, "rounds": runs}
+            rows.append((shape.name, name, f"{figures['connect_s']:.2f}", f"{figures['p50_s'] * 1000:.0f}",
+                         f"{figures['p99_s'] * 1000:.0f}", f"{figures['cpu_per_change_s'] * 1000:.0f}",
+                         f"{figures['rss_per_stream_b'] / 1000:.1f}"))  # fmt: skip
+    rows.append((BIG.name, "eds --workers 2", f"{big['connect_s']:.2f}", f"{big['p50_s'] * 1000:.0f}",
+                 f"{big['p99_s'] * 1000:.0f}", f"{big['cpu_per_change_s'] * 1000:.0f}",
+                 f"{big['rss_per_stream_b'] / 1000:.1f}"))  # fmt: skip
+    table(f"every core ({len(CORES)} here, servers unpinned), eds-server --debounce {cfg.debounce or '50ms'}, "
+          f"medians of {cfg.rounds} interleaved rounds"
+          + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)  # fmt: skip
+    return out
+
