@@ -227,6 +227,10 @@ class Store:
     def resources(self) -> Mapping[str, Resource]:
         return self._resources
 
+    def unanswered(self, names: Iterable[str]) -> list[str]:
+        """Of `names`, those a withholding (relay) store has nothing for yet; [] for any other store."""
+        return [n for n in names if n not in self._resources] if self.withholds else []
+
     def sources_of(self, name: str) -> list[str]:
         return [s for s, groups in self._by_source.items() if name in groups]
 

@@ -126,3 +126,32 @@ async def test_relay_whose_upstream_never_answered_serves_nothing_and_says_why(t
         await asyncio.sleep(2.0)
         assert await envoy.hosts("web") == []
         assert (await envoy.stats("cluster.web.update_success"))["cluster.web.update_success"] == 0
+
+
+async def test_relay_fetch_answers_the_names_its_streams_follow_and_unavailable_for_others(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
+    from grpclib.client import Channel
+    from grpclib.const import Status
+    from grpclib.exceptions import GRPCError
+
+    from eds_server.pb.envoy.config.core.v3 import Node
+    from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest
+    from eds_server.pb.envoy.service.endpoint.v3 import EndpointDiscoveryServiceStub
+    from eds_server.xds.common import EDS_TYPE_URL
+
+    async with tiers(tmp_path, backends, "GRPC") as (origin, relay, _, _):
+        channel = Channel("127.0.0.1", relay.port)
+        try:
+            stub = EndpointDiscoveryServiceStub(channel)
+
+            def ask(name: str) -> DiscoveryRequest:
+                return DiscoveryRequest(node=Node(id="poller"), resource_names=[name], type_url=EDS_TYPE_URL)
+
+            answer = await stub.fetch_endpoints(ask("web"))  # Envoy's stream follows it
+            assert answer.version_info == await origin_version(origin, "web")
+            with pytest.raises(GRPCError) as refused:
+                await stub.fetch_endpoints(ask("nobody-follows-this"))
+            assert refused.value.status == Status.UNAVAILABLE
+        finally:
+            channel.close()

@@ -244,7 +244,10 @@ class EdsService:
                             node_id, cluster, _peer(stream), access, names_shown(refused))  # fmt: skip
                 raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {names_shown(refused)}")
         await self._ready.wait()
-        resources = [self.store.get(n) for n in dict.fromkeys(req.resource_names) if n != WILDCARD]
+        names = [n for n in dict.fromkeys(req.resource_names) if n != WILDCARD]
+        if missing := self.store.unanswered(names):  # a relay: only names its streams follow are held
+            raise GRPCError(Status.UNAVAILABLE, f"not received from the upstream eds-server: {names_shown(missing)}")
+        resources = [self.store.get(n) for n in names]
         version = response_version(resources) if resources else ""
         await stream.send_message(wire.discovery_response(version, resources, ""))
 

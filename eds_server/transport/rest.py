@@ -52,7 +52,11 @@ def make_rest_app(store: Store, limits: Limits, max_body: int) -> web.Applicatio
             return web.json_response({"message": "not a DiscoveryRequest: JSON nested too deeply"}, status=400)
         if not store.ready:
             return web.json_response({"message": "sources not loaded yet"}, status=503)
-        resources = [store.get(n) for n in dict.fromkeys(names) if n != WILDCARD]  # EDS has no wildcard
+        wanted = [n for n in dict.fromkeys(names) if n != WILDCARD]  # EDS has no wildcard
+        if missing := store.unanswered(wanted):  # a relay: only names its streams follow are held
+            return web.json_response({"message": f"not received from the upstream eds-server: {missing[:10]}"},
+                                     status=503)  # fmt: skip
+        resources = [store.get(n) for n in wanted]
         current = response_version(resources) if resources else ""
         if version and version == current:
             return web.Response(status=304)
