@@ -86,6 +86,11 @@ async def test_connections_land_on_both_workers_and_every_envoy_gets_every_chang
             assert f'eds_group_info{{group="web",version="{changed}"}} 1.0' in metrics
             assert "eds_workers_alive 2.0" in metrics
             assert 'eds_streams_open{transport="sotw"} 3.0' in metrics  # the Envoys', not the workers' links
+        pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
+        assert await server.stop() == 0  # the owner drains its workers, then stops
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
 
 
 async def test_a_killed_worker_empties_no_cluster_and_its_envoys_come_back(
