@@ -43,6 +43,42 @@ class Resource:
     changed_at: float = 0.0  # time.monotonic() when this version entered the store
 
 
+_GROUP = Resource.__dict__["group"]  # the slot, below the property that shadows it in Relayed
+
+
+class Relayed(Resource):
+    """A resource as a relay's upstream encoded it. Its Group is decoded when something asks for it
+    (the admin pages, metrics), not on every change in every relay and worker: streams only send
+    its bytes."""
+
+    __slots__ = ("_decode",)
+    _decode: Callable[[bytes], Group]
+
+    @classmethod
+    def make(cls, name: str, version: str, body: bytes, changed_at: float, decode: Callable[[bytes], Group]) -> Relayed:
+        out = object.__new__(cls)  # the frozen dataclass's __init__ would set `group` through the property
+        for field_name, value in (("name", name), ("version", version), ("body", body), ("changed_at", changed_at)):
+            Resource.__dict__[field_name].__set__(out, value)
+        _GROUP.__set__(out, None)
+        object.__setattr__(out, "_decode", decode)
+        return out
+
+    @property
+    def group(self) -> Group:
+        group = _GROUP.__get__(self)
+        if group is None:
+            try:
+                group = self._decode(self.body)
+            except ValueError as e:
+                log.warning("group %s: cannot read what the upstream sent (it is served as sent): %s", self.name, e)
+                group = Group(self.name)
+            _GROUP.__set__(self, group)
+        return group  # type: ignore[no-any-return]
+
+
+_RELAYED = Group("")  # a relay source's entry for a name: its group is the resource's own
+
+
 class Store:
     def __init__(self, encode: Encoder) -> None:
         self._encode = encode
@@ -107,7 +143,7 @@ class Store:
         changed = []
         for name, resource in resources.items():
             current = self._resources.get(name)
-            groups[name] = resource.group
+            groups[name] = _RELAYED
             if current is None or current.version != resource.version:
                 self._resources[name] = resource
                 changed.append(name)
@@ -238,7 +274,10 @@ class Store:
         """Which source gave each endpoint of a group (the first one, as in merging)."""
         out: dict[tuple[str, int], str] = {}
         for source, groups in self._by_source.items():
-            for ep in groups[name].endpoints if name in groups else ():
+            group = groups.get(name)
+            if group is _RELAYED:
+                group = self._resources[name].group
+            for ep in group.endpoints if group is not None else ():
                 out.setdefault(ep.key, source)
         return out
 

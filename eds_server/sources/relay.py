@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..decode import DecodeError, decode_group
 from ..protowire import fields, length_delimited, string_field, text, varint
-from ..store import Resource, Store
+from ..store import Relayed, Store
 from ..xds.common import EDS_TYPE_URL
 from .base import Backoff, Liveness, SourceStatus
 
@@ -311,12 +311,9 @@ class RelaySource:
             received = decode_response(data)
         except ValueError as e:
             return "", self._rejected(e)
-        try:
-            now = time.monotonic()
-            resources = {name: Resource(name, version, body, decode_group(body), now)
-                         for name, version, body in received.resources}  # fmt: skip
-        except ValueError as e:
-            return received.nonce, self._rejected(e)
+        now = time.monotonic()
+        resources = {name: Relayed.make(name, version, body, now, decode_group)
+                     for name, version, body in received.resources}  # fmt: skip
         self.responses += 1
         wanted = self.subs.wanted
         self.store.put_resources(self.name, {n: r for n, r in resources.items() if n in wanted},
