@@ -92,8 +92,9 @@ async def test_origin_restart_keeps_every_cluster_and_a_change_after_it_arrives(
         assert not (await relay.admin("/v1/sources"))["sources"][0]["stale"]
 
 
-async def test_relay_restart_sends_envoy_nothing_again(tmp_path: Path, backends: list[Backend]) -> None:
-    async with tiers(tmp_path, backends, "DELTA_GRPC") as (_, relay, envoy, _):
+@pytest.mark.parametrize("api", ["GRPC", "DELTA_GRPC"])
+async def test_relay_restart_sends_envoy_nothing_again(tmp_path: Path, backends: list[Backend], api: ApiType) -> None:
+    async with tiers(tmp_path, backends, api) as (_, relay, envoy, _):
         await envoy.wait_for(lambda: envoy.hosts("api-cluster"), lambda h: len(h) == 1)
         updates = "cluster.web.update_success"
         before = (await envoy.stats(updates))[updates]
