@@ -20,7 +20,7 @@ test: $(STAMP)  ## the whole suite, real Envoy included
 	$(PY) -m pytest
 
 test-stock: $(STAMP)  ## the gRPC and Envoy tests again, on the stock HTTP/2 path (docs/limits.md)
-	EDS_HTTP2=stock $(PY) -m pytest tests/test_grpc.py tests/test_envoy_xds.py tests/test_big_envoy.py
+	EDS_HTTP2=stock $(PY) -m pytest tests/test_grpc.py tests/test_envoy_xds.py tests/test_big_envoy.py tests/test_relay.py tests/test_workers.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

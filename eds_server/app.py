@@ -80,6 +80,7 @@ class Settings:
     upstream_eds: UpstreamOptions | None = None  # a relay: groups from another eds-server, no other source
     reuse_port: bool = False  # share --listen with other processes (the workers of --workers N)
     admin_unix: str | None = None  # admin HTTP on this Unix socket instead (a worker's, read by its owner)
+    listen_unix: str | None = None  # gRPC on this Unix socket instead (an owner's, for its workers alone)
 
 
 class App:
@@ -172,9 +173,14 @@ class App:
         host, port = self.settings.listen
         if ssl is not None:
             self.grpc.ssl = ssl
-        await self.grpc.start(host, port, reuse_port=self.settings.reuse_port)
-        self.grpc_port = self.grpc.port
-        log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
+        if self.settings.listen_unix is not None:
+            await self.grpc.start(path=self.settings.listen_unix)
+            self.grpc_port = 0
+            log.info("serving EDS (gRPC) to the workers on %s", self.settings.listen_unix)
+        else:
+            await self.grpc.start(host, port, reuse_port=self.settings.reuse_port)
+            self.grpc_port = self.grpc.port
+            log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,

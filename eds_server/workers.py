@@ -1,9 +1,10 @@
 """`--workers N`: one process owns the sources and the store, N worker processes serve Envoy.
 
 Each worker listens on the same `--listen` address (SO_REUSEPORT: the kernel spreads new
-connections among them) and is a relay (sources/relay.py) of its owner, over delta xDS on a
-loopback port: the same mechanism as a relay tier, not a second one, so a worker serves the
-owner's versions and an Envoy that moves to another worker is sent nothing again.
+connections among them) and is a relay (sources/relay.py) of its owner, over delta xDS on a Unix
+socket in a directory only they may enter (no other local user reads groups past `--authz` there):
+the same mechanism as a relay tier, not a second one, so a worker serves the owner's versions and
+an Envoy that moves to another worker is sent nothing again.
 
 The owner restarts a worker that dies (Envoy reconnects to a live one meanwhile), drains them all
 on stop, and answers for all of them on its admin port: streams, stats and metrics are read from
@@ -53,20 +54,24 @@ RESTART_DELAY = (0.5, 30.0)  # first and longest wait before restarting a worker
 FETCH_TIMEOUT = 5.0
 
 
-def worker_settings(settings: Settings, owner_port: int, admin_unix: str) -> Settings:
+def worker_settings(settings: Settings, owner: str, admin_unix: str) -> Settings:
     """What a worker runs: the Envoy-facing half of `settings`, fed by the owner."""
     return dataclasses.replace(
         settings, upstreams=None, docker=None, swarm=None, kubernetes=None, state=None, admin_token=None,
         registration_policy=RegistrationPolicy(), rest_listen=None, admin=None, admin_unix=admin_unix,
-        startup_timeout=None, reuse_port=True, upstream_eds=UpstreamOptions("127.0.0.1", owner_port),
+        startup_timeout=None, reuse_port=True, upstream_eds=UpstreamOptions("localhost", 0, path=owner),
     )  # fmt: skip
 
 
-def owner_settings(settings: Settings) -> Settings:
-    """What the owner runs: the sources, the admin and REST ports, and a plain loopback gRPC port for
-    its workers (TLS and authorization are the workers', facing Envoy)."""
-    return dataclasses.replace(settings, listen=("127.0.0.1", 0), tls_cert=None, tls_key=None, tls_client_ca=None,
-                               authz=None, reuse_port=False)  # fmt: skip
+def owner_settings(settings: Settings, directory: str) -> Settings:
+    """What the owner runs: the sources, the admin and REST ports, and gRPC for its workers alone, on a
+    Unix socket in its private directory (TLS and authorization are the workers', facing Envoy)."""
+    return dataclasses.replace(settings, listen=("127.0.0.1", 0), listen_unix=owner_socket(directory), tls_cert=None,
+                               tls_key=None, tls_client_ca=None, authz=None, reuse_port=False)  # fmt: skip
+
+
+def owner_socket(directory: str) -> str:
+    return os.path.join(directory, "owner.sock")
 
 
 @dataclass
@@ -94,11 +99,11 @@ class WorkerPool:
     def socket(self, worker: Worker) -> str:
         return os.path.join(self.directory, f"worker-{worker.index}.sock")
 
-    def write_settings(self, settings: Settings, owner_port: int) -> None:
+    def write_settings(self, settings: Settings) -> None:
         for worker in self.workers:
             path = os.path.join(self.directory, f"worker-{worker.index}.settings")
             with open(path, "wb") as f:
-                pickle.dump(worker_settings(settings, owner_port, self.socket(worker)), f)
+                pickle.dump(worker_settings(settings, owner_socket(self.directory), self.socket(worker)), f)
 
     async def start(self) -> None:
         for worker in self.workers:
@@ -296,11 +301,11 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     directory = tempfile.mkdtemp(prefix="eds-server-workers-")  # private (0700): settings and admin sockets
     try:
         pool = WorkerPool(count, directory, log_level, log_format)
-        app = await start_app(owner_settings(settings), extra_ports=[("--listen", settings.listen)], workers=pool)
+        app = await start_app(owner_settings(settings, directory), extra_ports=[("--listen", settings.listen)],
+                              workers=pool)  # fmt: skip
         if app is None:
             return 1
-        assert app.grpc_port is not None
-        pool.write_settings(settings, app.grpc_port)
+        pool.write_settings(settings)
         await pool.start()
         log.info("serving EDS (gRPC) on %s:%s with %d worker processes", *settings.listen, count)
         await until_signalled()

@@ -23,7 +23,7 @@ import ssl
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..decode import DecodeError, decode_group
 from ..protowire import fields, length_delimited, string_field, text, varint
@@ -47,12 +47,15 @@ class UpstreamOptions:
 
     host: str
     port: int
+    path: str | None = None  # a Unix socket instead of host and port (a worker's link to its owner)
     ca: str | None = None  # CA certificates to verify the upstream's certificate
     cert: str | None = None  # client certificate (mTLS), PEM
     key: str | None = None  # its key (default: in `cert`)
 
     @property
     def target(self) -> str:
+        if self.path is not None:
+            return f"unix:{self.path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
@@ -225,9 +228,10 @@ class RelaySource:
 
         backoff = Backoff(initial=0.2, cap=5.0)
         config = Configuration(_keepalive_time=30.0, _keepalive_timeout=10.0)
+        o = self.options
+        where: dict[str, Any] = {"path": o.path} if o.path is not None else {"host": o.host, "port": o.port}
         while not stop.is_set():
-            channel = Channel(self.options.host, self.options.port, ssl=self.options.ssl_context(),
-                              codec=PassThroughCodec(), config=config)  # fmt: skip
+            channel = Channel(**where, ssl=o.ssl_context(), codec=PassThroughCodec(), config=config)
             try:
                 await self._follow(channel, stop, backoff)
                 reason = "the upstream ended the stream"

@@ -616,8 +616,10 @@ class Server(grpclib.server.Server):
 
     @property
     def port(self) -> int:
+        """0 on a Unix socket."""
         assert self._server is not None
-        return int(cast(asyncio.Server, self._server).sockets[0].getsockname()[1])
+        name = cast(asyncio.Server, self._server).sockets[0].getsockname()
+        return int(name[1]) if isinstance(name, tuple) else 0
 
     def stop_accepting(self) -> None:
         if self._server is not None:
@@ -635,7 +637,7 @@ class Server(grpclib.server.Server):
 
     async def start(
         self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
-        backlog: int = 1024, **kwargs: Any,
+        backlog: int = 1024, path: str | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         """grpclib's start, with a TLS handshake timeout. Over-limit connections are accepted and
         closed at once (with a GOAWAY saying why), so the accept backlog sheds rather than stalls."""
@@ -643,10 +645,13 @@ class Server(grpclib.server.Server):
             raise RuntimeError("Server is already started")
         self._fit_connections_to_file_limit()
         ssl = ssl or self.ssl
-        self._server = await self._loop.create_server(
-            self._protocol_factory, host, cast(int, port), backlog=backlog, ssl=ssl, flags=socket.AI_PASSIVE,
-            ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None, **kwargs,
-        )  # fmt: skip
+        if path is not None:  # a Unix socket: the workers' link to their owner
+            self._server = await self._loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
+        else:
+            self._server = await self._loop.create_server(
+                self._protocol_factory, host, cast(int, port), backlog=backlog, ssl=ssl, flags=socket.AI_PASSIVE,
+                ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None, **kwargs,
+            )  # fmt: skip
         self._server_closed_fut = self._loop.create_future()
 
     def _fit_connections_to_file_limit(self) -> None:

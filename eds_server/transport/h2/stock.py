@@ -70,8 +70,15 @@ class StockServer(grpclib.server.Server):
 
     async def start(
         self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
-        reuse_port: bool | None = None, **kwargs: Any,
+        reuse_port: bool | None = None, path: str | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
+        if path is not None:  # a Unix socket: the workers' link to their owner
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            sock.listen(1024)
+            self._sock = sock
+            await super().start(sock=sock, **kwargs)
+            return
         family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
         sock = socket.create_server((host or "", port or 0), family=family, backlog=1024, reuse_port=bool(reuse_port))
         self._sock = sock
@@ -79,8 +86,10 @@ class StockServer(grpclib.server.Server):
 
     @property
     def port(self) -> int:
+        """0 on a Unix socket."""
         assert self._sock is not None
-        return int(self._sock.getsockname()[1])
+        name = self._sock.getsockname()
+        return int(name[1]) if isinstance(name, tuple) else 0
 
     def stop_accepting(self) -> None:
         """grpclib has no public way to stop accepting alone: close() at the end does it."""
