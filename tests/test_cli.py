@@ -230,3 +230,19 @@ def test_a_bad_http2_mode_from_the_environment_is_a_usage_error(monkeypatch: pyt
     with pytest.raises(SystemExit) as e:
         cli.build_parser().parse_args(["serve", "--upstreams", "x.yaml"])
     assert e.value.code == 2
+
+
+def test_a_relay_takes_no_other_source_and_its_tls_flags_need_it(tmp_path: Path) -> None:
+    path = tmp_path / "u.yaml"
+    path.write_text("groups: {}\n")
+    out = run("serve", "--upstream-eds", "127.0.0.1:1", "--upstreams", str(path))
+    assert out.returncode == 2
+    assert "--upstream-eds serves its upstream's groups unchanged" in out.stderr and "--upstreams" in out.stderr
+    out = run("serve", "--upstreams", str(path), "--upstream-eds-ca", str(path))
+    assert out.returncode == 2 and "need --upstream-eds" in out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many", "257"])
+def test_workers_is_a_count_or_auto(value: str) -> None:
+    out = run("serve", "--upstreams", "x.yaml", "--workers", value)
+    assert out.returncode == 2 and "--workers" in out.stderr and "auto" in out.stderr

@@ -156,3 +156,34 @@ async def test_relay_fetch_answers_the_names_its_streams_follow_and_unavailable_
             assert refused.value.status == Status.UNAVAILABLE
         finally:
             channel.close()
+
+
+async def test_relay_over_mtls_to_an_origin_that_requires_client_certificates(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
+    from tls import CertAuthority
+
+    ca = CertAuthority("relay test CA", tmp_path / "pki")
+    server = ca.issue(tmp_path / "pki" / "origin", dns=["localhost"], ips=["127.0.0.1"])
+    client = ca.issue(tmp_path / "pki" / "relay", uris=["spiffe://test/relay"])
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(upstreams(backends[:2], backends[2:]))
+    tls = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-client-ca", str(ca.cert_path)]
+    async with EdsServerProcess(path, *tls, workdir=tmp_path) as origin:
+        no_cert = EdsServerProcess(None, "--upstream-eds", f"127.0.0.1:{origin.port}",
+                                   "--upstream-eds-ca", str(ca.cert_path), workdir=tmp_path)  # fmt: skip
+        async with contextlib.AsyncExitStack() as stack:
+            await no_cert.start(wait_ready=False)
+            stack.push_async_callback(no_cert.stop)
+            refused = await wait_for(lambda: no_cert.admin("/readyz"),
+                                     lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"])  # fmt: skip
+            assert not refused["ready"]  # the origin wants a certificate: nothing is served
+        relay = EdsServerProcess(
+            None, "--upstream-eds", f"127.0.0.1:{origin.port}", "--upstream-eds-ca", str(ca.cert_path),
+            "--upstream-eds-cert", str(client.cert), "--upstream-eds-key", str(client.key), workdir=tmp_path,
+        )  # fmt: skip
+        async with relay:
+            envoy = EnvoyProcess(envoy_bootstrap(relay.port, [EdsCluster("web")], free_port(), routes={"/": "web"}))
+            async with envoy:
+                await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
+                assert (await relay.admin("/v1/groups/web"))["version"] == await origin_version(origin, "web")
