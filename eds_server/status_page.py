@@ -234,9 +234,24 @@ def render(
         f'<h2 id="groups">Groups</h2>{_groups(groups, total_groups, streams, nacks)}'
         f'<h2 id="streams">Streams</h2>{_streams(streams, total_streams)}'
         f"{_registrations(registrations, total_registrations)}"
+        f"{_workers(stats.get('workers'))}"
         f"{_refused(stats)}"
         "</body></html>"
     )
+
+
+def _workers(workers: Sequence[Mapping[str, Any]] | None) -> str:
+    """With --workers N: each worker process, so one that keeps dying shows."""
+    if not workers:
+        return ""
+    rows = "".join(
+        f'<tr><td>{int(w["worker"])}</td><td>{_e(str(w.get("pid")))}</td>'
+        f'<td class="{"" if w.get("alive") else "bad"}">{"up" if w.get("alive") else "down"}</td>'
+        f'<td>{int(w.get("restarts") or 0)}</td><td>{_e(str(w.get("streams_open", "-")))}</td></tr>'
+        for w in workers
+    )  # fmt: skip
+    return ('<h2 id="workers">Workers</h2><table><tr><th>worker</th><th>pid</th><th>state</th>'
+            f"<th>restarts</th><th>streams</th></tr>{rows}</table>")
 
 
 def _refused(stats: Mapping[str, Any]) -> str:

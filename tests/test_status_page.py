@@ -233,3 +233,16 @@ def test_a_containers_name_is_shown_next_to_its_address() -> None:
     assert '10.0.0.9:80</td><td class="mono hostname"><span class="muted">-</span></td>' in page
     cut = "x" * (status_page.MOST_HOSTNAME_CHARS - 1) + "\u2026"
     assert f'10.0.0.10:80</td><td class="mono hostname">{cut}</td>' in page and "x" * 100 not in page
+
+
+def test_workers_are_listed_with_one_that_is_down_marked() -> None:
+    workers = [{"worker": 1, "pid": 10, "alive": True, "restarts": 0, "streams_open": 7},
+               {"worker": 2, "pid": 11, "alive": False, "restarts": 3, "streams_open": None}]  # fmt: skip
+    page = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
+                              streams=[], stats={"workers": workers})  # fmt: skip
+    assert '<h2 id="workers">' in page
+    assert "<td>1</td><td>10</td><td class=\"\">up</td><td>0</td><td>7</td>" in page
+    assert '<td class="bad">down</td><td>3</td>' in page
+    single = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
+                                streams=[], stats={})  # fmt: skip
+    assert 'id="workers"' not in single
