@@ -1057,6 +1057,12 @@ def test_string_fields_finds_the_last_of_each_wanted_field(fields_: list[Any], w
                 expected[number] = text
     assert protowire.string_fields(data, wanted) == expected
     assert protowire.string_fields(memoryview(data), wanted) == expected
+    ordered = sorted(fields_, key=lambda f: f[0])  # as every serializer writes them
+    if wanted and all(number not in wanted or wire_type == 2 for number, wire_type, _, _ in ordered):
+        data = b"".join(protowire.length_delimited(number, text.encode()) if wire_type == 2 else b""
+                        for number, wire_type, _, text in ordered)  # fmt: skip
+        last = {number: text for number, wire_type, _, text in ordered if wire_type == 2 and number in wanted}
+        assert protowire.string_fields(data, wanted, in_order=True) == last
 
 
 ANY_TEXT = st.text(CHARS, max_size=8)

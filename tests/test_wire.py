@@ -74,6 +74,12 @@ def test_node_id_and_cluster_read_off_the_wire() -> None:
     node.metadata.fields["k"].string_value = "v" * 1000
     assert protowire.string_fields(node.SerializeToString(), {1, 2}) == {1: "envoy-1", 2: "edge"}
     assert protowire.string_fields(b"", {1, 2}) == {}
+    # the official serializer writes fields in number order: the scan may stop past field 2
+    raw = node.SerializeToString()
+    assert protowire.string_fields(raw, {1, 2}, in_order=True) == {1: "envoy-1", 2: "edge"}
+    assert protowire.string_fields(raw + b"\x0a\x01x", {1, 2}, in_order=True) == {1: "envoy-1", 2: "edge"}
+    assert protowire.string_fields(base_pb2.Node(id="only-id", user_agent_name="envoy").SerializeToString(),
+                                   {1, 2}, in_order=True) == {1: "only-id"}  # fmt: skip
 
 
 def test_metadata_order_does_not_change_the_version() -> None:

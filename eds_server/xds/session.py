@@ -74,7 +74,7 @@ def decode_request(
 def node_fields(raw: memoryview | None) -> tuple[str, str]:
     """The node's id and cluster as sent ("" if absent), read without parsing the whole Node."""
     try:
-        found = protowire.string_fields(raw, {1, 2}) if raw else {}
+        found = protowire.string_fields(raw, {1, 2}, in_order=True) if raw else {}
     except ValueError:
         raise ProtocolError("INVALID_ARGUMENT", "cannot parse node") from None
     return found.get(1, ""), found.get(2, "")
