@@ -35,6 +35,15 @@ async def backends() -> AsyncIterator[list[Backend]]:
         yield started
 
 
+@pytest.fixture
+async def two_workers(tmp_path: Path, backends: list[Backend]) -> AsyncIterator[tuple[EdsServerProcess, Path]]:
+    """eds-server --workers 2 serving web: the first two backends."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(upstreams(backends[:2]))
+    async with EdsServerProcess(path, "--workers", "2", workdir=tmp_path) as server:
+        yield server, path
+
+
 async def streams(server: EdsServerProcess) -> list[dict[str, object]]:
     return list((await server.admin("/v1/streams?limit=1000"))["streams"])
 
@@ -58,75 +67,71 @@ async def delta_clients(port: int, count: int) -> AsyncIterator[list[str]]:
 
 
 async def test_connections_land_on_both_workers_and_every_envoy_gets_every_change(
-    tmp_path: Path, backends: list[Backend]
+    two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
 ) -> None:
-    path = tmp_path / "upstreams.yaml"
-    path.write_text(upstreams(backends[:2]))
-    async with EdsServerProcess(path, "--workers", "2", workdir=tmp_path) as server:
-        version = (await server.admin("/v1/groups/web"))["version"]
-        # 20 connections: the kernel hashes each to a worker; all on one would be a 1 in 500,000 chance
-        async with delta_clients(server.port, 20) as versions:
-            assert set(versions) == {version}  # the owner's version, from whichever worker
-            shown = await streams(server)
-            assert {s["worker"] for s in shown} == {1, 2}
-            stats = await server.admin("/v1/stats")
-            assert stats["streams_open"] == 20 and sum(w["streams_open"] for w in stats["workers"]) == 20
-        bootstraps = [envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"},
-                                      node_id=f"envoy-{i}") for i in range(ENVOYS)]  # fmt: skip
-        async with envoy_fleet(bootstraps) as envoys:
-            for envoy in envoys:
-                await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 2)
-            write_atomically(path, upstreams(backends))
-            changed = (await wait_for(lambda: server.admin("/v1/groups/web"),
-                                      lambda g: g["version"] != version))["version"]  # fmt: skip
-            for envoy in envoys:
-                await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 3, timeout=5)
-                assert await envoy.update_rejected("web") == 0
-            metrics = await _metrics(server)
-            assert f'eds_group_info{{group="web",version="{changed}"}} 1.0' in metrics
-            assert "eds_workers_alive 2.0" in metrics
-            assert 'eds_streams_open{transport="sotw"} 3.0' in metrics  # the Envoys', not the workers' links
-        pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
-        assert await server.stop() == 0  # the owner drains its workers, then stops
-        for pid in pids:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
+    server, path = two_workers
+    version = (await server.admin("/v1/groups/web"))["version"]
+    # 20 connections: the kernel hashes each to a worker; all on one would be a 1 in 500,000 chance
+    async with delta_clients(server.port, 20) as versions:
+        assert set(versions) == {version}  # the owner's version, from whichever worker
+        shown = await streams(server)
+        assert {s["worker"] for s in shown} == {1, 2}
+        stats = await server.admin("/v1/stats")
+        assert stats["streams_open"] == 20 and sum(w["streams_open"] for w in stats["workers"]) == 20
+    bootstraps = [envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"},
+                                  node_id=f"envoy-{i}") for i in range(ENVOYS)]  # fmt: skip
+    async with envoy_fleet(bootstraps) as envoys:
+        for envoy in envoys:
+            await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 2)
+        write_atomically(path, upstreams(backends))
+        changed = (await wait_for(lambda: server.admin("/v1/groups/web"),
+                                  lambda g: g["version"] != version))["version"]  # fmt: skip
+        for envoy in envoys:
+            await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 3, timeout=5)
+            assert await envoy.update_rejected("web") == 0
+        metrics = await _metrics(server)
+        assert f'eds_group_info{{group="web",version="{changed}"}} 1.0' in metrics
+        assert "eds_workers_alive 2.0" in metrics
+        assert 'eds_streams_open{transport="sotw"} 3.0' in metrics  # the Envoys', not the workers' links
+    pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
+    assert await server.stop() == 0  # the owner drains its workers, then stops
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 async def test_a_killed_worker_empties_no_cluster_and_its_envoys_come_back(
-    tmp_path: Path, backends: list[Backend]
+    two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
 ) -> None:
-    path = tmp_path / "upstreams.yaml"
-    path.write_text(upstreams(backends[:2]))
-    async with EdsServerProcess(path, "--workers", "2", workdir=tmp_path) as server:
-        bootstraps = [envoy_bootstrap(server.port, [EdsCluster("web", api_type="DELTA_GRPC")], free_port(),
-                                      routes={"/": "web"}, node_id=f"envoy-{i}",
-                                      xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"})
-                      for i in range(ENVOYS)]  # fmt: skip
-        async with envoy_fleet(bootstraps) as envoys:
-            for envoy in envoys:
-                await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 2)
-            shown = await wait_for(lambda: streams(server), lambda s: len(s) == ENVOYS)
-            victim_index = int(shown[0]["worker"])  # type: ignore[call-overload]
-            node = shown[0]["node"]
-            envoy = envoys[int(str(node).rsplit("-", 1)[1])]
-            version = await envoy.version_text("web")
-            updates = "cluster.web.update_success"
-            before = (await envoy.stats(updates))[updates]
-            pid = next(w["pid"] for w in (await server.admin("/v1/stats"))["workers"] if w["worker"] == victim_index)
-            async with FaultWatch(envoy, server, backends=[b.port for b in backends[:2]]) as watch:
-                os.kill(pid, signal.SIGKILL)
-                # its Envoy reconnects, to the other worker or the restarted one
-                await wait_for(lambda: streams(server),
-                               lambda s: any(x["node"] == node for x in s), timeout=10)  # fmt: skip
-            assert watch.failed_while_backends_up() == []
-            assert min(s.hosts for s in watch.samples if s.hosts is not None) == 2  # never emptied
-            assert await envoy.version_text("web") == version
-            assert (await envoy.stats(updates))[updates] == before  # nothing sent again
-            stats = await wait_for(lambda: server.admin("/v1/stats"),
-                                   lambda s: all(w["alive"] for w in s["workers"]), timeout=10)  # fmt: skip
-            assert sum(w["restarts"] for w in stats["workers"]) == 1
-            assert "killed by signal 9" in server.log_text()
+    server, _ = two_workers
+    bootstraps = [envoy_bootstrap(server.port, [EdsCluster("web", api_type="DELTA_GRPC")], free_port(),
+                                  routes={"/": "web"}, node_id=f"envoy-{i}",
+                                  xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"})
+                  for i in range(ENVOYS)]  # fmt: skip
+    async with envoy_fleet(bootstraps) as envoys:
+        for envoy in envoys:
+            await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 2)
+        shown = await wait_for(lambda: streams(server), lambda s: len(s) == ENVOYS)
+        victim_index = int(shown[0]["worker"])  # type: ignore[call-overload]
+        node = shown[0]["node"]
+        envoy = envoys[int(str(node).rsplit("-", 1)[1])]
+        version = await envoy.version_text("web")
+        updates = "cluster.web.update_success"
+        before = (await envoy.stats(updates))[updates]
+        pid = next(w["pid"] for w in (await server.admin("/v1/stats"))["workers"] if w["worker"] == victim_index)
+        async with FaultWatch(envoy, server, backends=[b.port for b in backends[:2]]) as watch:
+            os.kill(pid, signal.SIGKILL)
+            # its Envoy reconnects, to the other worker or the restarted one
+            await wait_for(lambda: streams(server),
+                           lambda s: any(x["node"] == node for x in s), timeout=10)  # fmt: skip
+        assert watch.failed_while_backends_up() == []
+        assert min(s.hosts for s in watch.samples if s.hosts is not None) == 2  # never emptied
+        assert await envoy.version_text("web") == version
+        assert (await envoy.stats(updates))[updates] == before  # nothing sent again
+        stats = await wait_for(lambda: server.admin("/v1/stats"),
+                               lambda s: all(w["alive"] for w in s["workers"]), timeout=10)  # fmt: skip
+        assert sum(w["restarts"] for w in stats["workers"]) == 1
+        assert "killed by signal 9" in server.log_text()
 
 
 async def _metrics(server: EdsServerProcess) -> str:
