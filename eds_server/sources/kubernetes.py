@@ -185,13 +185,14 @@ class KubernetesSource(Followed):
         watch_timeout: tuple[int, int] = (60, 120),
         probe_every: float = 1.0,
         probe_timeout: float = 2.0,
+        backoff: tuple[float, float] = (0.2, 30.0),  # first delay, cap
     ) -> None:
         self.store = store
         self.options = options
         self.debounce = debounce
         self.request_timeout = request_timeout
         self.watch_timeout = watch_timeout
-        self.probe_every, self.probe_timeout = probe_every, probe_timeout
+        self.probe_every, self.probe_timeout, self.backoff = probe_every, probe_timeout, backoff
         self.probe = SharedProbe(self._probe, fresh=probe_every / 2)
         self._answering = True  # the last probe's answer, to say once that the server is back
         self.liveness = Liveness(store, self.name, "the API server")
@@ -331,7 +332,7 @@ class KubernetesSource(Followed):
     # -- API server ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the API server until `stop` is set, reconnecting for as long as it takes."""
-        backoff = Backoff(cap=30.0)
+        backoff = Backoff(*self.backoff)
         while self._api is None and not stop.is_set():
             try:
                 await self._reload()
@@ -421,7 +422,7 @@ class KubernetesSource(Followed):
         """List, then watch from the list's version; on 410 list again; on errors back off, until
         the API server answers again or its configuration is rewritten."""
         scope = (kind, namespace)
-        backoff = Backoff(cap=30.0)
+        backoff = Backoff(*self.backoff)
         comeback = Comeback()
         version: str | None = None
         while not stop.is_set():
