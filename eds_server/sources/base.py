@@ -127,15 +127,18 @@ class SharedProbe:
 async def pause(delay: float, stop: asyncio.Event, check: Callable[[], Awaitable[bool]] | None = None,
                 every: float = 1.0) -> bool:  # fmt: skip
     """Wait out a backoff of `delay` seconds, or until `stop`; every `every` seconds ask `check`
-    whether the next attempt should be made now instead. True when `check` cut it short."""
+    whether the next attempt should be made now instead. True when `check` cut it short. The checks
+    fall on the loop clock's multiples of `every`, so that the pauses of many watches check together
+    (and share one probe)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + delay
     while not stop.is_set():
-        left = deadline - loop.time()
+        now = loop.time()
+        left = deadline - now
         if left <= 0:
             return False
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), min(every, left))
+            await asyncio.wait_for(stop.wait(), min(every - now % every, left))
         if stop.is_set() or loop.time() >= deadline:
             return False
         if check is not None and await check():
