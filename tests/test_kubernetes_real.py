@@ -319,8 +319,7 @@ async def test_a_rewritten_kubeconfig_is_used_at_the_next_attempt(kube: KubeClus
         await s.wait_hosts(lambda h: set(h) == {pod_ip(3)}, timeout=5)
         print(f"rewritten kubeconfig used; the change reached Envoy {loop.time() - rotated:.1f} s after the rewrite")
         assert "configuration loaded again (its files changed)" in s.server.log_text()
-        source = await s.source()
-        assert source["connected"] and source["last_error"] is None
+        await s.envoy.wait_for(s.source, lambda src: src["connected"] and src["last_error"] is None, timeout=3)
 
 
 async def test_readyz_stays_ok_while_the_apiserver_is_away(kube: KubeCluster, tmp_path: Path) -> None:
