@@ -319,6 +319,8 @@ async def test_a_rewritten_kubeconfig_is_used_at_the_next_attempt(kube: KubeClus
         await s.wait_hosts(lambda h: set(h) == {pod_ip(3)}, timeout=5)
         print(f"rewritten kubeconfig used; the change reached Envoy {loop.time() - rotated:.1f} s after the rewrite")
         assert "configuration loaded again (its files changed)" in s.server.log_text()
+        said = failure_lines(s.server.log_text())
+        assert any("the API server refused our credentials (401)" in line for line in said), said
         await s.envoy.wait_for(s.source, lambda src: src["connected"] and src["last_error"] is None, timeout=3)
 
 

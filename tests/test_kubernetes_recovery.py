@@ -215,10 +215,13 @@ async def test_changes_flow_again_as_soon_as_the_api_server_answers(
     assert not REPR.search(said), said
 
 
-async def test_a_rewritten_kubeconfig_is_used_at_once(fake: FakeApiServer, tmp_path: Path) -> None:
+async def test_a_rewritten_kubeconfig_is_used_at_once(
+    fake: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The old token stops working: 401s, backed off without probing (the server is there, refusing
     us); the kubeconfig rewritten with the new token ends the backoff and is used."""
     config = kubeconfig(tmp_path / "kubeconfig", fake.url, fake.token)
+    caplog.set_level(logging.INFO, "eds_server")
     async with following(config) as (store, source):
         await fake.stop()
         fake.token = "token-b"
@@ -233,6 +236,9 @@ async def test_a_rewritten_kubeconfig_is_used_at_once(fake: FakeApiServer, tmp_p
         fake.put("endpointslices", endpoint_slice("127.0.0.3"))
         await until(lambda: addresses(store) == {"127.0.0.3"}, 1.5, "the change with the new token")
         assert source.loads == loads + 1 and source.connected
+    said = [r.getMessage() for r in caplog.records if "reconnecting in" in r.getMessage()]
+    assert len(said) == 2, said  # went away, then (news, not more of the same) back but refusing the token
+    assert "went away" in said[0] and "refused our credentials (401): Unauthorized" in said[1]
 
 
 async def test_a_server_that_answers_probes_but_fails_requests_gets_the_full_backoff(

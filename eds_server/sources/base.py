@@ -246,10 +246,11 @@ class Liveness:
         self.live_now, self.last_error = True, None
         self.store.mark_stale(self.name, False)
 
-    def lost(self, reason: str, retry_in: float | None = None) -> None:
+    def lost(self, reason: str, retry_in: float | None = None, again: bool = False) -> None:
         """`reason` is what happened, in words; with `retry_in` it is said as it is, followed by when
-        the next attempt comes, rather than as "<what> unreachable (reason)"."""
-        if self.live_now or self.last_error is None:
+        the next attempt comes, rather than as "<what> unreachable (reason)". `again`: said even if
+        already not live (the source knows the failure changed in kind)."""
+        if self.live_now or self.last_error is None or again:
             meanwhile = (
                 "serving the last known endpoints (stale)" if self.loaded
                 else "not loaded yet: serving without it (--startup-timeout passed)" if self.store.ready

@@ -211,6 +211,8 @@ class KubernetesSource(Followed):
             self._scopes.append((NODES, None))
         self._listed: set[tuple[Kind, str | None]] = set()  # scopes listed at least once
         self._down: dict[tuple[Kind, str | None], str] = {}  # scopes currently failing, and why
+        self._said = False  # whether this outage was logged
+        self._nature: int | None = None  # and its kind: None away, else the status the server refused us with
         self._changed = asyncio.Event()
         self._api: Any = None
         self._loaded_at = 0.0
@@ -408,13 +410,23 @@ class KubernetesSource(Followed):
         if self._dirty:
             self._changed.set()
 
-    def _failed(self, scope: tuple[Kind, str | None] | None, reason: str, retry_in: float | None = None) -> None:
+    def _failed(self, scope: tuple[Kind, str | None] | None, reason: str, retry_in: float | None = None,
+                error: BaseException | None = None) -> None:  # fmt: skip
+        """Logged once per outage, and again when its nature changes while it lasts (the API server
+        back but refusing the credentials is news to act on, not more of the same)."""
         if scope is not None:
             self._down[scope] = reason
-        self.liveness.lost(reason, retry_in)
+        # the API server away (whichever way) is one thing; each status it refuses us with is another
+        nature = None if error is None or went_away(error) is not False else int(getattr(error, "status", 0))
+        again = self._said and nature != self._nature
+        self._said = True
+        self._nature = nature
+        self.liveness.lost(reason, retry_in, again=again)
 
     def _recovered(self, scope: tuple[Kind, str | None]) -> None:
         self._down.pop(scope, None)
+        if not self._down:
+            self._said, self._nature = False, None
         if not self._down and self.loaded and not self.connected:
             self.liveness.live(f"{len(self._services)} annotated Services, {len(self._slices)} EndpointSlices")
 
@@ -455,7 +467,7 @@ class KubernetesSource(Followed):
                 if self._api is not api or self._stamps.changed():
                     continue  # a new configuration: the next attempt uses it, now
                 delay = backoff.next()
-                self._failed(scope, describe(kind, e, request), delay)
+                self._failed(scope, describe(kind, e, request), delay, e)
                 away = went_away(e)
                 if isinstance(e, Unauthorized):
                     with contextlib.suppress(Exception):  # a bad new configuration: retried after the backoff
