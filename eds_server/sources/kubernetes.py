@@ -92,7 +92,7 @@ async def make_client(options: KubernetesOptions) -> Any:
     cfg = client.Configuration()
     if options.kubeconfig:
         await config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
-    elif os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+    elif in_cluster():
         # try_refresh_token: the service account token file is read again every minute (it rotates)
         config.load_incluster_config(client_configuration=cfg, try_refresh_token=True)  # type: ignore[no-untyped-call]
     else:
