@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import re
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -235,7 +236,91 @@ async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tm
             await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
                             {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]})  # fmt: skip
         await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
-        assert "cannot follow the API server" in s.server.log_text()
+        said = failure_lines(s.server.log_text())
+        assert said and all("reconnecting in" in line for line in said), said
+
+
+REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
+
+
+def failure_lines(log: str) -> list[str]:
+    """What eds-server said when the API server went away: in words, without an exception's repr."""
+    lines = [line for line in log.splitlines() if "kubernetes: " in line and "reconnecting in" in line]
+    assert not any(REPR.search(line) for line in lines), lines
+    return lines
+
+
+async def test_a_change_right_after_an_outage_arrives_within_seconds(kube: KubeCluster, tmp_path: Path) -> None:
+    """The API server away for ~10 s, then back: the backoff (grown to several seconds by then) is
+    cut short once /readyz answers, so a change made right after it returns reaches Envoy within
+    a few seconds; meanwhile every endpoint is kept (fail static)."""
+    ns, port = "outage", free_port()
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]))  # fmt: skip
+    async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2), pod_ip(3)})
+        loop = asyncio.get_running_loop()
+        kube.stop_apiserver()
+        away = loop.time()
+        while loop.time() - away < 10:
+            await asyncio.sleep(1)
+            assert set(await s.hosts()) == {pod_ip(2), pod_ip(3)}
+        assert (await s.source())["stale"]
+        kube.start_apiserver()
+        async with KubeApi(kube) as api:
+            back = loop.time()
+            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                            {"endpoints": [{"addresses": [pod_ip(4)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(4)}, timeout=6)
+        print(f"change after the outage reached Envoy {loop.time() - back:.1f} s after the API server was back")
+        await s.envoy.wait_for(s.source, lambda src: src["connected"] and not src["stale"], timeout=5)
+        said = failure_lines(s.server.log_text())
+        assert 1 <= len(said) <= 3 and all("the API server" in line for line in said), said  # not one per retry
+
+
+async def test_a_rewritten_kubeconfig_is_used_at_the_next_attempt(kube: KubeCluster, tmp_path: Path) -> None:
+    """A revoked token: 401s, backed off for a while; the kubeconfig rewritten with a new valid token
+    ends the backoff and is used at once, not after the next delay."""
+    ns, sa, port = "rotate", "eds", free_port()
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": sa}})
+        for doc in _manifests("rbac-namespaced.yaml"):
+            doc["metadata"]["namespace"] = ns
+            if doc["kind"] == "RoleBinding":
+                doc["subjects"] = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
+            await apply(api, doc, dry_run=False)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, port, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("web-1", "web", port, [pod_ip(2)]))  # fmt: skip
+        token_a = await bound_token(api, ns, sa, "token-a")
+        token_b = await bound_token(api, ns, sa, "token-b")
+    config = tmp_path / "rotating.kubeconfig"
+    config.write_text(kube.kubeconfig_for(token_a, sa))
+    async with stack(kube, tmp_path, "--kubernetes-namespace", ns, kubeconfig=config) as s:
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
+        await s.api.delete(f"/api/v1/namespaces/{ns}/secrets/token-a")  # token A revoked...
+        kube.stop_apiserver()  # ...and the watches made with it ended (a restart clears the token cache too)
+        kube.start_apiserver()
+        await s.envoy.wait_for(s.source, lambda src: "401" in str(src["last_error"]), timeout=30)
+        await asyncio.sleep(8)  # refused for a while: the backoff has grown to seconds
+        assert not (await s.source())["connected"]
+        loop = asyncio.get_running_loop()
+        new = tmp_path / "rotating.kubeconfig.new"
+        new.write_text(kube.kubeconfig_for(token_b, sa))
+        new.replace(config)  # as kubectl and mounted Secrets do
+        rotated = loop.time()
+        await s.api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
+                          {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(3)}, timeout=5)
+        print(f"rewritten kubeconfig used; the change reached Envoy {loop.time() - rotated:.1f} s after the rewrite")
+        assert "configuration loaded again (its files changed)" in s.server.log_text()
+        said = failure_lines(s.server.log_text())
+        assert any("the API server refused our credentials (401)" in line for line in said), said
+        await s.envoy.wait_for(s.source, lambda src: src["connected"] and src["last_error"] is None, timeout=3)
 
 
 async def test_readyz_stays_ok_while_the_apiserver_is_away(kube: KubeCluster, tmp_path: Path) -> None:
@@ -290,6 +375,15 @@ async def test_manifests_apply_to_a_real_apiserver(kube: KubeCluster) -> None:
             await api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}}, ok=(201, 409))
         for doc in _manifests(*files):
             await apply(api, doc, dry_run=True)
+
+
+async def bound_token(api: KubeApi, namespace: str, account: str, secret: str) -> str:
+    """A token that a deleted Secret revokes."""
+    made = await api.create(f"/api/v1/namespaces/{namespace}/secrets", {"metadata": {"name": secret}})
+    ref = {"kind": "Secret", "apiVersion": "v1", "name": secret, "uid": made["metadata"]["uid"]}
+    got = await api.create(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+                           {"spec": {"expirationSeconds": 3600, "boundObjectRef": ref}})  # fmt: skip
+    return str(got["status"]["token"])
 
 
 async def token_for(api: KubeApi, namespace: str, account: str) -> str:

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+from pathlib import Path
 
 import pytest
 
 from eds_server.encode import encode_group
-from eds_server.sources.base import Backoff, Debounce, Liveness, SourceStatus, WarnOnce
+from eds_server.sources.base import (
+    Backoff,
+    Comeback,
+    Debounce,
+    FileStamps,
+    Liveness,
+    SharedProbe,
+    SourceStatus,
+    WarnOnce,
+    pause,
+)
 from eds_server.store import Store
 
 
@@ -60,3 +73,95 @@ def test_liveness_marks_the_store_stale_and_logs_once_per_change(caplog: pytest.
                          "last_error": "gone"}  # fmt: skip
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3 and "not loaded yet" in messages[0] and "stale" in messages[2]
+
+
+def test_liveness_says_what_happened_and_when_it_tries_again(caplog: pytest.LogCaptureFixture) -> None:
+    store = Store(encode_group)
+    store.add_source("kubernetes")
+    store.update("kubernetes", {})
+    live = Liveness(store, "kubernetes", "the API server")
+    live.live()
+    with caplog.at_level(logging.WARNING, "eds_server.sources"):
+        live.lost("Services: the API server closed the watch mid-stream: it went away", retry_in=0.25)
+    assert [r.getMessage() for r in caplog.records] == [
+        "kubernetes: Services: the API server closed the watch mid-stream: it went away; serving the last known "
+        "endpoints (stale); reconnecting in 0.2 s"
+    ]
+
+
+def test_comeback_cuts_a_backoff_only_after_the_server_was_seen_away() -> None:
+    c = Comeback()
+    assert not c.probed(True)  # answering all along (it refuses us, or is slow): the full backoff
+    assert not c.probed(False)  # away...
+    assert c.probed(True)  # ...and back: try now
+    assert not c.probed(True)  # used once: a failing next attempt backs off again
+    c.away()  # a refused connection is a sighting too
+    assert c.probed(True)
+    c.away()
+    c.reset()  # a watch opened meanwhile
+    assert not c.probed(True)
+
+
+async def test_shared_probe_asks_once_for_every_waiter_within_its_freshness() -> None:
+    now = [100.0]
+    answers = [False, True]
+    asked: list[float] = []
+
+    async def probe() -> bool:
+        asked.append(now[0])
+        await asyncio.sleep(0)
+        return answers[len(asked) - 1]
+
+    shared = SharedProbe(probe, fresh=0.5, clock=lambda: now[0])
+    assert await asyncio.gather(shared(), shared(), shared()) == [False, False, False]  # one in flight, shared
+    now[0] += 0.4
+    assert await shared() is False and asked == [100.0]  # still fresh
+    now[0] += 0.2
+    assert await asyncio.gather(shared(), shared()) == [True, True]
+    assert asked == [100.0, pytest.approx(100.6)] and shared.probes == 2
+
+    async def broken() -> bool:
+        raise OSError("no route")
+
+    assert await SharedProbe(broken, clock=lambda: now[0])() is False  # a failing probe is "not there"
+
+
+async def test_pause_waits_out_its_delay_unless_the_check_or_stop_ends_it() -> None:
+    stop = asyncio.Event()
+    checks = 0
+
+    async def on_third() -> bool:
+        nonlocal checks
+        checks += 1
+        return checks == 3
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await pause(5.0, stop, on_third, every=0.01) is True
+    assert checks == 3 and loop.time() - t0 < 1.0
+    t0 = loop.time()
+    assert await pause(0.05, stop, None, every=0.01) is False and loop.time() - t0 >= 0.04
+    loop.call_later(0.02, stop.set)
+    assert await pause(5.0, stop, on_third, every=1.0) is False and stop.is_set()
+
+
+def test_file_stamps_see_a_rewrite_a_replacement_and_a_removal(tmp_path: Path) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text("token: a")
+    stamps = FileStamps([str(path)])
+    assert not stamps.changed()
+    path.write_text("token: b")  # same size, rewritten in place
+    os.utime(path, ns=(1, 1))  # as if within the same mtime tick: the ctime still moves
+    assert stamps.changed()
+    stamps.take()
+    assert not stamps.changed()
+    new = tmp_path / "kubeconfig.new"
+    new.write_text("token: c")
+    new.replace(path)  # the atomic way (kubectl, Secret volumes)
+    assert stamps.changed()
+    stamps.take()
+    path.unlink()
+    assert stamps.changed()
+    stamps.take()
+    path.write_text("token: d")
+    assert stamps.changed()

@@ -10,9 +10,11 @@ marking their groups stale while the last known state is served without being fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,6 +72,106 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+class Comeback:
+    """Whether a backoff may be cut short: only once the remote end was seen away (a refused
+    connection, a failed probe) and then answers a probe. A server that answers probes while the real
+    requests keep failing (slow, overloaded, refusing us) gets the full backoff, not a retry a second."""
+
+    def __init__(self) -> None:
+        self.seen_away = False
+
+    def away(self) -> None:
+        self.seen_away = True
+
+    def reset(self) -> None:
+        self.seen_away = False
+
+    def probed(self, answered: bool) -> bool:
+        """True: try now. Each sighting of the way back is used once; the next cut needs a new absence."""
+        if not answered:
+            self.seen_away = True
+            return False
+        back, self.seen_away = self.seen_away, False
+        return back
+
+
+class SharedProbe:
+    """A cheap "are you there?" asked for many waiters: one probe at a time, its answer shared for
+    `fresh` seconds, so that every watch waiting out a backoff costs the remote end one request a
+    second in all, not one each."""
+
+    def __init__(self, probe: Callable[[], Awaitable[bool]], fresh: float = 0.5,
+                 clock: Callable[[], float] | None = None) -> None:  # fmt: skip
+        self.probe, self.fresh = probe, fresh
+        self.clock = clock or (lambda: asyncio.get_running_loop().time())
+        self.probes = 0  # sent, for tests
+        self._task: asyncio.Future[bool] | None = None
+        self._at = 0.0
+
+    async def _ask(self) -> bool:
+        try:
+            return await self.probe()
+        except Exception:  # a probe that fails says "not there", whatever the reason
+            return False
+
+    async def __call__(self) -> bool:
+        now = self.clock()
+        if self._task is None or (self._task.done() and now - self._at >= self.fresh):
+            self._at, self.probes = now, self.probes + 1
+            self._task = asyncio.ensure_future(self._ask())
+        return await asyncio.shield(self._task)
+
+
+async def pause(delay: float, stop: asyncio.Event, check: Callable[[], Awaitable[bool]] | None = None,
+                every: float = 1.0) -> bool:  # fmt: skip
+    """Wait out a backoff of `delay` seconds, or until `stop`; every `every` seconds ask `check`
+    whether the next attempt should be made now instead. True when `check` cut it short. The checks
+    fall on the loop clock's multiples of `every`, so that the pauses of many watches check together
+    (and share one probe)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + delay
+    while not stop.is_set():
+        now = loop.time()
+        left = deadline - now
+        if left <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), min(every - now % every, left))
+        if stop.is_set() or loop.time() >= deadline:
+            return False
+        if check is not None and await check():
+            return True
+    return False
+
+
+class FileStamps:
+    """Whether files changed since last looked at (rewritten, replaced, created or removed), by
+    their stat: a rotated credential file is noticed without reading it."""
+
+    def __init__(self, paths: Iterable[str] = ()) -> None:
+        self.paths = list(paths)
+        self.seen = self.now()
+
+    def now(self) -> tuple[tuple[int, int, int, int] | None, ...]:
+        stamps: list[tuple[int, int, int, int] | None] = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+                stamps.append((st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def changed(self) -> bool:
+        return self.now() != self.seen
+
+    def take(self, paths: Iterable[str] | None = None) -> None:
+        """From now on, compare with the files as they are now (the paths given, if any)."""
+        if paths is not None:
+            self.paths = list(paths)
+        self.seen = self.now()
 
 
 class Debounce:
@@ -144,17 +246,21 @@ class Liveness:
         self.live_now, self.last_error = True, None
         self.store.mark_stale(self.name, False)
 
-    def lost(self, reason: str) -> None:
-        if self.live_now or self.last_error is None:
-            if not self.loaded:
-                log.warning(
-                    "%s: %s unreachable (%s); not loaded yet: %s; retrying", self.name, self.what, reason,
-                    "serving without it (--startup-timeout passed)" if self.store.ready
-                    else "nothing is answered to Envoy until it is (Envoy keeps what it has)",
-                )  # fmt: skip
+    def lost(self, reason: str, retry_in: float | None = None, again: bool = False) -> None:
+        """`reason` is what happened, in words; with `retry_in` it is said as it is, followed by when
+        the next attempt comes, rather than as "<what> unreachable (reason)". `again`: said even if
+        already not live (the source knows the failure changed in kind)."""
+        if self.live_now or self.last_error is None or again:
+            meanwhile = (
+                "serving the last known endpoints (stale)" if self.loaded
+                else "not loaded yet: serving without it (--startup-timeout passed)" if self.store.ready
+                else "not loaded yet: nothing is answered to Envoy until it is (Envoy keeps what it has)"
+            )  # fmt: skip
+            if retry_in is not None:
+                log.warning("%s: %s; %s; reconnecting in %.1f s", self.name, reason, meanwhile, retry_in)
             else:
-                log.warning("%s: %s unreachable (%s); serving the last known endpoints (stale) and retrying",
-                            self.name, self.what, reason)  # fmt: skip
+                log.warning("%s: %s unreachable (%s); %s%s", self.name, self.what, reason, meanwhile,
+                            " and retrying" if self.loaded else "; retrying")  # fmt: skip
         self.live_now = False
         self.last_error = reason
         self.store.mark_stale(self.name, True)

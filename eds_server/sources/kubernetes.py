@@ -7,6 +7,12 @@ is no longer kept, so the kind is listed again and the listing replaces what we 
 with jittered backoff; meanwhile the last endpoints keep being served, marked stale. Nothing is
 handed to the store before every kind has been listed once, so Envoy never sees a half-read cluster.
 
+A backoff grows to 30 s during a long outage, and the server's return should not wait that out: while
+the API server is away it is probed (GET /readyz, short timeout) about once a second, and the wait
+ends once it answers again. The configuration's files (kubeconfig, the certificates it names) are
+watched by their stat: a rewritten kubeconfig (a rotated token, CA or server) is loaded before the next
+attempt, and ends a backoff the same way.
+
 kubernetes_asyncio does configuration and authentication (kubeconfig, in-cluster service account
 with the token re-read as it rotates); the list and watch requests go through its ApiClient, which
 adds fresh credentials to each request, and their JSON is read here as it is (`kubernetes_map`).
@@ -27,7 +33,7 @@ from typing import Any
 import aiohttp
 
 from ..store import Store
-from .base import Backoff, Followed, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Comeback, FileStamps, Followed, Liveness, SharedProbe, SourceStatus, WarnOnce, pause
 from .kubernetes_map import (
     REGION_LABEL,
     KubernetesOptions,
@@ -68,7 +74,9 @@ class Gone(Exception):
 
 
 class ApiError(Exception):
-    pass
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Unauthorized(ApiError):
@@ -84,12 +92,84 @@ async def make_client(options: KubernetesOptions) -> Any:
     cfg = client.Configuration()
     if options.kubeconfig:
         await config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
-    elif os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+    elif in_cluster():
         # try_refresh_token: the service account token file is read again every minute (it rotates)
         config.load_incluster_config(client_configuration=cfg, try_refresh_token=True)  # type: ignore[no-untyped-call]
     else:
         await config.load_kube_config(client_configuration=cfg)
     return client.ApiClient(cfg)
+
+
+def in_cluster() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get("KUBECONFIG")
+
+
+def config_files(options: KubernetesOptions) -> list[str]:
+    """The kubeconfig files make_client reads (none in-cluster: the library re-reads that token)."""
+    if options.kubeconfig:
+        return [options.kubeconfig]
+    if in_cluster():
+        return []
+    paths = os.environ.get("KUBECONFIG") or "~/.kube/config"
+    return [os.path.expanduser(p) for p in paths.split(os.pathsep) if p]
+
+
+def cert_files(api: Any) -> list[str]:
+    """The CA, client certificate and key files a loaded configuration names (a rotated CA or
+    client certificate is a rewrite of one of these, not of the kubeconfig)."""
+    cfg = api.configuration
+    return [str(f) for f in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file) if f and os.path.isfile(str(f))]
+
+
+def describe(kind: Kind, e: BaseException, request: str = "request") -> str:
+    """What went wrong, in words an operator can act on, rather than an exception's repr."""
+    if isinstance(e, Unauthorized):
+        return f"{kind.name}: the API server refused our credentials (401): {_after_status(e)}"
+    if isinstance(e, ApiError):
+        return f"{kind.name}: the API server answered {e}"
+    if isinstance(e, aiohttp.ClientConnectorCertificateError):
+        return f"{kind.name}: the API server's certificate is not trusted (check the kubeconfig's CA): {_reason(e)}"
+    if isinstance(e, aiohttp.ClientSSLError):
+        return f"{kind.name}: TLS with the API server failed: {_reason(e)}"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        where = f"{e.host}:{e.port}"
+        return f"{kind.name}: cannot connect to the API server at {where} ({_reason(e)}): it is down or restarting"
+    if isinstance(e, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
+        return f"{kind.name}: the API server closed the {request} mid-stream: it went away (restarting or stopping)"
+    if isinstance(e, TimeoutError):
+        return f"{kind.name}: the API server did not answer in time"
+    if isinstance(e, aiohttp.ClientOSError):
+        return f"{kind.name}: the connection to the API server was lost ({_reason(e)})"
+    if isinstance(e, aiohttp.ClientError):
+        return f"{kind.name}: the request to the API server failed ({str(e) or type(e).__name__})"
+    return f"{kind.name}: {type(e).__name__}: {e}"  # not a fault of the API server's: say exactly what
+
+
+def _reason(e: BaseException) -> str:
+    """An OS or TLS error's own words ("connection refused"), without the errno and the repr around it."""
+    err = getattr(e, "certificate_error", None) or getattr(e, "os_error", None) or e
+    words = getattr(err, "verify_message", None) or getattr(err, "reason", None)
+    errno = getattr(err, "errno", None)
+    if not words and isinstance(errno, int):
+        words = os.strerror(errno).lower()
+    return str(words or getattr(err, "strerror", None) or err or type(err).__name__)
+
+
+def _after_status(e: ApiError) -> str:
+    return str(e).split(f": {e.status}: ", 1)[-1]
+
+
+def went_away(e: BaseException) -> bool | None:
+    """True: the API server is certainly not there (nothing accepts the connection); None: it may
+    have gone (a cut response, a timeout, a 5xx); False: it answered, refusing us for a reason of
+    its own, and being there again is no reason to try sooner."""
+    if isinstance(e, aiohttp.ClientConnectorError) and not isinstance(e, aiohttp.ClientSSLError):
+        return True
+    if isinstance(e, ApiError):
+        return None if e.status >= 500 or e.status == 0 else False
+    if isinstance(e, aiohttp.ClientSSLError):
+        return False
+    return None if isinstance(e, aiohttp.ClientError | TimeoutError | OSError) else False
 
 
 class KubernetesSource(Followed):
@@ -103,12 +183,18 @@ class KubernetesSource(Followed):
         debounce: float = 0.05,
         request_timeout: float = 30.0,
         watch_timeout: tuple[int, int] = (60, 120),
+        probe_every: float = 1.0,
+        probe_timeout: float = 2.0,
+        backoff: tuple[float, float] = (0.2, 30.0),  # first delay, cap
     ) -> None:
         self.store = store
         self.options = options
         self.debounce = debounce
         self.request_timeout = request_timeout
         self.watch_timeout = watch_timeout
+        self.probe_every, self.probe_timeout, self.backoff = probe_every, probe_timeout, backoff
+        self.probe = SharedProbe(self._probe, fresh=probe_every / 2)
+        self._answering = True  # the last probe's answer, to say once that the server is back
         self.liveness = Liveness(store, self.name, "the API server")
         self.watches_open = 0
         self.events = 0  # watch events applied, for tests and benchmarks
@@ -125,10 +211,14 @@ class KubernetesSource(Followed):
             self._scopes.append((NODES, None))
         self._listed: set[tuple[Kind, str | None]] = set()  # scopes listed at least once
         self._down: dict[tuple[Kind, str | None], str] = {}  # scopes currently failing, and why
+        self._said = False  # whether this outage was logged
+        self._nature: int | None = None  # and its kind: None away, else the status the server refused us with
         self._changed = asyncio.Event()
         self._api: Any = None
         self._loaded_at = 0.0
         self._reload_lock = asyncio.Lock()
+        self._stamps = FileStamps(config_files(options))  # the configuration's files as last loaded
+        self.loads = 0  # configurations loaded (one more per rotation), for tests
         store.add_source(self.name)
 
     # -- state ---------------------------------------------------------------------------------
@@ -244,14 +334,13 @@ class KubernetesSource(Followed):
     # -- API server ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the API server until `stop` is set, reconnecting for as long as it takes."""
-        backoff = Backoff(cap=30.0)
+        backoff = Backoff(*self.backoff)
         while self._api is None and not stop.is_set():
             try:
                 await self._reload()
-            except Exception as e:  # no usable configuration (yet): say so, retry
+            except Exception as e:  # no usable configuration (yet): say so, retry (at once if rewritten)
                 self._failed(None, f"no Kubernetes configuration: {type(e).__name__}: {e}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
+                await pause(backoff.next(), stop, self._config_changed, self.probe_every)
         if self._api is None:
             return
         try:
@@ -266,16 +355,48 @@ class KubernetesSource(Followed):
         finally:
             await self._api.close()
 
-    async def _reload(self) -> None:
-        """(Re)load the configuration and credentials; at most every 10 s, however many watches ask."""
+    async def _reload(self, *, changed: bool = False) -> None:
+        """(Re)load the configuration and credentials: on a 401 at most every 10 s however many
+        watches ask; with `changed`, once per rewrite of its files."""
         async with self._reload_lock:
             now = asyncio.get_running_loop().time()
-            if self._api is not None and now - self._loaded_at < 10.0:
+            if self._api is not None and (not self._stamps.changed() if changed else now - self._loaded_at < 10.0):
                 return
-            api = await make_client(self.options)
-            old, self._api, self._loaded_at = self._api, api, now
+            files = config_files(self.options)
+            before = FileStamps(files)  # taken first: a write during the load is seen as a change next time
+            try:
+                api = await make_client(self.options)
+            except Exception:
+                self._stamps = before  # this version of the files is not tried again; the next one is
+                raise
+            stamps = FileStamps([*files, *cert_files(api)])
+            stamps.seen = before.seen + stamps.seen[len(files) :]
+            old, self._api, self._loaded_at, self._stamps = self._api, api, now, stamps
+            self.loads += 1
             if old is not None:
+                log.info("%s: configuration loaded again (%s); watches resume with it", self.name,
+                         "its files changed" if changed else "the credentials were refused")  # fmt: skip
                 await old.close()  # watches on it end and resume on the new one
+
+    async def _config_changed(self) -> bool:
+        return self._stamps.changed()
+
+    async def _probe(self) -> bool:
+        """Whether the API server answers: GET /readyz, briefly. 401 and 403 count (it is there and
+        refusing us; the real request will say why); a 5xx or no answer does not."""
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout)
+        try:
+            resp = await self._api.call_api(
+                "/readyz", "GET", auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
+            )  # fmt: skip
+            resp.release()
+            answered = resp.status in (200, 401, 403)
+        except Exception:
+            answered = False
+        if answered and not self._answering:
+            log.info("%s: the API server answers again; reconnecting now", self.name)
+        self._answering = answered
+        return answered
 
     async def _publisher(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -289,46 +410,84 @@ class KubernetesSource(Followed):
         if self._dirty:
             self._changed.set()
 
-    def _failed(self, scope: tuple[Kind, str | None] | None, reason: str) -> None:
+    def _failed(self, scope: tuple[Kind, str | None] | None, reason: str, retry_in: float | None = None,
+                error: BaseException | None = None) -> None:  # fmt: skip
+        """Logged once per outage, and again when its nature changes while it lasts (the API server
+        back but refusing the credentials is news to act on, not more of the same)."""
         if scope is not None:
             self._down[scope] = reason
-        self.liveness.lost(reason)
+        # the API server away (whichever way) is one thing; each status it refuses us with is another
+        nature = None if error is None or went_away(error) is not False else int(getattr(error, "status", 0))
+        again = self._said and nature != self._nature
+        self._said = True
+        self._nature = nature
+        self.liveness.lost(reason, retry_in, again=again)
 
     def _recovered(self, scope: tuple[Kind, str | None]) -> None:
         self._down.pop(scope, None)
+        if not self._down:
+            self._said, self._nature = False, None
         if not self._down and self.loaded and not self.connected:
             self.liveness.live(f"{len(self._services)} annotated Services, {len(self._slices)} EndpointSlices")
 
     async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
-        """List, then watch from the list's version; on 410 list again; on errors back off."""
+        """List, then watch from the list's version; on 410 list again; on errors back off, until
+        the API server answers again or its configuration is rewritten."""
         scope = (kind, namespace)
-        backoff = Backoff(cap=30.0)
+        backoff = Backoff(*self.backoff)
+        comeback = Comeback()
         version: str | None = None
         while not stop.is_set():
+            if self._stamps.changed():
+                with contextlib.suppress(Exception):  # kept as it is; the error is the next attempt's
+                    await self._reload(changed=True)
+            api, loads = self._api, self.loads
+            request = "list" if version is None else "watch"
             try:
                 if version is None:
                     version = await self._list(kind, namespace)
                     self._listed.add(scope)
                     self._recovered(scope)
                     self._changed.set()  # the first full listing is published even if empty
-                started = asyncio.get_running_loop().time()
-                version = await self._watch(kind, namespace, version, backoff)
+                started, request = asyncio.get_running_loop().time(), "watch"
+                version = await self._watch(kind, namespace, version, backoff, comeback)
                 if asyncio.get_running_loop().time() - started > 1.0:
                     continue  # the server ended the watch (its timeout): resume from `version`
-                # ended at once: the server is going away; resume after a pause
+                # ended at once: the server may be going away; resume after a pause
+                delay = backoff.next()
+                log.debug("%s: the API server ended the %s watch at once; reconnecting in %.1f s",
+                          self.name, kind.name, delay)  # fmt: skip
+                away: bool | None = None
             except Gone:
                 log.info("%s: %s watch expired (410 Gone); listing again", self.name, kind.name)
                 self.relists += 1
                 version = None
                 continue
-            except Unauthorized as e:
-                self._failed(scope, f"{kind.name}: {e}")
-                with contextlib.suppress(Exception):  # a bad new configuration: retried after the backoff
-                    await self._reload()
             except Exception as e:
-                self._failed(scope, f"{kind.name}: {type(e).__name__}: {e}")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff.next())
+                if self._api is not api or self._stamps.changed():
+                    continue  # a new configuration: the next attempt uses it, now
+                delay = backoff.next()
+                self._failed(scope, describe(kind, e, request), delay, e)
+                away = went_away(e)
+                if isinstance(e, Unauthorized):
+                    with contextlib.suppress(Exception):  # a bad new configuration: retried after the backoff
+                        await self._reload()
+                    if self.loads != loads:
+                        continue
+            if away:
+                comeback.away()
+            await pause(delay, stop, self._try_now(comeback, loads, probe=away is not False), self.probe_every)
+
+    def _try_now(self, comeback: Comeback, loads: int, probe: bool) -> Callable[[], Any]:
+        """When to end a backoff early: the configuration changed, or the API server, seen away,
+        answers again."""
+
+        async def check() -> bool:
+            if self._stamps.changed() or self.loads != loads:
+                return True
+            return probe and comeback.probed(await self.probe())
+
+        return check
 
     async def _get(self, path: str, query: list[tuple[str, str]], read_timeout: float) -> Any:
         timeout = aiohttp.ClientTimeout(sock_connect=self.request_timeout, sock_read=read_timeout)
@@ -343,7 +502,7 @@ class KubernetesSource(Followed):
             body = (await resp.read())[:500].decode(errors="replace")
             resp.release()
             error = Unauthorized if resp.status == 401 else ApiError
-            raise error(f"GET {path}: {resp.status}: {_message(body)}")
+            raise error(f"GET {path}: {resp.status}: {_message(body)}", resp.status)
         return resp
 
     async def _list(self, kind: Kind, namespace: str | None) -> str:
@@ -368,7 +527,9 @@ class KubernetesSource(Followed):
                 self.replace(kind, namespace, items)
                 return str(meta.get("resourceVersion") or "")
 
-    async def _watch(self, kind: Kind, namespace: str | None, version: str, backoff: Backoff) -> str:
+    async def _watch(
+        self, kind: Kind, namespace: str | None, version: str, backoff: Backoff, comeback: Comeback
+    ) -> str:
         """Apply events until the server ends the watch; returns the last resourceVersion seen."""
         seconds = random.randint(*self.watch_timeout)  # spread the reconnects of many replicas
         query = [("watch", "1"), ("allowWatchBookmarks", "true"), ("resourceVersion", version),
@@ -381,6 +542,7 @@ class KubernetesSource(Followed):
         try:
             self._recovered((kind, namespace))
             backoff.reset()
+            comeback.reset()
             async for line in resp.content:
                 if not line.strip():
                     continue
@@ -389,7 +551,9 @@ class KubernetesSource(Followed):
                 if etype == "ERROR":
                     if obj.get("code") == 410:
                         raise Gone()
-                    raise ApiError(f"watch {kind.name}: {obj.get('code')}: {obj.get('message')}")
+                    code = obj.get("code")
+                    status = code if isinstance(code, int) else 0
+                    raise ApiError(f"watch {kind.name}: {code}: {obj.get('message')}", status)
                 version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     self.apply(kind, etype, obj)

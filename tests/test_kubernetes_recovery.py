@@ -1,0 +1,285 @@
+"""The Kubernetes source after an outage or a credential rotation, against a small fake API server
+on 127.0.0.1 that can go away and come back on the same port, in-process with short probe periods,
+so that "sooner than the backoff" is a bounded wait rather than a race. The same behaviour against a
+real kube-apiserver is in test_kubernetes_real.py (it needs the binaries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import re
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from eds_server.encode import encode_group
+from eds_server.sources.kubernetes import (
+    SLICES,
+    ApiError,
+    KubernetesSource,
+    Unauthorized,
+    describe,
+    went_away,
+)
+from eds_server.sources.kubernetes_map import KubernetesOptions
+from eds_server.store import Store
+
+NS = "fake"
+REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def service() -> dict[str, Any]:
+    return {"metadata": {"name": "web", "namespace": NS, "annotations": {"eds.group": "web"}},
+            "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
+
+
+def endpoint_slice(*ips: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "web-1", "namespace": NS, "labels": {"kubernetes.io/service-name": "web"}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
+    }
+
+
+class FakeApiServer:
+    """Lists and watches (with history, so a watch resumed from an old version misses nothing) of
+    Services and EndpointSlices in one namespace, a bearer token, and /readyz."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = "token-a"
+        self.rv = 100
+        self.objects: dict[str, dict[str, dict[str, Any]]] = {"services": {}, "endpointslices": {}}
+        self.history: list[tuple[int, str, str, dict[str, Any]]] = []
+        self.readyz = 0  # probes answered
+        self.refused = 0  # 401s
+        self.failing = 0  # a status every API request gets (503: up, answering probes, not serving)
+        self.failed = 0
+        self._bump = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+
+    def put(self, plural: str, obj: dict[str, Any]) -> None:
+        self.rv += 1
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        name = obj["metadata"]["name"]
+        etype = "MODIFIED" if name in self.objects[plural] else "ADDED"
+        self.objects[plural][name] = obj
+        self.history.append((self.rv, plural, etype, obj))
+        self._bump.set()
+        self._bump = asyncio.Event()
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", self.handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+
+    async def stop(self) -> None:
+        """Away: open watches are cut mid-stream, new connections refused."""
+        assert self._runner is not None
+        await self._runner.cleanup()
+        self._runner = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/readyz":
+            self.readyz += 1
+            return web.Response(text="ok")
+        if self.failing:
+            self.failed += 1
+            return web.json_response({"kind": "Status", "code": self.failing, "message": "busy"}, status=self.failing)
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            self.refused += 1
+            return web.json_response({"kind": "Status", "code": 401, "message": "Unauthorized"}, status=401)
+        plural = request.path.rsplit("/", 1)[-1]
+        if plural not in self.objects:
+            return web.json_response({"kind": "Status", "code": 404, "message": "not found"}, status=404)
+        if not request.query.get("watch"):
+            items = list(self.objects[plural].values())
+            return web.json_response({"metadata": {"resourceVersion": str(self.rv)}, "items": items})
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        sent = int(request.query["resourceVersion"])
+        deadline = asyncio.get_running_loop().time() + float(request.query["timeoutSeconds"])
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            for rv, kind, etype, obj in list(self.history):
+                if rv > sent:
+                    sent = rv
+                    if kind == plural:
+                        await resp.write(json.dumps({"type": etype, "object": obj}).encode() + b"\n")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._bump.wait(), left)
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeApiServer]:
+    server = FakeApiServer()
+    server.put("services", service())
+    server.put("endpointslices", endpoint_slice("127.0.0.2"))
+    await server.start()
+    try:
+        yield server
+    finally:
+        if server._runner is not None:
+            await server.stop()
+
+
+def kubeconfig(path: Path, url: str, token: str) -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": url}}],
+        "users": [{"name": "me", "user": {"token": token}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
+    }))  # fmt: skip
+    return path
+
+
+def addresses(store: Store) -> set[str]:
+    res = store.resources().get("web")
+    return {ep.address for ep in res.group.endpoints} if res else set()
+
+
+async def until(check: Callable[[], bool], timeout: float, what: str) -> float:
+    """Wait (bounded) for `check`; returns how long it took."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not check():
+        if loop.time() - start > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.02)
+    return loop.time() - start
+
+
+@contextlib.asynccontextmanager
+async def following(config: Path) -> AsyncIterator[tuple[Store, KubernetesSource]]:
+    """A source whose every backoff is at least 2 s (first delay 4 s, jittered down to half), probing
+    every 0.1 s: what arrives within 1.5 s of the server's return did not wait the backoff out."""
+    store = Store(encode_group)
+    source = KubernetesSource(store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)),
+                              probe_every=0.1, probe_timeout=0.5, backoff=(4.0, 30.0))  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(source.run(stop))
+    try:
+        await until(lambda: store.ready and addresses(store) == {"127.0.0.2"}, 20, "first load")
+        yield store, source
+    finally:
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_changes_flow_again_as_soon_as_the_api_server_answers(
+    fake: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = kubeconfig(tmp_path / "kubeconfig", fake.url, fake.token)
+    with caplog.at_level(logging.INFO, "eds_server"):
+        async with following(config) as (store, source):
+            await fake.stop()
+            await until(lambda: not source.connected, 5, "the outage noticed")
+            await asyncio.sleep(1.0)  # away: the watches' reconnects refused, the probes too
+            assert addresses(store) == {"127.0.0.2"}  # fail static: the last state is served, marked stale
+            assert store.is_stale("web")
+            probes = source.probe.probes
+            assert 3 <= probes <= 15  # about one every 0.1 s for both watches together, not one each
+            await fake.start()
+            fake.put("endpointslices", endpoint_slice("127.0.0.3"))
+            await until(lambda: addresses(store) == {"127.0.0.3"}, 1.5, "the change after the outage")
+            await until(lambda: source.connected, 1.5, "connected again")
+            assert not store.is_stale("web")
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "kubernetes: Services: the API server closed the watch mid-stream: it went away" in said or (
+        "kubernetes: EndpointSlices: the API server closed the watch mid-stream: it went away" in said
+    ), said
+    assert "reconnecting in" in said and "the API server answers again; reconnecting now" in said
+    assert not REPR.search(said), said
+
+
+async def test_a_rewritten_kubeconfig_is_used_at_once(
+    fake: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The old token stops working: 401s, backed off without probing (the server is there, refusing
+    us); the kubeconfig rewritten with the new token ends the backoff and is used."""
+    config = kubeconfig(tmp_path / "kubeconfig", fake.url, fake.token)
+    caplog.set_level(logging.INFO, "eds_server")
+    async with following(config) as (store, source):
+        await fake.stop()
+        fake.token = "token-b"
+        await fake.start()
+        await until(lambda: fake.refused >= 2, 10, "the old token refused (both watches)")
+        assert "refused our credentials" in str(source.last_error) and not REPR.search(str(source.last_error))
+        probes, loads = fake.readyz, source.loads
+        await asyncio.sleep(0.5)
+        assert fake.readyz == probes  # refused, not away: nothing to probe for
+        new = kubeconfig(tmp_path / "kubeconfig.new", fake.url, "token-b")
+        new.replace(config)  # as kubectl and Secret volumes do
+        fake.put("endpointslices", endpoint_slice("127.0.0.3"))
+        await until(lambda: addresses(store) == {"127.0.0.3"}, 1.5, "the change with the new token")
+        assert source.loads == loads + 1 and source.connected
+    said = [r.getMessage() for r in caplog.records if "reconnecting in" in r.getMessage()]
+    assert len(said) == 2, said  # went away, then (news, not more of the same) back but refusing the token
+    assert "went away" in said[0] and "refused our credentials (401): Unauthorized" in said[1]
+
+
+async def test_a_server_that_answers_probes_but_fails_requests_gets_the_full_backoff(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    """Seen away, then back: one early attempt. If that fails too while the probes keep answering,
+    the next one waits its backoff (no retry a second against a struggling server)."""
+    config = kubeconfig(tmp_path / "kubeconfig", fake.url, fake.token)
+    async with following(config) as (store, _):
+        await fake.stop()
+        await asyncio.sleep(0.5)
+        fake.failing = 503  # back, answering probes, failing every request
+        await fake.start()
+        await until(lambda: fake.failed >= 2, 1.5, "the early attempts")  # one per watch
+        probes = fake.readyz
+        await asyncio.sleep(1.5)  # their next attempts are at least 2 s away
+        assert fake.failed == 2 and fake.readyz > probes  # still probing, no longer cutting short
+        assert addresses(store) == {"127.0.0.2"}
+        fake.failing = 0
+
+
+def test_failures_are_said_in_words() -> None:
+    class Key:
+        host, port, ssl, is_ssl = "127.0.0.1", 6443, True, True
+
+    refused = aiohttp.ClientConnectorError(Key(), ConnectionRefusedError(111, "Connect call failed"))  # type: ignore[arg-type]
+    cut = aiohttp.ClientPayloadError("Response payload is not completed: <TransferEncodingError: 400>")
+    gone = "EndpointSlices: the API server closed the watch mid-stream: it went away (restarting or stopping)"
+    cases: list[tuple[BaseException, str, bool | None]] = [
+        (refused, "EndpointSlices: cannot connect to the API server at 127.0.0.1:6443 (connection refused): "
+                  "it is down or restarting", True),
+        (cut, gone, None),
+        (aiohttp.ServerDisconnectedError(), gone, None),
+        (TimeoutError(), "EndpointSlices: the API server did not answer in time", None),
+        (Unauthorized("GET /x: 401: Unauthorized", 401),
+         "EndpointSlices: the API server refused our credentials (401): Unauthorized", False),
+        (ApiError("GET /x: 403: forbidden", 403), "EndpointSlices: the API server answered GET /x: 403: forbidden",
+         False),
+        (ApiError("GET /x: 503: not ready", 503), "EndpointSlices: the API server answered GET /x: 503: not ready",
+         None),
+    ]  # fmt: skip
+    for error, words, away in cases:
+        assert (describe(SLICES, error, "watch"), went_away(error)) == (words, away)
+        assert not REPR.search(words)
