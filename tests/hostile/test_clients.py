@@ -2,7 +2,7 @@
 
 Each attack runs against a real eds-server process from another loopback address (127.0.0.2+,
 so per-IP limits tell it from the canary at 127.0.0.1), the server and the attacker each on a core
-of their own where there are two, while the canary (tests/canary.py)
+of their own where there are two, while the canary (tests/support/canary.py)
 follows changes and opens fresh connections. The canary is measured without the attack first,
 then during it. Bounds are generous multiples of what was measured here (see docs/limits.md);
 RSS is the server's peak (VmHWM). Set HOSTILE_REPORT=FILE to append each run's figures as JSON.
@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from canary import Canary, CanaryReport, peak_rss_mb, upstreams_text
-from hostile_clients import ANSWERED_WITHIN, FRAME_SIZE_ERROR, MALFORMED, PROTOCOL_ERROR
-from server_process import EdsServerProcess
 
-HOSTILE = Path(__file__).with_name("hostile_clients.py")
+from tests.support.canary import Canary, CanaryReport, peak_rss_mb, upstreams_text
+from tests.support.hostile_clients import ANSWERED_WITHIN, FRAME_SIZE_ERROR, MALFORMED, PROTOCOL_ERROR
+from tests.support.paths import ROOT
+from tests.support.server_process import EdsServerProcess
+
+HOSTILE = "tests.support.hostile_clients"  # run as a module of the repository: `python -m`, from ROOT
 BASELINE_SECONDS = 3.0
 ATTACK_SECONDS = 6.0
 TOKEN = "hostile-test-token-0123456789"
@@ -44,7 +46,7 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "partial_messages": (("--request-timeout", "3s", "--partial-message-budget", str(32 << 20)), None),
     "big_health_message": (("--max-message-size", str(1 << 20), "--partial-message-budget", str(32 << 20)), None),
     "health_streams": (("--max-streams", "5000"), None),
-    # on the HTTP/2 layer itself (tests/test_h2_attacks.py has their frame-level tests)
+    # on the HTTP/2 layer itself (transport/h2/test_attacks.py has their frame-level tests)
     "big_messages_small_frames": ((), None),
     "oversize_frames": ((), "FRAME_SIZE_ERROR"),
     "malformed_headers": ((), "PROTOCOL_ERROR"),
@@ -69,8 +71,8 @@ async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: s
         canary = Canary(server.port, upstreams, admin_port=server.admin_port, token=TOKEN)
         before = await canary.run(BASELINE_SECONDS)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(HOSTILE), attack, str(server.port), src, str(ATTACK_SECONDS),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable, "-m", HOSTILE, attack, str(server.port), src, str(ATTACK_SECONDS),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
         )  # fmt: skip
         pin(proc.pid, 1)  # an attacker has its own machine: it does not take the server's CPU
         await asyncio.sleep(0.5)  # the attack is under way

@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import h2.exceptions
-from canary import rss_mb
 from grpclib.client import Channel
 from grpclib.const import Cardinality
-from server_process import EdsServerProcess, write_atomically
-from test_fail_static import wait_error
-from test_upstreams_bounds import BOMB
 
 from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.xds.common import EDS_TYPE_URL
+from tests.support.canary import rss_mb
+from tests.support.server_process import EdsServerProcess, wait_error, write_atomically
+from tests.support.upstreams_files import BOMB
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 

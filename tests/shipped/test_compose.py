@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import yaml
-from envoy_harness import free_port
 
 from eds_server.cli import build_parser
 from eds_server.model import Endpoint, Health
 from eds_server.sources.containers import DockerOptions, container_endpoints
+from tests.support.paths import ROOT
+from tests.support.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 ENVOY_CONFIGS = sorted((ROOT / "envoy").glob("*.yaml"))  # what test_envoy_configs.py validates

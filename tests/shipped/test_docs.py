@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
+
 # written by other work in progress, linked as "see also" before they land
 PENDING = {"docs/xds-behaviour.md", "docs/limits.md", "docs/performance.md", "docs/kubernetes.md"}
 LINK = re.compile(r"\]\(([^)\s]+)\)")

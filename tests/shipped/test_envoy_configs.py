@@ -9,10 +9,13 @@ from typing import Any
 
 import pytest
 import yaml
-from backends import Backend, http_backends, serve_backend
-from envoy_harness import EnvoyProcess, envoy_binary, free_port
-from server_process import EdsServerProcess
-from tls import CertAuthority
+
+from tests.support.backends import Backend, http_backends, serve_backend
+from tests.support.envoy_harness import EnvoyProcess, envoy_binary
+from tests.support.paths import ROOT
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess
+from tests.support.tls import CertAuthority
 
 try:
     envoy_binary()
@@ -21,7 +24,7 @@ except FileNotFoundError:  # pragma: no cover
 
 pytestmark = pytest.mark.envoy
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "envoy"
+CONFIG_DIR = ROOT / "envoy"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 TLS_DIR = "/etc/envoy/tls/"  # where envoy-mtls.yaml reads Envoy's certificate, key and the server CA
 

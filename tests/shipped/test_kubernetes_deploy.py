@@ -1,6 +1,6 @@
 """deploy/kubernetes: the example Envoy configs validate with the bundled Envoy, and the manifests
 parse and keep the security settings the docs promise. (They are applied to a real kube-apiserver
-in test_kubernetes_real.py.)"""
+in e2e/kubernetes/test_kubernetes_real.py.)"""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 import yaml
-from envoy_harness import envoy_binary
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+from tests.support.envoy_harness import envoy_binary
+from tests.support.paths import ROOT
+
+DEPLOY = ROOT / "deploy" / "kubernetes"
 
 
 def docs(name: str) -> list[dict[str, Any]]:

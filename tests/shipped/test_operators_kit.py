@@ -16,15 +16,18 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from backends import http_backends
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import EdsServerProcess, write_atomically
-from xds_client import nacking_client
 
 from eds_server import __version__
+from tests.support.backends import http_backends
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.paths import ROOT
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess, write_atomically
+from tests.support.waiting import wait_for
+from tests.support.xds_client import nacking_client
 
-KIT = Path(__file__).resolve().parent.parent / "examples" / "monitoring"
+KIT = ROOT / "examples" / "monitoring"
 DASHBOARD = KIT / "grafana-dashboard.json"
 ALERTS = KIT / "prometheus-alerts.yaml"
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")

@@ -21,12 +21,12 @@ import aiohttp
 from envoy.config.endpoint.v3 import endpoint_pb2
 from grpclib.client import Channel
 from grpclib.const import Cardinality
-from server_process import write_atomically
 
 from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 from eds_server.pb.envoy.service.endpoint.v3 import EndpointDiscoveryServiceStub
 from eds_server.xds.common import EDS_TYPE_URL
+from tests.support.server_process import write_atomically
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 GROUP = "canary"

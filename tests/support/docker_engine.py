@@ -43,6 +43,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.support.ports import free_port
+from tests.support.waiting import NOT_YET, wait_for_blocking
+
 T = TypeVar("T")
 
 IMAGE = "eds-test-busybox:1"
@@ -60,15 +63,11 @@ class DockerError(RuntimeError):
     """A docker CLI call failed, or the engine did not come up / go down in time."""
 
 
+NOT_YET_DOCKER = (DockerError, *NOT_YET)  # a docker command that fails until the engine catches up
+
+
 # --------------------------------------------------------------------------------------------------
 # small helpers
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (may race with other processes, rarely)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def http_get(port: int, path: str = "/", timeout: float = 2.0) -> tuple[int, str]:
@@ -80,26 +79,6 @@ def http_get(port: int, path: str = "/", timeout: float = 2.0) -> tuple[int, str
         return resp.status, resp.read().decode("utf-8", "replace")
     finally:
         conn.close()
-
-
-def wait_for(
-    probe: Callable[[], T | None], *, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"
-) -> T:
-    """Poll ``probe`` until it returns something other than None/False; bounded in time and count."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    for _ in range(max(1, int(timeout / interval) + 1)):
-        try:
-            result = probe()
-        except Exception as exc:  # the probe may fail until ready
-            last_exc, result = exc, None
-        if result is not None and result is not False:
-            return result
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(interval)
-    raise DockerError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})"
-                                                                          if last_exc else ""))
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -238,8 +217,8 @@ class DockerEngine:
                     start_new_session=True, env=self._env,
                 )
             try:
-                wait_for(self._ping_or_die, timeout=self.start_timeout, interval=0.1, what="dockerd /_ping")
-            except DockerError as exc:
+                wait_for_blocking(self._ping_or_die, timeout=self.start_timeout, interval=0.1, what="dockerd /_ping")
+            except (DockerError, AssertionError) as exc:
                 self._kill_dockerd()
                 raise DockerError(f"{exc}\n--- dockerd log tail ---\n{self.log_tail()}") from None
             self.cli("version", "--format", "{{.Server.Version}}", timeout=30)
@@ -261,8 +240,8 @@ class DockerEngine:
         # dockerd stops the containerd it started; make sure (bounded) before anyone restarts it.
         cpid = self._read_pid(self.dir / "exec/containerd/containerd.pid")
         if cpid is not None and self._pid_is_ours(cpid):
-            with contextlib.suppress(DockerError):
-                wait_for(lambda: not _pid_alive(cpid), timeout=10, interval=0.1, what="containerd exit")
+            with contextlib.suppress(AssertionError):
+                wait_for_blocking(lambda: not _pid_alive(cpid), timeout=10, interval=0.1, what="containerd exit")
             if _pid_alive(cpid):
                 _kill(cpid, signal.SIGKILL)
 
@@ -404,8 +383,8 @@ class DockerEngine:
         return str(health["Status"]) if health else None
 
     def wait_health(self, ref: str, status: str, timeout: float = 15.0) -> None:
-        wait_for(lambda: self.health(ref) == status, timeout=timeout, interval=0.1,
-                 what=f"{ref} to be {status}")
+        wait_for_blocking(lambda: self.health(ref) == status, timeout=timeout, interval=0.1,
+                 what=f"{ref} to be {status}", retry=NOT_YET_DOCKER)
 
     def events(self, since: float, until: float | None = None, filters: Sequence[str] = ()) -> list[dict[str, Any]]:
         """Events between two unix times (``until`` defaults to now), as decoded ``{{json .}}`` lines.
@@ -426,7 +405,8 @@ class DockerEngine:
         """Poll (bounded) for the first event since ``since`` for which ``match`` is true."""
         def probe() -> dict[str, Any] | None:
             return next((e for e in self.events(since, filters=filters) if match(e)), None)
-        return wait_for(probe, timeout=timeout, interval=0.2, what="a matching docker event")
+        return wait_for_blocking(probe, timeout=timeout, interval=0.2, what="a matching docker event",
+                                 retry=NOT_YET_DOCKER)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -478,8 +458,8 @@ class DockerEngine:
         children = [pid for pid in _pids() if _ppid(pid) in ours]
         for pid in children + ours:
             _kill(pid, signal.SIGKILL)
-        with contextlib.suppress(DockerError):
-            wait_for(lambda: not any(_pid_alive(p) for p in children + ours), timeout=10,
+        with contextlib.suppress(AssertionError):
+            wait_for_blocking(lambda: not any(_pid_alive(p) for p in children + ours), timeout=10,
                      what="leftover engine processes to exit")
 
     def _unmount_all(self) -> None:
@@ -616,7 +596,7 @@ def run_backend(
              backend_script(name, port, drain_seconds=drain_seconds, start_healthy=start_healthy)]
     cid = engine.cli(*args)
     if wait_ready:
-        wait_for(lambda: http_get(port, timeout=1.0) == (200, name), timeout=ready_timeout, interval=0.1,
+        wait_for_blocking(lambda: http_get(port, timeout=1.0) == (200, name), timeout=ready_timeout, interval=0.1,
                  what=f"backend {name} on 127.0.0.1:{port}")
     return cid
 
@@ -679,7 +659,7 @@ def node_states(manager: DockerEngine) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# pytest fixtures (registered by tests/conftest.py: pytest_plugins = ["docker_engine"])
+# pytest fixtures (registered by tests/conftest.py: pytest_plugins = ["tests.support.docker_engine"])
 
 
 def _skip_or_fail(reason: str) -> None:
@@ -736,8 +716,8 @@ def swarm_pair() -> Iterator[tuple[DockerEngine, DockerEngine]]:
         manager.start()
         worker.start()
         swarm_join(worker, manager, swarm_init(manager))
-        wait_for(lambda: sorted(node_states(manager).values()) == ["ready", "ready"], timeout=30,
-                 what="both swarm nodes ready")  # fmt: skip
+        wait_for_blocking(lambda: sorted(node_states(manager).values()) == ["ready", "ready"], timeout=30,
+                 what="both swarm nodes ready", retry=NOT_YET_DOCKER)  # fmt: skip
     except Exception as exc:
         swarm_close(worker, manager)
         _skip_or_fail(f"two-node swarm did not start: {exc}")

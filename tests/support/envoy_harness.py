@@ -20,7 +20,6 @@ import math
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -30,6 +29,8 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import aiohttp
 import yaml
+
+from tests.support.waiting import wait_for
 
 T = TypeVar("T")
 ApiType = Literal["GRPC", "DELTA_GRPC", "REST"]
@@ -44,13 +45,6 @@ _HTTP2_KEEPALIVE_OPTIONS = {
         },
     },
 }
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (may race with other processes, rarely)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def envoy_binary() -> Path:
@@ -238,36 +232,6 @@ class Host:
             hostname=status.get("hostname", ""),
             raw=status,
         )
-
-
-async def wait_for(
-    probe: Callable[[], Awaitable[T]],
-    check: Callable[[T], object] = bool,
-    *,
-    timeout: float = 10.0,
-    interval: float = 0.1,
-) -> T:
-    """Poll `probe()` until `check(value)` is truthy; return that value.
-
-    Connection errors from `probe` count as "not yet". Bounded both by `timeout` and by
-    an iteration count; on timeout raises AssertionError with the last observed value.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    last: object = "<never probed>"
-    for _ in range(max(1, math.ceil(timeout / interval)) + 1):
-        try:
-            value = await asyncio.wait_for(probe(), timeout=max(interval, 2.0))
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            last = exc
-        else:
-            if check(value):
-                return value
-            last = value
-        if loop.time() >= deadline:
-            break
-        await asyncio.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s; last observed: {last!r}")
 
 
 class EnvoyProcess:
@@ -477,7 +441,7 @@ class EnvoyProcess:
         timeout: float = 10.0,
         interval: float = 0.1,
     ) -> T:
-        """See module-level `wait_for`."""
+        """`waiting.wait_for`, probing at a pace Envoy's admin does not notice."""
         return await wait_for(probe, check, timeout=timeout, interval=interval)
 
     async def get(self, path: str) -> tuple[int, str]:

@@ -19,7 +19,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from envoy_harness import free_port
+
+from tests.support.ports import free_port
 
 
 def etcd_binary() -> str:

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from envoy_harness import EnvoyProcess
-from server_process import EdsServerProcess
+
+from tests.support.envoy_harness import EnvoyProcess
+from tests.support.server_process import EdsServerProcess
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""Hostile HTTP/2 clients, one per attack docs/limits.md defends against, run as their own process by test_hostile.py.
+"""Hostile HTTP/2 clients, one per attack docs/limits.md defends against, run as their own process by
+hostile/test_clients.py, from the repository:
 
-    python tests/hostile_clients.py ATTACK PORT SOURCE_IP SECONDS
+    python -m tests.support.hostile_clients ATTACK PORT SOURCE_IP SECONDS
 
 Loopback only (the target is 127.0.0.1; SOURCE_IP is another 127.0.0.0/8 address, so per-IP
 limits tell the attacker from the canary). Every loop is bounded by SECONDS and by a count.
@@ -18,7 +19,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import hpack
-from h2frames import (
+from hyperframe.frame import (
+    DataFrame,
+    HeadersFrame,
+    PingFrame,
+    PriorityFrame,
+    RstStreamFrame,
+    SettingsFrame,
+)
+
+from eds_server.protowire import length_delimited as _field
+from tests.support.h2frames import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -32,16 +43,6 @@ from h2frames import (
     frame,
     split,
 )
-from hyperframe.frame import (
-    DataFrame,
-    HeadersFrame,
-    PingFrame,
-    PriorityFrame,
-    RstStreamFrame,
-    SettingsFrame,
-)
-
-from eds_server.protowire import length_delimited as _field
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"

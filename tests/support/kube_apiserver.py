@@ -29,7 +29,8 @@ import aiohttp
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from envoy_harness import free_port
+
+from tests.support.ports import free_port
 
 
 def binaries() -> tuple[Path, Path | None, Path] | str:

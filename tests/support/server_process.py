@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from envoy_harness import free_port
+
+from tests.support.ports import free_port
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -121,3 +122,19 @@ class EdsServerProcess:
                 assert code == 0, f"eds-server exited with {code}:\n{self.log_text()}"
         finally:
             self._log.close()
+
+
+async def file_error(server: EdsServerProcess) -> str | None:
+    """The file source's last error, from the admin API (which runs on the same loop as gRPC: a
+    frozen loop answers nothing, so each call is bounded too)."""
+    sources = (await asyncio.wait_for(server.admin("/v1/sources"), 10))["sources"]
+    return next(s["last_error"] for s in sources if s["name"].startswith("file:"))
+
+
+async def wait_error(server: EdsServerProcess, text: str, timeout: float = 10.0) -> str:
+    for _ in range(int(timeout / 0.05)):  # bounded
+        error = await file_error(server)
+        if error and text in error:
+            return error
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no file error with {text!r}; last: {await file_error(server)!r}")

@@ -1,6 +1,6 @@
 """xDS edge cases that other clients than a stock Envoy reach, each through the gRPC port.
 
-The same cases are pinned on the state machines in test_sotw.py and test_delta.py; these show that
+The same cases are pinned on the state machines in unit/xds/test_sotw.py and unit/xds/test_delta.py; these show that
 the transport, the store and /v1/streams agree with them. Decisions: docs/xds-behaviour.md.
 """
 
@@ -18,8 +18,6 @@ from aiohttp import web
 from grpclib import GRPCError
 from grpclib.const import Cardinality, Status
 from prometheus_client import CollectorRegistry
-from test_grpc import SOURCE, Harness, cla_of, first, group, harness, no_message, recv, reply
-from waiting import wait_until
 
 from eds_server import admin
 from eds_server.pb.envoy.config.core.v3 import Node
@@ -32,8 +30,8 @@ from eds_server.pb.envoy.service.discovery.v3 import (
 from eds_server.pb.google.rpc import Status as RpcStatus
 from eds_server.transport.grpc import _Session
 from eds_server.xds.common import EDS_TYPE_URL, Limits
-
-__all__ = ["harness"]  # the fixture, re-used
+from tests.support.grpc_harness import SOURCE, Harness, cla_of, first, group, no_message, recv, reply
+from tests.support.waiting import wait_for
 
 DELTA = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
 
@@ -103,13 +101,13 @@ async def test_delta_streams_show_the_version_envoy_holds_as_acked(harness: Harn
         await stream.send_message(delta_first("web"))
         r1 = await recv(stream)
         await stream.send_message(delta_reply(r1))
-        await wait_until(lambda: session(harness).describe()["names"]["web"]["acked"] == good, timeout=5.0)
+        await wait_for(lambda: session(harness).describe()["names"]["web"]["acked"] == good, timeout=5.0)
         harness.store.update(SOURCE, {"web": group("web", 2)})
         r2 = await recv(stream)
         bad = r2.resources[0].version
         assert session(harness).describe()["names"]["web"]["acked"] == good  # in flight: still the old one
         await stream.send_message(delta_reply(r2, error="rejected"))
-        await wait_until(lambda: harness.service.counters.nacks == 1, timeout=5.0)
+        await wait_for(lambda: harness.service.counters.nacks == 1, timeout=5.0)
         assert session(harness).describe()["names"]["web"] == {"sent": bad, "acked": good, "nacked": bad}
 
 
@@ -125,7 +123,7 @@ async def test_delta_subscribe_and_unsubscribe_in_one_request_leave_state_and_st
         r1 = await recv(stream)
         # both lists name "web" (subscribed) and "new" (not): subscribes first, then unsubscribes
         await stream.send_message(delta_reply(r1, subscribe=("web", "new"), unsubscribe=("web", "new")))
-        await wait_until(lambda: list(session(harness).sm.subscribed) == ["api"], timeout=5.0)
+        await wait_for(lambda: list(session(harness).sm.subscribed) == ["api"], timeout=5.0)
         assert store_agrees(harness)
         await no_message(stream)
         harness.store.update(SOURCE, {"web": group("web", 2), "api": group("api", 2)})
@@ -149,7 +147,7 @@ async def test_sotw_unsubscribing_while_in_flight_then_acking_keeps_nothing(harn
             await stream.send_message(DiscoveryRequest(type_url=EDS_TYPE_URL))
             await no_message(stream, 0.05)
         await stream.send_message(reply(resp))  # ACKs the last one, and drops everything
-        await wait_until(lambda: not session(harness).sm.subscribed, timeout=5.0)
+        await wait_for(lambda: not session(harness).sm.subscribed, timeout=5.0)
         sm = session(harness).sm
         assert not sm.acked and not sm.sent and not sm.nacked
         assert store_agrees(harness) and not harness.store._by_name
@@ -182,7 +180,7 @@ async def test_sotw_a_name_dropped_by_a_stale_request_is_sent_again_when_listed_
         assert [cla_of(r2, i).cluster_name for i in range(len(r2.resources))] == ["web"]
         assert r2.version_info == r1.version_info  # unchanged, but new to the client
         await stream.send_message(reply(r2, "web"))
-        await wait_until(lambda: session(harness).sm.acked == {"web": r2.version_info}, timeout=5.0)
+        await wait_for(lambda: session(harness).sm.acked == {"web": r2.version_info}, timeout=5.0)
         assert store_agrees(harness)
 
 
@@ -369,4 +367,4 @@ async def test_grpclib_clients_read_the_status_not_a_reset(harness: Harness) -> 
         await asyncio.sleep(0.3)
         status, message = await ended_with(stream)
         assert status == Status.RESOURCE_EXHAUSTED and "more than 1 resource names" in (message or "")
-    await wait_until(lambda: harness.service.open_streams == 0, timeout=2.0)  # the server side is gone too
+    await wait_for(lambda: harness.service.open_streams == 0, timeout=2.0)  # the server side is gone too

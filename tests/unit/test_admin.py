@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import aiohttp
-from server_process import EdsServerProcess
+
+from tests.support.server_process import EdsServerProcess
 
 
 async def test_admin_errors_are_json_with_a_hint(tmp_path: Path) -> None:

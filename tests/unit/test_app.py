@@ -9,7 +9,8 @@ import contextlib
 from pathlib import Path
 
 import aiohttp
-from server_process import EdsServerProcess
+
+from tests.support.server_process import EdsServerProcess
 
 
 async def readyz(server: EdsServerProcess) -> int:

@@ -13,6 +13,7 @@ import pytest
 
 from eds_server import __version__
 from eds_server.cli import _HelpFormatter, build_parser, duration, host_port
+from tests.support.paths import ROOT
 
 
 def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -142,7 +143,7 @@ def test_the_demo_ships_the_checkouts_example_and_envoy_config() -> None:
     ones the README links (an edit to one and not the other fails here)."""
     from eds_server import demo
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     assert demo.EXAMPLE.read_bytes() == (root / "examples" / "upstreams.yaml").read_bytes()
     assert demo.ENVOY_CONFIG.read_bytes() == (root / "envoy" / "envoy.yaml").read_bytes()
 

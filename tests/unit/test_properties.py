@@ -1,7 +1,7 @@
 """Property-based tests (hypothesis): parsers, encoding and the stream state machines against models.
 
 Fast enough for every run. To hunt for bugs with more examples:
-`EDS_HYPOTHESIS_SCALE=10 .venv/bin/python -m pytest tests/test_properties.py`.
+`EDS_HYPOTHESIS_SCALE=10 .venv/bin/python -m pytest tests/unit/test_properties.py`.
 
 No example database is kept (`database=None`); hypothesis still caches a little in .hypothesis/,
 which carries its own .gitignore.
@@ -16,22 +16,19 @@ import contextlib
 import copy
 import dataclasses
 import ipaddress
-import os
 import re
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import struct_pb2
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import HealthCheck, event, given, note
 from hypothesis import strategies as st
 
-from eds_server import fields, protowire, upstreams
+from eds_server import protowire, upstreams
 from eds_server.encode import LB_METADATA_KEY, cluster_load_assignment, encode_group
 from eds_server.model import Endpoint, Group, Health, Locality
 from eds_server.sources.containers import SETTING_KEYS, DockerOptions, container_endpoints, groups_of
@@ -40,160 +37,19 @@ from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL, Limits, ProtocolError, StaleNonce, response_version
 from eds_server.xds.delta import DeltaRequest, DeltaResponse, DeltaStream
 from eds_server.xds.sotw import Request, Response, SotwStream
-
-SCALE = int(os.environ.get("EDS_HYPOTHESIS_SCALE", "1"))
-Draw = Callable[[st.SearchStrategy[Any]], Any]
-
-
-def examples(n: int, **kwargs: Any) -> settings:
-    return settings(max_examples=n * SCALE, deadline=None, database=None, **kwargs)
-
-
-def pick(draw: Draw, options: Sequence[Any]) -> Any:
-    """One of `options` (cheaper than a new sampled_from each time: st.integers is cached)."""
-    return options[draw(st.integers(0, len(options) - 1))]
-
-
-# -- shared strategies ---------------------------------------------------------------------------
-# codec="utf-8": no lone surrogates (a known bug of their own, see test_regression_unencodable_*).
-# No NEL/LS/PS either: PyYAML's emitter writes them raw into quoted scalars, where its own reader then
-# folds them (a PyYAML bug that would fail the round trip before eds_server is involved).
-CHARS = st.characters(codec="utf-8", exclude_characters="\x85\u2028\u2029")
-TEXT = st.text(CHARS, max_size=10)
-NAMES = st.text(CHARS, min_size=1, max_size=20).filter(lambda s: s == s.strip() and s != "<<")
-JSON_SCALARS = (
-    st.none() | st.booleans() | st.integers(-(2**53), 2**53)
-    | st.floats(allow_nan=False, allow_infinity=False) | TEXT
-)  # fmt: skip
-JSON_VALUES = st.recursive(
-    JSON_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=4
+from tests.support.strategies import (
+    CHARS,
+    NAMES,
+    TEXT,
+    UINT32_MAX,
+    examples,
+    gen_files,
+    ip_text,
+    model_endpoints,
+    pick,
+    render,
+    shorthand,
 )
-# `<<` is YAML's merge key; the parser refuses it even quoted (a top-level metadata key only)
-METADATA = st.dictionaries(TEXT.filter(lambda k: k != "<<"), JSON_VALUES, max_size=2)
-LOCALITIES = st.builds(Locality, TEXT, TEXT, TEXT)
-UINT32_MAX = fields.UINT32_MAX
-
-
-def _ip_text(draw: st.DrawFn, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    """The address as a person might write it: any textual form that names the same IP."""
-    return str(pick(draw, [str(ip), ip.exploded, str(ip).upper(), ip.exploded.upper()]))
-
-
-@st.composite
-def model_endpoints(draw: st.DrawFn) -> Endpoint:
-    ip = draw(st.ip_addresses())
-    return Endpoint(
-        address=str(ip),
-        port=draw(st.integers(1, 65535)),
-        weight=draw(st.none() | st.integers(1, 2**28)),  # <= 8 of these per locality stay under uint32
-        health=draw(st.sampled_from(Health)),
-        priority=draw(st.integers(0, 128)),
-        locality=draw(LOCALITIES | st.just(Locality())),
-        hostname=draw(TEXT),
-        metadata=draw(METADATA),
-    )
-
-
-# -- 1. the upstreams file -------------------------------------------------------------------------
-@dataclass
-class GenEndpoint:
-    endpoint: Endpoint
-    rendering: Any  # "addr:port" shorthand or a mapping, as written in the file
-    address_text: str  # how the address was written (brackets excluded)
-
-
-@dataclass
-class GenGroup:
-    name: str
-    endpoints: list[GenEndpoint]
-    weights: dict[Locality, int]
-    localities: list[dict[str, Any]]
-    empty_form: Any  # how a group with nothing in it is written
-
-    def expected(self) -> Group:
-        return Group(self.name, tuple(e.endpoint for e in self.endpoints), self.weights)
-
-    def render(self) -> Any:
-        if not self.endpoints and not self.localities:
-            return copy.deepcopy(self.empty_form)
-        out: dict[str, Any] = {"endpoints": [e.rendering for e in self.endpoints]}
-        if self.localities:
-            out["localities"] = self.localities
-        return out
-
-
-def _shorthand(address_text: str, port: Any, v6: bool) -> str:
-    return f"[{address_text}]:{port}" if v6 else f"{address_text}:{port}"
-
-
-def _number(draw: st.DrawFn, n: int) -> Any:
-    return pick(draw, [n, str(n)])  # `port: "80"` is accepted too
-
-
-def _text_value(draw: st.DrawFn, s: str) -> Any:
-    """Text as written: an int where YAML would read the same digits back (`zone: 1`)."""
-    if s.isascii() and s.isdigit() and str(int(s)) == s and draw(st.booleans()):
-        return int(s)
-    return s
-
-
-@st.composite
-def gen_endpoints(draw: st.DrawFn) -> GenEndpoint:
-    ep = draw(model_endpoints())
-    ip = ipaddress.ip_address(ep.address)
-    text = _ip_text(draw, ip)
-    v6 = ip.version == 6
-    if draw(st.booleans()):
-        ep = Endpoint(ep.address, ep.port)
-        return GenEndpoint(ep, _shorthand(text, ep.port, v6), text)
-    explicit = draw(st.booleans())  # write defaults out
-    spec: dict[str, Any] = {
-        "address": f"[{text}]" if v6 and draw(st.booleans()) else text,
-        "port": _number(draw, ep.port),
-    }
-    if ep.weight is not None:
-        spec["weight"] = _number(draw, ep.weight)
-    if ep.health != Health.UNKNOWN or explicit:
-        spec["health"] = pick(draw, [str.lower, str.upper, str.capitalize])(ep.health.name)
-    if ep.priority or explicit:
-        spec["priority"] = _number(draw, ep.priority)
-    for key, value in [("region", ep.locality.region), ("zone", ep.locality.zone),
-                       ("subzone", ep.locality.subzone), ("hostname", ep.hostname)]:  # fmt: skip
-        if value or explicit:
-            spec[key] = _text_value(draw, value)
-    if ep.metadata or explicit:
-        spec["metadata"] = ep.metadata
-    return GenEndpoint(ep, spec, text)
-
-
-@st.composite
-def gen_groups(draw: st.DrawFn, name: str, min_endpoints: int = 0) -> GenGroup:
-    eps = draw(st.lists(gen_endpoints(), min_size=min_endpoints, max_size=4, unique_by=lambda g: g.endpoint.key))
-    weights = draw(st.dictionaries(LOCALITIES, st.integers(1, UINT32_MAX), max_size=3))
-    localities = []
-    for loc, w in weights.items():
-        item: dict[str, Any] = {k: v for k, v in [("region", loc.region), ("zone", loc.zone),
-                                                  ("subzone", loc.subzone)] if v or draw(st.booleans())}  # fmt: skip
-        item["weight"] = _number(draw, w)
-        localities.append(item)
-    empty = pick(draw, [None, {}, {"endpoints": []}, {"endpoints": None}, {"localities": []}])
-    return GenGroup(name, eps, weights, localities, empty)
-
-
-@st.composite
-def gen_files(draw: st.DrawFn, min_groups: int = 0, min_endpoints: int = 0) -> list[GenGroup]:
-    names = draw(st.lists(NAMES, min_size=min_groups, max_size=3, unique=True))
-    return [draw(gen_groups(n, min_endpoints)) for n in names]
-
-
-def render(draw: Draw, groups: list[GenGroup], rendered: dict[str, Any] | None = None) -> str:
-    body = rendered if rendered is not None else {g.name: g.render() for g in groups}
-    doc = {"groups": body if body else pick(draw, [None, {}])}
-    return yaml.safe_dump(
-        doc, sort_keys=False, width=4096,
-        allow_unicode=draw(st.booleans()),
-        default_flow_style=pick(draw, [False, None, True]),
-    )  # fmt: skip
 
 
 @examples(100, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -226,7 +82,7 @@ def broken_files(draw: st.DrawFn) -> tuple[str, str, str]:
     if kind == "port":
         bad = pick(draw, [0, 70000, "0", "70000", -1])
         if isinstance(item, str):
-            item = marker = _shorthand(gen.address_text, bad, v6)
+            item = marker = shorthand(gen.address_text, bad, v6)
         else:
             item["port"], path, marker = bad, path + ".port", "port"
     elif kind == "weight":
@@ -238,7 +94,7 @@ def broken_files(draw: st.DrawFn) -> tuple[str, str, str]:
     elif kind == "hostname":
         host = marker = draw(HOSTNAMES)
         if isinstance(item, str):
-            item = _shorthand(host, ep.port, False)
+            item = shorthand(host, ep.port, False)
         else:
             item["address"], path = host, path + ".address"
     elif kind == "unknown_key":
@@ -250,8 +106,8 @@ def broken_files(draw: st.DrawFn) -> tuple[str, str, str]:
         spec["endpionts"], path = [], f"groups.{g.name}.endpionts"
     elif kind == "duplicate":
         # another spelling of endpoint i (shorthand or mapping, any textual form of the IP), later on
-        text = _ip_text(draw, ipaddress.ip_address(ep.address))
-        copy_ = _shorthand(text, ep.port, v6) if draw(st.booleans()) else {"address": text, "port": ep.port}
+        text = ip_text(draw, ipaddress.ip_address(ep.address))
+        copy_ = shorthand(text, ep.port, v6) if draw(st.booleans()) else {"address": text, "port": ep.port}
         k = draw(st.integers(i + 1, len(g.endpoints)))
         spec["endpoints"].insert(k, copy_)
         path, marker = f"groups.{g.name}.endpoints[{k}]", text

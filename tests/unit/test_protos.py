@@ -78,8 +78,9 @@ from eds_server.pb.grpc.reflection.v1 import ServerReflectionBase
 from eds_server.pb.message_pool import default_message_pool
 from eds_server.pb.xds.core.v3 import ContextParams
 from eds_server.xds import wire
+from tests.support.paths import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = ROOT  # the repository
 PROTO_DIR = REPO / "proto"
 PB_DIR = REPO / "eds_server" / "pb"
 GEN_SCRIPT = REPO / "scripts" / "gen_protos.py"

@@ -1,5 +1,5 @@
 """TLS, mTLS and authorization on the gRPC port: the rules, grpclib clients in-process, and a real
-Envoy against the real command line. Certificates are made per test (tests/tls.py)."""
+Envoy against the real command line. Certificates are made per test (tests/support/tls.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,10 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_binary, envoy_bootstrap
 from grpclib import GRPCError
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import StreamTerminatedError
-from server_process import EdsServerProcess
-from tls import CertAuthority, Issued, client_context
 
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
@@ -43,8 +40,11 @@ from eds_server.security import SecurityConfigError, parse_authz, server_ssl_con
 from eds_server.store import Store
 from eds_server.transport.grpc import EdsService, make_server
 from eds_server.xds.common import EDS_TYPE_URL
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_binary, envoy_bootstrap
+from tests.support.paths import ROOT
+from tests.support.server_process import EdsServerProcess
+from tests.support.tls import CertAuthority, Issued, client_context
 
-ROOT = Path(__file__).resolve().parent.parent
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 DELTA = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
 SHOP_URI = "spiffe://example.org/ns/shop/sa/envoy"

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from envoy_harness import wait_for
-from server_process import EdsServerProcess
 
 from eds_server.serving_state import serving_state
 from eds_server.sources.base import SourceStatus
+from tests.support.server_process import EdsServerProcess
+from tests.support.waiting import wait_for
 
 
 def test_every_source_loaded_and_healthy_is_ready() -> None:

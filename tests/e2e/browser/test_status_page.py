@@ -14,13 +14,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from backends import Backend, http_backends
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port, wait_for
-from server_process import EdsServerProcess
-from xds_client import nacking_client
 
 from eds_server import status_page
 from eds_server.serving_state import serving_state
+from tests.support.backends import Backend, http_backends
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess
+from tests.support.waiting import wait_for
+from tests.support.xds_client import nacking_client
 
 pytestmark = pytest.mark.envoy
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-from docker_engine import DockerEngine, DockerError, free_port, http_get, run_backend, wait_for
+
+from tests.support.docker_engine import NOT_YET_DOCKER, DockerEngine, DockerError, http_get, run_backend
+from tests.support.paths import DATA
+from tests.support.ports import free_port
+from tests.support.waiting import wait_for_blocking
 
 pytestmark = pytest.mark.docker
 
@@ -105,7 +108,8 @@ def test_live_restore_keeps_containers_across_engine_restart(docker_cleanup: Doc
     state = eng.inspect(cid)["State"]
     assert state["Running"] is True and state["Pid"] == pid
     assert http_get(port) == (200, "eng-live")
-    wait_for(lambda: cid in eng.container_ids(all=False), timeout=5, what="container listed as running")
+    wait_for_blocking(lambda: cid in eng.container_ids(all=False), timeout=5, what="container listed as running",
+                      retry=NOT_YET_DOCKER)
 
 
 async def test_async_cli_on_uvloop(docker_cleanup: DockerEngine) -> None:
@@ -115,7 +119,7 @@ async def test_async_cli_on_uvloop(docker_cleanup: DockerEngine) -> None:
 
 def test_recorded_fixtures_load() -> None:
     """The JSON recorded by tests/data/docker/record.py (no engine needed)."""
-    data = Path(__file__).parent / "data" / "docker"
+    data = DATA / "docker"
     states = {
         "host-network": ("running", None), "bridge-expose": ("running", None),
         "two-networks": ("running", None), "published-ports": ("running", None),

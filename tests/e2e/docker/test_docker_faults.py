@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from docker_engine import DockerEngine, arun_backend, free_port
 
 from eds_server.encode import encode_group
 from eds_server.sources.containers import DockerOptions
 from eds_server.sources.docker import DockerSource
 from eds_server.store import Store
+from tests.support.docker_engine import DockerEngine, arun_backend
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.docker
 

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from docker_engine import DockerEngine, arun_backend
-from envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap, free_port
-from server_process import EdsServerProcess
+
+from tests.support.docker_engine import DockerEngine, arun_backend
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess
 
 pytestmark = [pytest.mark.docker, pytest.mark.envoy]
 

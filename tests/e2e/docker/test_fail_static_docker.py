@@ -29,10 +29,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from docker_engine import DockerEngine, _skip_or_fail, arun_backend
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port
-from fault_watch import FaultWatch
-from server_process import EdsServerProcess, RunAs
+
+from tests.support.docker_engine import DockerEngine, _skip_or_fail, arun_backend
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.fault_watch import FaultWatch
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess, RunAs
 
 pytestmark = [pytest.mark.docker, pytest.mark.envoy]
 

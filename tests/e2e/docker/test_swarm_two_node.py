@@ -1,6 +1,6 @@
 """Fail static with a two-node Swarm on this machine, proven with a real Envoy carrying requests.
 
-Two private engines (tests/docker_engine.py ``swarm_pair``): a manager and a worker, each listening on its
+Two private engines (tests/support/docker_engine.py ``swarm_pair``): a manager and a worker, each listening on its
 own 127.0.0.1 port. Two labelled services, host networking on distinct loopback ports, are placed on the
 worker (``node.role==worker``), so their tasks outlive anything that happens to the manager. eds-server
 ``--swarm`` follows the manager; Envoy gets one request every 50 ms through its listener.
@@ -24,10 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from docker_engine import DockerEngine, backend_script, http_get, node_states, swarm_remove_services, wait_for
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port
-from fault_watch import FaultWatch
-from server_process import EdsServerProcess
+
+from tests.support.docker_engine import (
+    NOT_YET_DOCKER,
+    DockerEngine,
+    backend_script,
+    http_get,
+    node_states,
+    swarm_remove_services,
+)
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.fault_watch import FaultWatch
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess
+from tests.support.waiting import wait_for_blocking
 
 pytestmark = [pytest.mark.docker, pytest.mark.envoy]
 
@@ -86,7 +96,8 @@ def swarm2(swarm_pair: tuple[DockerEngine, DockerEngine]) -> Iterator[tuple[Dock
         if not engine.running:
             engine.start()
     swarm_remove_services(manager)
-    wait_for(lambda: not worker.container_ids(), timeout=30, what="the worker's tasks to go")
+    wait_for_blocking(lambda: not worker.container_ids(), timeout=30, what="the worker's tasks to go",
+                      retry=NOT_YET_DOCKER)
 
 
 def worker_services(manager: DockerEngine, count: int = 2) -> list[int]:
@@ -100,7 +111,7 @@ def worker_services(manager: DockerEngine, count: int = 2) -> list[int]:
             manager.image, "sh", "-c", backend_script(name, port), timeout=60,
         )  # fmt: skip
     for i, port in enumerate(ports):
-        wait_for(lambda p=port, n=f"web-w{i}": http_get(p, timeout=1.0) == (200, n), timeout=30,  # type: ignore[misc]
+        wait_for_blocking(lambda p=port, n=f"web-w{i}": http_get(p, timeout=1.0) == (200, n), timeout=30,  # type: ignore[misc]
                  what=f"task of web-w{i} on 127.0.0.1:{port}")  # fmt: skip
     return ports
 
@@ -139,8 +150,8 @@ async def restart_manager(watch: FaultWatch, manager: DockerEngine) -> None:
 
 
 async def worker_ready(watch: FaultWatch, manager: DockerEngine) -> None:
-    await asyncio.to_thread(wait_for, lambda: node_states(manager).get("worker") == "ready", timeout=30,
-                            what="the worker to be ready again")  # fmt: skip
+    await asyncio.to_thread(wait_for_blocking, lambda: node_states(manager).get("worker") == "ready", timeout=30,
+                            what="the worker to be ready again", retry=NOT_YET_DOCKER)  # fmt: skip
     watch.mark("worker ready")
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from envoy_harness import ApiType, EdsCluster, EnvoyProcess, envoy_binary, envoy_bootstrap, envoy_fleet
-from server_process import EdsServerProcess
+
+from tests.support.envoy_harness import ApiType, EdsCluster, EnvoyProcess, envoy_binary, envoy_bootstrap, envoy_fleet
+from tests.support.server_process import EdsServerProcess
 
 try:
     envoy_binary()

@@ -14,12 +14,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from envoy_harness import wait_for
 
 from eds_server import demo, ports
+from tests.support.paths import ROOT
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.envoy
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "upstreams.yaml"
+EXAMPLE = ROOT / "examples" / "upstreams.yaml"
 
 
 def test_the_demo_names_every_port_it_needs() -> None:

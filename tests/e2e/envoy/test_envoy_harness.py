@@ -16,17 +16,11 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
-from backends import Backend, http_backends
-from envoy_harness import (
-    EdsCluster,
-    EnvoyProcess,
-    Host,
-    Locality,
-    envoy_binary,
-    envoy_bootstrap,
-    free_port,
-    wait_for,
-)
+
+from tests.support.backends import Backend, http_backends
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, Locality, envoy_binary, envoy_bootstrap
+from tests.support.ports import free_port
+from tests.support.waiting import wait_for
 
 try:
     envoy_binary()

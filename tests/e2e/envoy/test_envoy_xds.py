@@ -10,9 +10,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from backends import Backend, http_backends
-from envoy_harness import ApiType, EdsCluster, EnvoyProcess, Host, envoy_bootstrap, free_port
-from server_process import EdsServerProcess, write_atomically
+
+from tests.support.backends import Backend, http_backends
+from tests.support.envoy_harness import ApiType, EdsCluster, EnvoyProcess, Host, envoy_bootstrap
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess, write_atomically
 
 pytestmark = pytest.mark.envoy
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from backends import http_backends
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port
-from fault_watch import FaultWatch
-from server_process import EdsServerProcess, write_atomically
+
+from tests.support.backends import http_backends
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.fault_watch import FaultWatch
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess, file_error, wait_error, write_atomically
 
 pytestmark = pytest.mark.envoy
 MAX = 2**32 - 1
@@ -23,22 +25,6 @@ def upstreams(ports: list[int], weight: int | None = None) -> str:
     w = f", weight: {weight}" if weight else ""
     eps = "\n".join(f"      - {{address: 127.0.0.1, port: {p}{w}}}" for p in ports)
     return f"groups:\n  web:\n    endpoints:\n{eps}\n"
-
-
-async def file_error(server: EdsServerProcess) -> str | None:
-    """The file source's last error, from the admin API (which runs on the same loop as gRPC: a
-    frozen loop answers nothing, so each call is bounded too)."""
-    sources = (await asyncio.wait_for(server.admin("/v1/sources"), 10))["sources"]
-    return next(s["last_error"] for s in sources if s["name"].startswith("file:"))
-
-
-async def wait_error(server: EdsServerProcess, text: str, timeout: float = 10.0) -> str:
-    for _ in range(int(timeout / 0.05)):  # bounded
-        error = await file_error(server)
-        if error and text in error:
-            return error
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no file error with {text!r}; last: {await file_error(server)!r}")
 
 
 async def test_upstreams_file_deleted_unreadable_garbage_then_restored(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ import signal
 from pathlib import Path
 
 import aiohttp
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
-from server_process import EdsServerProcess
+
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.server_process import EdsServerProcess
 
 TOKEN = "test-token-0123456789"
 

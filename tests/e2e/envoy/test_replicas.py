@@ -6,8 +6,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
-from server_process import EdsServerProcess, write_atomically
+
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.server_process import EdsServerProcess, write_atomically
 
 pytestmark = pytest.mark.envoy
 

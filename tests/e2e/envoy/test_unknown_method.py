@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
-from server_process import EdsServerProcess
-from test_grpc import Harness
-from test_grpc import harness as harness
+
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.grpc_harness import Harness
+from tests.support.server_process import EdsServerProcess
 
 pytestmark = pytest.mark.envoy
 

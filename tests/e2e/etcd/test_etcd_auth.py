@@ -10,9 +10,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from etcd_cluster import EtcdCluster, etcd_binary
-from server_process import EdsServerProcess
-from tls import CertAuthority
+
+from tests.support.etcd_cluster import EtcdCluster, etcd_binary
+from tests.support.server_process import EdsServerProcess
+from tests.support.tls import CertAuthority
 
 TOKEN = "etcd-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

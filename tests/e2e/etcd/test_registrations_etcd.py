@@ -21,9 +21,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
-from etcd_cluster import EtcdCluster, etcd_binary, process_cpu
-from server_process import EdsServerProcess
+
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.etcd_cluster import EtcdCluster, etcd_binary, process_cpu
+from tests.support.server_process import EdsServerProcess
 
 pytestmark = pytest.mark.envoy
 

@@ -23,17 +23,20 @@ from typing import Any
 
 import pytest
 import yaml
-from backends import Backend, serve_backend
-from connect_proxy import ConnectProxy, http11_proxy_socket, loopback_for, pod_ip
-from envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap, free_port
-from kube_apiserver import KubeApi, KubeCluster, kube
-from server_process import EdsServerProcess
-from tls import CertAuthority
+
+from tests.support.backends import Backend, serve_backend
+from tests.support.connect_proxy import ConnectProxy, http11_proxy_socket, loopback_for, pod_ip
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap
+from tests.support.kube_apiserver import KubeApi, KubeCluster, kube
+from tests.support.paths import ROOT
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess
+from tests.support.tls import CertAuthority
 
 pytestmark = pytest.mark.envoy
 __all__ = ["kube"]  # the module-scoped fixture
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+DEPLOY = ROOT / "deploy" / "kubernetes"
 
 
 def pod(name: str, port: int, labels: dict[str, str] | None = None) -> dict[str, Any]:

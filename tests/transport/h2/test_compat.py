@@ -5,13 +5,11 @@ stock path with one warning, or refuses to start when the fast path is demanded.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 
 from eds_server.transport.h2 import compat
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
 
 
 def pins() -> dict[str, str]:

@@ -15,17 +15,16 @@ import h2.connection
 import h2.stream
 import hyperframe
 import pytest
-from test_grpc import SOURCE, Harness, cla_of, first, recv, reply
-from test_grpc import harness as grpc_harness  # noqa: F401 (a fixture)
-from waiting import wait_until
 
 from eds_server.model import Endpoint, Group
 from eds_server.transport.h2 import fast as http2
+from tests.support.grpc_harness import SOURCE, Harness, cla_of, first, recv, reply
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
-async def h(grpc_harness: Harness) -> Harness:  # noqa: F811
-    return grpc_harness
+def h(harness: Harness) -> Harness:
+    return harness
 
 
 def big_group(name: str, n: int, weight: int = 1) -> Group:
@@ -183,7 +182,7 @@ async def test_a_change_is_encoded_once_for_all_its_streams(h: Harness, monkeypa
             await s.send_message(first("web"))
             acks.append(reply(await recv(s), "web"))
             await s.send_message(acks[-1])
-        await wait_until(lambda: all(x.sm.in_flight is None for x in h.service.sessions))  # the ACKs read
+        await wait_for(lambda: all(x.sm.in_flight is None for x in h.service.sessions))  # the ACKs read
         built.clear()
         h.store.update(SOURCE, {"web": big_group("web", 1500, weight=2)})
         got = [await recv(s) for s in streams]

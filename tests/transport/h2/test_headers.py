@@ -1,5 +1,5 @@
 """RFC 9113 section 8 request header checks (transport/h2/headers.py), the pure part of what
-tests/test_h2_attacks.py sends to a real server."""
+transport/h2/test_attacks.py sends to a real server."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from waiting import wait_until
 
 from eds_server.transport.h2.http import HttpLimits, LimitedAppRunner
+from tests.support.waiting import wait_for
 
 
 @contextlib.asynccontextmanager
@@ -71,7 +71,7 @@ async def test_connections_over_the_cap_get_503() -> None:
     async with serving(HttpLimits(max_connections=2, timeout=5)) as (port, runner):
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         try:
-            await wait_until(lambda: runner.port.open == 2, timeout=2.0)
+            await wait_for(lambda: runner.port.open == 2, timeout=2.0)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             assert (await closed_within(reader)).startswith(b"HTTP/1.1 503")
             writer.close()
@@ -79,7 +79,7 @@ async def test_connections_over_the_cap_get_503() -> None:
         finally:
             for _, w in held:
                 w.close()
-        await wait_until(lambda: runner.port.open == 0, timeout=2.0)  # the held ones are gone, room again
+        await wait_for(lambda: runner.port.open == 0, timeout=2.0)  # the held ones are gone, room again
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert (await closed_within(reader)).startswith(b"HTTP/1.1 200")

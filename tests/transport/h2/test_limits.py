@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import h2.config
 import h2.connection
@@ -18,19 +16,19 @@ from grpclib import GRPCError
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from h2.settings import SettingCodes, Settings
-from h2frames import PREFACE, split
 from hyperframe.frame import HeadersFrame, PingFrame, RstStreamFrame
-from waiting import wait_until
 
 from eds_server.encode import encode_group
-from eds_server.model import Endpoint, Group
 from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.store import Store
-from eds_server.transport.grpc import EdsService, make_server
-from eds_server.transport.h2.fast import ConnectionLimits, GuardedH2Connection, PeerBudgets, Server
+from eds_server.transport.grpc import EdsService
+from eds_server.transport.h2.fast import ConnectionLimits, GuardedH2Connection, PeerBudgets
 from eds_server.xds.common import EDS_TYPE_URL
+from tests.support.grpc_harness import serving
+from tests.support.h2frames import PREFACE, split
+from tests.support.waiting import wait_for
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
@@ -99,25 +97,6 @@ def test_data_after_end_stream_counts_as_resets() -> None:
     )  # DATA, 1 byte, stream 1
     with pytest.raises(h2.exceptions.ProtocolError):
         server.receive_data(raw)
-
-
-@contextlib.asynccontextmanager
-async def serving(limits: ConnectionLimits, **kwargs: object) -> AsyncIterator[tuple[Server, EdsService, int]]:
-    store = Store(encode_group)
-    store.add_source("test")
-    store.update("test", {"web": Group("web", (Endpoint("127.0.0.1", 1),))})
-    service = EdsService(store)
-    settings: dict[str, Any] = {"max_streams_per_connection": 100, "keepalive_time": 30, "keepalive_timeout": 10,
-                                "max_message_size": 1 << 20, "limits": limits, **kwargs}  # fmt: skip
-    server = make_server(service, **settings)
-    await server.start("127.0.0.1", 0)
-    port = server.port
-    try:
-        yield server, service, port
-    finally:
-        service.stop()
-        server.close()
-        await server.wait_closed()
 
 
 async def fetch_web(port: int, host: str = "127.0.0.1") -> DiscoveryResponse:
@@ -275,7 +254,7 @@ async def test_partial_messages_share_one_budget() -> None:
                 await a.send_request()
                 await a._stream.send_data(b"\x00" + (900_000).to_bytes(4, "big") + b"\x0a" * 1000)
                 # the server took the first message's share
-                await wait_until(lambda: server.reader.budget and server.reader.budget.used, timeout=2.0)
+                await wait_for(lambda: server.reader.budget and server.reader.budget.used, timeout=2.0)
                 with pytest.raises(GRPCError) as e:  # a second one does not fit
                     async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
                                                DiscoveryResponse) as b:  # fmt: skip
@@ -290,9 +269,8 @@ async def test_partial_messages_share_one_budget() -> None:
 
 
 async def test_an_unfinished_tls_handshake_is_dropped(tmp_path: Path) -> None:
-    from tls import CertAuthority
-
     from eds_server.security import server_ssl_context
+    from tests.support.tls import CertAuthority
 
     ca = CertAuthority("test CA", tmp_path / "pki")
     cert = ca.issue(tmp_path / "server", dns=["localhost"], ips=["127.0.0.1"])
@@ -329,9 +307,7 @@ def test_partial_budget_shares() -> None:
 def test_refusals_are_metrics_by_reason() -> None:
     from prometheus_client import generate_latest
 
-    from eds_server.encode import encode_group
     from eds_server.metrics import make_registry
-    from eds_server.store import Store
 
     store = Store(encode_group)
     registry = make_registry(store, EdsService(store), list, lambda: (3, {"calm": 2, "bad_headers": 0}))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +14,9 @@ from eds_server.model import Health
 from eds_server.sources.containers import DockerOptions, container_endpoints
 from eds_server.sources.docker import DockerSource
 from eds_server.store import Store
+from tests.support.paths import DATA
 
-DATA = Path(__file__).parent / "data" / "docker"
+DATA = DATA / "docker"
 
 
 def recorded(name: str) -> dict[str, Any]:

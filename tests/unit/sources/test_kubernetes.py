@@ -1,6 +1,6 @@
 """The Kubernetes source's bookkeeping (events, relists, publishing), without an API server.
 
-The real list+watch against kube-apiserver is in test_kubernetes_real.py; this pins the state rules.
+The real list+watch against kube-apiserver is in e2e/kubernetes/test_kubernetes_real.py; this pins the state rules.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from eds_server.model import Health, Locality
 from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, KubernetesSource
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
+from tests.support.paths import DATA
 
-DATA = Path(__file__).parent / "data" / "kubernetes"
+DATA = DATA / "kubernetes"
 
 
 def load(name: str) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,8 +18,9 @@ from eds_server.sources.kubernetes_map import (
     trim_service,
     trim_slice,
 )
+from tests.support.paths import DATA
 
-DATA = Path(__file__).parent / "data" / "kubernetes"
+DATA = DATA / "kubernetes"
 
 
 def load(name: str) -> dict[str, Any]:

@@ -19,13 +19,13 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from waiting import wait_until
 
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
 from eds_server.registration_api import add_routes
 from eds_server.sources.registrations import RegistrationSource, RegistrationStateError
 from eds_server.store import Store
+from tests.support.waiting import wait_for
 
 TOKEN = "s3cret-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -411,15 +411,15 @@ async def test_ttl_expiry_and_renewal(server: Server, state: Path) -> None:
 
     await asyncio.sleep(0.4)
     assert (await server.put("web", "renewed", ep(2, ttl=0.6))).status == 200  # a renewal: 200
-    await wait_until(lambda: server.ports("web") == [2, 3])
+    await wait_for(lambda: server.ports("web") == [2, 3])
     assert time.monotonic() - start >= 0.3
     assert server.source.get("web", "short") is None
     await asyncio.sleep(0.3)  # 0.7 s after the first registration of "renewed": renewed, so still here
     assert server.ports("web") == [2, 3]
-    await wait_until(lambda: server.ports("web") == [3])
+    await wait_for(lambda: server.ports("web") == [3])
     listed = await server.request("GET", "/v1/registrations")
     assert [r["id"] for r in listed.body["registrations"]] == ["forever"]
-    await wait_until(lambda: [r["id"] for r in json.loads(state.read_text())["registrations"]] == ["forever"])
+    await wait_for(lambda: [r["id"] for r in json.loads(state.read_text())["registrations"]] == ["forever"])
 
 
 async def test_a_put_without_ttl_makes_it_permanent(server: Server) -> None:
@@ -787,7 +787,7 @@ async def test_the_audit_line_has_fields_of_its_own_in_json_logs(state: Path, ca
 
 async def test_a_real_server_writes_the_audit_line_as_json(tmp_path: Path) -> None:
     """Through the real logging set-up: `--log-format json`, the process's own log."""
-    from server_process import EdsServerProcess
+    from tests.support.server_process import EdsServerProcess
 
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups: {}\n")

@@ -18,18 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from docker_engine import (
-    DockerEngine,
-    _skip_or_fail,
-    backend_script,
-    free_port,
-    swarm_close,
-    swarm_init,
-    swarm_remove_services,
-    unavailable_reason,
-)
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
-from server_process import EdsServerProcess
 
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Health
@@ -43,8 +31,21 @@ from eds_server.sources.swarm import (
     task_transitional,
 )
 from eds_server.store import Store
+from tests.support.docker_engine import (
+    DockerEngine,
+    _skip_or_fail,
+    backend_script,
+    swarm_close,
+    swarm_init,
+    swarm_remove_services,
+    unavailable_reason,
+)
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.paths import DATA
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess
 
-DATA = Path(__file__).parent / "data" / "swarm"
+DATA = DATA / "swarm"
 OPTS = DockerOptions()
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from test_sotw import View
 
 from eds_server.xds.common import EDS_TYPE_URL, Ack, Limits, Nack, ProtocolError, StaleNonce, Subscribed
 from eds_server.xds.delta import DeltaRequest, DeltaStream
+from tests.support.xds_view import View
 
 
 def req(subscribe: tuple[str, ...] = (), unsubscribe: tuple[str, ...] = (), nonce: str = "",

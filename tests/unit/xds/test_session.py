@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from test_grpc import SOURCE, first, group, reply
 
 from eds_server.encode import encode_group
 from eds_server.observe import Observers, StreamObserver, StreamView
@@ -14,6 +13,7 @@ from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Store
 from eds_server.xds.common import Limits, Nonces, ProtocolError
 from eds_server.xds.session import SOTW, SessionDriver
+from tests.support.grpc_harness import SOURCE, first, group, reply
 
 
 class Recorder(StreamObserver):

@@ -4,23 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from eds_server.model import Group
-from eds_server.store import Resource
 from eds_server.xds.common import EDS_TYPE_URL, Ack, Limits, Nack, ProtocolError, StaleNonce, response_version
 from eds_server.xds.sotw import Request, SotwStream
-
-
-class View:
-    def __init__(self) -> None:
-        self.ready = True
-        self.bodies: dict[str, bytes] = {}
-
-    def set(self, name: str, body: bytes) -> None:
-        self.bodies[name] = body
-
-    def get(self, name: str) -> Resource:
-        body = self.bodies.get(name, b"empty:" + name.encode())
-        return Resource(name, body.decode(), body, Group(name))
+from tests.support.xds_view import View
 
 
 def first(*names: str, version: str = "") -> Request:
@@ -248,7 +234,7 @@ def test_a_name_a_stale_request_dropped_is_sent_again_when_listed_again(view: Vi
 
 
 def test_regression_resubscribing_after_a_stale_unsubscribe_is_answered(view: View) -> None:
-    """Found by test_properties.py::test_sotw_stream_against_a_client_model (the minimal example):
+    """Found by unit/test_properties.py::test_sotw_stream_against_a_client_model (the minimal example):
     a one-name stream resumed at the current version, then `a` changed; the client unsubscribed from
     everything before it saw that response (so ignored `a` in it), then ACKed it asking for `a` again.
     Without an answer it never got `a` (nothing else would ever send the version it lacks)."""

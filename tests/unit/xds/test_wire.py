@@ -10,7 +10,6 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_upstreams import DOCUMENTED
 
 from eds_server import protowire, upstreams
 from eds_server.encode import cluster_load_assignment, encode_group
@@ -19,6 +18,7 @@ from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Resource, content_version
 from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL, ProtocolError
+from tests.support.upstreams_files import DOCUMENTED
 
 
 def resource(group: Group) -> Resource:

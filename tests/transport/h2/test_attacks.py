@@ -1,10 +1,10 @@
 """Attacks on the gRPC port's HTTP/2 layer: big requests reassembled from small DATA frames, frames
 announced over the frame size limit, malformed request headers.
 
-The frame-level tests run an in-process server (test_http2_limits.serving) and a raw client
-(test_direct_read.Client) that writes frames exactly as the attack needs them; every wait is
+The frame-level tests run an in-process server (grpc_harness.serving) and a raw client
+(h2_client.Client) that writes frames exactly as the attack needs them; every wait is
 bounded. Costs are counted in bytes allocated (tracemalloc), never in time. The same three attacks
-also run in test_hostile.py, against a real eds-server process from their own loopback address,
+also run in hostile/test_clients.py, against a real eds-server process from their own loopback address,
 with the canary, whose updates must keep flowing, under the suite's RSS cap.
 """
 
@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
-from h2frames import CONTINUATION, DATA, END_HEADERS, HEADERS, PING, PREFACE, frame
-from hostile_clients import ANSWERED_WITHIN, FRAME_SIZE_ERROR, MALFORMED, OVERSIZE, PROTOCOL_ERROR, Conn, headers
-from test_direct_read import (
+
+from eds_server.transport.grpc import EdsService
+from eds_server.transport.h2.fast import ConnectionLimits, Server
+from tests.support.grpc_harness import serving
+from tests.support.h2_client import (
     SOURCE,
     Client,
     client_of,
@@ -33,9 +35,16 @@ from test_direct_read import (
     reader_of,
     tagged,
 )
-from test_http2_limits import ConnectionLimits, Server, serving  # the server classes wherever they live
-
-from eds_server.transport.grpc import EdsService
+from tests.support.h2frames import CONTINUATION, DATA, END_HEADERS, HEADERS, PING, PREFACE, frame
+from tests.support.hostile_clients import (
+    ANSWERED_WITHIN,
+    FRAME_SIZE_ERROR,
+    MALFORMED,
+    OVERSIZE,
+    PROTOCOL_ERROR,
+    Conn,
+    headers,
+)
 
 BIG_LIMIT = 4 << 20  # the default --max-message-size
 BIG = 4_150_000  # bytes of node in a request just under it
