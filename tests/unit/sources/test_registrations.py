@@ -398,35 +398,57 @@ async def test_without_a_token_writes_are_off(state: Path, token: str | None) ->
 
 
 # -- TTL --------------------------------------------------------------------------------------------
-async def test_ttl_expiry_and_renewal(server: Server, state: Path) -> None:
-    start = time.monotonic()
-    a = await server.put("web", "short", ep(1, ttl=0.3))
-    assert a.status == 201 and a.body["ttl"] == 0.3 and 0 < a.body["expires_in"] <= 0.3
-    await server.put("web", "renewed", ep(2, ttl=0.6))
-    await server.put("web", "forever", ep(3))
-    saved = {r["id"]: r for r in json.loads(state.read_text())["registrations"]}
-    assert saved["short"]["ttl"] == 0.3 and abs(saved["short"]["expires_at"] - (time.time() + 0.3)) < 0.3
-    assert "expires_at" not in saved["forever"]
-    assert server.ports("web") == [1, 2, 3]
+class FakeClock:
+    """The source's two clocks, moved by the test: expiry is decided without waiting for it."""
 
-    await asyncio.sleep(0.4)
-    assert (await server.put("web", "renewed", ep(2, ttl=0.6))).status == 200  # a renewal: 200
-    await wait_for(lambda: server.ports("web") == [2, 3])
-    assert time.monotonic() - start >= 0.3
-    assert server.source.get("web", "short") is None
-    await asyncio.sleep(0.3)  # 0.7 s after the first registration of "renewed": renewed, so still here
-    assert server.ports("web") == [2, 3]
-    await wait_for(lambda: server.ports("web") == [3])
-    listed = await server.request("GET", "/v1/registrations")
-    assert [r["id"] for r in listed.body["registrations"]] == ["forever"]
-    await wait_for(lambda: [r["id"] for r in json.loads(state.read_text())["registrations"]] == ["forever"])
+    def __init__(self) -> None:
+        self.wall_now, self.mono_now = 1_700_000_000.0, 1_000.0
+
+    def wall(self) -> float:
+        return self.wall_now
+
+    def mono(self) -> float:
+        return self.mono_now
+
+    def advance(self, seconds: float) -> None:
+        self.wall_now += seconds
+        self.mono_now += seconds
 
 
-async def test_a_put_without_ttl_makes_it_permanent(server: Server) -> None:
-    await server.put("web", "a", ep(1, ttl=0.2))
-    assert (await server.put("web", "a", ep(1))).status == 200
-    await asyncio.sleep(0.4)
-    assert server.ports("web") == [1]
+async def test_ttl_expiry_and_renewal(state: Path) -> None:
+    state.parent.mkdir()
+    clock = FakeClock()
+    async with serving(state, clock=clock.wall, monotonic=clock.mono) as server:
+        a = await server.put("web", "short", ep(1, ttl=30))
+        assert a.status == 201 and a.body["ttl"] == 30 and a.body["expires_in"] == 30
+        await server.put("web", "renewed", ep(2, ttl=60))
+        await server.put("web", "forever", ep(3))
+        saved = {r["id"]: r for r in json.loads(state.read_text())["registrations"]}
+        assert saved["short"]["ttl"] == 30 and saved["short"]["expires_at"] == clock.wall_now + 30
+        assert "expires_at" not in saved["forever"]
+        assert server.ports("web") == [1, 2, 3]
+
+        clock.advance(40)  # "short" is past its TTL; "renewed" has 20 s left, and is renewed
+        assert (await server.put("web", "renewed", ep(2, ttl=60))).status == 200  # a renewal: 200
+        await wait_for(lambda: server.ports("web") == [2, 3])
+        assert server.source.get("web", "short") is None
+        clock.advance(30)  # 70 s after the first registration of "renewed": renewed, so still here
+        assert server.source.expire() == 0 and server.ports("web") == [2, 3]
+        clock.advance(31)  # 61 s after the renewal: gone, on the source's own time
+        await wait_for(lambda: server.ports("web") == [3])
+        listed = await server.request("GET", "/v1/registrations")
+        assert [r["id"] for r in listed.body["registrations"]] == ["forever"]
+        await wait_for(lambda: [r["id"] for r in json.loads(state.read_text())["registrations"]] == ["forever"])
+
+
+async def test_a_put_without_ttl_makes_it_permanent(state: Path) -> None:
+    state.parent.mkdir()
+    clock = FakeClock()
+    async with serving(state, clock=clock.wall, monotonic=clock.mono) as server:
+        await server.put("web", "a", ep(1, ttl=30))
+        assert (await server.put("web", "a", ep(1))).status == 200
+        clock.advance(3600)
+        assert server.source.expire() == 0 and server.ports("web") == [1]
 
 
 async def test_expired_while_down_is_dropped_at_load(state: Path) -> None:
