@@ -29,6 +29,7 @@ FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
     "e2e/kubernetes": ("kubernetes", "envoy"),
     "e2e/etcd": ("etcd",),
     "e2e/browser": ("browser", "envoy"),
+    "hostile": ("hostile",),
 }
 
 
