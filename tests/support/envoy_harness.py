@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import re
 import shutil
 import signal
@@ -314,27 +313,24 @@ class EnvoyProcess:
         return self
 
     async def _wait_admin(self, path: Path) -> None:
-        assert self.proc is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.start_timeout
-        for _ in range(math.ceil(self.start_timeout / 0.05) + 1):
-            if self.proc.returncode is not None:
-                raise RuntimeError(
-                    f"envoy exited with {self.proc.returncode} during startup:\n{self.log_tail()}"
-                )
+        proc = self.proc
+        assert proc is not None
+
+        async def answering() -> bool:
+            if proc.returncode is not None:  # not "not yet": it never will be
+                raise RuntimeError(f"envoy exited with {proc.returncode} during startup:\n{self.log_tail()}")
             address = path.read_text().strip() if path.exists() else ""
-            if address:
-                self.admin_url = f"http://{address}"
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with self.session.get(f"{self.admin_url}/ready") as resp:
-                        await resp.read()
-                        return
-            if loop.time() >= deadline:
-                break
-            await asyncio.sleep(0.05)
-        raise RuntimeError(
-            f"envoy admin not answering in {self.start_timeout}s:\n{self.log_tail()}"
-        )
+            if not address:
+                return False
+            self.admin_url = f"http://{address}"
+            async with self.session.get(f"{self.admin_url}/ready") as resp:
+                await resp.read()
+                return True
+
+        try:
+            await wait_for(answering, timeout=self.start_timeout, interval=0.05, what="envoy admin")
+        except AssertionError:
+            raise RuntimeError(f"envoy admin not answering in {self.start_timeout}s:\n{self.log_tail()}") from None
 
     async def _stop(self) -> int | None:
         """Stop Envoy; return its exit code if it had already died on its own, else None."""

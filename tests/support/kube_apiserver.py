@@ -10,7 +10,6 @@ authorization is RBAC, so a test can also try a least-privilege ServiceAccount.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -19,7 +18,6 @@ import signal
 import ssl
 import subprocess
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +29,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from tests.support.ports import free_port
+from tests.support.waiting import wait_for_blocking
 
 
 def binaries() -> tuple[Path, Path | None, Path] | str:
@@ -52,19 +51,18 @@ def _wait(url: str, check: Any, timeout: float, what: str, proc: subprocess.Pope
           headers: dict[str, str] | None = None) -> None:  # fmt: skip
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only polling readiness on loopback
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / 0.1) + 1):
-        if proc.poll() is not None:
+
+    def probe() -> str:
+        if proc.poll() is not None:  # not "not yet": it will never be
             raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            req = urllib.request.Request(url, headers=headers or {})
-            with urllib.request.urlopen(req, timeout=2, context=ctx) as r:
-                if check(r.read().decode()):
-                    return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} not ready in {timeout}s:\n{log.read_text()[-3000:]}")
+        req = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(req, timeout=2, context=ctx) as r:
+            return str(r.read().decode())
+
+    try:
+        wait_for_blocking(probe, check, timeout=timeout, interval=0.1, what=what)
+    except AssertionError:
+        raise RuntimeError(f"{what} not ready in {timeout}s:\n{log.read_text()[-3000:]}") from None
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from tests.support.ports import free_port
+from tests.support.waiting import wait_for
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -74,21 +75,19 @@ class EdsServerProcess:
             await self.wait_ready()
 
     async def wait_ready(self, timeout: float = 15.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         async with aiohttp.ClientSession() as session:
-            while loop.time() < deadline:
+
+            async def ready() -> bool:
                 assert self.proc is not None
-                if self.proc.returncode is not None:
+                if self.proc.returncode is not None:  # not "not yet": it never will be
                     raise RuntimeError(f"eds-server exited with {self.proc.returncode}:\n{self.log_text()}")
-                try:
-                    async with session.get(f"http://127.0.0.1:{self.admin_port}/readyz") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
-        raise RuntimeError(f"eds-server not ready after {timeout}s:\n{self.log_text()}")
+                async with session.get(f"http://127.0.0.1:{self.admin_port}/readyz") as r:
+                    return r.status == 200
+
+            try:
+                await wait_for(ready, timeout=timeout, interval=0.05, what="eds-server ready")
+            except AssertionError:
+                raise RuntimeError(f"eds-server not ready after {timeout}s:\n{self.log_text()}") from None
 
     async def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, and the exit code it gave (killed after `timeout`, which fails the caller)."""
@@ -132,9 +131,7 @@ async def file_error(server: EdsServerProcess) -> str | None:
 
 
 async def wait_error(server: EdsServerProcess, text: str, timeout: float = 10.0) -> str:
-    for _ in range(int(timeout / 0.05)):  # bounded
-        error = await file_error(server)
-        if error and text in error:
-            return error
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no file error with {text!r}; last: {await file_error(server)!r}")
+    error = await wait_for(lambda: file_error(server), lambda e: e and text in e, timeout=timeout, interval=0.05,
+                           what=f"a file error with {text!r}")
+    assert error is not None
+    return error

@@ -28,6 +28,7 @@ from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import SOURCE, STREAM, Harness, cla_of, first, group, no_message, recv, reply
 from tests.support.h2frames import PING, PREFACE, split
+from tests.support.waiting import wait_for
 
 
 async def test_nothing_is_sent_before_sources_load(harness: Harness) -> None:
@@ -210,10 +211,7 @@ async def test_streams_reset_right_after_a_response_leave_nothing_behind(harness
             await stream.send_message(first("web"))
             await recv(stream)
         # the context manager resets the stream, as a departing Envoy does
-    for _ in range(250):  # bounded wait for the server side to notice
-        if harness.service.open_streams == 0 and not harness.store._following:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: harness.service.open_streams == 0 and not harness.store._following)
     assert harness.service.open_streams == 0
     assert not harness.store._following and not harness.store._by_name
     assert harness.service.counters.streams_opened == 50
@@ -269,20 +267,14 @@ async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
     writer.write(conn.data_to_send())
     await writer.drain()
     try:
-        for _ in range(100):  # bounded: the stuck stream is open
-            if harness.service.open_streams == 1:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: harness.service.open_streams == 1, what="the stuck stream open")
         async with harness.stream() as stream:  # meanwhile a healthy client is served normally
             await stream.send_message(first("web"))
             r1 = await recv(stream)
             await stream.send_message(reply(r1, "web"))
             harness.store.update(SOURCE, {"web": group("web", 2)})
             assert (await recv(stream)).version_info != r1.version_info
-            for _ in range(250):  # bounded: dropped after the send timeout (1 s here)
-                if harness.service.open_streams == 1:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_for(lambda: harness.service.open_streams == 1)  # dropped after the send timeout (1 s here)
             assert harness.service.open_streams == 1  # only the healthy one is left
             assert "dropping node=test-node" in caplog.text and "not reading" in caplog.text
     finally:
@@ -395,10 +387,7 @@ async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harn
     before = counts()
     for _ in range(5):  # 1,000 streams, 200 at a time
         await one_round(200)
-    for _ in range(250):  # bounded wait for the server side to finish closing
-        if harness.service.open_streams == 0:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: harness.service.open_streams == 0)
     await asyncio.sleep(0.2)
     after = counts()
     assert after == before, (before, after)  # tasks, file descriptors, sessions

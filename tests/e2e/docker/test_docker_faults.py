@@ -19,6 +19,7 @@ from eds_server.sources.docker import DockerSource
 from eds_server.store import Store
 from tests.support.docker_engine import DockerEngine, arun_backend
 from tests.support.ports import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.docker
 
@@ -82,11 +83,8 @@ async def following(docker_cleanup: DockerEngine) -> AsyncIterator[tuple[DockerE
 
 
 async def ports(store: Store, want: set[int], timeout: float = 15.0) -> None:
-    for _ in range(int(timeout / 0.05)):  # bounded
-        if store.ready and {e.port for e in store.get("web").group.endpoints} == want:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never saw ports {want}: {[e.port for e in store.get('web').group.endpoints]}")
+    await wait_for(lambda: store.ready and {e.port for e in store.get("web").group.endpoints} == want,
+                   timeout=timeout, interval=0.05, what=f"ports {want}")
 
 
 async def backend(engine: DockerEngine, name: str) -> int:
@@ -114,10 +112,7 @@ async def test_half_open_connection_is_noticed_and_recovered(
     first = await backend(engine, "ho-1")
     await ports(store, {first})
     proxy.frozen = True  # nothing flows, nothing closes: only a timeout can tell
-    for _ in range(200):  # bounded: ping every 0.5 s, 1 s to answer
-        if not source.connected:
-            break
-        await asyncio.sleep(0.05)
+    await wait_for(lambda: not source.connected, timeout=10, interval=0.05)  # ping every 0.5 s, 1 s to answer
     assert not source.connected and store.is_stale("web")
     assert {e.port for e in store.get("web").group.endpoints} == {first}  # still served meanwhile
     proxy.frozen = False

@@ -17,6 +17,7 @@ from tests.support.docker_engine import DockerEngine, arun_backend
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.docker, pytest.mark.envoy]
 
@@ -125,10 +126,8 @@ async def test_bad_label_skips_only_that_container(stack: Stack) -> None:
     good = await stack.backend("web-good")
     await stack.backend("web-bad", {"eds.weight": "heavy"})
     await stack.wait_hosts(lambda h: set(h) == {good})
-    for _ in range(100):  # bounded: the warning is logged once the container is seen
-        if "container web-bad: label eds.weight: 'heavy' is not a weight" in stack.server.log_text():
-            break
-        await asyncio.sleep(0.05)
+    warning = "container web-bad: label eds.weight: 'heavy' is not a weight"
+    await wait_for(lambda: warning in stack.server.log_text(), timeout=5, what="the warning (the container seen)")
     assert "container web-bad: label eds.weight: 'heavy' is not a weight" in stack.server.log_text()
     assert set(await stack.hosts()) == {good}
 

@@ -35,6 +35,7 @@ from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstra
 from tests.support.fault_watch import FaultWatch
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess, RunAs
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.docker, pytest.mark.envoy]
 
@@ -72,27 +73,26 @@ async def readyz(server: EdsServerProcess) -> tuple[int, dict[str, Any]]:
 
 async def wait_unready(server: EdsServerProcess, error: str, timeout: float = 15.0) -> dict[str, Any]:
     """/readyz is 503, waiting for the docker source, whose last error contains `error`."""
-    last: object = None
-    for _ in range(int(timeout / 0.1)):  # bounded
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            status, body = await readyz(server)
-            last = (status, body)
-            waiting = {w["source"]: w["last_error"] or "" for w in body.get("waiting_for", [])}
-            if status == 503 and error in waiting.get("docker", ""):
-                return body
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"/readyz never said it waits for docker ({error!r}): {last}")
+
+    def waits_for_docker(answer: tuple[int, dict[str, Any]]) -> bool:
+        status, body = answer
+        waiting = {w["source"]: w["last_error"] or "" for w in body.get("waiting_for", [])}
+        return status == 503 and error in waiting.get("docker", "")
+
+    _, body = await wait_for(lambda: readyz(server), waits_for_docker, timeout=timeout, interval=0.1,
+                             what=f"/readyz saying it waits for docker ({error!r})")
+    return body
 
 
 async def wait_stale(server: EdsServerProcess, stale: bool, source: str = "docker", timeout: float = 30.0) -> None:
     """Wait until `source` has loaded and is (or is no longer) stale: following its engine or not."""
-    for _ in range(int(timeout / 0.1)):  # bounded
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            sources = {s["name"]: s for s in (await server.admin("/v1/sources"))["sources"]}
-            if sources[source]["loaded"] and sources[source]["stale"] == stale:
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"source {source} never became stale={stale}")
+
+    def settled(body: dict[str, Any]) -> bool:
+        found = {s["name"]: s for s in body["sources"]}[source]
+        return bool(found["loaded"] and found["stale"] == stale)
+
+    await wait_for(lambda: server.admin("/v1/sources"), settled, timeout=timeout, interval=0.1,
+                   what=f"source {source} stale={stale}")
 
 
 # -- 1. restarted while the engine is unreachable ---------------------------------------------------

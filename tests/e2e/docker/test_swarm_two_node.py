@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,7 +38,7 @@ from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstra
 from tests.support.fault_watch import FaultWatch
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
-from tests.support.waiting import wait_for_blocking
+from tests.support.waiting import wait_for, wait_for_blocking
 
 pytestmark = [pytest.mark.docker, pytest.mark.envoy]
 
@@ -131,13 +132,12 @@ async def stack(manager: DockerEngine, ports: list[int], tmp_path: Path) -> Asyn
 
 
 async def wait_source(watch: FaultWatch, *, live: bool, timeout: float = 60.0) -> None:
-    for _ in range(int(timeout / 0.1)):  # bounded
-        with contextlib.suppress(Exception):
-            swarm = {s["name"]: s for s in (await watch.server.admin("/v1/sources"))["sources"]}["swarm"]
-            if swarm["loaded"] and swarm["stale"] is not live:
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the swarm source never became {'live' if live else 'stale'}")
+    def settled(body: dict[str, Any]) -> bool:
+        swarm = {s["name"]: s for s in body["sources"]}.get("swarm")
+        return bool(swarm and swarm["loaded"] and swarm["stale"] is not live)
+
+    await wait_for(lambda: watch.server.admin("/v1/sources"), settled, timeout=timeout, interval=0.1,
+                   what=f"the swarm source {'live' if live else 'stale'}")
 
 
 async def restart_manager(watch: FaultWatch, manager: DockerEngine) -> None:

@@ -15,6 +15,7 @@ from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstra
 from tests.support.fault_watch import FaultWatch
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess, file_error, wait_error, write_atomically
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.envoy
 MAX = 2**32 - 1
@@ -87,11 +88,8 @@ async def test_merged_group_over_envoys_limits_is_not_sent(tmp_path: Path, lb_po
 
                     # now the file grows: merged with the registration, Envoy would reject it
                     write_atomically(path, upstreams([file_port], weight=MAX - 9))
-                    for _ in range(100):  # bounded
-                        group = await server.admin("/v1/groups/web")
-                        if group["error"]:
-                            break
-                        await asyncio.sleep(0.05)
+                    group = await wait_for(lambda: server.admin("/v1/groups/web"), lambda g: g["error"], timeout=5,
+                                           interval=0.05)
                     assert "priority 0 add up to 4294967296" in group["error"]
                     assert group["version"] == good
                     metrics = await (await http.get(f"http://127.0.0.1:{server.admin_port}/metrics")).text()

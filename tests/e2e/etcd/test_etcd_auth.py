@@ -3,7 +3,6 @@ its prefix only (the role docs/registration-api.md tells operators to create).""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 from tests.support.etcd_cluster import EtcdCluster, etcd_binary
 from tests.support.server_process import EdsServerProcess
 from tests.support.tls import CertAuthority
+from tests.support.waiting import wait_for
 
 TOKEN = "etcd-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -78,11 +78,8 @@ async def test_tls_and_a_user_limited_to_the_prefix(tmp_path: Path) -> None:
         wrong = EdsServerProcess(None, *args, workdir=tmp_path)
         await wrong.start(wait_ready=False)
         try:
-            for _ in range(50):  # bounded: 5 s
-                ready = await _readyz(wrong)
-                if ready and ready["waiting_for"][0]["last_error"]:
-                    break
-                await asyncio.sleep(0.1)
+            ready = await wait_for(lambda: _readyz(wrong), lambda r: r and r["waiting_for"][0]["last_error"],
+                                   timeout=5, interval=0.1)
             assert ready is not None and not ready["ready"]
             assert "authentication failed" in ready["waiting_for"][0]["last_error"]
         finally:
@@ -118,11 +115,8 @@ async def test_a_client_certificate_for_an_etcd_that_requires_one(tmp_path: Path
         without = EdsServerProcess(None, *common, "--etcd-ca", ca_file, workdir=tmp_path)
         await without.start(wait_ready=False)
         try:
-            for _ in range(50):  # bounded: 5 s
-                ready = await _readyz(without)
-                if ready and ready["waiting_for"][0]["last_error"]:
-                    break
-                await asyncio.sleep(0.1)
+            ready = await wait_for(lambda: _readyz(without), lambda r: r and r["waiting_for"][0]["last_error"],
+                                   timeout=5, interval=0.1)
             assert ready is not None and not ready["ready"]  # refused at the handshake: nothing served
         finally:
             await without.stop()

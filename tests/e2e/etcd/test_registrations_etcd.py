@@ -25,6 +25,7 @@ import pytest
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.etcd_cluster import EtcdCluster, etcd_binary, process_cpu
 from tests.support.server_process import EdsServerProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.envoy
 
@@ -292,7 +293,7 @@ async def test_a_replica_killed_during_200_concurrent_writes_loses_nothing_ackno
                     acked[name] = 20000 + i
 
         async def kill_a() -> None:
-            for _ in range(200):  # bounded: until some writes went through
+            for _ in range(200):  # bounded: until some writes went through (then the kill, however many)
                 if len(acked) >= 20:
                     break
                 await asyncio.sleep(0.005)
@@ -386,12 +387,8 @@ async def test_1000_ttl_registrations_renewed_by_50_clients_through_both_replica
 
 
 async def _wait_live(server: EdsServerProcess, timeout: float = 15.0) -> None:
-    for _ in range(int(timeout / 0.1)):  # bounded
-        sources = (await server.admin("/v1/sources"))["sources"]
-        if sources[0]["live"]:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"not live again within {timeout}s: {sources}")
+    await wait_for(lambda: server.admin("/v1/sources"), lambda body: body["sources"][0]["live"], timeout=timeout,
+                   interval=0.1, what="the source live again")
 
 
 async def _text(http: aiohttp.ClientSession, url: str) -> str:

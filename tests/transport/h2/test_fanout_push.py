@@ -203,10 +203,7 @@ async def test_a_burst_of_new_streams_has_the_heap_trimmed(h: Harness) -> None:
         for s in (a, b, c):
             await s.send_message(first("web"))
             await recv(s)
-        for _ in range(100):  # bounded: 1 s
-            if trim.trims and trim._running is not None and trim._running.done():
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: trim.trims and trim._running is not None and trim._running.done(), interval=0.01)
     assert trim.trims == 1 and trim.opened == 0
 
 
@@ -222,10 +219,7 @@ async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
         trim.first_request_read()
         await asyncio.sleep(0.02)
     assert trim.trims == 0  # not during the burst
-    for _ in range(50):  # bounded: 1 s
-        if trim.trims:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: trim.trims)
     assert trim.trims == 1
     steady = HeapTrim(after=2, delay=0.1, most=0.15)
     for _ in range(25):  # a stream every 20 ms for 0.5 s: never quiet, trimmed anyway
@@ -251,9 +245,6 @@ async def test_a_long_burst_is_trimmed_again_when_it_ends() -> None:
             break
     assert trim.trims == 1
     trim.first_request_read()  # the tail of the burst: one stream, fewer than `after`
-    for _ in range(50):  # bounded: 1 s of quiet
-        if trim.trims > 1:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: trim.trims > 1)  # once quiet
     assert trim.trims == 2
     trim.stop()

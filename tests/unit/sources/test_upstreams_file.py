@@ -14,6 +14,7 @@ from eds_server import upstreams
 from eds_server.encode import encode_group
 from eds_server.sources.upstreams_file import UpstreamsFileSource
 from eds_server.store import Store
+from tests.support.waiting import wait_for
 
 
 def text(*ports: int) -> str:
@@ -31,11 +32,7 @@ class Running:
         return [e.port for e in self.store.get("web").group.endpoints]
 
     async def wait_ports(self, expected: list[int], timeout: float = 5.0) -> None:
-        for _ in range(int(timeout / 0.02)):  # bounded
-            if self.ports() == expected:
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"ports {self.ports()} never became {expected}")
+        await wait_for(self.ports, lambda ports: ports == expected, timeout=timeout, what=f"ports {expected}")
 
 
 @contextlib.asynccontextmanager
@@ -76,10 +73,7 @@ async def test_atomic_rename(running: Running, tmp_path: Path) -> None:
 async def test_bad_edit_keeps_last_good_state_then_recovers(running: Running) -> None:
     path = Path(running.source.path)
     path.write_text(text(1) + "    bogus: 1\n")
-    for _ in range(250):  # bounded
-        if running.source.last_error:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: running.source.last_error)
     assert running.source.last_error and "groups.web.bogus: unknown key" in running.source.last_error
     assert running.ports() == [1]
     path.write_text(text(4))
@@ -147,10 +141,7 @@ async def test_unreadable_file_keeps_last_good_state(running: Running) -> None:
     path = Path(running.source.path)
     os.unlink(path)
     path.mkdir()  # as root, permissions do not stop reads: a directory in its place does
-    for _ in range(100):  # bounded
-        if "cannot read" in (running.source.last_error or ""):
-            break
-        await asyncio.sleep(0.05)
+    await wait_for(lambda: "cannot read" in (running.source.last_error or ""))
     assert "cannot read" in (running.source.last_error or "") and running.ports() == [1]
     path.rmdir()
     path.write_text(text(6))
@@ -161,10 +152,7 @@ async def test_truncated_mid_write_then_completed(running: Running) -> None:
     path = Path(running.source.path)
     full = text(2, 3)
     path.write_text(full[: len(full) // 2])  # a writer that stopped half-way: invalid YAML
-    for _ in range(100):  # bounded
-        if running.source.last_error:
-            break
-        await asyncio.sleep(0.05)
+    await wait_for(lambda: running.source.last_error)
     assert running.source.last_error and running.ports() == [1]
     path.write_text(full)
     await running.wait_ports([2, 3])
