@@ -7,16 +7,17 @@ tests/README.md.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvloop
 
+from tests.support import markers
 from tests.support.grpc_harness import Harness, grpc_harness
 
-# dockerd fixtures: docker_engine, docker_cleanup, swarm_pair
+# dockerd fixtures: docker_engine, docker_cleanup, swarm_engine, swarm, swarm_pair
 pytest_plugins = ["tests.support.docker_engine"]
 
 TESTS = Path(__file__).resolve().parent
@@ -31,6 +32,7 @@ FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
     "e2e/browser": ("browser", "envoy"),
     "hostile": ("hostile",),
 }
+DOCKER_FIXTURES = {"docker_engine", "docker_cleanup", "swarm_engine", "swarm", "swarm_pair"}
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Any]:
@@ -47,6 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if folder == prefix or folder.startswith(prefix + "/"):
                 for name in names:
                     item.add_marker(name)
+        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("docker"):
+            raise pytest.UsageError(f"{item.nodeid} uses a Docker engine without the `docker` marker")
     if os.environ.get("EDS_HTTP2") != "stock":
         return
     skip = pytest.mark.skip(reason="tests the fast HTTP/2 path (EDS_HTTP2=stock runs the stock one)")
@@ -60,3 +64,11 @@ async def harness() -> AsyncIterator[Harness]:
     """The gRPC service in-process on a loopback port, with a grpclib channel to it."""
     async with grpc_harness() as h:
         yield h
+
+
+@pytest.fixture(autouse=True)
+def _running_markers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Lets support/ helpers check that a test starting Envoy says so (support/markers.py)."""
+    markers.running = frozenset(m.name for m in request.node.iter_markers())
+    yield
+    markers.running = None

@@ -731,3 +731,36 @@ def swarm_pair() -> Iterator[tuple[DockerEngine, DockerEngine]]:
         with contextlib.suppress(Exception):
             swarm_remove_services(manager)
         swarm_close(worker, manager)
+
+
+@pytest.fixture(scope="session")
+def swarm_engine() -> Iterator[DockerEngine]:
+    """A private engine (no --live-restore: Swarm refuses it) in swarm mode, advertising 127.0.0.1."""
+    reason = unavailable_reason()
+    if reason is not None:
+        _skip_or_fail(reason)
+    engine = DockerEngine(live_restore=False)
+    try:
+        engine.start()
+        swarm_init(engine)
+    except Exception as exc:
+        engine.close()
+        _skip_or_fail(f"single-node swarm did not start: {exc}")
+    try:
+        yield engine
+    finally:
+        with contextlib.suppress(Exception):
+            swarm_remove_services(engine)
+        swarm_close(engine)
+
+
+@pytest.fixture
+def swarm(swarm_engine: DockerEngine) -> Iterator[DockerEngine]:
+    if not swarm_engine.running:
+        swarm_engine.start()
+    yield swarm_engine
+    if not swarm_engine.running:
+        swarm_engine.start()
+    swarm_remove_services(swarm_engine)
+    node = swarm_engine.cli("node", "ls", "-q").split()[0]
+    swarm_engine.cli("node", "update", "--availability", "active", node)

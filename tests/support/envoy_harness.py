@@ -29,6 +29,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import aiohttp
 import yaml
 
+from tests.support import markers
 from tests.support.waiting import wait_for
 
 T = TypeVar("T")
@@ -48,6 +49,7 @@ _HTTP2_KEEPALIVE_OPTIONS = {
 
 def envoy_binary() -> Path:
     """The `envoy` next to the running interpreter (the venv's), else the one on PATH."""
+    markers.require("envoy", "a real Envoy")
     candidate = Path(sys.executable).parent / "envoy"
     if candidate.exists():
         return candidate

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.support import markers
 from tests.support.ports import free_port
 
 
@@ -79,6 +80,7 @@ class EtcdCluster:
         return f"etcd://{self.endpoints}{prefix}"
 
     async def start_member(self, m: Member) -> None:
+        markers.require("etcd", "a real etcd")
         initial = ",".join(f"{x.name}=http://127.0.0.1:{x.peer_port}" for x in self.members)
         with m.log_path.open("ab") as log:
             m.proc = await asyncio.create_subprocess_exec(

@@ -28,6 +28,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from tests.support import markers
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for_blocking
 
@@ -105,6 +106,7 @@ class KubeCluster:
         return (self.dir / "logs" / f"{name}.log").open("ab")
 
     def start(self) -> None:
+        markers.require("kubernetes", "a real kube-apiserver")
         self.etcd = subprocess.Popen(
             [str(self.etcd_bin), "--name", "default", "--data-dir", str(self.dir / "etcd-data"),
              "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
