@@ -1,4 +1,5 @@
-"""README.md and docs/: every relative link leads to a file, every #anchor to a heading."""
+"""README.md, docs/ and tests/README.md: every relative link leads to a file, every #anchor to a heading;
+and the map of the tests names every module."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def anchors(markdown: str) -> set[str]:
 
 
 def test_links_resolve() -> None:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
     broken = []
     for page in pages:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
@@ -61,3 +62,13 @@ def test_no_tracker_references() -> None:
             if reference.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_map_of_the_tests_names_every_module() -> None:
+    """So that a newcomer finds a module's tests from tests/README.md, a new module needs its line."""
+    package = ROOT / "eds_server"
+    text = (ROOT / "tests" / "README.md").read_text()
+    modules = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py") and "pb" not in p.relative_to(package).parts]
+    assert modules
+    assert not [m for m in modules if f"`{m}`" not in text]
