@@ -136,11 +136,9 @@ async def test_engine_restart_keeps_endpoints_then_converges(stack: Stack) -> No
     first = await stack.backend("web-1")
     await stack.wait_hosts(lambda h: set(h) == {first})
     await asyncio.to_thread(stack.engine.stop)  # --live-restore: the container keeps running
-    for _ in range(100):  # bounded
-        groups = (await stack.server.admin("/v1/groups"))["groups"]
-        if groups and groups[0]["stale"]:
-            break
-        await asyncio.sleep(0.1)
+    body = await wait_for(lambda: stack.server.admin("/v1/groups"), lambda b: b["groups"] and b["groups"][0]["stale"],
+                          timeout=10, interval=0.1, what="the group stale")
+    groups = body["groups"]
     assert groups[0]["stale"] and [e["port"] for e in groups[0]["endpoints"]] == [first]
     assert set(await stack.hosts()) == {first}  # Envoy keeps routing meanwhile
     assert (await stack.envoy.get("/"))[1] == "web-1"

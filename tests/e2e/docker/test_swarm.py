@@ -117,18 +117,13 @@ async def test_swarm_engine_restart(swarm: DockerEngine) -> None:
         await h.service("web-r", port)
         await h.wait(lambda e: set(e) == {port})
         await asyncio.to_thread(swarm.stop)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while h.source.connected and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-        assert not h.source.connected and h.store.is_stale("web")
+        await wait_for(lambda: not h.source.connected, timeout=20, interval=0.1, what="the source disconnected")
+        assert h.store.is_stale("web")
         assert set(h.endpoints()) == {port}  # the last known endpoints stay
         await asyncio.to_thread(swarm.start)
         await h.wait(lambda e: set(e) == {port} and e[port].health == Health.HEALTHY, timeout=60)
-        deadline = loop.time() + 30
-        while (not h.source.connected or h.store.is_stale("web")) and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-        assert h.source.connected and not h.store.is_stale("web")
+        await wait_for(lambda: h.source.connected and not h.store.is_stale("web"), timeout=30, interval=0.1,
+                       what="the source connected and fresh")
 
 
 @pytest.mark.envoy
