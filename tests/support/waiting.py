@@ -29,7 +29,7 @@ def _rounds(timeout: float, interval: float) -> int:
 
 
 def _failure(what: str, timeout: float, last: object) -> AssertionError:
-    return AssertionError(f"{what or 'condition'} not reached in {timeout}s; last seen: {last!r}")
+    return AssertionError(f"{what or 'condition'} not reached in {timeout}s; last observed: {last!r}")
 
 
 async def wait_for(
