@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-stock lint protos bench wheel clean
+.PHONY: setup demo test test-fast test-stock lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine
 test: $(STAMP)  ## the whole suite, real Envoy included
 	$(PY) -m pytest
 
+FAST := not (envoy or docker or kubernetes or etcd or browser or hostile)
+
+test-fast: $(STAMP)  ## the inner loop (under a minute): all but real Envoy, Docker, Kubernetes, etcd, Chromium and the attacks, on every core, a fifth of the hypothesis examples
+	EDS_HYPOTHESIS_SCALE=$${EDS_HYPOTHESIS_SCALE:-0.2} $(PY) -m pytest -q -n auto -m "$(FAST)"
+
 test-stock: $(STAMP)  ## the gRPC and Envoy tests again, on the stock HTTP/2 path (docs/limits.md)
-	EDS_HTTP2=stock $(PY) -m pytest tests/test_grpc.py tests/test_envoy_xds.py tests/test_big_envoy.py tests/test_relay.py tests/test_workers.py
+	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the test helpers: tests.support
 
-from docker_engine import DockerEngine, arun_backend  # noqa: E402
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap, free_port  # noqa: E402
-from server_process import EdsServerProcess  # noqa: E402
+from tests.support.docker_engine import DockerEngine, arun_backend  # noqa: E402
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.server_process import EdsServerProcess  # noqa: E402
 
 
 async def until(probe: object, timeout: float = 10.0) -> float:

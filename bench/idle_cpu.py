@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the test helpers: tests.support
 
-from envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap  # noqa: E402
-from server_process import EdsServerProcess  # noqa: E402
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap  # noqa: E402
+from tests.support.server_process import EdsServerProcess  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -3,7 +3,7 @@
     KUBEBUILDER_ASSETS=DIR .venv/bin/python bench/kubernetes_scale.py [--services 1000] [--endpoints 10]
                                                                        [--events 500]
 
-Against a private kube-apiserver + etcd (tests/kube_apiserver.py), with eds-server as a process:
+Against a private kube-apiserver + etcd (tests/support/kube_apiserver.py), with eds-server as a process:
 - time from eds-server's start to /readyz (every Service listed and served), and to all groups present;
 - CPU of eds-server per watch event (slice updates flipping one endpoint's readiness), from /proc;
 - eds-server's RSS with the Services loaded, and with none (same flags, an empty namespace);
@@ -32,10 +32,10 @@ from typing import Any
 import aiohttp
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent))  # the test helpers: tests.support
 
-from kube_apiserver import KubeApi, KubeCluster, binaries  # noqa: E402
-from server_process import EdsServerProcess  # noqa: E402
+from tests.support.kube_apiserver import KubeApi, KubeCluster, binaries  # noqa: E402
+from tests.support.server_process import EdsServerProcess  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 # kube-apiserver refuses loopback endpoint addresses; RFC 2544's benchmarking range is never routed, and

@@ -34,9 +34,9 @@ from typing import IO, Any
 
 from run import CLIENT_CORES, CORES, SERVER_CORE, Config, Workers, profiled, table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from envoy_harness import free_port
-from server_process import write_atomically
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the test helpers: tests.support
+from tests.support.ports import free_port
+from tests.support.server_process import write_atomically
 
 EDS_SERVER = [sys.executable, "-m", "eds_server"]
 

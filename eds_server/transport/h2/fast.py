@@ -90,7 +90,7 @@ class GuardedH2Connection(H2Connection):
     IP's budgets (limits.py says what is charged), and counting open streams in O(1).
 
     Overrides h2 4.4's private `_receive_frame`, `_prepare_for_sending` and `_open_streams`
-    (used only with the versions compat.py verified); tests/test_hostile.py fails if they stop
+    (used only with the versions compat.py verified); tests/hostile/test_clients.py fails if they stop
     taking effect.
     """
 
@@ -802,7 +802,7 @@ def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> b
     state machines would not change on SEND_DATA), both windows shrink, and the connection counts the frames
     (WINDOW_UPDATEs they pay for, streams touched). The frames' payloads are views of `message`,
     queued on the connection's `_Transport` behind whatever h2 had queued before them.
-    grpclib and h2 private API (pinned in constraints.txt; tests/test_grpc.py and the Envoy tests
+    grpclib and h2 private API (pinned in constraints.txt; tests/transport/test_grpc.py and the Envoy tests
     read these frames with h2 and with Envoy)."""
     raw = stream._stream
     h2 = raw._h2_connection

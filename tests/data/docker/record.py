@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parents[2]))  # the repository: tests.support imports
 
-from docker_engine import (  # noqa: E402
+from tests.support.docker_engine import (  # noqa: E402
     DockerEngine,
     backend_script,
     http_get,
     unavailable_reason,
-    wait_for,
 )
+from tests.support.waiting import wait_for_blocking  # noqa: E402
 
 PORTS = {"eds-host": 18601, "ev-drain": 18611, "ev-kill": 18612, "ev-pause": 18613, "ev-rename": 18614,
          "ev-health": 18615}
@@ -49,7 +49,7 @@ class Recorder:
         args += [*(health or []), self.engine.image, "sh", "-c",
                  backend_script(name, PORTS[name], drain_seconds=drain)]
         cid = self.docker(*args)
-        wait_for(lambda: http_get(PORTS[name], timeout=1.0) == (200, name), timeout=15, what=name)
+        wait_for_blocking(lambda: http_get(PORTS[name], timeout=1.0) == (200, name), timeout=15, what=name)
         return cid
 
     def save(self, filename: str, ref: str) -> dict[str, Any]:

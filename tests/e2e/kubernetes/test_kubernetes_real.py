@@ -1,0 +1,524 @@
+"""Kubernetes discovery end to end: a real kube-apiserver (+ the real EndpointSlice controller),
+eds-server --kubernetes as a process, a real Envoy, and HTTP requests through it.
+
+No kubelet runs: Pods are bound to a Node object by name and their status (a podIP, the Ready
+condition) is written through `pods/status`, as a kubelet would. kube-apiserver refuses loopback
+addresses in EndpointSlices, so Pod IPs are TEST-NET-1 addresses (192.0.2.N, never routed) and Envoy
+reaches them through a CONNECT proxy on 127.0.0.1 that maps 192.0.2.N to 127.0.0.N, where HTTPS test
+backends listen (tests/connect_proxy.py): no socket is opened to anything but 127.0.0.0/8.
+Skipped, with the reason, without kube-apiserver binaries (see tests/kube_apiserver.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import re
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.support.backends import Backend, serve_backend
+from tests.support.connect_proxy import ConnectProxy, http11_proxy_socket, loopback_for, pod_ip
+from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap
+from tests.support.kube_apiserver import KubeApi, KubeCluster, kube
+from tests.support.paths import ROOT
+from tests.support.ports import free_port
+from tests.support.server_process import EdsServerProcess
+from tests.support.tls import CertAuthority
+
+pytestmark = pytest.mark.envoy
+__all__ = ["kube"]  # the module-scoped fixture
+
+DEPLOY = ROOT / "deploy" / "kubernetes"
+
+
+def pod(name: str, port: int, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": labels or {"app": "web"}},
+        "spec": {"nodeName": "node-a", "terminationGracePeriodSeconds": 30,
+                 "containers": [{"name": "web", "image": "registry.invalid/web:1",
+                                 "ports": [{"name": "http", "containerPort": port}]}]},
+    }  # fmt: skip
+
+
+def pod_status(ip: str, ready: bool) -> dict[str, Any]:
+    return {"status": {
+        "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+    }}  # fmt: skip
+
+
+def service(name: str, annotations: dict[str, str], port: int, selector: bool = True) -> dict[str, Any]:
+    spec: dict[str, Any] = {"ports": [{"name": "http", "port": 80, "targetPort": port}]}
+    if selector:
+        spec["selector"] = {"app": "web"}
+    return {"metadata": {"name": name, "annotations": annotations}, "spec": spec}
+
+
+def endpoint_slice(name: str, service_name: str, port: int, ips: list[str]) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service_name,
+                                              "endpointslice.kubernetes.io/managed-by": "tests.eds-server"}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
+    }  # fmt: skip
+
+
+@dataclass
+class Stack:
+    api: KubeApi
+    server: EdsServerProcess
+    envoy: EnvoyProcess
+
+    async def hosts(self, cluster: str = "web") -> dict[str, Host]:
+        return {h.address: h for h in await self.envoy.hosts(cluster)}
+
+    async def wait_hosts(self, check: Any, cluster: str = "web", timeout: float = 20.0) -> dict[str, Host]:
+        return await self.envoy.wait_for(lambda: self.hosts(cluster), check, timeout=timeout)
+
+    async def source(self) -> dict[str, Any]:
+        sources = await self.server.admin("/v1/sources")
+        items = sources if isinstance(sources, list) else sources.get("sources", [])
+        return next(s for s in items if s["name"] == "kubernetes")
+
+
+@contextlib.asynccontextmanager
+async def stack(kube: KubeCluster, tmp_path: Path, *args: str, clusters: tuple[str, ...] = ("web",),
+                kubeconfig: Path | None = None, proxy: ConnectProxy | None = None) -> AsyncIterator[Stack]:  # fmt: skip
+    async with (
+        KubeApi(kube) as api,
+        EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(kubeconfig or kube.kubeconfig), *args,
+                         workdir=tmp_path) as server,
+    ):  # fmt: skip
+        bootstrap = envoy_bootstrap(server.port, [EdsCluster(c) for c in clusters], free_port(), routes={"/": "web"})
+        for cluster in bootstrap["static_resources"]["clusters"]:
+            if proxy is not None and cluster["name"] in clusters:
+                cluster["transport_socket"] = http11_proxy_socket(proxy.port)
+        async with EnvoyProcess(bootstrap) as envoy:
+            await envoy.wait_live()
+            yield Stack(api, server, envoy)
+            for c in clusters:
+                assert await envoy.update_rejected(c) == 0
+
+
+async def hits_through(envoy: EnvoyProcess, n: int) -> dict[str, int]:
+    """Send `n` requests through Envoy (bounded); count which backend answered each."""
+    seen: dict[str, int] = {}
+    for _ in range(n):
+        status, body = await asyncio.wait_for(envoy.get("/"), 5)
+        assert status == 200, body
+        seen[body] = seen.get(body, 0) + 1
+    return seen
+
+
+async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_path: Path) -> None:
+    kube.start_controller_manager()
+    ns, port = "e2e", free_port()
+    ips = [pod_ip(i) for i in range(2, 6)]
+    ca = CertAuthority("backends", tmp_path)
+    cert = ca.issue(tmp_path / "backend", dns=["web"])
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert.cert, cert.key)
+    async with contextlib.AsyncExitStack() as backends:
+        # Envoy names an endpoint by its hostname (the Pod's name) in CONNECT when it has one
+        proxy = await backends.enter_async_context(ConnectProxy({f"web-{i}": ip for i, ip in enumerate(ips)}))
+        for i, ip in enumerate(ips):
+            local = loopback_for(ip)
+            assert local is not None
+            await backends.enter_async_context(serve_backend(Backend(f"web-{i}", port, local, ssl=tls)))
+        async with KubeApi(kube) as api:
+            await api.namespace(ns)
+            node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a",
+                                                              "topology.kubernetes.io/region": "region-1"}}}
+            await api.request("POST", "/api/v1/nodes", node, ok=(201, 409))
+            await api.create(f"/api/v1/namespaces/{ns}/services",
+                             service("web", {"eds.group": "web", "eds.port": "http"}, port))  # fmt: skip
+
+            async def add_pod(i: int, ready: bool = True) -> None:
+                await api.create(f"/api/v1/namespaces/{ns}/pods", pod(f"web-{i}", port))
+                await api.merge(f"/api/v1/namespaces/{ns}/pods/web-{i}/status", pod_status(ips[i], ready))
+
+            await add_pod(0)
+            await add_pod(1)
+        async with stack(kube, tmp_path, "--kubernetes-namespace", ns, "--kubernetes-node-regions",
+                         clusters=("web", "web2"), proxy=proxy) as s:  # fmt: skip
+            pods = f"/api/v1/namespaces/{ns}/pods"
+            hosts = await s.wait_hosts(lambda h: set(h) == {ips[0], ips[1]})
+            assert {h.health for h in hosts.values()} == {"HEALTHY"}
+            assert hosts[ips[0]].hostname == "web-0" and hosts[ips[0]].port == port
+            assert hosts[ips[0]].locality[:2] == ("region-1", "zone-a")
+            assert set(await hits_through(s.envoy, 20)) == {"web-0", "web-1"}
+
+            # scale up, then down (a Pod removed at once)
+            await s.api.create(pods, pod("web-2", port))
+            await s.api.merge(f"{pods}/web-2/status", pod_status(ips[2], True))
+            await s.wait_hosts(lambda h: set(h) == set(ips[:3]))
+            await s.api.delete(f"{pods}/web-2", gracePeriodSeconds=0)
+            await s.wait_hosts(lambda h: set(h) == set(ips[:2]))
+
+            # readiness flips: a Pod that is not ready is left out, and comes back
+            await s.api.merge(f"{pods}/web-1/status", pod_status(ips[1], False))
+            await s.wait_hosts(lambda h: set(h) == {ips[0]})
+            await s.api.merge(f"{pods}/web-1/status", pod_status(ips[1], True))
+            await s.wait_hosts(lambda h: set(h) == {ips[0], ips[1]})
+
+            # graceful delete: terminating and still serving -> DRAINING (no new requests), then gone
+            await s.api.delete(f"{pods}/web-1", gracePeriodSeconds=30)
+            hosts = await s.wait_hosts(lambda h: h.get(ips[1]) is not None and h[ips[1]].health == "DRAINING")
+            assert hosts[ips[0]].health == "HEALTHY"
+            assert set(await hits_through(s.envoy, 10)) == {"web-0"}
+            await s.api.delete(f"{pods}/web-1", gracePeriodSeconds=0)  # what the kubelet does at the end
+            await s.wait_hosts(lambda h: set(h) == {ips[0]})
+
+            # annotation changes: weight, then the group itself
+            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
+                              {"metadata": {"annotations": {"eds.weight": "7"}}})  # fmt: skip
+            await s.wait_hosts(lambda h: [x.weight for x in h.values()] == [7])
+            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
+                              {"metadata": {"annotations": {"eds.group": "web2"}}})  # fmt: skip
+            await s.wait_hosts(lambda h: set(h) == {ips[0]}, cluster="web2")
+            await s.wait_hosts(lambda h: h == {})
+            # an invalid annotation: the Service is skipped with a warning naming it; the rest goes on
+            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
+                              {"metadata": {"annotations": {"eds.weight": "0"}}})  # fmt: skip
+            await s.wait_hosts(lambda h: h == {}, cluster="web2")
+            assert "Service e2e/web: annotation eds.weight: '0' is not a weight" in s.server.log_text()
+            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
+                              {"metadata": {"annotations": {"eds.weight": "3"}}})  # fmt: skip
+            await s.wait_hosts(lambda h: set(h) == {ips[0]}, cluster="web2")
+
+            # Service deleted: its group is emptied
+            await s.api.delete(f"/api/v1/namespaces/{ns}/services/web")
+            await s.wait_hosts(lambda h: h == {}, cluster="web2")
+            source = await s.source()
+            assert source["connected"] and source["watches"] == 3  # one per kind (Nodes too), one namespace
+            await s.api.delete(f"{pods}/web-0", gracePeriodSeconds=0)
+            assert proxy.refused == [] and set(proxy.targets) <= {f"web-{i}:{port}" for i in range(len(ips))}
+
+
+async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tmp_path: Path) -> None:
+    """kube-apiserver restarted, then away for 30 s: Envoy keeps every endpoint, eds-server stays
+    ready and marks the source stale; afterwards the watch re-lists (410) and follows changes again."""
+    ns, port = "restart", free_port()
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3), pod_ip(4)]))  # fmt: skip
+    async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
+        await s.wait_hosts(lambda h: len(h) == 3)
+        version = await s.envoy.version_text("web")
+        before = await s.source()
+
+        kube.stop_apiserver()  # a restart, as SIGHUP to the start script does
+        kube.start_apiserver()
+        await s.envoy.wait_for(s.source, lambda src: src["connected"] and src["relists"] > before["relists"],
+                               timeout=60)  # fmt: skip
+        assert len(await s.hosts()) == 3 and await s.envoy.version_text("web") == version
+
+        kube.stop_apiserver()
+        for _ in range(30):  # 30 s without an API server
+            await asyncio.sleep(1)
+            assert len(await s.hosts()) == 3
+        source = await s.source()
+        assert source["stale"] and not source["connected"]
+        assert (await s.server.admin("/readyz"))["ready"] is True  # readiness unaffected once loaded
+        assert await s.envoy.version_text("web") == version  # nothing was pushed meanwhile
+        kube.start_apiserver()
+        await s.envoy.wait_for(s.source, lambda src: src["connected"], timeout=60)
+        async with KubeApi(kube) as api:
+            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                            {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
+        said = failure_lines(s.server.log_text())
+        assert said and all("reconnecting in" in line for line in said), said
+
+
+REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
+
+
+def failure_lines(log: str) -> list[str]:
+    """What eds-server said when the API server went away: in words, without an exception's repr."""
+    lines = [line for line in log.splitlines() if "kubernetes: " in line and "reconnecting in" in line]
+    assert not any(REPR.search(line) for line in lines), lines
+    return lines
+
+
+async def test_a_change_right_after_an_outage_arrives_within_seconds(kube: KubeCluster, tmp_path: Path) -> None:
+    """The API server away for ~10 s, then back: the backoff (grown to several seconds by then) is
+    cut short once /readyz answers, so a change made right after it returns reaches Envoy within
+    a few seconds; meanwhile every endpoint is kept (fail static)."""
+    ns, port = "outage", free_port()
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]))  # fmt: skip
+    async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2), pod_ip(3)})
+        loop = asyncio.get_running_loop()
+        kube.stop_apiserver()
+        away = loop.time()
+        while loop.time() - away < 10:
+            await asyncio.sleep(1)
+            assert set(await s.hosts()) == {pod_ip(2), pod_ip(3)}
+        assert (await s.source())["stale"]
+        kube.start_apiserver()
+        async with KubeApi(kube) as api:
+            back = loop.time()
+            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                            {"endpoints": [{"addresses": [pod_ip(4)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(4)}, timeout=6)
+        print(f"change after the outage reached Envoy {loop.time() - back:.1f} s after the API server was back")
+        await s.envoy.wait_for(s.source, lambda src: src["connected"] and not src["stale"], timeout=5)
+        said = failure_lines(s.server.log_text())
+        assert 1 <= len(said) <= 3 and all("the API server" in line for line in said), said  # not one per retry
+
+
+async def test_a_rewritten_kubeconfig_is_used_at_the_next_attempt(kube: KubeCluster, tmp_path: Path) -> None:
+    """A revoked token: 401s, backed off for a while; the kubeconfig rewritten with a new valid token
+    ends the backoff and is used at once, not after the next delay."""
+    ns, sa, port = "rotate", "eds", free_port()
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": sa}})
+        for doc in _manifests("rbac-namespaced.yaml"):
+            doc["metadata"]["namespace"] = ns
+            if doc["kind"] == "RoleBinding":
+                doc["subjects"] = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
+            await apply(api, doc, dry_run=False)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, port, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("web-1", "web", port, [pod_ip(2)]))  # fmt: skip
+        token_a = await bound_token(api, ns, sa, "token-a")
+        token_b = await bound_token(api, ns, sa, "token-b")
+    config = tmp_path / "rotating.kubeconfig"
+    config.write_text(kube.kubeconfig_for(token_a, sa))
+    async with stack(kube, tmp_path, "--kubernetes-namespace", ns, kubeconfig=config) as s:
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
+        await s.api.delete(f"/api/v1/namespaces/{ns}/secrets/token-a")  # token A revoked...
+        kube.stop_apiserver()  # ...and the watches made with it ended (a restart clears the token cache too)
+        kube.start_apiserver()
+        await s.envoy.wait_for(s.source, lambda src: "401" in str(src["last_error"]), timeout=30)
+        await asyncio.sleep(8)  # refused for a while: the backoff has grown to seconds
+        assert not (await s.source())["connected"]
+        loop = asyncio.get_running_loop()
+        new = tmp_path / "rotating.kubeconfig.new"
+        new.write_text(kube.kubeconfig_for(token_b, sa))
+        new.replace(config)  # as kubectl and mounted Secrets do
+        rotated = loop.time()
+        await s.api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
+                          {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(3)}, timeout=5)
+        print(f"rewritten kubeconfig used; the change reached Envoy {loop.time() - rotated:.1f} s after the rewrite")
+        assert "configuration loaded again (its files changed)" in s.server.log_text()
+        said = failure_lines(s.server.log_text())
+        assert any("the API server refused our credentials (401)" in line for line in said), said
+        await s.envoy.wait_for(s.source, lambda src: src["connected"] and src["last_error"] is None, timeout=3)
+
+
+async def test_readyz_stays_ok_while_the_apiserver_is_away(kube: KubeCluster, tmp_path: Path) -> None:
+    """Readiness is about having loaded once, not about the API server being up now."""
+    ns = "ready"
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+    async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
+        kube.stop_apiserver()
+        try:
+            await s.envoy.wait_for(s.source, lambda src: src["stale"], timeout=60)
+            await s.server.wait_ready(timeout=2)  # /readyz still 200
+        finally:
+            kube.start_apiserver()
+
+
+def _manifests(*names: str) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for name in names:
+        docs.extend(d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d)
+    return docs
+
+
+_PLURAL = {"Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "ClusterRole": "clusterroles",
+           "ClusterRoleBinding": "clusterrolebindings", "Role": "roles", "RoleBinding": "rolebindings",
+           "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets", "Service": "services",
+           "ConfigMap": "configmaps"}  # fmt: skip
+
+
+def _path(doc: dict[str, Any]) -> str:
+    group = doc["apiVersion"]
+    base = "/api/v1" if group == "v1" else f"/apis/{group}"
+    ns = doc["metadata"].get("namespace")
+    where = f"/namespaces/{ns}" if ns else ""
+    return f"{base}{where}/{_PLURAL[doc['kind']]}/{doc['metadata']['name']}"
+
+
+async def apply(api: KubeApi, doc: dict[str, Any], dry_run: bool) -> None:
+    """Server-side apply, with strict field validation (an unknown or misspelt field fails)."""
+    params = {"fieldManager": "eds-server-tests", "fieldValidation": "Strict", "force": "true"}
+    if dry_run:
+        params["dryRun"] = "All"
+    await api.request("PATCH", _path(doc), json.dumps(doc), content_type="application/apply-patch+yaml", **params)
+
+
+async def test_manifests_apply_to_a_real_apiserver(kube: KubeCluster) -> None:
+    files = sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name not in ("kustomization.yaml", "envoy-outside.yaml"))
+    kustomized = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
+    assert set(kustomized) <= set(files)
+    async with KubeApi(kube) as api:
+        for ns in ("eds-system", "shop"):  # dry runs of namespaced objects need the namespace
+            await api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}}, ok=(201, 409))
+        for doc in _manifests(*files):
+            await apply(api, doc, dry_run=True)
+
+
+async def bound_token(api: KubeApi, namespace: str, account: str, secret: str) -> str:
+    """A token that a deleted Secret revokes."""
+    made = await api.create(f"/api/v1/namespaces/{namespace}/secrets", {"metadata": {"name": secret}})
+    ref = {"kind": "Secret", "apiVersion": "v1", "name": secret, "uid": made["metadata"]["uid"]}
+    got = await api.create(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+                           {"spec": {"expirationSeconds": 3600, "boundObjectRef": ref}})  # fmt: skip
+    return str(got["status"]["token"])
+
+
+async def token_for(api: KubeApi, namespace: str, account: str) -> str:
+    got = await api.create(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+                           {"spec": {"expirationSeconds": 3600}})  # fmt: skip
+    return str(got["status"]["token"])
+
+
+async def test_least_privilege_rbac_from_the_manifests(kube: KubeCluster, tmp_path: Path) -> None:
+    """The shipped RBAC, applied for real: the namespaced Role is enough for --kubernetes-namespace
+    (and not for a cluster-wide watch); the ClusterRole is enough cluster-wide."""
+    port = free_port()
+    async with KubeApi(kube) as api:
+        for ns in ("eds-system", "shop"):
+            await api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}}, ok=(201, 409))
+        sa, *_ = _manifests("rbac.yaml")
+        await apply(api, sa, dry_run=False)
+        for doc in _manifests("rbac-namespaced.yaml"):
+            await apply(api, doc, dry_run=False)
+        await api.create("/api/v1/namespaces/shop/services", service("web", {"eds.group": "web"}, port, False))
+        await api.create("/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices",
+                         endpoint_slice("web-1", "web", port, [pod_ip(2)]))  # fmt: skip
+        token = await token_for(api, "eds-system", "eds-server")
+    config = tmp_path / "sa.kubeconfig"
+    config.write_text(kube.kubeconfig_for(token, "eds-server"))
+    async with stack(kube, tmp_path, "--kubernetes-namespace", "shop", kubeconfig=config) as s:
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
+    # the same account, cluster-wide: forbidden, so never loaded (and it says why)
+    server = EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(config), "--startup-timeout", "60s",
+                              workdir=tmp_path)  # fmt: skip
+    await server.start(wait_ready=False)
+    try:
+        with pytest.raises(RuntimeError, match="not ready"):
+            await server.wait_ready(timeout=3)
+        sources = await server.admin("/v1/sources")
+        items = sources if isinstance(sources, list) else sources.get("sources", [])
+        k8s = next(x for x in items if x["name"] == "kubernetes")
+        assert not k8s["loaded"] and "403" in str(k8s["last_error"])
+    finally:
+        await server.__aexit__(None, None, None)
+    # the ClusterRole: cluster-wide works
+    async with KubeApi(kube) as api:
+        for doc in _manifests("rbac.yaml"):
+            await apply(api, doc, dry_run=False)
+    async with stack(kube, tmp_path, kubeconfig=config) as s:
+        await s.wait_hosts(lambda h: pod_ip(2) in h)
+
+
+async def test_in_cluster_token_is_read_again(
+    kube: KubeCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-cluster credentials: the token file is read again, so a rotated token is used by the next
+    request and the old one can be revoked without an error (in-process, with the library's refresh
+    period shortened from 60 s to 1 s and the service account files in a temporary directory)."""
+    from kubernetes_asyncio.config import incluster_config
+
+    from eds_server.encode import encode_group
+    from eds_server.sources.kubernetes import KubernetesSource
+    from eds_server.sources.kubernetes_map import KubernetesOptions
+    from eds_server.store import Store
+
+    ns, sa = "tokens", "eds"
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": sa}})
+        role = _manifests("rbac-namespaced.yaml")
+        for doc in role:
+            doc["metadata"]["namespace"] = ns
+            if doc["kind"] == "RoleBinding":
+                doc["subjects"] = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
+            await apply(api, doc, dry_run=False)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, 8080, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("web-1", "web", 8080, [pod_ip(2)]))  # fmt: skip
+
+        async def bound_token(secret: str) -> str:
+            made = await api.create(f"/api/v1/namespaces/{ns}/secrets", {"metadata": {"name": secret}})
+            got = await api.create(f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", {"spec": {
+                "expirationSeconds": 3600,
+                "boundObjectRef": {"kind": "Secret", "apiVersion": "v1", "name": secret,
+                                   "uid": made["metadata"]["uid"]}}})  # fmt: skip
+            return str(got["status"]["token"])
+
+        token_file = tmp_path / "token"
+        token_a = await bound_token("token-a")
+        token_file.write_text(token_a)
+        monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token_file))
+        monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(kube.ca))
+        monkeypatch.setattr(incluster_config, "TOKEN_REFRESH_PERIOD", datetime.timedelta(seconds=1))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(kube.port))
+        monkeypatch.delenv("KUBECONFIG", raising=False)
+
+        store = Store(encode_group)
+        source = KubernetesSource(store, KubernetesOptions(namespaces=(ns,)), watch_timeout=(1, 1))
+        stop = asyncio.Event()
+        task = asyncio.create_task(source.run(stop))
+        try:
+            for _ in range(200):
+                if store.ready and "web" in store.resources():
+                    break
+                await asyncio.sleep(0.1)
+            assert store.ready and source.connected
+            loaded_at = source._loaded_at
+            # rotate: a new token in the file, then the old one revoked (its Secret deleted)
+            token_file.write_text(await bound_token("token-b"))
+            await asyncio.sleep(1.5)
+            await api.delete(f"/api/v1/namespaces/{ns}/secrets/token-a")
+            review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+            async with KubeApi(kube, token_a) as old:
+                for _ in range(30):  # the API server's token cache keeps it valid for up to ~10 s
+                    answer = await old.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", review,
+                                               ok=(201, 401))  # fmt: skip
+                    if answer.get("code") == 401:
+                        break
+                    await asyncio.sleep(1)
+                assert answer.get("code") == 401, "token A was not revoked"
+            events_before = source.events
+            await asyncio.sleep(3)  # watches end every second and resume with the token of the moment
+            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
+                            {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]})  # fmt: skip
+            for _ in range(100):
+                group = store.resources()["web"].group
+                if {ep.address for ep in group.endpoints} == {pod_ip(3)}:
+                    break
+                await asyncio.sleep(0.1)
+            assert {ep.address for ep in store.resources()["web"].group.endpoints} == {pod_ip(3)}
+            assert source.connected and source.last_error is None, source.last_error
+            assert source._loaded_at == loaded_at  # no 401 and reload: the hook read the new token
+            assert source.events > events_before
+        finally:
+            stop.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

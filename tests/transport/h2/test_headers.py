@@ -1,0 +1,46 @@
+"""RFC 9113 section 8 request header checks (transport/h2/headers.py), the pure part of what
+transport/h2/test_attacks.py sends to a real server."""
+
+from __future__ import annotations
+
+import pytest
+
+from eds_server.transport.h2.headers import request_problem, trailers_problem
+
+GOOD = [(":method", "POST"), (":scheme", "http"), (":path", "/x.Y/Z"), (":authority", "a"),
+        ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+
+
+def test_a_grpc_request_passes() -> None:
+    assert request_problem(GOOD) is None
+    assert request_problem([h for h in GOOD if h[0] != ":authority"]) is None  # optional
+
+
+@pytest.mark.parametrize(
+    ("headers", "why"),
+    [
+        ([h for h in GOOD if h[0] != ":path"], "no :path"),
+        ([h for h in GOOD if h[0] != ":method"], "no :method"),
+        ([h for h in GOOD if h[0] != ":scheme"], "no :scheme"),
+        ([*GOOD[:2], (":path", ""), *GOOD[3:]], "invalid value of ':path'"),
+        ([*GOOD, ("X-Upper", "1")], "invalid header name"),
+        ([(":protocol", "x"), *GOOD], "unknown pseudo-header"),
+        ([(":status", "200"), *GOOD], "unknown pseudo-header"),
+        ([(":method", "POST"), *GOOD], "duplicated pseudo-header"),
+        ([*GOOD, (":path", "/a")], "after a regular header"),
+        ([*GOOD, ("connection", "keep-alive")], "connection-specific header 'connection'"),
+        ([*GOOD, ("transfer-encoding", "chunked")], "connection-specific"),
+        ([*GOOD[:5], ("te", "gzip")], "te other than 'trailers'"),
+        ([*GOOD, ("x-a", "b\r\nc")], "invalid value of header 'x-a'"),
+        ([*GOOD, ("x-a", " padded")], "invalid value"),
+    ],
+)
+def test_malformed_requests_are_named(headers: list[tuple[str, str]], why: str) -> None:
+    problem = request_problem(headers)
+    assert problem is not None and why in problem
+
+
+def test_trailers_hold_no_pseudo_headers() -> None:
+    assert trailers_problem([("grpc-status", "0")]) is None
+    assert "in trailers" in (trailers_problem([(":path", "/")]) or "")
+    assert "connection-specific" in (trailers_problem([("upgrade", "h2c")]) or "")

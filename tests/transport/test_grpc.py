@@ -1,0 +1,448 @@
+"""The gRPC service in-process, driven by a grpclib client speaking the wire protocol like Envoy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any
+
+import pytest
+from envoy.config.endpoint.v3 import endpoint_pb2
+from grpclib import GRPCError
+from grpclib.const import Cardinality, Status
+
+from eds_server.encode import encode_group
+from eds_server.pb.envoy.config.core.v3 import Node
+from eds_server.pb.envoy.service.discovery.v3 import (
+    DeltaDiscoveryRequest,
+    DeltaDiscoveryResponse,
+    DiscoveryRequest,
+    DiscoveryResponse,
+)
+from eds_server.pb.envoy.service.endpoint.v3 import EndpointDiscoveryServiceStub
+from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
+from eds_server.pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
+from eds_server.store import Store
+from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
+from eds_server.xds.common import EDS_TYPE_URL
+from tests.support.grpc_harness import SOURCE, STREAM, Harness, cla_of, first, group, no_message, recv, reply
+from tests.support.h2frames import PING, PREFACE, split
+from tests.support.waiting import wait_for
+
+
+async def test_nothing_is_sent_before_sources_load(harness: Harness) -> None:
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        await no_message(stream)
+        harness.store.update(SOURCE, {"web": group("web", 1)})
+        resp = await recv(stream)
+        assert cla_of(resp).cluster_name == "web"
+        assert len(cla_of(resp).endpoints[0].lb_endpoints) == 1
+
+
+async def test_push_ack_change_and_one_encode_per_change(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with contextlib.AsyncExitStack() as stack:
+        opened = [await stack.enter_async_context(harness.stream()) for _ in range(5)]
+        firsts = []
+        for s in opened:
+            await s.send_message(first("web"))
+            firsts.append(await recv(s))
+            await s.send_message(reply(firsts[-1], "web"))
+        encodes = harness.store.encodes
+        harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+        for s, before in zip(opened, firsts, strict=True):
+            resp = await recv(s)
+            assert resp.version_info != before.version_info
+            assert len(cla_of(resp).endpoints[0].lb_endpoints) == 2
+        assert harness.store.encodes == encodes + 1  # once, whatever the number of subscribers
+
+
+async def test_nack_is_not_answered_with_the_same_version(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        r1 = await recv(stream)
+        await stream.send_message(reply(r1, "web", error="rejected for the test"))
+        await no_message(stream)  # no resend loop
+        assert harness.service.counters.nacks == 1
+        harness.store.update(SOURCE, {"web": group("web", 3)})
+        r2 = await recv(stream)
+        assert r2.version_info != r1.version_info
+        await stream.send_message(reply(r2, "web", error="again"))
+        await no_message(stream)
+        assert harness.service.counters.responses == 2
+
+
+async def test_stale_nonce_gets_no_response(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        r1 = await recv(stream)
+        stale = DiscoveryResponse(version_info=r1.version_info, nonce="stale")
+        await stream.send_message(reply(stale, "web", "other"))
+        await no_message(stream)
+        await stream.send_message(reply(r1, "web", "other"))  # current nonce: answered
+        r2 = await recv(stream)
+        assert [cla_of(r2, i).cluster_name for i in range(len(r2.resources))] == ["other"]
+
+
+async def test_reconnect_with_current_version_is_not_resent(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    version = harness.store.get("web").version
+    async with harness.stream() as stream:
+        await stream.send_message(first("web", version=version))
+        await no_message(stream)
+        harness.store.update(SOURCE, {"web": group("web", 2)})
+        assert (await recv(stream)).version_info == harness.store.get("web").version
+
+
+@pytest.mark.parametrize(
+    ("request_", "status"),
+    [
+        (DiscoveryRequest(resource_names=["web"]), Status.INVALID_ARGUMENT),  # no node
+        (DiscoveryRequest(node=Node(id="n"), type_url="type.googleapis.com/x.Y"), Status.INVALID_ARGUMENT),
+        (DiscoveryRequest(node=Node(id="n"), resource_names=["x" * 2000]), Status.INVALID_ARGUMENT),
+        (DiscoveryRequest(node=Node(id="n"), resource_names=["a"] * 10_001), Status.RESOURCE_EXHAUSTED),
+        pytest.param(DiscoveryRequest(node=Node(id="n"), resource_names=["a" * 1000] * 1100),
+                     Status.RESOURCE_EXHAUSTED, marks=pytest.mark.fast_path),  # over --max-message-size
+    ],
+)
+async def test_bad_requests_get_grpc_errors(
+    harness: Harness, request_: DiscoveryRequest, status: Status
+) -> None:
+    harness.store.update(SOURCE, {})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_message(request_)
+            await recv(stream)
+    assert e.value.status == status
+    async with harness.stream() as stream:  # the server is fine
+        await stream.send_message(first("web"))
+        assert cla_of(await recv(stream)).cluster_name == "web"
+
+
+async def test_garbage_bytes_are_an_error_not_a_crash(harness: Harness) -> None:
+    harness.store.update(SOURCE, {})
+    harness.channel._codec = _RawCodec()  # type: ignore[assignment]
+    with pytest.raises(GRPCError) as e:
+        async with harness.channel.request(STREAM, Cardinality.STREAM_STREAM, bytes, bytes) as stream:
+            await stream.send_message(b"\xff\xff\xff\xff\x0f garbage")
+            await stream.recv_message()
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
+class _RawCodec:
+    __content_subtype__ = "proto"
+
+    def encode(self, message: bytes, message_type: Any) -> bytes:
+        return message
+
+    def decode(self, data: bytes, message_type: Any) -> bytes:
+        return data
+
+
+async def test_generated_stub_and_fetch(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+    stub = EndpointDiscoveryServiceStub(harness.channel)
+    resp = await stub.fetch_endpoints(first("web", "nope"))
+    assert [cla_of(resp, i).cluster_name for i in range(2)] == ["web", "nope"]
+    assert len(cla_of(resp, 1).endpoints) == 0
+
+
+async def test_delta_stream(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    path = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
+    async with harness.channel.request(path, Cardinality.STREAM_STREAM, DeltaDiscoveryRequest,
+                                       DeltaDiscoveryResponse) as stream:  # fmt: skip
+        await stream.send_message(DeltaDiscoveryRequest(
+            node=Node(id="d"), type_url=EDS_TYPE_URL, resource_names_subscribe=["web", "nope"],
+            initial_resource_versions={"nope": harness.store.get("nope").version},
+        ))  # fmt: skip
+        r1 = await recv(stream)
+        assert [r.name for r in r1.resources] == ["web"]  # "nope" was current already
+        assert r1.resources[0].version == harness.store.get("web").version
+        await stream.send_message(DeltaDiscoveryRequest(response_nonce=r1.nonce))
+        harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+        r2 = await recv(stream)
+        cla = endpoint_pb2.ClusterLoadAssignment.FromString(r2.resources[0].resource.value)
+        assert len(cla.endpoints[0].lb_endpoints) == 2
+        await stream.cancel()
+
+
+async def test_health_follows_readiness(harness: Harness) -> None:
+    health = HealthStub(harness.channel)
+    assert (await health.check(HealthCheckRequest())).status == Serving.NOT_SERVING
+    harness.store.update(SOURCE, {})
+    resp = await health.check(HealthCheckRequest(service=EDS_SERVICE))
+    assert resp.status == Serving.SERVING
+    with pytest.raises(GRPCError) as e:
+        await health.check(HealthCheckRequest(service="nope"))
+    assert e.value.status == Status.NOT_FOUND
+
+
+async def test_stop_ends_streams_cleanly(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        await recv(stream)
+        harness.service.stop()
+        assert await asyncio.wait_for(stream.recv_message(), 5) is None  # trailers, status OK
+    assert harness.service.open_streams == 0
+
+
+@pytest.mark.fast_path  # stock grpclib: no size limit before the body, 100 streams a connection
+async def test_oversize_length_prefix_is_refused_before_the_body(harness: Harness) -> None:
+    harness.store.update(SOURCE, {})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_request()
+            # announce a 1 GiB message and send none of it: the server must not wait for it
+            await stream._stream.send_data(b"\x00" + (1 << 30).to_bytes(4, "big"))
+            await recv(stream)
+    assert e.value.status == Status.RESOURCE_EXHAUSTED
+
+
+async def test_streams_reset_right_after_a_response_leave_nothing_behind(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    for _ in range(50):  # bounded
+        async with harness.stream() as stream:
+            await stream.send_message(first("web"))
+            await recv(stream)
+        # the context manager resets the stream, as a departing Envoy does
+    await wait_for(lambda: harness.service.open_streams == 0 and not harness.store._following)
+    assert harness.service.open_streams == 0
+    assert not harness.store._following and not harness.store._by_name
+    assert harness.service.counters.streams_opened == 50
+
+
+async def test_keepalive_pings_close_a_silent_connection() -> None:
+    """A half-open client (one that never answers PING) is dropped by the server's keepalive."""
+    store = Store(encode_group)
+    server = make_server(EdsService(store), max_streams_per_connection=10, keepalive_time=0.2,
+                         keepalive_timeout=0.3, max_message_size=1 << 20)  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    port = server.port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(PREFACE)
+        await writer.drain()
+        frame_types: list[int] = []
+        buffer = b""
+        for _ in range(200):  # bounded: at most ~10 s
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            if not chunk:
+                break  # the server closed the connection
+            frames, buffer = split(buffer + chunk)
+            frame_types += [f.type for f in frames]
+        assert PING in frame_types
+        assert not chunk  # closed, since we never answered it
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    import h2.config
+    import h2.connection
+    from h2.settings import SettingCodes
+
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    port = harness.channel._port
+    # A raw HTTP/2 client that opens a StreamEndpoints call with a 10-byte flow-control window
+    # and never reads: the server's first response cannot be sent.
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 10})
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
+               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    conn.send_headers(1, headers)
+    body = bytes(first("web"))
+    conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(conn.data_to_send())
+    await writer.drain()
+    try:
+        await wait_for(lambda: harness.service.open_streams == 1, what="the stuck stream open")
+        async with harness.stream() as stream:  # meanwhile a healthy client is served normally
+            await stream.send_message(first("web"))
+            r1 = await recv(stream)
+            await stream.send_message(reply(r1, "web"))
+            harness.store.update(SOURCE, {"web": group("web", 2)})
+            assert (await recv(stream)).version_info != r1.version_info
+            await wait_for(lambda: harness.service.open_streams == 1)  # dropped after the send timeout (1 s here)
+            assert harness.service.open_streams == 1  # only the healthy one is left
+            assert "dropping node=test-node" in caplog.text and "not reading" in caplog.text
+    finally:
+        writer.close()
+
+
+async def test_reset_flood_gets_goaway() -> None:
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    store = Store(encode_group)
+    store.add_source(SOURCE)
+    store.update(SOURCE, {})
+    server = make_server(EdsService(store), max_streams_per_connection=100, keepalive_time=30,
+                         keepalive_timeout=10, max_message_size=1 << 20, reset_budget=20)  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    port = server.port
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
+               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    for i in range(50):  # open and reset at once, as in an HTTP/2 rapid-reset attack
+        conn.send_headers(1 + 2 * i, headers)
+        conn.reset_stream(1 + 2 * i)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(conn.data_to_send())
+        await writer.drain()
+        goaway = None
+        for _ in range(100):  # bounded
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ConnectionTerminated):
+                    goaway = event
+        assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_total_stream_limit(harness: Harness) -> None:
+    """--max-streams in total, of which one client IP may hold half: one client cannot take every
+    stream while another has none."""
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    harness.service.max_streams = 4
+    async with harness.stream() as a, harness.stream() as b:
+        for s in (a, b):
+            await s.send_message(first("web"))
+            await recv(s)
+        with pytest.raises(GRPCError) as e:
+            async with harness.stream() as c:
+                await c.send_message(first("web"))
+                await recv(c)
+        assert e.value.status == Status.RESOURCE_EXHAUSTED
+    assert harness.service.counters.refused == 1
+
+
+@pytest.mark.fast_path  # stock grpclib: no size limit before the body, 100 streams a connection
+async def test_truncated_grpc_frame_is_an_error_not_a_hang(harness: Harness) -> None:
+    harness.store.update(SOURCE, {})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_request()
+            # announce 100 bytes, send 10, end the stream
+            await stream._stream.send_data(b"\x00" + (100).to_bytes(4, "big") + b"\x0a" * 10, end_stream=True)
+            await asyncio.wait_for(stream.recv_message(), 5)
+    assert e.value.status == Status.INVALID_ARGUMENT
+    async with harness.stream() as stream:  # the server is fine
+        await stream.send_message(first("web"))
+        assert cla_of(await recv(stream)).cluster_name == "web"
+
+
+async def test_ten_thousand_names_in_one_request(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"n7": group("n7", 1)})
+    names = [f"n{i}" for i in range(10_000)]
+    async with harness.stream() as stream:
+        await stream.send_message(first(*names))
+        resp = await recv(stream, timeout=30)
+        assert len(resp.resources) == 10_000
+        assert len(cla_of(resp, 7).endpoints) == 1 and not cla_of(resp, 8).endpoints
+
+
+@pytest.mark.fast_path  # stock grpclib: no size limit before the body, 100 streams a connection
+async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harness) -> None:
+    import gc
+
+    from eds_server.transport.grpc import _Session
+
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+
+    def counts() -> tuple[int, int, int]:
+        gc.collect()
+        sessions = sum(1 for o in gc.get_objects() if isinstance(o, _Session))
+        return len(asyncio.all_tasks()), len(os.listdir("/proc/self/fd")), sessions
+
+    async def one_round(n: int) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(harness.stream()) for _ in range(n)]
+            for s in streams:
+                await s.send_message(first("web"))
+            for s in streams:
+                await recv(s)
+
+    await one_round(50)  # warm up: the connection and caches exist from here on
+    await asyncio.sleep(0.2)
+    before = counts()
+    for _ in range(5):  # 1,000 streams, 200 at a time
+        await one_round(200)
+    await wait_for(lambda: harness.service.open_streams == 0)
+    await asyncio.sleep(0.2)
+    after = counts()
+    assert after == before, (before, after)  # tasks, file descriptors, sessions
+    assert not harness.store._following
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+async def test_reflection_lists_and_describes_the_services(harness: Harness, version: str) -> None:
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    from eds_server.pb.grpc.reflection.v1 import ServerReflectionRequest, ServerReflectionResponse
+
+    path = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    async with harness.channel.request(path, Cardinality.STREAM_STREAM, ServerReflectionRequest,
+                                       ServerReflectionResponse) as stream:  # fmt: skip
+        await stream.send_message(ServerReflectionRequest(list_services=""))
+        listed = await recv(stream)
+        assert EDS_SERVICE in [s.name for s in listed.list_services_response.service]
+        await stream.send_message(ServerReflectionRequest(file_containing_symbol=f"{EDS_SERVICE}.StreamEndpoints"))
+        files = list((await recv(stream)).file_descriptor_response.file_descriptor_proto)
+        cla = "envoy.config.endpoint.v3.ClusterLoadAssignment"  # what the Any in a response holds
+        await stream.send_message(ServerReflectionRequest(file_containing_symbol=cla))
+        files += [f for f in (await recv(stream)).file_descriptor_response.file_descriptor_proto if f not in files]
+        await stream.send_message(ServerReflectionRequest(file_containing_symbol="no.such.Thing"))
+        assert (await recv(stream)).error_response.error_code == 5
+        await stream.end()
+    pool = descriptor_pool.DescriptorPool()  # what grpcurl does with them
+    for raw in files:
+        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+    service = pool.FindServiceByName(EDS_SERVICE)
+    method = service.methods_by_name["StreamEndpoints"]
+    assert method.input_type.full_name == "envoy.service.discovery.v3.DiscoveryRequest"
+    assert "lb_endpoints" in pool.FindMessageTypeByName(
+        "envoy.config.endpoint.v3.LocalityLbEndpoints").fields_by_name  # fmt: skip
+
+
+async def test_a_client_that_half_closes_still_gets_its_answer(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
+                                       DiscoveryResponse) as stream:  # fmt: skip
+        await stream.send_message(first("web"), end=True)
+        resp = await recv(stream)
+        assert cla_of(resp).cluster_name == "web"
+        assert await asyncio.wait_for(stream.recv_message(), 5) is None  # then the call ends, OK
+
+
+@pytest.mark.fast_path  # stock grpclib: an application error
+async def test_length_prefix_then_end_of_stream_is_an_error(harness: Harness) -> None:
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    with pytest.raises(GRPCError) as e:
+        async with harness.stream() as stream:
+            await stream.send_message(first("web"))
+            await recv(stream)
+            # announce 20 bytes, then end the stream: not an empty request unsubscribing everything
+            await stream._stream.send_data(b"\x00" + (20).to_bytes(4, "big"), end_stream=True)
+            stream._end_done = True  # what grpclib's own end() would have recorded
+            await asyncio.wait_for(stream.recv_message(), 5)
+    assert e.value.status == Status.INVALID_ARGUMENT

@@ -1,0 +1,210 @@
+"""The relay's pure parts: subscription bookkeeping, its wire messages, decoding what it relays, and
+the store's withholding of names its upstream has not answered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eds_server.decode import DecodeError, decode_group
+from eds_server.encode import encode_group
+from eds_server.model import Endpoint, Group, Health, locality
+from eds_server.pb.envoy.config.endpoint.v3 import ClusterLoadAssignment
+from eds_server.pb.envoy.service.discovery.v3 import DeltaDiscoveryRequest
+from eds_server.sources.relay import Subscriptions, decode_response, encode_request
+from eds_server.store import Resource, Store
+from eds_server.xds import wire
+from eds_server.xds.common import EDS_TYPE_URL
+from eds_server.xds.delta import DeltaRequest, DeltaStream
+from eds_server.xds.sotw import Request, SotwStream
+from tests.support.strategies import model_endpoints
+
+EXAMPLES = settings(max_examples=200, deadline=None, database=None)
+
+
+# -- subscriptions ---------------------------------------------------------------------------------
+def test_union_of_names_told_once_and_dropped_after_the_linger() -> None:
+    subs = Subscriptions(linger=10)
+    subs.follow(["a", "b"], [], now=0)
+    assert subs.request() == (["a", "b"], [])
+    subs.follow(["b", "c"], [], now=1)  # b: a second stream; c: new
+    assert subs.request() == (["c"], [])
+    subs.follow([], ["a"], now=2)
+    assert subs.request() == ([], []) and "a" in subs.wanted  # lingers: a reconnecting Envoy finds it
+    assert subs.next_expiry(5) == 7
+    subs.follow(["a"], [], now=5)  # back before the linger ran out: nothing to tell anyone
+    assert subs.expire(100) == [] and subs.request() == ([], [])
+    subs.follow([], ["a", "c"], now=100)
+    assert subs.expire(109) == []
+    assert sorted(subs.expire(110)) == ["a", "c"]
+    assert subs.request() == ([], ["a", "c"])
+    assert list(subs.wanted) == ["b"] and subs.next_expiry(110) is None
+
+
+def test_a_reconnect_subscribes_everything_again_and_forgets_pending_removals() -> None:
+    subs = Subscriptions(linger=0)
+    subs.follow(["a", "b"], [], now=0)
+    subs.request()
+    subs.follow([], ["a"], now=1)
+    assert subs.expire(1) == ["a"]
+    subs.reconnected()  # the new stream never heard of a: no unsubscribe for it
+    assert subs.request() == (["b"], [])
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["follow", "drop", "tick", "request", "reconnect"]), st.sampled_from("abcd")),
+    max_size=40,
+)
+
+
+@EXAMPLES
+@given(OPS)
+def test_what_the_upstream_was_told_is_what_is_wanted(ops: list[tuple[str, str]]) -> None:
+    """After each request on a connection, the names subscribed upstream (as it would count them)
+    are exactly the wanted ones; followed names are always wanted; a name nobody followed for the
+    whole linger is not."""
+    subs = Subscriptions(linger=3)
+    followers: dict[str, int] = {}
+    last_follow: dict[str, float] = {}
+    upstream: set[str] = set()
+    now = 0.0
+    for op, name in ops:
+        if op == "follow":
+            first = followers.get(name, 0) == 0
+            followers[name] = followers.get(name, 0) + 1
+            if first:
+                subs.follow([name], [], now)
+        elif op == "drop" and followers.get(name):
+            followers[name] -= 1
+            if followers[name] == 0:
+                subs.follow([], [name], now)
+                last_follow[name] = now
+        elif op == "tick":
+            now += 1
+            subs.expire(now)
+        elif op == "reconnect":
+            subs.reconnected()
+            upstream = set()
+        subscribe, unsubscribe = subs.request()
+        upstream |= set(subscribe)
+        upstream -= set(unsubscribe)
+        assert upstream == set(subs.wanted)
+        assert {n for n, c in followers.items() if c} <= set(subs.wanted)
+        for n in subs.wanted:
+            assert followers.get(n) or now - last_follow[n] < 3
+
+
+# -- the wire ----------------------------------------------------------------------------------------
+def test_requests_parse_with_the_generated_classes() -> None:
+    raw = encode_request("relay-1", subscribe=["a", "b"], unsubscribe=["c"], initial_versions={"a": "v1"},
+                         nonce="7", error="bad", node=True)  # fmt: skip
+    req = DeltaDiscoveryRequest.parse(raw)
+    assert req.node is not None and req.node.id == "relay-1"
+    assert req.type_url == EDS_TYPE_URL
+    assert (req.resource_names_subscribe, req.resource_names_unsubscribe) == (["a", "b"], ["c"])
+    assert req.initial_resource_versions == {"a": "v1"}
+    assert req.response_nonce == "7" and req.error_detail is not None and req.error_detail.message == "bad"
+
+
+def test_responses_of_the_server_decode_to_names_versions_and_the_same_bytes() -> None:
+    body = encode_group(Group("web", (Endpoint("10.0.0.1", 80),)))
+    resource = Resource("web", "v9", body, Group("web"))
+    received = decode_response(wire.delta_discovery_response("sys", [resource], "42"))
+    assert received.resources == (("web", "v9", body),) and received.nonce == "42"
+
+
+def test_a_response_of_another_type_is_refused() -> None:
+    raw = wire.delta_discovery_response("sys", [], "1").replace(b"Assignment", b"Assignmenx")
+    try:
+        decode_response(raw)
+    except DecodeError as e:
+        assert "not EDS" in str(e)
+    else:
+        raise AssertionError("accepted")
+
+
+# -- decoding what is relayed ------------------------------------------------------------------------
+@EXAMPLES
+@given(st.lists(model_endpoints(), max_size=8, unique_by=lambda e: e.key),
+       st.dictionaries(st.builds(locality, st.text(max_size=3)), st.integers(1, 1000), max_size=2))  # fmt: skip
+def test_decoding_gives_back_the_encoded_group(endpoints: list[Endpoint], weights: dict[Any, int]) -> None:
+    group = Group("web", tuple(endpoints), weights)
+    body = encode_group(group)
+    decoded = decode_group(body)
+    assert encode_group(decoded) == body
+    key = lambda e: (e.priority, e.locality, e.address, e.port)  # noqa: E731
+    assert sorted(decoded.endpoints, key=key) == sorted(group.endpoints, key=key)
+    used = {e.locality for e in endpoints}
+    assert decoded.locality_weights == {loc: w for loc, w in weights.items() if loc in used}
+
+
+def test_decoding_agrees_with_the_generated_classes() -> None:
+    group = Group("web", (Endpoint("::1", 8080, weight=3, health=Health.DRAINING, priority=1,
+                                   locality=locality("eu", "a"), hostname="h", metadata={"v": "x"}),))  # fmt: skip
+    decoded = decode_group(bytes(ClusterLoadAssignment.parse(encode_group(group))))
+    assert decoded == group
+
+
+def test_garbage_is_a_decode_error() -> None:
+    for raw in (b"\x12\x05\x12\x03\x0a\x01", b"\xff\xff", b"\x12\x02\x08\x01"):
+        try:
+            decode_group(raw)
+        except DecodeError:
+            continue
+        raise AssertionError(f"decoded {raw!r}")
+
+
+# -- the store of a relay ----------------------------------------------------------------------------
+def _resource(name: str, version: str) -> Resource:
+    group = Group(name, (Endpoint("10.0.0.1", 80),))
+    return Resource(name, version, encode_group(group), group)
+
+
+def test_store_withholds_what_the_upstream_has_not_answered_and_tells_of_interest() -> None:
+    store = Store(encode_group)
+    store.add_source("relay")
+    store.withholds = True
+    seen: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    store.interest = lambda added, removed: seen.append((added, removed))
+    store.put_resources("relay", {})  # the first answer: ready, nothing held
+    sotw, delta = SotwStream(store), DeltaStream(store)
+    changed: list[frozenset[str] | None] = []
+    store.follow(changed.append, ["a", "b"])
+    store.follow(lambda names: None, ["b"])
+    assert seen == [(("a", "b"), ())]
+    sotw.receive(Request(has_node=True, resource_names=("a",), type_url=EDS_TYPE_URL))
+    delta.receive(DeltaRequest(has_node=True, subscribe=("a",)))
+    assert sotw.poll() is None and delta.poll() is None  # not an empty assignment: nothing
+    store.put_resources("relay", {"a": _resource("a", "v1")})
+    assert changed == [frozenset({"a"})]
+    sotw.changed(changed[-1])
+    delta.changed(changed[-1])
+    sotw_response, delta_response = sotw.poll(), delta.poll()
+    assert sotw_response is not None and [r.version for r in sotw_response.resources] == ["v1"]
+    assert delta_response is not None and [r.version for r in delta_response.resources] == ["v1"]
+    store.put_resources("relay", {"a": _resource("a", "v1")})  # the same version: no news
+    assert changed == [frozenset({"a"})]
+    store.unfollow(changed.append)
+    assert seen[-1] == ((), ("a",))  # b is still followed
+
+
+# -- adding the workers' metrics up ------------------------------------------------------------------
+def test_worker_metrics_are_summed_and_store_metrics_are_the_owners() -> None:
+    from eds_server.workers import merge_metrics
+
+    own = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 2.0\n"
+           "# TYPE eds_ready gauge\neds_ready 1.0\n"
+           "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 100.0\n")  # fmt: skip
+    worker = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 5.0\n"
+              "# TYPE eds_ready gauge\neds_ready 1.0\n"
+              "# TYPE eds_responses_total counter\neds_responses_total 7.0\n"
+              "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 10.0\n")  # fmt: skip
+    merged = merge_metrics(own, [worker, worker], [{"worker": 1, "alive": True, "restarts": 0},
+                                                   {"worker": 2, "alive": False, "restarts": 3}])  # fmt: skip
+    assert 'eds_streams_open{transport="delta"} 10.0' in merged  # the workers' streams, not the owner's links
+    assert "eds_responses_total 14.0" in merged
+    assert "eds_ready 1.0" in merged  # the owner's alone
+    assert "process_resident_memory_bytes 120.0" in merged  # every process
+    assert "eds_workers_alive 1.0" in merged and 'eds_worker_restarts{worker="2"} 3.0' in merged

