@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -111,7 +112,13 @@ class EdsServerProcess:
             return await r.json()
 
     async def __aenter__(self) -> EdsServerProcess:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:  # never ready: stop it anyway (with --workers, its workers with it)
+            if self.proc is not None and self.proc.returncode is None:
+                with contextlib.suppress(AssertionError):
+                    await self.stop()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
