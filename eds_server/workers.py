@@ -298,6 +298,8 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     from .cli import start_app, until_signalled
 
     log.info("eds-server %s starting with %d workers (Python %s)", __version__, count, sys.version.split()[0])
+    if not _security_usable(settings):
+        return 1
     directory = tempfile.mkdtemp(prefix="eds-server-workers-")  # private (0700): settings and admin sockets
     try:
         pool = WorkerPool(count, directory, log_level, log_format)
@@ -315,6 +317,25 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
         return 0
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _security_usable(settings: Settings) -> bool:
+    """The workers' TLS and authorization files, checked before anything starts: a bad one stops the
+    start with the file named, rather than every worker dying on it over and over."""
+    from . import security
+    from .security import SecurityConfigError
+
+    try:
+        if settings.tls_cert:
+            security.server_ssl_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        if settings.authz:
+            security.load_authz(settings.authz)
+    except SecurityConfigError as e:
+        for reason in e.problems:
+            log.error("%s", reason)
+        log.error("not starting: fix the TLS or authorization settings")
+        return False
+    return True
 
 
 def worker_main(argv: list[str]) -> int:

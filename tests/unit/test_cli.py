@@ -247,3 +247,11 @@ def test_a_relay_takes_no_other_source_and_its_tls_flags_need_it(tmp_path: Path)
 def test_workers_is_a_count_or_auto(value: str) -> None:
     out = run("serve", "--upstreams", "x.yaml", "--workers", value)
     assert out.returncode == 2 and "--workers" in out.stderr and "auto" in out.stderr
+
+
+def test_workers_with_an_unusable_tls_file_refuse_to_start_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "u.yaml"
+    path.write_text("groups: {}\n")
+    out = run("serve", "--upstreams", str(path), "--workers", "2", "--tls-cert", str(tmp_path / "missing.pem"),
+              "--listen", "127.0.0.1:0", "--admin", "off")  # fmt: skip
+    assert out.returncode == 1 and "missing.pem" in out.stderr and "not starting" in out.stderr
