@@ -167,10 +167,24 @@ def _http2_mode(value: str) -> str:
     return value
 
 
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: those it may run on, fewer if its cgroup's CPU quota (a
+    container's `--cpus`, a pod's CPU limit) allows less time than that."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(cpu_max, encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))  # rounded up: 1.5 CPUs -> 2 workers
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here
+    return cores
+
+
 def _workers(value: str) -> int:
-    """A count of worker processes; 'auto': the cores this process may run on."""
+    """A count of worker processes; 'auto': the cores this process may use."""
     if value == "auto":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return usable_cores()
     try:
         n = int(value)
     except ValueError:

@@ -255,3 +255,17 @@ def test_workers_with_an_unusable_tls_file_refuse_to_start_naming_it(tmp_path: P
     out = run("serve", "--upstreams", str(path), "--workers", "2", "--tls-cert", str(tmp_path / "missing.pem"),
               "--listen", "127.0.0.1:0", "--admin", "off")  # fmt: skip
     assert out.returncode == 1 and "missing.pem" in out.stderr and "not starting" in out.stderr
+
+
+def test_workers_auto_counts_the_cores_a_cgroup_quota_allows(tmp_path: Path) -> None:
+    from eds_server.cli import usable_cores
+
+    cores = usable_cores(str(tmp_path / "no-cgroup"))
+    assert cores >= 1
+    quota = tmp_path / "cpu.max"
+    quota.write_text("max 100000\n")
+    assert usable_cores(str(quota)) == cores
+    quota.write_text("150000 100000\n")  # 1.5 CPUs
+    assert usable_cores(str(quota)) == min(cores, 2)
+    quota.write_text("50000 100000\n")
+    assert usable_cores(str(quota)) == 1
