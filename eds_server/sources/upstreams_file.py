@@ -2,7 +2,9 @@
 
 The directory is watched rather than the file so that atomic renames, editors that replace the
 file, and Kubernetes ConfigMap symlink swaps are all seen; a slow poll backs the watch up, and the
-watch is re-armed if the directory itself is replaced. A bad version is reported and ignored: the
+watch is re-armed if the directory itself is replaced. A file written in place is read once its
+writer has gone quiet and again `debounce` later, so a half-written file is never served; a file
+renamed into place (renames.py) was written whole and is applied at once. A bad version is reported and ignored: the
 last good state keeps being served. Re-reads are read and parsed in a worker thread, so a big file
 never stalls the event loop (keepalives, other streams); the first load, before serving, is not.
 """
@@ -19,6 +21,7 @@ import watchfiles
 from .. import upstreams
 from ..store import Store
 from .base import SourceStatus
+from .renames import Renames
 
 log = logging.getLogger("eds_server.sources.file")
 
@@ -51,6 +54,7 @@ class UpstreamsFileSource:
         self.last_error: str | None = None
         self._last_bytes: bytes | None = None
         self._reloading = asyncio.Lock()  # one parse at a time: the parser keeps the last version
+        self._renames_pending: set[asyncio.Task[bool]] = set()
         store.add_source(self.name)
 
     def status(self) -> SourceStatus:
@@ -83,17 +87,21 @@ class UpstreamsFileSource:
             data = again
         return data
 
-    async def reload(self) -> bool:
-        """Re-read the file; apply it if it changed and is valid. True when the store changed."""
-        async with self._reloading:
-            return await self._reload()
+    async def reload(self, *, whole: bool = False) -> bool:
+        """Re-read the file; apply it if it changed and is valid. True when the store changed.
 
-    async def _reload(self) -> bool:
+        `whole`: it was just renamed into place, so it was written whole: no need to wait and read
+        it again to be sure its writer has finished."""
+        async with self._reloading:
+            return await self._reload(whole)
+
+    async def _reload(self, whole: bool = False) -> bool:
         try:
             data = await asyncio.to_thread(self._read)
             if data == self._last_bytes:
                 return False
-            data = await self._read_settled(data)
+            if not whole:
+                data = await self._read_settled(data)
         except FileNotFoundError:
             # Usually transient: an editor moved the file aside and is about to write it again.
             self._error(f"{self.path}: missing", level=logging.WARNING)
@@ -131,11 +139,19 @@ class UpstreamsFileSource:
                 log.log(level, "%s (still serving the last good version)", line)
         self.last_error = message
 
+    def _renamed(self, name: str) -> None:
+        """A file was renamed into the directory: ours (or the kubelet's `..data` swap) is whole now."""
+        if name in (os.path.basename(self.path), "..data"):
+            task = asyncio.get_running_loop().create_task(self.reload(whole=True))
+            self._renames_pending.add(task)
+            task.add_done_callback(self._renames_pending.discard)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the file until `stop` is set."""
         directory = os.path.dirname(os.path.abspath(self.path))
         while not stop.is_set():
             identity = _identity(directory)
+            renames = Renames(directory, self._renamed)  # the fast path for edits renamed into place
             try:
                 async for _ in watchfiles.awatch(
                     directory,
@@ -153,6 +169,8 @@ class UpstreamsFileSource:
                         break
             except Exception as e:  # e.g. the directory is gone, or inotify limits are reached
                 self._error(f"{self.path}: cannot watch {directory}: {e}", level=logging.WARNING)
+            finally:
+                renames.close()
             if not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
