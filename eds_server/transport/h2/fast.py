@@ -67,6 +67,7 @@ from .direct import DirectReader, window_update
 from .headers import request_problem, trailers_problem
 from .limits import BUDGET_WINDOW, ConnectionLimits, Gate, PartialBudget, PeerBudgets
 
+MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16 KiB to 16 MiB)
 log = logging.getLogger("eds_server.grpc")
 
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
@@ -560,8 +561,12 @@ class _H2Protocol(H2Protocol):
             initial_values={
                 SettingCodes.MAX_CONCURRENT_STREAMS: self.gate.limits.max_streams,
                 SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
+                # an Envoy's first request (its Node, often 60 KB) comes as one DATA frame, not four:
+                # a quarter of the frames for h2 to parse, account and turn into events per stream
+                SettingCodes.MAX_FRAME_SIZE: MAX_INBOUND_FRAME,
             },
         )
+        h2_conn.max_inbound_frame_size = h2_conn.incoming_buffer.max_frame_size = MAX_INBOUND_FRAME
         h2_conn.initiate_connection()
         initial = h2_conn.local_settings.initial_window_size
         conn_delta = self.config.http2_connection_window_size - initial
