@@ -19,6 +19,7 @@ from . import __version__
 
 if TYPE_CHECKING:
     from .app import App, Settings
+    from .security import SecurityConfigError
     from .sources.etcd_client import EtcdOptions
     from .workers import WorkerPool
 
@@ -494,15 +495,20 @@ async def start_app(
         log.error("not starting: fix the upstreams file (check it with `eds-server check`)")
         return None
     except SecurityConfigError as e:
-        for reason in e.problems:
-            log.error("%s", reason)
-        log.error("not starting: fix the TLS or authorization settings")
+        refuse_security(e)
         return None
     except (RegistrationStateError, OSError) as e:
         log.error("not starting: %s", e)
         await app.stop()
         return None
     return app
+
+
+def refuse_security(e: SecurityConfigError) -> None:
+    """Why the TLS or authorization settings stop the start, one line per problem."""
+    for reason in e.problems:
+        log.error("%s", reason)
+    log.error("not starting: fix the TLS or authorization settings")
 
 
 async def until_signalled() -> None:

@@ -123,11 +123,7 @@ class Store:
         if source in self._pending:
             self._pending.remove(source)
         changed = frozenset(n for n in old.keys() | groups.keys() if self._refresh(n))
-        if not was_ready and self.ready:
-            log.info("all sources loaded: serving %d groups", len(self._resources))
-            self._announce(None)
-        elif changed and self.ready:
-            self._announce(changed)
+        self._delivered(was_ready, changed)
         return changed
 
     def put_resources(self, source: str, resources: Mapping[str, Resource], removed: Iterable[str] = ()) -> None:
@@ -150,11 +146,15 @@ class Store:
         for name in removed:
             groups.pop(name, None)
             self._resources.pop(name, None)
+        self._delivered(was_ready, frozenset(changed))
+
+    def _delivered(self, was_ready: bool, changed: frozenset[str]) -> None:
+        """After a source delivered: everything is news once the last pending source has, else `changed`."""
         if not was_ready and self.ready:
             log.info("all sources loaded: serving %d groups", len(self._resources))
             self._announce(None)
         elif changed and self.ready:
-            self._announce(frozenset(changed))
+            self._announce(changed)
 
     def _refresh(self, name: str) -> bool:
         parts = [g[name] for g in self._by_source.values() if name in g]

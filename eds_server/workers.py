@@ -323,6 +323,7 @@ def _security_usable(settings: Settings) -> bool:
     """The workers' TLS and authorization files, checked before anything starts: a bad one stops the
     start with the file named, rather than every worker dying on it over and over."""
     from . import security
+    from .cli import refuse_security
     from .security import SecurityConfigError
 
     try:
@@ -331,9 +332,7 @@ def _security_usable(settings: Settings) -> bool:
         if settings.authz:
             security.load_authz(settings.authz)
     except SecurityConfigError as e:
-        for reason in e.problems:
-            log.error("%s", reason)
-        log.error("not starting: fix the TLS or authorization settings")
+        refuse_security(e)
         return False
     return True
 

@@ -254,10 +254,8 @@ class RelaySource:
         outbox: list[bytes] = []  # ACKs and NACKs, sent by the one writer (messages must not interleave)
         async with channel.request(DELTA_PATH, Cardinality.STREAM_STREAM, bytes, bytes) as stream:
             subscribe, _ = self.subs.request()
-            held = self.store.resources()
-            initial = {n: held[n].version for n in subscribe if n in held}
-            await stream.send_message(encode_request(self.node_id, subscribe=subscribe, initial_versions=initial,
-                                                     node=True))  # fmt: skip
+            await stream.send_message(encode_request(self.node_id, subscribe=subscribe,
+                                                     initial_versions=self._held(subscribe), node=True))  # fmt: skip
             writer = asyncio.create_task(self._write(stream, stop, outbox))
             try:
                 while True:
@@ -294,10 +292,8 @@ class RelaySource:
                 self.store.put_resources(self.name, {}, removed=gone)
             subscribe, unsubscribe = self.subs.request()
             if subscribe or unsubscribe:
-                held = self.store.resources()
-                initial = {n: held[n].version for n in subscribe if n in held}
                 await stream.send_message(encode_request(self.node_id, subscribe=subscribe, unsubscribe=unsubscribe,
-                                                         initial_versions=initial))  # fmt: skip
+                                                         initial_versions=self._held(subscribe)))  # fmt: skip
             if outbox:
                 continue
             waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
@@ -307,6 +303,11 @@ class RelaySource:
             finally:
                 for w in waits:
                     w.cancel()
+
+    def _held(self, names: Iterable[str]) -> dict[str, str]:
+        """The versions held of `names`: told to the upstream, which sends only those that differ."""
+        held = self.store.resources()
+        return {n: held[n].version for n in names if n in held}
 
     def _take(self, data: bytes) -> tuple[str, str | None]:
         """Put one response into the store: (its nonce, the NACK message if it cannot be served,
