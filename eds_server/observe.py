@@ -9,11 +9,14 @@ must not raise.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .ratelimit import Bucket
 from .store import Resource
 
 log = logging.getLogger("eds_server.grpc")
@@ -158,12 +161,48 @@ def names_shown(names: Iterable[str], most: int = 10) -> str:
     return shown + (f",... ({len(names)} names)" if len(names) > most else "")
 
 
+STREAM_LINES = 300  # opened and closed lines logged one by one at once, refilled over...
+STREAM_LINES_WINDOW = 10.0  # ...these seconds; past them, one line counts what was not logged
+
+
 class StreamLog(StreamObserver):
-    """The stream lines of the log: opened, closed, NACKs, denials, drops (ACKs at debug)."""
+    """The stream lines of the log: opened, closed, NACKs, denials, drops (ACKs at debug).
+
+    Opened and closed lines are rate limited: a fleet of 10,000 Envoys reconnecting at once would
+    write 10,000 lines (a tenth of the CPU it takes to connect them) that nobody reads one by one.
+    Past STREAM_LINES in STREAM_LINES_WINDOW, one line per window says how many were left out;
+    /v1/streams and the metrics still show every stream. NACKs, denials and drops are always logged.
+    """
+
+    def __init__(self, lines: int = STREAM_LINES, window: float = STREAM_LINES_WINDOW) -> None:
+        self._bucket = Bucket(lines, window)
+        self._window = window
+        self._left_out = {"opened": 0, "closed": 0}
+        self._summary: asyncio.TimerHandle | None = None
+
+    def _may_log(self, event: str) -> bool:
+        if self._bucket.take():
+            return True
+        self._left_out[event] += 1
+        if self._summary is None:
+            with contextlib.suppress(RuntimeError):  # no event loop (a unit test): counted only
+                self._summary = asyncio.get_running_loop().call_later(self._window, self.summarise)
+        return False
+
+    def summarise(self) -> None:
+        """Log how many stream lines were left out since the last summary, if any."""
+        self._summary = None
+        opened, closed = self._left_out["opened"], self._left_out["closed"]
+        if opened or closed:
+            self._left_out = {"opened": 0, "closed": 0}
+            log.info("%d streams opened and %d closed were not logged one by one (over %d stream lines "
+                     "in %gs); /v1/streams lists every stream", opened, closed, int(self._bucket.capacity),
+                     self._window, extra={"event": "stream_lines_left_out", "opened": opened, "closed": closed})  # fmt: skip
 
     def opened(self, s: StreamView) -> None:
-        log.info("%s stream opened: node=%s cluster=%s peer=%s names=%s", s.transport, s.node, s.cluster, s.peer,
-                 names_shown(s.subscribed), extra=s.fields("stream_opened"))  # fmt: skip
+        if self._may_log("opened"):
+            log.info("%s stream opened: node=%s cluster=%s peer=%s names=%s", s.transport, s.node, s.cluster,
+                     s.peer, names_shown(s.subscribed), extra=s.fields("stream_opened"))  # fmt: skip
 
     def ack(self, s: StreamView, names: Sequence[str]) -> None:
         if log.isEnabledFor(logging.DEBUG):  # names_shown is not free, and every ACK passes here
@@ -189,5 +228,6 @@ class StreamLog(StreamObserver):
     def closed(self, s: StreamView) -> None:
         if not s.requested:  # never sent a request: nothing was logged of it (and churn cannot flood the log)
             return
-        log.info("%s stream closed: node=%s peer=%s", s.transport, s.node, s.peer, extra=s.fields("stream_closed"))
+        if self._may_log("closed"):
+            log.info("%s stream closed: node=%s peer=%s", s.transport, s.node, s.peer, extra=s.fields("stream_closed"))
 

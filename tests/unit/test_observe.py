@@ -1,0 +1,67 @@
+"""The stream log's rate limit: a burst of streams opening and closing is logged one by one up to
+a budget, then counted in one line, while NACKs are always logged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pytest
+
+from eds_server.observe import StreamLog
+
+
+@dataclass
+class View:
+    id: int
+    requested: bool = True
+    node: str = "envoy-1"
+    cluster: str = "edge"
+    peer: str = "127.0.0.1:5000"
+    opened_at: float = 0.0
+    transport: str = "sotw"
+
+    @property
+    def subscribed(self) -> Iterable[str]:
+        return ["web"]
+
+    def fields(self, event: str) -> dict[str, str]:
+        return {"event": event}
+
+
+def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_stream_lines_past_the_budget_are_counted_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "eds_server.grpc")
+    stream_log = StreamLog(lines=3, window=3600)
+    for i in range(5):
+        stream_log.opened(View(i))
+    stream_log.closed(View(0))
+    stream_log.closed(View(1, requested=False))  # never requested: never logged, never counted
+    stream_log.nack(View(2), ["web"], ["web"], "v1", "bad")
+    assert len(lines(caplog, "stream opened")) == 3
+    assert not lines(caplog, "stream closed")
+    assert len(lines(caplog, "NACK")) == 1  # not limited
+    stream_log.summarise()
+    assert lines(caplog, "not logged one by one") == [
+        "2 streams opened and 1 closed were not logged one by one (over 3 stream lines in 3600s); "
+        "/v1/streams lists every stream"
+    ]
+    stream_log.summarise()  # nothing left out since: no second line
+    assert len(lines(caplog, "not logged one by one")) == 1
+
+
+async def test_the_count_is_logged_once_a_window_after_the_first_line_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "eds_server.grpc")
+    stream_log = StreamLog(lines=1, window=0.05)
+    for i in range(3):
+        stream_log.opened(View(i))
+    for _ in range(100):  # bounded: 5 s at most
+        if lines(caplog, "not logged one by one"):
+            break
+        await asyncio.sleep(0.05)
+    assert lines(caplog, "not logged one by one")[0].startswith("2 streams opened and 0 closed")
