@@ -195,9 +195,10 @@ class StreamLog(StreamObserver):
         opened, closed = self._left_out["opened"], self._left_out["closed"]
         if opened or closed:
             self._left_out = {"opened": 0, "closed": 0}
+            fields = {"event": "stream_lines_left_out", "opened": opened, "closed": closed}
             log.info("%d streams opened and %d closed were not logged one by one (over %d stream lines "
                      "in %gs); /v1/streams lists every stream", opened, closed, int(self._bucket.capacity),
-                     self._window, extra={"event": "stream_lines_left_out", "opened": opened, "closed": closed})  # fmt: skip
+                     self._window, extra=fields)  # fmt: skip
 
     def opened(self, s: StreamView) -> None:
         if self._may_log("opened"):

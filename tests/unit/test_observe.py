@@ -55,7 +55,7 @@ def test_stream_lines_past_the_budget_are_counted_in_one_line(caplog: pytest.Log
     assert len(lines(caplog, "not logged one by one")) == 1
 
 
-async def test_the_count_is_logged_once_a_window_after_the_first_line_left_out(caplog: pytest.LogCaptureFixture) -> None:
+async def test_the_count_is_logged_a_window_after_the_first_line_left_out(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "eds_server.grpc")
     stream_log = StreamLog(lines=1, window=0.05)
     for i in range(3):
