@@ -19,6 +19,7 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "grpclib": ("0.4.9",),
     "h2": ("4.4.1",),
     "hyperframe": ("6.1.0",),
+    "hpack": ("4.2.0",),
     "aiohttp": ("3.14.5",),
 }
 MODES = ("auto", "fast", "stock")

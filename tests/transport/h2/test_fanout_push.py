@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import grpclib.server
 import h2
 import h2.connection
 import h2.stream
+import hpack
 import hyperframe
 import pytest
 
@@ -112,6 +114,16 @@ async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monk
     assert noted == [1] + [-(-(size + 5) // 16384)] * 4, (noted, size)
 
 
+def test_the_response_headers_block_leaves_the_dynamic_tables_alone() -> None:
+    """The first response's HEADERS are built once; a client decodes them and adds nothing to its
+    dynamic table, so the connection's own encoder stays in step with it."""
+    decoder = hpack.Decoder()
+    for content_type in ("application/grpc", "application/grpc+proto"):
+        block = http2._STATUS_200 + http2._hpack_literal(http2._CONTENT_TYPE, content_type.encode())
+        assert decoder.decode(block) == [(":status", "200"), ("content-type", content_type)]
+    assert decoder.header_table.dynamic_entries == deque()
+
+
 def test_private_api_the_fan_out_relies_on() -> None:
     """transport/h2/fast.py's queue_message builds DATA frames and shrinks h2's windows itself, and
     direct.py reads DATA frames past h2 and grpclib: a new h2, hyperframe or grpclib must be
@@ -137,6 +149,12 @@ def test_private_api_the_fan_out_relies_on() -> None:
     stream_buffer = grpclib.protocol.Buffer(lambda n: None)
     assert (stream_buffer._eof, stream_buffer._acked_size, stream_buffer._unacked.empty()) == (False, 0, True)
     assert list(stream_buffer._acked) == [] and grpclib.protocol.AckedData._fields == ("data", "data_size")
+    # queue_initial_headers: h2's send_headers does no more than these, for a server's response headers
+    assert {"state_machine", "request_method", "_build_headers_frames"} <= set(
+        h2.stream.H2Stream.send_headers.__code__.co_names
+    )
+    assert {"state_machine", "_prepare_for_sending"} <= set(h2.connection.H2Connection.send_headers.__code__.co_names)
+    assert hpack.Encoder().header_table.resized is False
     # fast.py's connection flush writes through its _Transport
     assert grpclib.protocol.Connection.flush.__code__.co_names == ("_connection", "data_to_send", "_transport", "write")
 
