@@ -474,7 +474,7 @@ async def start_app(
     workers: WorkerPool | None = None,
 ) -> App | None:  # fmt: skip
     """A started App, or None after logging why it could not start (the exit status is then 1)."""
-    from . import ports, upstreams
+    from . import gc_settings, ports, upstreams
     from .app import App
     from .security import SecurityConfigError
     from .sources.registrations import RegistrationStateError
@@ -501,6 +501,7 @@ async def start_app(
         log.error("not starting: %s", e)
         await app.stop()
         return None
+    gc_settings.tune()
     return app
 
 
