@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -112,6 +113,27 @@ async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monk
         size = len(resp.SerializeToString()) if hasattr(resp, "SerializeToString") else len(bytes(resp))
     # the first response (one frame) is queued with the stream's headers, the four changes after it
     assert noted == [1] + [-(-(size + 5) // 16384)] * 4, (noted, size)
+
+
+async def test_a_big_fan_out_is_written_in_batches_each_connection_once_a_batch() -> None:
+    flushed: list[object] = []
+
+    class Conn:
+        _transport = types.SimpleNamespace(is_closing=lambda: False)
+
+        def flush(self) -> None:
+            flushed.append(self)
+
+        def data_send_process(self) -> None:
+            pass
+
+    flusher = http2.Flusher(every=4)
+    conns = [Conn(), Conn()]
+    for i in range(10):
+        flusher.later(conns[i % 2])  # type: ignore[arg-type]
+    assert flushed == conns * 2  # after 4 and 8 messages: both connections, once each
+    await asyncio.sleep(0)
+    assert flushed == conns * 3  # the last two, at the end of the loop's turn
 
 
 def test_the_response_headers_block_leaves_the_dynamic_tables_alone() -> None:
