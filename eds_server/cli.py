@@ -305,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     hostile.add_argument("--http2", type=_http2_mode, choices=["auto", "fast", "stock"],
                          default=_env("EDS_HTTP2", "auto"),
                          help="HTTP/2 path: 'fast' (the per-client limits and fan-out of docs/limits.md) needs the "
-                              "grpclib, h2, hyperframe and aiohttp versions it was tested with; 'auto' falls back "
-                              "to 'stock' (their public API only) with a warning otherwise [EDS_HTTP2] "
+                              "grpclib, h2, hpack, hyperframe and aiohttp versions it was tested with; 'auto' falls "
+                              "back to 'stock' (their public API only) with a warning otherwise [EDS_HTTP2] "
                               "(default auto)")
     serve.add_argument("--keepalive-time", type=duration, metavar="DURATION",
                        default=_env("EDS_KEEPALIVE_TIME", "30s"),

@@ -1,6 +1,6 @@
 """The one seam between eds-server and the HTTP/2 and HTTP libraries below it.
 
-Everything that touches grpclib, h2, hyperframe or aiohttp internals lives in this package, and
+Everything that touches grpclib, h2, hpack, hyperframe or aiohttp internals lives in this package, and
 runs only on the library versions its tests verified (compat.py); otherwise the stock path runs on
 their public API. The services above see a small interface (base.py): a server that opens one
 StreamIO per call (read a request, take further requests directly as they arrive, queue or send a

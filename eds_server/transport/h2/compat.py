@@ -3,7 +3,7 @@ only on the exact versions of those libraries its tests ran against; otherwise t
 (stock.py: grpclib's and aiohttp's public API), with one warning saying what that costs.
 
 The versions are checked when a server is built, from the installed distributions' metadata, so
-an `eds-server` installed beside a newer grpclib, h2, hyperframe or aiohttp keeps working instead
+an `eds-server` installed beside a newer grpclib, h2, hpack, hyperframe or aiohttp keeps working instead
 of running code no test saw. CI runs the gRPC and Envoy tests on both paths (EDS_HTTP2=stock).
 """
 
