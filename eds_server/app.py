@@ -261,6 +261,7 @@ class App:
                 await asyncio.wait_for(self.grpc.wait_closed(), self.settings.shutdown_grace)
             except TimeoutError:
                 log.warning("some gRPC handlers did not finish in time")
+        self.service.stream_log.summarise()  # the count of stream lines left out, not lost with the process
         self._stop_sources.set()
         for task in self._tasks:
             task.cancel()

@@ -191,7 +191,9 @@ class StreamLog(StreamObserver):
 
     def summarise(self) -> None:
         """Log how many stream lines were left out since the last summary, if any."""
-        self._summary = None
+        if self._summary is not None:
+            self._summary.cancel()  # called before its time (the server stops)
+            self._summary = None
         opened, closed = self._left_out["opened"], self._left_out["closed"]
         if opened or closed:
             self._left_out = {"opened": 0, "closed": 0}

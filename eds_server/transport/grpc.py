@@ -63,6 +63,7 @@ class EdsService:
     other_streams: int = 0  # open health and reflection streams
     open_io: Callable[[grpclib.server.Stream[Any, Any]], StreamIO] = StockIO  # set by make_server
     counters: Counters = field(default_factory=Counters)
+    stream_log: StreamLog = field(default_factory=StreamLog)
     observers: Observers = field(default_factory=Observers)  # told of every stream event: add() more
     sessions: set[_Session] = field(default_factory=set)
     authorize: Authorize | None = None  # None: every client may read every name
@@ -90,7 +91,7 @@ class EdsService:
         return framed
 
     def __post_init__(self) -> None:
-        self.observers.observers[:0] = [self.counters, StreamLog(), _HeapTrimOnFirstRequest(self)]
+        self.observers.observers[:0] = [self.counters, self.stream_log, _HeapTrimOnFirstRequest(self)]
         self._unwatch = self.store.watch(self._on_store_change)
         if self.store.ready:
             self._ready.set()

@@ -65,3 +65,17 @@ async def test_the_count_is_logged_a_window_after_the_first_line_left_out(caplog
             break
         await asyncio.sleep(0.05)
     assert lines(caplog, "not logged one by one")[0].startswith("2 streams opened and 0 closed")
+
+
+async def test_a_count_logged_early_is_not_logged_again(caplog: pytest.LogCaptureFixture) -> None:
+    """As when the server stops: the count goes out at once, and the pending timer logs nothing more."""
+    caplog.set_level(logging.INFO, "eds_server.grpc")
+    stream_log = StreamLog(lines=1, window=0.05)
+    stream_log.opened(View(1))
+    stream_log.closed(View(1))  # left out: the timer is set
+    stream_log.summarise()
+    await asyncio.sleep(0.2)  # past the window
+    assert lines(caplog, "not logged one by one") == [
+        "0 streams opened and 1 closed were not logged one by one (over 1 stream lines in 0.05s); "
+        "/v1/streams lists every stream"
+    ]
