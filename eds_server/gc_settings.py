@@ -7,7 +7,8 @@ new container objects, the survivors of a burst are walked again and again: meas
 the default, 3.3-4.0 s set as here; `bench/run.py --only cores`, docs/performance.md). So
 everything made while starting (modules, the app) is frozen out of every collection, and a young
 collection runs every 20,000 new objects instead. Garbage in cycles waits a little longer (at most
-those 20,000 objects' worth); none is kept. The older generations' thresholds are Python's.
+those 20,000 objects' worth). Start-up objects that later become cyclic garbage are never
+collected; they are made once, so that is bounded. The older generations' thresholds are Python's.
 """
 
 from __future__ import annotations

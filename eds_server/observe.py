@@ -181,8 +181,8 @@ class StreamLog(StreamObserver):
         self._summary: asyncio.TimerHandle | None = None
 
     def _may_log(self, event: str) -> bool:
-        if self._bucket.take():
-            return True
+        if self._bucket.peek():  # not take() alone: a refusal would empty the bucket, and a steady
+            return self._bucket.take()  # rate over the budget would never log a line again
         self._left_out[event] += 1
         if self._summary is None:
             with contextlib.suppress(RuntimeError):  # no event loop (a unit test): counted only

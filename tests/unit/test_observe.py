@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -79,3 +80,19 @@ async def test_a_count_logged_early_is_not_logged_again(caplog: pytest.LogCaptur
         "0 streams opened and 1 closed were not logged one by one (over 1 stream lines in 0.05s); "
         "/v1/streams lists every stream"
     ]
+
+
+def test_a_steady_rate_over_the_budget_still_logs_at_the_budget(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO, "eds_server.grpc")
+    now = [1000.0]
+    monkeypatch.setattr("eds_server.ratelimit.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    stream_log = StreamLog(lines=10, window=10.0)  # one line a second once the first 10 are spent
+    for i in range(10):
+        stream_log.opened(View(i))
+    for step in range(20):  # 10 s at 4 streams a second
+        now[0] += 0.5
+        stream_log.opened(View(100 + 2 * step))
+        stream_log.opened(View(101 + 2 * step))
+    assert len(lines(caplog, "stream opened")) == 10 + 10

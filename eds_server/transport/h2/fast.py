@@ -805,7 +805,8 @@ def limited_handler(
 def _hpack_literal(name_index: int, value: bytes) -> bytes:
     """An HPACK header field "without indexing" with a static-table name (RFC 7541 6.2.2): it leaves
     both sides' dynamic tables as they are. Values under 127 bytes only (content types are)."""
-    assert len(value) < 127
+    if len(value) >= 127:
+        raise ValueError(f"{len(value)} bytes: too long for a one-byte length")
     first = bytes([name_index]) if name_index < 15 else bytes([15, name_index - 15])
     return first + bytes([len(value)]) + value
 
@@ -840,9 +841,10 @@ def queue_initial_headers(stream: grpclib.server.Stream[Any, Any]) -> bool:
     content_type = stream._content_type
     block = _RESPONSE_HEADERS.get(content_type)
     if block is None:
-        if len(content_type) >= 127 or len(_RESPONSE_HEADERS) > 16:
+        value = content_type.encode()
+        if len(value) >= 127 or len(_RESPONSE_HEADERS) >= 16:
             return False
-        block = _RESPONSE_HEADERS[content_type] = _STATUS_200 + _hpack_literal(_CONTENT_TYPE, content_type.encode())
+        block = _RESPONSE_HEADERS[content_type] = _STATUS_200 + _hpack_literal(_CONTENT_TYPE, value)
     h2.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
     h2_stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
     h2_stream.request_method = None  # as h2 sets it from a response's headers
@@ -1027,9 +1029,14 @@ class Flusher:
         pending, self._unflushed = self._unflushed, {}
         self._queued = 0
         for connection in pending:
-            if not connection._transport.is_closing():
+            if connection._transport.is_closing():
+                continue
+            try:  # one connection's failure must not hold up the others' frames, nor reach the caller
                 connection.flush()
-                connection.data_send_process()  # resets grpclib's keepalive bookkeeping
+            except Exception as e:  # transports report write errors themselves; this is a backstop
+                log.warning("write to a gRPC connection failed: %r", e)
+                continue
+            connection.data_send_process()  # resets grpclib's keepalive bookkeeping
 
 
 class FastIO:

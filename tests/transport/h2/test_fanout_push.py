@@ -136,6 +136,29 @@ async def test_a_big_fan_out_is_written_in_batches_each_connection_once_a_batch(
     assert flushed == conns * 3  # the last two, at the end of the loop's turn
 
 
+async def test_one_connection_failing_to_write_holds_up_no_other() -> None:
+    flushed: list[str] = []
+
+    class Conn:
+        _transport = types.SimpleNamespace(is_closing=lambda: False)
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def flush(self) -> None:
+            if self.name == "broken":
+                raise OSError("broken pipe")
+            flushed.append(self.name)
+
+        def data_send_process(self) -> None:
+            pass
+
+    flusher = http2.Flusher(every=2)
+    flusher.later(Conn("broken"))  # type: ignore[arg-type]
+    flusher.later(Conn("fine"))  # type: ignore[arg-type]  # the batch is written here: nothing raised
+    assert flushed == ["fine"]
+
+
 def test_the_response_headers_block_leaves_the_dynamic_tables_alone() -> None:
     """The first response's HEADERS are built once; a client decodes them and adds nothing to its
     dynamic table, so the connection's own encoder stays in step with it."""
