@@ -115,6 +115,42 @@ async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monk
     assert noted == [1] + [-(-(size + 5) // 16384)] * 4, (noted, size)
 
 
+async def test_connecting_streams_costs_at_most_one_write_each(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's response HEADERS go out with its first response, in its connection's next write
+    (grpclib wrote the headers on their own, then the response: two writes per stream at least)."""
+    writes = 0
+    write, flush = http2._Transport.write, http2._Transport.flush
+
+    def counted_write(self: http2._Transport, data: bytes) -> None:
+        nonlocal writes
+        writes += bool(data and not self.pending)  # else the flush below writes it
+        write(self, data)
+
+    def counted_flush(self: http2._Transport) -> None:
+        nonlocal writes
+        writes += bool(self.pending)
+        flush(self)
+
+    monkeypatch.setattr(http2._Transport, "write", counted_write)
+    monkeypatch.setattr(http2._Transport, "flush", counted_flush)
+    h.store.update(SOURCE, {"web": big_group("web", 10)})
+    n, answered, done = 40, 0, asyncio.Event()
+
+    async def client() -> None:
+        nonlocal answered
+        async with h.stream() as s:
+            await s.send_message(first("web"))
+            await recv(s)
+            answered += 1
+            if answered == n:
+                done.set()
+            await done.wait()
+
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(client() for _ in range(n)))
+    assert writes <= n + 4, writes  # + the connection's SETTINGS and its ACKs
+
+
 async def test_a_big_fan_out_is_written_in_batches_each_connection_once_a_batch() -> None:
     flushed: list[object] = []
 
