@@ -16,7 +16,8 @@ an xDS server that faces untrusted clients and fans one change out to thousands 
   body must arrive within the request timeout, partly received bodies share one server-wide byte
   budget, and an established stream's messages are read straight from its DATA frames (direct.py);
 - writing a message: frames built once for every stream a change goes to, queued, and written
-  once per connection (Flusher); one socket write per flow-control window otherwise.
+  once per connection and batch of 256 messages (Flusher), a new stream's response HEADERS with
+  its first message; one socket write per flow-control window otherwise.
 """
 
 from __future__ import annotations
@@ -1041,7 +1042,7 @@ class Flusher:
 
 class FastIO:
     """A stream on the fast path: requests read with limits (and straight from DATA frames once
-    the first is read), responses queued as shared frames and flushed once per connection."""
+    the first is read), responses queued as shared frames and flushed once per connection and batch."""
 
     __slots__ = ("_flusher", "_reader", "stream")
 
