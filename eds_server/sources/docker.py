@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import aiodocker
 
@@ -37,6 +37,28 @@ class EngineGone(Exception):
 class EngineFollower(Followed):
     """What the Docker and Swarm sources share: settings, bounded requests, and a reconnect loop that
     keeps the last state (marked stale) while the engine is away."""
+
+    async def _next_event(self, subscriber: Any, timeout: float) -> Mapping[str, Any] | None:
+        """The engine's next event, or None if `timeout` passes first; EngineGone when its stream ends."""
+        try:
+            event = await asyncio.wait_for(subscriber.get(), max(0.0, timeout))
+        except TimeoutError:
+            return None
+        if event is None:
+            raise EngineGone("event stream ended")
+        return cast(Mapping[str, Any], event)
+
+    async def _upkeep(self, docker: aiodocker.Docker, pending: Debounce, now: float, last_seen: float) -> float:
+        """After each wait: publish a settled change, ping an engine quiet for a ping interval (a
+        half-open connection fails there), re-list when a resync is due. Returns the last-seen time."""
+        if pending.due(now):
+            self.publish()
+        if now - last_seen >= self.ping_interval:
+            await self._request(docker.version())
+            last_seen = now
+        if self.last_sync is not None and now - self.last_sync >= self.resync_interval:
+            await self.relist(docker)
+        return last_seen
 
     name = "engine"
     what = "engine"  # for log lines
@@ -84,6 +106,14 @@ class EngineFollower(Followed):
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
 
     async def _follow(self, docker: aiodocker.Docker, stop: asyncio.Event, backoff: Backoff) -> None:
+        raise NotImplementedError
+
+    def publish(self) -> None:
+        """Hand the store the groups as they stand."""
+        raise NotImplementedError
+
+    async def relist(self, docker: aiodocker.Docker) -> None:
+        """Read the whole state again (at connect, and every resync interval)."""
         raise NotImplementedError
 
     def _connected(self, backoff: Backoff, count: int, kind: str) -> None:
@@ -222,25 +252,13 @@ class DockerSource(EngineFollower):
         pending = Debounce(self.debounce)
         last_seen = loop.time()
         while not stop.is_set():
+            event = await self._next_event(subscriber, pending.timeout(loop.time(), self.ping_interval))
             now = loop.time()
-            try:
-                event = await asyncio.wait_for(subscriber.get(), pending.timeout(now, self.ping_interval))
-            except TimeoutError:
-                event = False
-            now = loop.time()
-            if event is None:
-                raise EngineGone("event stream ended")
-            if event is not False:
+            if event is not None:
                 last_seen = now
                 if await self.handle(docker, event):
                     pending.changed(now)
-            if pending.due(now):
-                self.publish()
-            if now - last_seen >= self.ping_interval:
-                await self._request(docker.version())  # a half-open connection fails here
-                last_seen = now
-            if self.last_sync is not None and now - self.last_sync >= self.resync_interval:
-                await self.relist(docker)
+            last_seen = await self._upkeep(docker, pending, now, last_seen)
 
 
 async def _close(docker: aiodocker.Docker) -> None:

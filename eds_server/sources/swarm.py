@@ -27,7 +27,7 @@ from ..model import Endpoint, Group, Health, groups_from
 from ..store import Store
 from .base import Backoff, Debounce
 from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
-from .docker import EngineFollower, EngineGone
+from .docker import EngineFollower
 
 log = logging.getLogger("eds_server.sources.swarm")
 
@@ -383,14 +383,9 @@ class SwarmSource(EngineFollower):
             timeout = pending.timeout(now, self.ping_interval)
             if self._hot:
                 timeout = min(timeout, next_poll - now)
-            try:
-                event = await asyncio.wait_for(subscriber.get(), max(0.0, timeout))
-            except TimeoutError:
-                event = False
+            event = await self._next_event(subscriber, timeout)
             now = loop.time()
-            if event is None:
-                raise EngineGone("event stream ended")
-            if event is not False:
+            if event is not None:
                 last_seen = now
                 if await self.handle(docker, event):
                     pending.changed(now)
@@ -401,13 +396,7 @@ class SwarmSource(EngineFollower):
                 last_seen = now
             elif not self._hot:
                 next_poll = now
-            if pending.due(now):
-                self.publish()
-            if now - last_seen >= self.ping_interval:
-                await self._request(docker.version())  # a half-open connection fails here
-                last_seen = now
-            if self.last_sync is not None and now - self.last_sync >= self.resync_interval:
-                await self.relist(docker)
+            last_seen = await self._upkeep(docker, pending, now, last_seen)
 
 
 def _updating(service: Mapping[str, Any]) -> bool:
