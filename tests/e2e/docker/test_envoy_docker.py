@@ -149,23 +149,28 @@ async def test_engine_restart_keeps_endpoints_then_converges(stack: Stack) -> No
     assert not groups[0]["stale"]
 
 
-async def test_file_and_docker_feed_one_group(docker_cleanup: DockerEngine, tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _web_from_file_and_docker(
+    engine: DockerEngine, tmp_path: Path
+) -> AsyncIterator[tuple[Stack, Path, int, int]]:
+    """Group "web": one endpoint from the upstreams file, one from a container; Envoy has both.
+    Yields the stack, the file, the file's port and the container's."""
     fixed = free_port()
     path = tmp_path / "upstreams.yaml"
     path.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{fixed}]\n")
-    async with _stack(docker_cleanup, tmp_path, upstreams=path) as s:
+    async with _stack(engine, tmp_path, upstreams=path) as s:
         port = await s.backend("web-dyn")
         await s.wait_hosts(lambda h: set(h) == {fixed, port})
+        yield s, path, fixed, port
+
+
+async def test_file_and_docker_feed_one_group(docker_cleanup: DockerEngine, tmp_path: Path) -> None:
+    async with _web_from_file_and_docker(docker_cleanup, tmp_path) as (s, path, _, _):
         sources = {g["name"]: g["sources"] for g in (await s.server.admin("/v1/groups"))["groups"]}
         assert sources["web"] == [f"file:{path}", "docker"]
 
 
 async def test_one_group_says_which_source_gave_each_endpoint(docker_cleanup: DockerEngine, tmp_path: Path) -> None:
-    fixed = free_port()
-    path = tmp_path / "upstreams.yaml"
-    path.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{fixed}]\n")
-    async with _stack(docker_cleanup, tmp_path, upstreams=path) as s:
-        port = await s.backend("web-dyn")
-        await s.wait_hosts(lambda h: set(h) == {fixed, port})
+    async with _web_from_file_and_docker(docker_cleanup, tmp_path) as (s, path, fixed, port):
         web = await s.server.admin("/v1/groups/web")
         assert {e["port"]: e["source"] for e in web["endpoints"]} == {fixed: f"file:{path}", port: "docker"}
