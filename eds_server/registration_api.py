@@ -380,7 +380,10 @@ class _Api:
 
     async def get_one(self, request: web.Request) -> web.Response:
         group, id = request.match_info["group"], request.match_info["id"]
-        reg = self.source.get(group, id)
+        try:
+            reg = await self.source.read(group, id)
+        except RegistrationError as e:
+            return error(e.status, e.message, e.field)
         if reg is None:
             return error(404, f"no registration {id!r} in group {group!r}")
         return web.json_response(registration_json(self.source, reg))

@@ -62,6 +62,7 @@ class EtcdClient:
         self._ssl = options.ssl_context()
         self._session: aiohttp.ClientSession | None = None
         self._token: str | None = None
+        self.watching = self._bases[0]  # the member the last watch was opened on
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -84,6 +85,11 @@ class EtcdClient:
 
     def rotate(self) -> None:
         self._current = (self._current + 1) % len(self._bases)
+
+    def move_off(self, member: str) -> None:
+        """The next call or watch starts on the member after `member` (one that stopped answering)."""
+        if member in self._bases:
+            self._current = (self._bases.index(member) + 1) % len(self._bases)
 
     async def _authenticate(self, base: str) -> None:
         opts = self.options
@@ -112,16 +118,18 @@ class EtcdClient:
             raise EtcdError("not a JSON object")
         return reply
 
-    async def call(self, path: str, body: dict[str, Any], *, deadline: float) -> dict[str, Any]:
+    async def call(self, path: str, body: dict[str, Any], *, deadline: float, member: str | None = None,
+                   ) -> dict[str, Any]:  # fmt: skip
         """POST `body` to `path`, trying the members in turn until one answers or `deadline` (loop time)
-        passes. Raises EtcdError for an answer that says no, EtcdUnavailable when none answered."""
+        passes; with `member`, that member only (a probe of the one a watch is on must not succeed
+        through another). Raises EtcdError for an answer that says no, EtcdUnavailable when none answered."""
         loop = asyncio.get_running_loop()
         reason = "no member tried"
         for _ in range(8 * len(self._bases)):  # bounded: also by the deadline
             left = deadline - loop.time()
             if left <= 0:
                 break
-            base = self.member
+            base = member or self.member
             try:
                 async with asyncio.timeout(min(left, self.call_timeout)):
                     if self.options.user and self._token is None:
@@ -139,13 +147,15 @@ class EtcdClient:
                 reason = f"{base}: {e.message}"
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 reason = f"{base}: {type(e).__name__}: {e}" if str(e) else f"{base}: {type(e).__name__}"
-            self.rotate()
+            if member is None:
+                self.rotate()
             await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
         raise EtcdUnavailable(reason)
 
     async def watch(self, body: dict[str, Any], connect_timeout: float) -> AsyncIterator[WatchMessage]:
-        """One watch stream on the current member: its messages until it ends (raises on an error)."""
-        base = self.member
+        """One watch stream on the current member (kept in `watching`): its messages until it ends
+        (raises on an error)."""
+        base = self.watching = self.member
         if self.options.user and self._token is None:
             await self._authenticate(base)
         headers = {"Authorization": self._token} if self._token else None

@@ -155,8 +155,9 @@ class KeyLayout:
 # -- requests ---------------------------------------------------------------------------------------
 def range_request(
     key: bytes, end: bytes | None = None, *, count_only: bool = False, min_mod_revision: int = 0,
-    keys_only: bool = False, serializable: bool = False,
+    max_mod_revision: int = 0, keys_only: bool = False, serializable: bool = False, limit: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
+    """A range; etcd applies the mod-revision filters to the keys it returns, not to `count_only`."""
     body: dict[str, Any] = {"key": b64(key)}
     if end is not None:
         body["range_end"] = b64(end)
@@ -166,6 +167,10 @@ def range_request(
         body["keys_only"] = True
     if min_mod_revision:
         body["min_mod_revision"] = str(min_mod_revision)
+    if max_mod_revision:
+        body["max_mod_revision"] = str(max_mod_revision)
+    if limit:
+        body["limit"] = str(limit)
     if serializable:
         body["serializable"] = True
     return body
@@ -175,6 +180,11 @@ def unchanged_since(key: bytes, end: bytes, revision: int) -> dict[str, Any]:
     """Compare: no key in [key, end) was written after `revision` (true for an empty range)."""
     return {"key": b64(key), "range_end": b64(end), "target": "MOD", "result": "LESS",
             "mod_revision": str(revision + 1)}  # fmt: skip
+
+
+def value_is(key: bytes, value: bytes) -> dict[str, Any]:
+    """Compare: the key holds exactly `value` (false for a missing key)."""
+    return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
 
 
 def exists(key: bytes) -> dict[str, Any]:

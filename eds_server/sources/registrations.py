@@ -330,6 +330,7 @@ class Registrations(Protocol):
 
     def registrations(self, group: str | None = None) -> list[Registration]: ...
     def get(self, group: str, id: str) -> Registration | None: ...
+    async def read(self, group: str, id: str) -> Registration | None: ...
     def expires_in(self, reg: Registration) -> float | None: ...
     async def put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None = None
                   ) -> tuple[Registration, bool]: ...  # fmt: skip
@@ -428,6 +429,10 @@ class RegistrationSource:
 
     def get(self, group: str, id: str) -> Registration | None:
         return self._state.regs.get((group, id))
+
+    async def read(self, group: str, id: str) -> Registration | None:
+        """What this process holds is all there is: the state file is its own."""
+        return self.get(group, id)
 
     def expires_in(self, reg: Registration) -> float | None:
         return None if reg.deadline is None else max(0.0, reg.deadline - self._mono())

@@ -1,20 +1,25 @@
 """Registrations kept in etcd, so that every replica serves the same ones.
 
 Each replica lists the prefix, then watches it from the listed revision (a compacted revision: list
-again); what it serves and answers reads from is that view. A write is an etcd transaction that
-answers only once etcd committed it and this replica's view holds it:
+again); what it serves is that view. Every 2xx is true: a write is an etcd transaction on what etcd
+holds now, and answers only once etcd committed it and this replica's view holds it:
 
 - a put compares "no key of this group changed since the revision the checks were made at", so the
   conflict rules (one id per address in a group, the weight limits) hold across replicas: a
   concurrent write to the group fails the compare, and the checks run again on the group as etcd now
   holds it;
 - a registration with a TTL is a key on its own lease, so it expires even while every eds-server is
-  down; registering it again unchanged is a lease keep-alive, through any replica;
-- a delete compares that the key exists (404 otherwise).
+  down. Registering it again unchanged is a renewal: a transaction that finds the key holding exactly
+  that value (and reads its lease) then a keep-alive of that lease, through any replica, whatever
+  its view says. A replace or delete revokes the old lease before it answers;
+- a delete compares that the key exists (404 otherwise); a read of one registration is a
+  linearizable read of its key.
 
-Fail static: while etcd cannot be reached (a linearizable read every second proves it can), the
-last view keeps being served, marked stale, and writes answer 503 within a few seconds. Nothing is
-served before the first listing.
+Fail static, and never a lie: a linearizable read of the member the watch is on, every second,
+finds a member that hangs or lost quorum, and a watch that stopped delivering (a key committed a
+probe ago that the view still lacks); then the view is marked stale, the last one keeps being
+served, the watch resumes on another member, and writes wait for the view (a few seconds) or answer
+503. Nothing is served before the first listing.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ WRITE_DEADLINE = 4.0  # seconds a write may spend reaching etcd before it answer
 PROBE_INTERVAL = 1.0
 PROBE_TIMEOUT = 1.5
 CATCH_UP_TIMEOUT = 3.0  # a committed write waits this long, at most, for the watch to bring it here
+STALE_WAIT = 3.0  # a write through a stale view waits this long for it to follow etcd again, then 503
+BEHIND_PROBES = 3  # probes running that find a change the watch has not brought: it stalled
+# A hung or cut-off member is found within PROBE_INTERVAL + 2 * PROBE_TIMEOUT (two probes running
+# fail) and a watch that stopped delivering within (BEHIND_PROBES + 1) * PROBE_INTERVAL; then the
+# view is stale and the watch resumes on another member: a change committed anywhere is in every
+# live replica's view within FOLLOW_BOUND seconds.
+FOLLOW_BOUND = 6.0
 ATTEMPTS = 64  # tries of one write (each failed compare: another replica wrote to the group first)
 
 
@@ -120,6 +132,8 @@ class EtcdRegistrationSource:
         self._skipped = WarnOnce(log)  # keys whose value is not a registration
         self._turns = Turns()
         self._relist = False  # list again rather than resume the watch
+        self._following = asyncio.Event()  # set while the view follows etcd (live), for writes to wait on
+        self._watching: asyncio.Task[None] | None = None
         store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
@@ -141,11 +155,25 @@ class EtcdRegistrationSource:
         return max(0.0, seen + lease_ttl(reg.ttl) - self._mono())
 
     def status(self) -> SourceStatus:
-        return self.liveness.status(state=str(self.target), revision=self._revision,
+        return self.liveness.status(state=str(self.target), revision=self._revision, watching=self.client.watching,
                                     registrations=len(self._state.regs), max_registrations=self.max_registrations)
 
     async def start(self) -> None:
         """Nothing to check before serving: until etcd is listed the store waits (not ready)."""
+
+    def _live(self) -> None:
+        self.liveness.live(f"{len(self._state.regs)} registrations")
+        self._following.set()
+
+    def _lost(self, reason: str) -> None:
+        self.liveness.lost(reason)
+        self._following.clear()
+
+    def _suspect_watch(self, reason: str) -> None:
+        """The watch is not bringing what etcd holds: stale, and resumed on another member."""
+        self._lost(reason)
+        if self._watching is not None and not self._watching.done():
+            self._watching.cancel()
 
     # -- the view ------------------------------------------------------------------------------
     def _entry(self, kv: wire.KeyValue) -> Registration | None:
@@ -215,15 +243,20 @@ class EtcdRegistrationSource:
         self._delivered.publish(self._state.regs, touched, initial)
 
     async def _caught_up(self, revision: int) -> None:
-        """Wait (bounded) until the view holds `revision`: a write answers once this replica serves it."""
+        """Wait (bounded) until the view holds `revision`: a write answers 2xx only once this replica
+        serves it. Past the bound the watch is moved and the write answers 503 (it is in etcd, and
+        every replica serves it once its watch brings it)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CATCH_UP_TIMEOUT
         while self._revision < revision and loop.time() < deadline:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._moved.wait(), deadline - loop.time())
         if self._revision < revision:
-            log.warning("the watch did not bring revision %d within %gs (it is at %d)",
-                        revision, CATCH_UP_TIMEOUT, self._revision)  # fmt: skip
+            reason = (f"the watch on {self.client.watching} did not bring revision {revision} within "
+                      f"{CATCH_UP_TIMEOUT:g}s (the view is at {self._revision})")  # fmt: skip
+            self._suspect_watch(reason)
+            raise RegistrationError(503, f"etcd committed the change, but {reason}: this replica serves it once "
+                                         "its watch (moved to another member) brings it; retrying is safe")  # fmt: skip
 
     # -- following -----------------------------------------------------------------------------
     async def _list(self) -> None:
@@ -236,7 +269,7 @@ class EtcdRegistrationSource:
         if first:
             log.info("registrations: listed %s at revision %d: %d registrations",
                      self.target, revision, len(self._state.regs))  # fmt: skip
-        self.liveness.live(f"{len(self._state.regs)} registrations")
+        self._live()
 
     async def _watch(self) -> None:
         """Follow from the view's revision until the stream ends or fails (raises)."""
@@ -252,36 +285,61 @@ class EtcdRegistrationSource:
                 continue
             self._apply(message)
 
-    async def _probe(self, stop: asyncio.Event, watching: asyncio.Task[None] | None) -> None:
-        """A linearizable read every second: it fails while etcd has no quorum (or cannot be reached),
-        which a quiet watch stream would not show. Ends the watch after two failures, so it restarts
-        on another member."""
+    async def _probe(self, stop: asyncio.Event, watching: asyncio.Task[None]) -> None:
+        """A linearizable read of the member the watch is on, every second. It fails while that member
+        hangs, is cut off or etcd has no quorum, which a quiet watch stream would not show (a probe
+        that moved to another member would vouch for a watch it does not see). It also asks for a key
+        committed before the previous probe that the view still lacks: a watch that stopped
+        delivering. Two failures running end the watch, so it resumes on another member."""
+        member = self.client.watching
         failures = 0
-        body = wire.range_request(self.keys.all, wire.range_end(self.keys.all), count_only=True)
+        behind = 0
+        before = 0  # etcd's revision one probe ago: every change up to it is in a following view by now
         loop = asyncio.get_running_loop()
         while not stop.is_set():  # bounded by `stop`
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), PROBE_INTERVAL)
-            if stop.is_set():
+            if failures == 0:  # after a failure, ask again at once
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), PROBE_INTERVAL)
+            if stop.is_set() or watching.done():
                 return
+            seen = self._revision  # before asking: an answer may arrive after the watch moved on
+            check = before > seen
+            everything = (self.keys.all, wire.range_end(self.keys.all))
+            if check:
+                body = wire.range_request(*everything, keys_only=True, limit=1, min_mod_revision=seen + 1,
+                                          max_mod_revision=before)  # fmt: skip
+            else:
+                body = wire.range_request(*everything, count_only=True)
             try:
-                reply = await self.client.call("/v3/kv/range", body, deadline=loop.time() + PROBE_TIMEOUT)
-                if wire.revision(reply) < self._revision:  # etcd restored from an older backup
-                    log.warning("registrations: etcd is at revision %d, behind this view (%d): listing again",
-                                wire.revision(reply), self._revision)  # fmt: skip
-                    self._relist = True
-                    if watching is not None:
-                        watching.cancel()
-                    return
+                reply = await self.client.call("/v3/kv/range", body, deadline=loop.time() + PROBE_TIMEOUT,
+                                               member=member)  # fmt: skip
             except (EtcdUnavailable, wire.EtcdError) as e:
-                failures += 1
-                self.liveness.lost(str(e))
-                if failures >= 2 and watching is not None and not watching.done():
+                failures += 1  # once may be a busy moment (asked again at once), twice is not
+                if failures >= 2:
+                    self._lost(f"{e}" if member in str(e) else f"{member}: {e}")
                     watching.cancel()
+                    return
                 continue
             failures = 0
-            if self.liveness.loaded and watching is not None and not watching.done():
-                self.liveness.live(f"{len(self._state.regs)} registrations")
+            now = wire.revision(reply)
+            if now < seen:  # etcd restored from an older backup
+                log.warning("registrations: etcd is at revision %d, behind this view (%d): listing again", now, seen)
+                self._relist = True
+                watching.cancel()
+                return
+            missing = wire.kvs(reply) if check else []
+            if missing:
+                behind += 1  # committed a probe ago, not here yet: a busy moment, or a watch that stalled
+                if behind >= BEHIND_PROBES:
+                    self._suspect_watch(f"the watch on {member} stopped delivering: revision "
+                                        f"{missing[0].mod_revision} was committed {behind} probes ago, "
+                                        f"the view is at {seen}")  # fmt: skip
+                    return
+                continue
+            behind = 0
+            before = now
+            if self.liveness.loaded:
+                self._live()
 
     async def run(self, stop: asyncio.Event) -> None:
         """List, then watch, until `stop` is set; on any failure keep the view (stale) and retry."""
@@ -293,7 +351,7 @@ class EtcdRegistrationSource:
                     if not self.liveness.loaded or self._relist:
                         await self._list()
                         self._relist = False
-                    watching = asyncio.create_task(self._watch_or_relist(), name="etcd watch")
+                    watching = self._watching = asyncio.create_task(self._watch_or_relist(), name="etcd watch")
                     probing = asyncio.create_task(self._probe(stop, watching), name="etcd probe")
                     await asyncio.wait({watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     probing.cancel()
@@ -305,17 +363,17 @@ class EtcdRegistrationSource:
                     reason = f"{type(exc).__name__}: {exc}" if exc is not None else "the watch ended"
                     if watching.cancelled():
                         reason = self.liveness.last_error or "no answer"
-                    self.liveness.lost(reason)
+                    self._lost(reason)
                     if isinstance(exc, wire.EtcdError) and exc.auth_expired:
                         self.client.forget_token()
                 except (EtcdUnavailable, wire.EtcdError) as e:
-                    self.liveness.lost(str(e))
+                    self._lost(str(e))
                 except Exception as e:  # e.g. a malformed answer: keep serving, retry
                     log.exception("registrations: following etcd failed")
-                    self.liveness.lost(f"{type(e).__name__}: {e}")
+                    self._lost(f"{type(e).__name__}: {e}")
                 else:
                     backoff.reset()
-                self.client.rotate()
+                self.client.move_off(self.client.watching)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), backoff.next())
         finally:
@@ -352,37 +410,64 @@ class EtcdRegistrationSource:
         check_limits(self._state, reg, self.max_registrations, self.max_state_bytes)
         check_weights(view, reg)
 
+    async def _usable(self) -> None:
+        """Writes go through only while the view follows etcd: a write acknowledged into a view that
+        will not see it would be a lie. A stale view is waited for, a few seconds at most."""
+        if not self.liveness.loaded:
+            raise RegistrationError(503, "registrations are not loaded from etcd yet")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._following.wait(), STALE_WAIT)
+        if not self._following.is_set():
+            raise RegistrationError(503, f"this replica's view of etcd is stale ({self.liveness.last_error}): "
+                                         "nothing was changed; retry, here or through another replica")  # fmt: skip
+
     async def put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None = None) -> tuple[Registration, bool]:
         """Register, replace or renew; returns once etcd committed it and this replica serves it.
 
         Writes to one group through this replica take turns (their transactions would fail each
-        other's compare); an unchanged registration with a TTL is only a lease keep-alive."""
-        if not self.liveness.loaded:
-            raise RegistrationError(503, "registrations are not loaded from etcd yet")
+        other's compare); a registration this view holds unchanged is confirmed in etcd (and its
+        lease kept alive) rather than written again, and written if etcd holds something else."""
         check_merged(self.store, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
-        old = self._state.regs.get((group, id))
-        lease = self._leases.get((group, id), 0)
-        if old is not None and old.endpoint == endpoint and old.ttl == ttl and ttl is not None and lease:
+        await self._usable()
+        value = encode(group, id, endpoint, ttl)
+        known = self._state.regs.get((group, id))
+        if known is not None and known.line == value:  # a renewal, or the same again: confirmed in etcd
             try:
-                if await self._keep_alive(lease, asyncio.get_running_loop().time() + WRITE_DEADLINE):
-                    self._renewed[(group, id)] = self._mono()
-                    return old, False
+                held = await self._confirm(group, id, value, ttl, asyncio.get_running_loop().time() + WRITE_DEADLINE)
             except (EtcdUnavailable, TimeoutError) as e:
                 raise self._unreachable(e) from None
             except wire.EtcdError as e:
                 raise RegistrationError(503, f"etcd refused the renewal: {e.message}") from None
+            if held is not None:
+                await self._caught_up(held.mod_revision)
+                return self._state.regs.get((group, id), known), False
+        # anything else (a view that does not hold it yet included) is a write whose transaction
+        # compares the group as this view holds it
         async with self._turns.take(group):
-            return await self._put(group, id, endpoint, ttl)
+            return await self._put(group, id, endpoint, ttl, value)
 
-    async def _put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None) -> tuple[Registration, bool]:
+    async def _confirm(self, group: str, id: str, value: bytes, ttl: float | None, deadline: float,
+                       ) -> wire.KeyValue | None:  # fmt: skip
+        """The key as etcd holds it now if it holds exactly `value`, its lease kept alive (a renewal);
+        None when it does not (absent, another value, or its lease just ended): then it is written."""
+        key = self.keys.key(group, id)
+        reply = await self.client.call("/v3/kv/txn", wire.txn([wire.value_is(key, value)], [wire.get(key)]),
+                                       deadline=deadline)  # fmt: skip
+        held = wire.txn_range(reply) if reply.get("succeeded") else []
+        if not held:
+            return None
+        if ttl is not None:
+            if not held[0].lease or not await self._keep_alive(held[0].lease, deadline):
+                return None
+            self._renewed[(group, id)] = self._mono()
+        return held[0]
+
+    async def _put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None, value: bytes,
+                   ) -> tuple[Registration, bool]:  # fmt: skip
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WRITE_DEADLINE
         key = (group, id)
-        value = encode(group, id, endpoint, ttl)
         reg = Registration(group, id, endpoint, ttl, line=value)
-        old = self._state.regs.get(key)
-        if old is not None and old.endpoint == endpoint and old.ttl is None and ttl is None:
-            return old, False  # the same again
         view = GroupView(self._state, self._revision, self._leases, fresh=False)
         lease = 0
         try:
@@ -407,9 +492,9 @@ class EtcdRegistrationSource:
                 ), deadline=deadline)  # fmt: skip
                 if reply.get("succeeded"):
                     lease, granted = 0, lease  # it is the registration's now
-                    await self._caught_up(wire.revision(reply))
                     if old_lease and old_lease != granted:
-                        self._revoke(old_lease)
+                        await self._revoke(old_lease, deadline)
+                    await self._caught_up(wire.revision(reply))
                     return self._state.regs.get(key, reg), old is None
                 # another replica wrote to this group first: out of step with it, then look again
                 await asyncio.sleep(random.uniform(0, min(0.1, 0.005 * 2**attempt)))
@@ -422,7 +507,7 @@ class EtcdRegistrationSource:
             raise RegistrationError(503, f"etcd refused the change: {e.message}") from None
         finally:
             if lease:
-                self._revoke(lease)  # granted, not used
+                self._revoke_later(lease)  # granted, not used
         raise RegistrationError(503, f"group {group!r} is changing too often to register into; retry")
 
     async def _keep_alive(self, lease: int, deadline: float) -> bool:
@@ -431,38 +516,62 @@ class EtcdRegistrationSource:
         result = reply.get("result", reply)
         return int(result.get("TTL", 0) or 0) > 0
 
-    def _revoke(self, lease: int) -> None:
-        """Best effort, in the background: a lease left over expires by itself."""
+    async def _revoke(self, lease: int, deadline: float) -> None:
+        """Revoke the lease a replaced or deleted registration was on, before answering. The key is
+        already off it (the transaction moved or deleted it), so if etcd cannot be reached now the
+        lease keeps nothing alive and expires by itself."""
+        try:
+            await self.client.call("/v3/lease/revoke", {"ID": str(lease)}, deadline=deadline)
+        except (EtcdUnavailable, TimeoutError, wire.EtcdError) as e:
+            log.debug("registrations: lease %x not revoked (%s); it expires by itself", lease, e)
+
+    def _revoke_later(self, lease: int) -> None:
+        """A lease granted for a write that did not happen: best effort, in the background."""
 
         async def revoke() -> None:
             with contextlib.suppress(Exception):
-                deadline = asyncio.get_running_loop().time() + WRITE_DEADLINE
-                await self.client.call("/v3/lease/revoke", {"ID": str(lease)}, deadline=deadline)
+                await self._revoke(lease, asyncio.get_running_loop().time() + WRITE_DEADLINE)
 
         task = asyncio.create_task(revoke())
         _background.add(task)
         task.add_done_callback(_background.discard)
 
     async def delete(self, group: str, id: str) -> Registration | None:
-        if not self.liveness.loaded:
-            raise RegistrationError(503, "registrations are not loaded from etcd yet")
+        await self._usable()
         deadline = asyncio.get_running_loop().time() + WRITE_DEADLINE
         etcd_key = self.keys.key(group, id)
         try:
             reply = await self.client.call("/v3/kv/txn", wire.txn([wire.exists(etcd_key)], [wire.delete(etcd_key)]),
                                            deadline=deadline)  # fmt: skip
+            if not reply.get("succeeded"):
+                raise RegistrationError(404, f"no registration {id!r} in group {group!r}")
+            deleted = wire.txn_deleted(reply)
+            if deleted and deleted[0].lease:
+                await self._revoke(deleted[0].lease, deadline)
         except (EtcdUnavailable, TimeoutError) as e:
             raise self._unreachable(e) from None
         except wire.EtcdError as e:
             raise RegistrationError(503, f"etcd refused the change: {e.message}") from None
-        if not reply.get("succeeded"):
-            raise RegistrationError(404, f"no registration {id!r} in group {group!r}")
-        deleted = wire.txn_deleted(reply)
         old = self._state.regs.get((group, id))
         await self._caught_up(wire.revision(reply))
-        if deleted and deleted[0].lease:
-            self._revoke(deleted[0].lease)
         return (self._entry(deleted[0]) if deleted else None) or old
+
+    async def read(self, group: str, id: str) -> Registration | None:
+        """One registration as etcd holds it now (a linearizable read), not as this replica's view may
+        still hold it: an answer never goes back in time, whichever replica is asked."""
+        if not self.liveness.loaded:
+            raise RegistrationError(503, "registrations are not loaded from etcd yet")
+        deadline = asyncio.get_running_loop().time() + WRITE_DEADLINE
+        try:
+            reply = await self.client.call("/v3/kv/range", wire.range_request(self.keys.key(group, id)),
+                                           deadline=deadline)  # fmt: skip
+        except (EtcdUnavailable, TimeoutError) as e:
+            raise RegistrationError(503, f"etcd cannot be reached ({e}); this replica's view may be stale: "
+                                         f"see /v1/groups/{group}/endpoints for it") from None  # fmt: skip
+        except wire.EtcdError as e:
+            raise RegistrationError(503, f"etcd refused the read: {e.message}") from None
+        found = wire.kvs(reply)
+        return self._entry(found[0]) if found else None
 
 
 @dataclass

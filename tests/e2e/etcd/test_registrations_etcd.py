@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from eds_server.sources.registrations_etcd import FOLLOW_BOUND
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.etcd_cluster import EtcdCluster, etcd_binary, process_cpu
 from tests.support.server_process import EdsServerProcess
@@ -318,7 +319,8 @@ async def test_1000_ttl_registrations_renewed_by_50_clients_through_both_replica
     groups = [f"g{i}" for i in range(10)]
     ttl, renew_every = 10, 4.0
     async with rig(tmp_path, groups) as r:
-        regs = [(groups[i % 10], f"r{i}", 30000 + i) for i in range(1000)]
+        # client k's n-th registration goes to group (n + k) % 10: clients are not in lockstep on one group
+        regs = [(groups[(i + i // 20) % 10], f"r{i}", 30000 + i) for i in range(1000)]
         latencies: list[float] = []
         errors: list[Any] = []
         registered: list[float] = []  # when each client had registered its 20
@@ -393,3 +395,131 @@ async def _wait_live(server: EdsServerProcess, timeout: float = 15.0) -> None:
 async def _text(http: aiohttp.ClientSession, url: str) -> str:
     async with http.get(url) as r:
         return await r.text()
+
+
+async def _registrations(server: EdsServerProcess, group: str = "web") -> dict[str, int]:
+    body = await server.admin(f"/v1/groups/{group}/endpoints")
+    return {reg["id"]: reg["port"] for reg in body["registrations"]}
+
+
+async def _stored(r: Rig) -> dict[str, int]:
+    return {k.rsplit("/", 1)[1]: json.loads(v)["endpoint"]["port"] for k, v in (await r.cluster.keys()).items()}
+
+
+async def test_a_renewal_racing_a_delete_or_a_change_through_the_other_replica_is_never_a_false_200(
+    tmp_path: Path,
+) -> None:
+    """A renewal through a replica whose view still holds what another replica just deleted or
+    changed must not answer 200 over a key that is gone or holds another value: it is a transaction
+    on what etcd holds now, and the last acknowledged write is what etcd keeps."""
+    async with rig(tmp_path) as r:
+        answers: list[int] = []
+        for i in range(30):  # bounded
+            id = f"race{i}"
+            assert (await r.put(r.a, "web", id, 9300 + i, ttl=30))[0] == 201
+            await wait_for(lambda: _registrations(r.b), lambda regs, id=id: id in regs, timeout=5, what="B's view")
+            # a delete through A, then at once the same registration with its TTL through B
+            assert await r.delete(r.a, "web", id) == 204
+            status, body = await r.put(r.b, "web", id, 9300 + i, ttl=30)
+            answers.append(status)
+            assert status == 201, body  # registered again (it was gone), not "renewed"
+            assert (await _stored(r)).get(id) == 9300 + i
+            # a change of port through A, then at once a renewal of the old port through B: B's write
+            # is the later one, so it is what etcd keeps
+            assert (await r.put(r.a, "web", id, 9400 + i, ttl=30))[0] == 200
+            status, body = await r.put(r.b, "web", id, 9300 + i, ttl=30)
+            assert status == 200, body
+            assert (await _stored(r)).get(id) == 9300 + i
+        # every lease a replaced or deleted registration was on is gone: one live lease a key
+        leases = await r.cluster.any_call("/v3/lease/leases", {})
+        assert len(leases.get("leases", ())) == len(await r.cluster.keys())
+        print(f"\n30 delete/renew and change/renew races: answers {sorted(set(answers))}, etcd holds each last write")
+
+
+async def test_a_hung_etcd_member_under_the_watches_is_left_and_every_write_reaches_both_views(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP of the member both replicas watch (quorum remains): within a few seconds each replica
+    says it is stale, moves its watch, and every write acknowledged meanwhile is in both views and
+    both Envoys; Envoys keep every host throughout."""
+    async with rig(tmp_path) as r:
+        assert (await r.put(r.a, "web", "before", 9500))[0] == 201
+        await r.wait_both(lambda p: p == {9500})
+        watched = {(await s.admin("/v1/sources"))["sources"][0]["watching"] for s in (r.a, r.b)}
+        assert len(watched) == 1, watched
+        member = next(m for m in r.cluster.members if m.url in watched)
+        assert member.proc is not None
+        member.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            stale_after: dict[str, float] = {}
+            moved_after: dict[str, float] = {}
+            acked: dict[str, int] = {}
+            refused = 0
+            seen: list[int] = []
+            for i in range(200):  # bounded: ~12 s
+                now = time.monotonic() - stopped
+                if now > 12:
+                    break
+                for name, s in (("A", r.a), ("B", r.b)):
+                    source = (await s.admin("/v1/sources"))["sources"][0]
+                    if source["stale"]:
+                        stale_after.setdefault(name, now)
+                    if source["watching"] != member.url and source["live"]:
+                        moved_after.setdefault(name, now)
+                for envoy in r.envoys:
+                    seen.append(9500 in await r.ports(envoy))
+                if i % 5 == 0:
+                    via = r.a if i % 2 else r.b
+                    status, _ = await r.put(via, "web", f"w{i}", 9600 + i)
+                    if status == 201:
+                        acked[f"w{i}"] = 9600 + i
+                    else:
+                        assert status == 503, status  # refused clearly while the view is stale
+                        refused += 1
+                await asyncio.sleep(0.05)
+            print(f"\nwatched member hung: stale after {stale_after} s, watch moved after {moved_after} s; "
+                  f"{len(acked)} writes acknowledged, {refused} refused (503)")  # fmt: skip
+            assert set(moved_after) == {"A", "B"}
+            assert all(t < FOLLOW_BOUND for t in moved_after.values()), moved_after
+            assert all(seen)  # no Envoy lost the host meanwhile
+            assert acked
+            for s in (r.a, r.b):  # every acknowledged write is in both views (they follow another member now)
+                await wait_for(lambda s=s: _registrations(s), lambda regs: acked.items() <= regs.items(),
+                               timeout=FOLLOW_BOUND, what="every acknowledged write in the view")  # fmt: skip
+            await r.wait_both(lambda p: set(acked.values()) <= p, timeout=FOLLOW_BOUND)
+        finally:
+            member.proc.send_signal(signal.SIGCONT)
+        assert (await _stored(r)) == {"before": 9500, **acked}
+
+
+async def test_steady_writes_with_no_fault_raise_no_alarm(tmp_path: Path) -> None:
+    """8 writers through both replicas for 20 s, no fault: never stale, never listed again."""
+    async with rig(tmp_path) as r:
+        stale = samples = 0
+        done = asyncio.Event()
+
+        async def writer(k: int) -> None:
+            for i in range(2000):  # bounded, and by time
+                if done.is_set():
+                    return
+                status, body = await r.put(r.a if (i + k) % 2 else r.b, "web", f"s{k}", 9700 + k * 100 + i % 100)
+                assert status in (200, 201), body
+
+        async def sampler() -> None:
+            nonlocal stale, samples
+            start = time.monotonic()
+            while time.monotonic() - start < 20:  # bounded by time
+                for s in (r.a, r.b):
+                    source = (await s.admin("/v1/sources"))["sources"][0]
+                    samples += 1
+                    stale += bool(source["stale"] or not source["live"])
+                await asyncio.sleep(0.1)
+            done.set()
+
+        await asyncio.gather(sampler(), *(writer(k) for k in range(8)))
+        logs = r.a.log_text() + r.b.log_text()
+        print(f"\nsteady writes 20 s: {stale} of {samples} samples stale")
+        assert stale == 0
+        assert "listing again" not in logs
+        assert "unreachable" not in logs and "stopped delivering" not in logs

@@ -108,6 +108,19 @@ def test_a_put_compares_the_whole_group_against_the_revision_it_was_checked_at()
     }
 
 
+def test_a_renewal_compares_the_value_and_reads_the_lease_the_key_is_on_now() -> None:
+    body = wire.txn([wire.value_is(b"k", b"v")], [wire.get(b"k")])
+    assert body["compare"] == [{"key": b("k"), "target": "VALUE", "result": "EQUAL", "value": b("v")}]
+    assert body["success"] == [{"request_range": {"key": b("k")}}]
+
+
+def test_the_probe_asks_for_one_key_in_a_revision_window_not_a_count() -> None:
+    # etcd filters by mod revision only the keys it returns: a count would ignore the window
+    body = wire.range_request(b"/p/", b"/p0", keys_only=True, limit=1, min_mod_revision=8, max_mod_revision=20)
+    assert body == {"key": b("/p/"), "range_end": b("/p0"), "keys_only": True, "min_mod_revision": "8",
+                    "max_mod_revision": "20", "limit": "1"}  # fmt: skip
+
+
 # -- replies ----------------------------------------------------------------------------------------
 def test_replies_with_defaults_left_out() -> None:
     reply = {"header": {"revision": "12"}, "kvs": [
