@@ -4,6 +4,7 @@ and the map of the tests names every module."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 from tests.support.paths import ROOT
 
@@ -72,3 +73,27 @@ def test_the_map_of_the_tests_names_every_module() -> None:
                if p.name not in ("__init__.py", "__main__.py") and "pb" not in p.relative_to(package).parts]
     assert modules
     assert not [m for m in modules if f"`{m}`" not in text]
+
+
+# a path in backquotes, optionally followed by ::a_test_or_function
+NAMED_PATH = re.compile(r"`([A-Za-z0-9_./\-]+\.(?:py|md|sh|yaml|yml|json|toml|service|txt))(?:::(\w+))?`")
+GENERATED = ("bench/results/",)  # written by a run, not kept in the repository
+
+
+def test_every_path_the_docs_name_exists() -> None:
+    """A path the docs give (in full, or from a folder they stand for, like `sources/docker.py`) is
+    one the repository holds, and a `file.py::name` names a function or class it defines: docs
+    that point at moved files send a reader nowhere."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
+    missing = []
+    for page in pages:
+        for path, name in NAMED_PATH.findall(page.read_text()):
+            if "X/" in path or path.startswith(GENERATED):
+                continue  # a pattern, or an output
+            hits = [f for f in files if f == path or f.endswith("/" + path)]
+            if not hits:
+                missing.append(f"{page.name}: {path}")
+            elif name and not any(re.search(rf"(def|class) {name}\b", (ROOT / f).read_text()) for f in hits):
+                missing.append(f"{page.name}: {path}::{name}")
+    assert not missing, missing
