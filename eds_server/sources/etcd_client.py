@@ -152,10 +152,11 @@ class EtcdClient:
             await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
         raise EtcdUnavailable(reason)
 
-    async def watch(self, body: dict[str, Any], connect_timeout: float) -> AsyncIterator[WatchMessage]:
-        """One watch stream on the current member (kept in `watching`): its messages until it ends
-        (raises on an error)."""
-        base = self.watching = self.member
+    async def watch(self, body: dict[str, Any], connect_timeout: float, member: str | None = None,
+                    ) -> AsyncIterator[WatchMessage]:  # fmt: skip
+        """One watch stream on `member` (default: the current one), kept in `watching`: its messages
+        until it ends (raises on an error)."""
+        base = self.watching = member or self.member
         if self.options.user and self._token is None:
             await self._authenticate(base)
         headers = {"Authorization": self._token} if self._token else None

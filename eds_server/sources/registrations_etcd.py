@@ -271,10 +271,10 @@ class EtcdRegistrationSource:
                      self.target, revision, len(self._state.regs))  # fmt: skip
         self._live()
 
-    async def _watch(self) -> None:
+    async def _watch(self, member: str) -> None:
         """Follow from the view's revision until the stream ends or fails (raises)."""
         body = wire.watch_request(self.keys.all, wire.range_end(self.keys.all), self._revision + 1)
-        async for message in self.client.watch(body, connect_timeout=PROBE_TIMEOUT):
+        async for message in self.client.watch(body, connect_timeout=PROBE_TIMEOUT, member=member):
             if message.compact_revision:
                 log.info("registrations: revision %d was compacted in etcd; listing again", self._revision + 1)
                 await self._list()
@@ -285,13 +285,12 @@ class EtcdRegistrationSource:
                 continue
             self._apply(message)
 
-    async def _probe(self, stop: asyncio.Event, watching: asyncio.Task[None]) -> None:
+    async def _probe(self, stop: asyncio.Event, watching: asyncio.Task[None], member: str) -> None:
         """A linearizable read of the member the watch is on, every second. It fails while that member
         hangs, is cut off or etcd has no quorum, which a quiet watch stream would not show (a probe
         that moved to another member would vouch for a watch it does not see). It also asks for a key
         committed before the previous probe that the view still lacks: a watch that stopped
         delivering. Two failures running end the watch, so it resumes on another member."""
-        member = self.client.watching
         failures = 0
         behind = 0
         before = 0  # etcd's revision one probe ago: every change up to it is in a following view by now
@@ -351,8 +350,9 @@ class EtcdRegistrationSource:
                     if not self.liveness.loaded or self._relist:
                         await self._list()
                         self._relist = False
-                    watching = self._watching = asyncio.create_task(self._watch_or_relist(), name="etcd watch")
-                    probing = asyncio.create_task(self._probe(stop, watching), name="etcd probe")
+                    member = self.client.member
+                    watching = self._watching = asyncio.create_task(self._watch_or_relist(member), name="etcd watch")
+                    probing = asyncio.create_task(self._probe(stop, watching, member), name="etcd probe")
                     await asyncio.wait({watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     probing.cancel()
                     watching.cancel()
@@ -380,8 +380,8 @@ class EtcdRegistrationSource:
             stopping.cancel()
             await self.client.close()
 
-    async def _watch_or_relist(self) -> None:
-        await self._watch()
+    async def _watch_or_relist(self, member: str) -> None:
+        await self._watch(member)
         if self.liveness.live_now:
             return  # re-listed after a compaction: the outer loop watches again
         raise wire.EtcdError("the watch ended")
