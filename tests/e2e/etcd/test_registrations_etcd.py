@@ -23,8 +23,10 @@ import aiohttp
 import pytest
 
 from eds_server.sources.registrations_etcd import FOLLOW_BOUND
+from tests.support.backends import http_backends
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.etcd_cluster import EtcdCluster, etcd_binary, process_cpu
+from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
 from tests.support.waiting import wait_for
 
@@ -81,8 +83,8 @@ async def rig(tmp_path: Path, groups: Sequence[str] = ("web",)) -> AsyncIterator
         async with (
             replica(cluster, tmp_path) as a,
             replica(cluster, tmp_path) as b,
-            EnvoyProcess(envoy_bootstrap(a.port, clusters)) as envoy_a,
-            EnvoyProcess(envoy_bootstrap(b.port, clusters)) as envoy_b,
+            EnvoyProcess(envoy_bootstrap(a.port, clusters, free_port(), {"/": groups[0]})) as envoy_a,
+            EnvoyProcess(envoy_bootstrap(b.port, clusters, free_port(), {"/": groups[0]})) as envoy_b,
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
         ):
             await envoy_a.wait_live()
@@ -450,10 +452,10 @@ async def test_a_hung_etcd_member_under_the_watches_is_left_and_every_write_reac
 ) -> None:
     """SIGSTOP of the member both replicas watch (quorum remains): within a few seconds each replica
     says it is stale, moves its watch, and every write acknowledged meanwhile is in both views and
-    both Envoys; Envoys keep every host throughout."""
-    async with rig(tmp_path) as r:
-        assert (await r.put(r.a, "web", "before", 9500))[0] == 201
-        await r.wait_both(lambda p: p == {9500})
+    both Envoys; Envoys keep every host throughout, and requests through them all succeed."""
+    async with rig(tmp_path, groups=("web", "more")) as r, http_backends(1) as (backend,):
+        assert (await r.put(r.a, "web", "before", backend.port))[0] == 201
+        await r.wait_both(lambda p: p == {backend.port})
         watched = {(await s.admin("/v1/sources"))["sources"][0]["watching"] for s in (r.a, r.b)}
         assert len(watched) == 1, watched
         member = next(m for m in r.cluster.members if m.url in watched)
@@ -465,7 +467,8 @@ async def test_a_hung_etcd_member_under_the_watches_is_left_and_every_write_reac
             moved_after: dict[str, float] = {}
             acked: dict[str, int] = {}
             refused = 0
-            seen: list[int] = []
+            seen: list[bool] = []
+            answers: list[int] = []
             for i in range(200):  # bounded: ~12 s
                 now = time.monotonic() - stopped
                 if now > 12:
@@ -477,10 +480,11 @@ async def test_a_hung_etcd_member_under_the_watches_is_left_and_every_write_reac
                     if source["watching"] != member.url and source["live"]:
                         moved_after.setdefault(name, now)
                 for envoy in r.envoys:
-                    seen.append(9500 in await r.ports(envoy))
+                    seen.append(backend.port in await r.ports(envoy))
+                    answers.append((await envoy.get("/"))[0])
                 if i % 5 == 0:
                     via = r.a if i % 2 else r.b
-                    status, _ = await r.put(via, "web", f"w{i}", 9600 + i)
+                    status, _ = await r.put(via, "more", f"w{i}", 9600 + i)  # no backend: not routed to
                     if status == 201:
                         acked[f"w{i}"] = 9600 + i
                     else:
@@ -488,18 +492,20 @@ async def test_a_hung_etcd_member_under_the_watches_is_left_and_every_write_reac
                         refused += 1
                 await asyncio.sleep(0.05)
             print(f"\nwatched member hung: stale after {stale_after} s, watch moved after {moved_after} s; "
-                  f"{len(acked)} writes acknowledged, {refused} refused (503)")  # fmt: skip
+                  f"{len(acked)} writes acknowledged, {refused} refused (503); "
+                  f"{answers.count(200)} of {len(answers)} requests through the Envoys answered")  # fmt: skip
+            assert set(answers) == {200}
             assert set(moved_after) == {"A", "B"}
             assert all(t < FOLLOW_BOUND for t in moved_after.values()), moved_after
             assert all(seen)  # no Envoy lost the host meanwhile
             assert acked
             for s in (r.a, r.b):  # every acknowledged write is in both views (they follow another member now)
-                await wait_for(lambda s=s: _registrations(s), lambda regs: acked.items() <= regs.items(),
+                await wait_for(lambda s=s: _registrations(s, "more"), lambda regs: acked.items() <= regs.items(),
                                timeout=FOLLOW_BOUND, what="every acknowledged write in the view")  # fmt: skip
-            await r.wait_both(lambda p: set(acked.values()) <= p, timeout=FOLLOW_BOUND)
+            await r.wait_both(lambda p: set(acked.values()) <= p, group="more", timeout=FOLLOW_BOUND)
         finally:
             member.proc.send_signal(signal.SIGCONT)
-        assert (await _stored(r)) == {"before": 9500, **acked}
+        assert (await _stored(r)) == {"before": backend.port, **acked}
 
 
 async def test_steady_writes_with_no_fault_raise_no_alarm(tmp_path: Path) -> None:
