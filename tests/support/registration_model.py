@@ -21,10 +21,12 @@ TTLs in the runs are long (an hour) so nothing expires during one: expiry is not
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import collections
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from tests.support.linearizability import Model, Operation
+from tests.support.linearizability import INFINITY, Model, Operation
 
 Value = tuple[int, int | None]  # (port, ttl): what a client PUT and what a GET shows
 State = Value | None  # None: no registration under the key
@@ -106,6 +108,49 @@ def describe_operation(op: Operation) -> str:
     answer = f"{out.status} {describe_state(out.value) if out.value else ''}".strip() if isinstance(out, Read) \
         else str(out)  # fmt: skip
     return f"{op.client}: {what} -> {answer}"
+
+
+@dataclass
+class Record:
+    """One call as a client made it: through which replica, what, the answer (a status, a Read,
+    UNKNOWN; None: failed for sure, never sent or a read without an answer) and when."""
+
+    client: str
+    replica: str
+    input: Input
+    output: object
+    call: float
+    ret: float
+
+
+def checkable(records: Sequence[Record], stale_read_bound: float,
+              unchecked: Callable[[Record], bool] = lambda r: False) -> tuple[list[Operation], int]:  # fmt: skip
+    """The records as the checker takes them (see the module's docstring), and how many reads were
+    left out because `unchecked` said so."""
+    ops: list[Operation] = []
+    skipped = 0
+    # (replica, key) -> (invoked, answered) of each write that replica acknowledged
+    acked: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
+    for r in records:
+        if r.output in (200, 201, 204):  # a 2xx write answers once this replica's view holds it
+            acked[(r.replica, r.input.key)].append((r.call, r.ret))
+    for r in records:
+        client = f"{r.client}@{r.replica}"
+        if r.output is None:
+            continue
+        if isinstance(r.input, Get):
+            if unchecked(r):
+                skipped += 1
+                continue
+            # a view may lag etcd, but never behind a write this replica acknowledged before the read:
+            # the read takes effect after that write did, so after it was invoked (its invocation, not
+            # its answer: the view may already hold newer changes than the write, not older ones)
+            mine = [call for call, ret in acked[(r.replica, r.input.key)] if ret < r.call]
+            call = max(r.call - stale_read_bound, max(mine, default=-math.inf))
+            ops.append(Operation(client, r.input, r.output, call, r.ret))
+        else:
+            ops.append(Operation(client, r.input, r.output, r.call, INFINITY if r.output == UNKNOWN else r.ret))
+    return ops, skipped
 
 
 REGISTRATION_MODEL: Model[State] = Model(

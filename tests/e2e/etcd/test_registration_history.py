@@ -29,7 +29,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import math
 import os
 import random
 import signal
@@ -45,7 +44,18 @@ import pytest
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.etcd_cluster import EtcdCluster, Member, etcd_binary
 from tests.support.linearizability import INFINITY, Operation, check
-from tests.support.registration_model import REGISTRATION_MODEL, UNKNOWN, Delete, Get, Input, Put, Read, Value
+from tests.support.registration_model import (
+    REGISTRATION_MODEL,
+    UNKNOWN,
+    Delete,
+    Get,
+    Input,
+    Put,
+    Read,
+    Record,
+    Value,
+    checkable,
+)
 from tests.support.server_process import EdsServerProcess
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.waiting import wait_for
@@ -93,16 +103,6 @@ def value_of(registration: dict[str, Any]) -> Value:
     """(port, ttl) of a registration as the API shows it."""
     ttl = registration.get("ttl")
     return registration["port"], None if ttl is None else int(ttl)
-
-
-@dataclass
-class Record:
-    client: str
-    replica: str
-    input: Input
-    output: Any  # a status, a Read, UNKNOWN; None: failed for sure (not sent, or a read not answered)
-    call: float
-    ret: float
 
 
 @dataclass
@@ -266,32 +266,15 @@ class Rig:
 
 
 def history(rig: Rig, final: dict[str, Value], at: float) -> tuple[list[Operation], int]:
-    """The records as the checker takes them, and how many reads were left unchecked."""
-    ops: list[Operation] = []
-    unchecked = 0
-    # (replica, key) -> (invoked, answered) of each write that replica acknowledged
-    acked: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
-    for r in rig.records:
-        if r.output in (200, 201, 204):  # a 2xx write answers once this replica's view holds it
-            acked[(r.replica, r.input.key)].append((r.call, r.ret))
-    for r in rig.records:
-        if r.output is None:
-            continue
-        if isinstance(r.input, Get):
-            if any(f.replica == r.replica and f.start <= r.ret and r.call <= f.end + STALE_READ_SECONDS
-                   for f in rig.faults):  # fmt: skip
-                unchecked += 1
-                continue
-            # a view may lag etcd, but never behind a write this replica acknowledged before the read:
-            # the read takes effect after that write did, so after it was invoked (its invocation, not
-            # its answer: the view may already hold newer changes than the write, not older ones)
-            mine = [call for call, ret in acked[(r.replica, r.input.key)] if ret < r.call]
-            call = max(r.call - STALE_READ_SECONDS, max(mine, default=-math.inf))
-            ops.append(Operation(f"{r.client}@{r.replica}", r.input, r.output, call, r.ret))
-        else:
-            ret = INFINITY if r.output == UNKNOWN else r.ret
-            ops.append(Operation(f"{r.client}@{r.replica}", r.input, r.output, r.call, ret))
-    for key in KEYS:  # etcd itself, read linearizably after everything healed
+    """The records as the checker takes them, then etcd's own linearizable read of each key; and how
+    many reads were left unchecked (through a replica the nemesis had cut off, paused or restarting)."""
+
+    def during_fault(r: Record) -> bool:
+        return any(f.replica == r.replica and f.start <= r.ret and r.call <= f.end + STALE_READ_SECONDS
+                   for f in rig.faults)  # fmt: skip
+
+    ops, unchecked = checkable(rig.records, STALE_READ_SECONDS, during_fault)
+    for key in KEYS:
         value = final.get(key)
         ops.append(Operation("etcd", Get(key), Read(200, value) if value else Read(404), at, at))
     return ops, unchecked
