@@ -72,6 +72,7 @@ def _seeds(text: str) -> list[int]:
 SEEDS = _seeds(os.environ.get("EDS_HISTORY_SEEDS", "1,2"))
 SECONDS = float(os.environ.get("EDS_HISTORY_SECONDS", "30"))
 ONE_REPLICA_SECONDS = 15.0
+FAULT_KINDS = ("stop-leader", "stop-member", "kill-member", "reset-c", "black-hole-c", "pause-replica", "kill-replica")
 EVERY_KIND = {"put": 2, "put-ttl": 2, "renew": 3, "delete": 2, "get": 4}  # the weights of each kind
 CLIENTS = 6
 GROUP = "web"
@@ -126,6 +127,7 @@ class Rig:
     faults: list[Fault] = field(default_factory=list)
     known: dict[str, Value] = field(default_factory=dict)  # what a client last saw each key hold
     kinds: dict[str, int] = field(default_factory=lambda: dict(EVERY_KIND))
+    fault_kinds: tuple[str, ...] = FAULT_KINDS
 
     def url(self, replica: str, key: str) -> str:
         return f"http://127.0.0.1:{self.replicas[replica].admin_port}/v1/groups/{GROUP}/endpoints/{key}"
@@ -183,14 +185,17 @@ class Rig:
 
     async def nemesis(self, until: float) -> None:
         rng = random.Random(f"{self.seed}/nemesis")
-        kinds = ["stop-leader", "stop-member", "kill-member", "reset-c", "black-hole-c", "pause-replica",
-                 "kill-replica"]  # fmt: skip
+        kinds = [k for k in self.fault_kinds if "C" in self.replicas or not k.endswith("-c")]
+        order: list[str] = []
         for _ in range(10_000):  # bounded, and by the time
-            await asyncio.sleep(rng.uniform(0.5, 2.0))
+            await asyncio.sleep(rng.uniform(0.2, 1.0))
             if time.monotonic() >= until - 2:
                 return
-            kind = rng.choice(kinds)
-            hold = rng.uniform(1.0, 8.0 if kind.startswith("stop") else 4.0)
+            if not order:  # every kind once, in a random order, then again: a short run sees them all
+                order = rng.sample(kinds, len(kinds))
+            kind = order.pop()
+            # a member frozen longer than reads may lag (STALE_READ_SECONDS): its watchers must notice
+            hold = rng.uniform(1.0, 8.0) if kind.startswith("stop") else rng.uniform(0.5, 3.0)
             await self.fault(kind, hold, rng)
 
     async def fault(self, kind: str, hold: float, rng: random.Random) -> None:
