@@ -9,8 +9,8 @@ DELETE and GET (the registration API's read, from the replica's view), on random
 random replicas. The nemesis, one fault at a time, at random: SIGSTOP of an etcd member (the leader
 too) then SIGCONT, an etcd member killed and restarted, replica C (which reaches etcd only through a
 TCP proxy the test controls) cut off by resets or by a black hole, a replica paused (SIGSTOP) or
-killed and restarted. After the faults heal, every replica's view, and the Envoy behind replica B,
-must equal etcd within CONVERGE_SECONDS.
+killed and restarted. After the faults heal, every replica's view, and the Envoy behind replica A,
+must equal etcd within CONVERGE_SECONDS (the Envoy within ENVOY_SECONDS).
 
 Reads answer from a replica's view, which follows etcd's watch: a read may be STALE_READ_SECONDS
 behind (the bound in which a hung etcd member must be found and the view caught up), never more,
@@ -19,8 +19,12 @@ has it cut off, paused or restarting (and STALE_READ_SECONDS after) are not chec
 last view then, on purpose (fail static), marked stale. Its writes are checked throughout.
 
 Short run (in `make test`): EDS_HISTORY_SEEDS (default "1,2"), EDS_HISTORY_SECONDS of load each
-(default 45). Long run: `make test-history` (seeds 1-20, 60 s each). `pytest -s` shows one summary
-line per seed.
+(default 30), and two runs of one replica without faults. Long run: `make test-history` (seeds 1-20,
+60 s each, with --runxfail). `pytest -s` shows one summary line per run; a failure prints the
+longest linearizable prefix of each key that is not, and where the whole history was saved.
+
+The runs marked FOUND_TODAY fail on the server as it was when this test was written (xfail, not
+strict: an XPASS says they pass now, and the mark can go).
 """
 
 from __future__ import annotations
@@ -87,9 +91,10 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 pytestmark = pytest.mark.envoy
 FOUND_TODAY = pytest.mark.xfail(
-    reason="before renewals and replacements became etcd transactions on what the key holds, the history "
-    "shows acknowledged writes lost (a renewal answered 200 after a DELETE had emptied the key, through "
-    "another replica or the same one); remove this mark once it passes",
+    reason="before renewals and replacements became etcd transactions on what the key holds now, the "
+    "history shows writes acknowledged that were not made: a renewal answered 200 after a DELETE had "
+    "emptied the key, a PUT concurrent with a DELETE answered 200 (replaced) where it created the key; "
+    "remove this mark once it passes",
     strict=False,
 )
 
@@ -211,14 +216,18 @@ class Rig:
                 await self.cluster.start_member(member)
             else:
                 member.proc.send_signal(signal.SIGSTOP)
-                await asyncio.sleep(hold)
-                member.proc.send_signal(signal.SIGCONT)
+                try:
+                    await asyncio.sleep(hold)
+                finally:  # a member left stopped would ignore the SIGTERM at the end
+                    member.proc.send_signal(signal.SIGCONT)
             await self.member_up(member)  # before the next fault: never two members away at once
         elif kind in ("reset-c", "black-hole-c"):
             self.faults.append(fault := Fault(kind, "C", "C", time.monotonic()))
             self.proxy.reset() if kind == "reset-c" else self.proxy.black_hole()
-            await asyncio.sleep(hold)
-            self.proxy.heal()
+            try:
+                await asyncio.sleep(hold)
+            finally:
+                self.proxy.heal()
         else:
             name = rng.choice(sorted(self.replicas))
             server = self.replicas[name]
@@ -226,8 +235,10 @@ class Rig:
             self.faults.append(fault := Fault(kind, name, name, time.monotonic()))
             if kind == "pause-replica":
                 server.proc.send_signal(signal.SIGSTOP)
-                await asyncio.sleep(hold)
-                server.proc.send_signal(signal.SIGCONT)
+                try:
+                    await asyncio.sleep(hold)
+                finally:
+                    server.proc.send_signal(signal.SIGCONT)
             else:
                 server.proc.kill()
                 await server.proc.wait()
