@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-stock lint protos bench wheel clean
+.PHONY: setup demo test test-fast test-stock test-history lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test-fast: $(STAMP)  ## the inner loop (under a minute): all but real Envoy, Doc
 
 test-stock: $(STAMP)  ## the gRPC and Envoy tests again, on the stock HTTP/2 path (docs/limits.md)
 	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py
+
+test-history: $(STAMP)  ## the registration history under faults, long: seeds 1-20, 60 s of load each (about 25 minutes; docs/registration-api.md)
+	EDS_HISTORY_SEEDS=$${EDS_HISTORY_SEEDS:-1-20} EDS_HISTORY_SECONDS=$${EDS_HISTORY_SECONDS:-60} $(PY) -m pytest -s --runxfail tests/e2e/etcd/test_registration_history.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,109 @@
+"""A TCP proxy on loopback that a test can use to cut one process off from others, the ways networks do.
+
+Each listener forwards to one target (127.0.0.1:port). `reset()` resets every connection and every
+new one until `heal()` (a peer that went away, a firewall that rejects); `black_hole()` holds every
+byte, both ways, until `heal()`, then delivers it (a partition: nothing is refused, nothing arrives,
+and after the heal TCP's retransmissions deliver what was sent). Only 127.0.0.1 is ever connected to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from collections.abc import Sequence
+
+
+class TcpProxy:
+    def __init__(self, target_ports: Sequence[int]) -> None:
+        self.target_ports = list(target_ports)
+        self.ports: list[int] = []  # where the proxy listens, one per target, in the same order
+        self.mode = "pass"
+        self.connections = 0
+        self.resets = 0
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._servers: list[asyncio.Server] = []
+        self._open: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> TcpProxy:
+        for target in self.target_ports:
+            server = await asyncio.start_server(lambda r, w, t=target: self._handle(r, w, t), "127.0.0.1", 0)
+            self._servers.append(server)
+            self.ports.append(int(server.sockets[0].getsockname()[1]))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.heal()
+        for server in self._servers:
+            server.close()
+        for writer in list(self._open):
+            _abort(writer)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def reset(self) -> None:
+        self.mode = "reset"
+        self._flowing.set()
+        for writer in list(self._open):
+            _abort(writer)
+            self.resets += 1
+
+    def black_hole(self) -> None:
+        self.mode = "black-hole"
+        self._flowing.clear()
+
+    def heal(self) -> None:
+        self.mode = "pass"
+        self._flowing.set()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: int) -> None:
+        if self.mode == "reset":
+            self.resets += 1
+            _abort(writer)
+            return
+        self.connections += 1
+        try:
+            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", target), 5)
+        except (OSError, TimeoutError):
+            _abort(writer)
+            return
+        self._open |= {writer, up_writer}
+        try:
+            ways = ((reader, up_writer), (up_reader, writer))
+            pumps = [asyncio.create_task(self._pump(src, dst)) for src, dst in ways]
+            self._tasks.update(pumps)
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            self._tasks.difference_update(pumps)
+        finally:
+            for w in (writer, up_writer):
+                self._open.discard(w)
+                with contextlib.suppress(OSError, RuntimeError):
+                    w.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            for _ in range(1 << 40):  # until the connection ends
+                await self._flowing.wait()  # black-holed: read nothing, so the sender's buffers fill
+                data = await reader.read(65536)
+                if not data:
+                    return
+                await self._flowing.wait()  # what was read before the cut waits for the heal too
+                writer.write(data)
+                await writer.drain()
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (SO_LINGER 0), as a host that rejects or forgets the connection."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError, RuntimeError):
+        writer.transport.abort()

@@ -1,0 +1,67 @@
+"""The TCP proxy of tests/support that the history-checking fault test cuts a replica off with: it
+forwards, a black hole holds every byte until the heal and then delivers it, a reset ends every
+connection and refuses new ones until the heal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.support.tcp_proxy import TcpProxy
+
+
+@contextlib.asynccontextmanager
+async def echo_server() -> AsyncIterator[int]:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    try:
+        yield int(server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+
+
+async def roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes) -> bytes:
+    writer.write(data)
+    await writer.drain()
+    return await asyncio.wait_for(reader.readexactly(len(data)), 5)
+
+
+async def test_forwards_holds_in_a_black_hole_and_delivers_after_the_heal() -> None:
+    async with echo_server() as port, TcpProxy([port]) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        assert await roundtrip(reader, writer, b"one") == b"one"
+        proxy.black_hole()
+        writer.write(b"two")
+        await writer.drain()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.readexactly(3), 0.3)
+        proxy.heal()
+        assert await asyncio.wait_for(reader.readexactly(3), 5) == b"two"
+        assert await roundtrip(reader, writer, b"three") == b"three"
+        writer.close()
+
+
+async def test_a_reset_ends_every_connection_and_refuses_new_ones_until_the_heal() -> None:
+    async with echo_server() as port, TcpProxy([port]) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        assert await roundtrip(reader, writer, b"x") == b"x"
+        proxy.reset()
+        with pytest.raises((ConnectionResetError, asyncio.IncompleteReadError)):
+            await roundtrip(reader, writer, b"y")
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        with pytest.raises((ConnectionResetError, asyncio.IncompleteReadError, BrokenPipeError)):
+            await roundtrip(reader, writer, b"z")
+        assert proxy.resets >= 2
+        proxy.heal()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        assert await roundtrip(reader, writer, b"again") == b"again"
+        writer.close()
