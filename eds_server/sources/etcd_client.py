@@ -25,7 +25,7 @@ MAX_LINE = 64 * 1024 * 1024  # one watch message (a batch of events) at most
 
 
 class EtcdUnavailable(Exception):
-    """No member answered in time."""
+    """No member answered in time (for a change: it may or may not have been made)."""
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,14 @@ class EtcdClient:
         return reply
 
     async def call(self, path: str, body: dict[str, Any], *, deadline: float, member: str | None = None,
-                   ) -> dict[str, Any]:  # fmt: skip
+                   once: bool = False) -> dict[str, Any]:  # fmt: skip
         """POST `body` to `path`, trying the members in turn until one answers or `deadline` (loop time)
         passes; with `member`, that member only (a probe of the one a watch is on must not succeed
-        through another). Raises EtcdError for an answer that says no, EtcdUnavailable when none answered."""
+        through another). Raises EtcdError for an answer that says no, EtcdUnavailable when none answered.
+
+        `once`: a change that must not be applied twice. It is sent again only when it cannot have
+        been applied (the connection was refused, no leader); after a timeout or a lost answer it
+        may still be, later (a member that hung with it resumes): EtcdUnavailable at once."""
         loop = asyncio.get_running_loop()
         reason = "no member tried"
         for _ in range(8 * len(self._bases)):  # bounded: also by the deadline
@@ -145,8 +149,16 @@ class EtcdClient:
                 if not e.retryable:
                     raise
                 reason = f"{base}: {e.message}"
+                if once and not e.not_applied:
+                    raise EtcdUnavailable(f"{reason}; it may still be applied") from None
+            except aiohttp.ClientConnectorError as e:  # never sent
+                reason = f"{base}: {type(e).__name__}: {e}"
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 reason = f"{base}: {type(e).__name__}: {e}" if str(e) else f"{base}: {type(e).__name__}"
+                if once:
+                    if member is None:
+                        self.rotate()  # the next call tries another member first
+                    raise EtcdUnavailable(f"{reason} (no answer: it may or may not have been applied)") from None
             if member is None:
                 self.rotate()
             await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))

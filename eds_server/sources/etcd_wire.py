@@ -48,6 +48,13 @@ class EtcdError(Exception):
         )
 
     @property
+    def not_applied(self) -> bool:
+        """Refused before it was proposed (no leader, a member that cannot serve it): a change sent
+        again cannot be applied twice. "Timed out" and "leader changed" may still be committed."""
+        text = self.message.lower()
+        return any(s in text for s in ("no leader", "not capable"))
+
+    @property
     def auth_expired(self) -> bool:
         return "invalid auth token" in self.message.lower()
 
@@ -182,13 +189,17 @@ def unchanged_since(key: bytes, end: bytes, revision: int) -> dict[str, Any]:
             "mod_revision": str(revision + 1)}  # fmt: skip
 
 
+def held_at(key: bytes, mod_revision: int) -> dict[str, Any]:
+    """Compare: the key was last written at `mod_revision`; 0: the key does not exist. (A range
+    compare sees only the keys that exist: a delete since does not fail it, this does.)"""
+    if not mod_revision:
+        return {"key": b64(key), "target": "VERSION", "result": "EQUAL", "version": "0"}
+    return {"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}
+
+
 def value_is(key: bytes, value: bytes) -> dict[str, Any]:
     """Compare: the key holds exactly `value` (false for a missing key)."""
     return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
-
-
-def exists(key: bytes) -> dict[str, Any]:
-    return {"key": b64(key), "target": "VERSION", "result": "GREATER", "version": "0"}
 
 
 def put(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:

@@ -124,7 +124,7 @@ class EtcdRegistrationSource:
         self.liveness = Liveness(store, name, f"etcd {target}")
         self._mono = monotonic
         self._state = State()
-        self._leases: dict[Key, int] = {}
+        self._kvs: dict[Key, wire.KeyValue] = {}  # each registration's key as the view holds it (lease, revision)
         self._renewed: dict[Key, float] = {}  # monotonic time this replica last saw it written or renewed
         self._revision = 0  # the view is etcd's as of this revision
         self._moved = asyncio.Event()  # set on every revision change of the view
@@ -199,12 +199,12 @@ class EtcdRegistrationSource:
                 state.remove(parsed)  # a value that is no longer a registration: not served
             return
         state.add(reg)
-        self._leases[reg.key] = kv.lease
+        self._kvs[reg.key] = kv
         self._renewed[reg.key] = self._mono()
 
     def _replace(self, kvs: list[wire.KeyValue], revision: int) -> None:
         new = State()
-        self._leases, self._renewed = {}, {}
+        self._kvs, self._renewed = {}, {}
         for kv in kvs:
             self._put_local(new, kv)
         touched = set(self._state.regs) | set(new.regs)
@@ -221,7 +221,7 @@ class EtcdRegistrationSource:
                 self._skipped.forget(event.kv.key.decode("utf-8", "replace"))
                 if self._state.remove(key) is not None:
                     log.info("registration %s/%s removed (deleted or expired in etcd)", *key)
-                self._leases.pop(key, None)
+                self._kvs.pop(key, None)
                 self._renewed.pop(key, None)
             else:
                 self._put_local(self._state, event.kv)
@@ -395,13 +395,13 @@ class EtcdRegistrationSource:
         prefix = self.keys.group(group)
         reply = await self.client.call("/v3/kv/range", wire.range_request(prefix, wire.range_end(prefix)),
                                        deadline=deadline)  # fmt: skip
-        state, leases = State(), {}
+        state, kvs = State(), {}
         for kv in wire.kvs(reply):
             reg = self._entry(kv)
             if reg is not None:
                 state.add(reg)
-                leases[reg.key] = kv.lease
-        return GroupView(state, wire.revision(reply), leases, fresh=True)
+                kvs[reg.key] = kv
+        return GroupView(state, wire.revision(reply), kvs, fresh=True)
 
     def _checks(self, view: State, reg: Registration) -> None:
         """The group rules on `view` (this replica's, or the group as etcd holds it now); the count
@@ -468,8 +468,9 @@ class EtcdRegistrationSource:
         deadline = loop.time() + WRITE_DEADLINE
         key = (group, id)
         reg = Registration(group, id, endpoint, ttl, line=value)
-        view = GroupView(self._state, self._revision, self._leases, fresh=False)
+        view = GroupView(self._state, self._revision, self._kvs, fresh=False)
         lease = 0
+        sent = False  # a transaction with `lease` went out and its answer was lost: it may yet be applied
         try:
             for attempt in range(ATTEMPTS):  # bounded, and by the deadline
                 try:
@@ -484,12 +485,19 @@ class EtcdRegistrationSource:
                     lease = int((await self.client.call("/v3/lease/grant", {"TTL": str(lease_ttl(ttl))},
                                                         deadline=deadline))["ID"])  # fmt: skip
                 old = view.state.regs.get(key)
-                old_lease = view.leases.get(key, 0) if old is not None else 0
-                group_range = self.keys.group(group)
+                held = view.kvs.get(key) if old is not None else None
+                old_lease = held.lease if held is not None else 0
+                group_range, etcd_key = self.keys.group(group), self.keys.key(group, id)
+                # no key of the group written since the view's revision (the rules checked on it hold),
+                # and this key as the view holds it (a delete since is no write the first compare sees);
+                # sent once: a copy applied later (by a member that hung with it) fails these compares
+                sent = bool(lease)
                 reply = await self.client.call("/v3/kv/txn", wire.txn(
-                    [wire.unchanged_since(group_range, wire.range_end(group_range), view.revision)],
-                    [wire.put(self.keys.key(group, id), value, lease)],
-                ), deadline=deadline)  # fmt: skip
+                    [wire.unchanged_since(group_range, wire.range_end(group_range), view.revision),
+                     wire.held_at(etcd_key, held.mod_revision if held is not None else 0)],
+                    [wire.put(etcd_key, value, lease)],
+                ), deadline=deadline, once=True)  # fmt: skip
+                sent = False
                 if reply.get("succeeded"):
                     lease, granted = 0, lease  # it is the registration's now
                     if old_lease and old_lease != granted:
@@ -506,8 +514,8 @@ class EtcdRegistrationSource:
         except wire.EtcdError as e:
             raise RegistrationError(503, f"etcd refused the change: {e.message}") from None
         finally:
-            if lease:
-                self._revoke_later(lease)  # granted, not used
+            if lease and not sent:
+                self._revoke_later(lease)  # granted, not used (if it may have been, it expires by itself)
         raise RegistrationError(503, f"group {group!r} is changing too often to register into; retry")
 
     async def _keep_alive(self, lease: int, deadline: float) -> bool:
@@ -537,14 +545,30 @@ class EtcdRegistrationSource:
         task.add_done_callback(_background.discard)
 
     async def delete(self, group: str, id: str) -> Registration | None:
+        """A transaction on the key as last read (the view's, or etcd's now): a copy of it applied later
+        (by a member that hung with it) cannot delete what was written since. 404 only when etcd
+        holds no such key."""
         await self._usable()
         deadline = asyncio.get_running_loop().time() + WRITE_DEADLINE
         etcd_key = self.keys.key(group, id)
+        held = self._kvs.get((group, id))
         try:
-            reply = await self.client.call("/v3/kv/txn", wire.txn([wire.exists(etcd_key)], [wire.delete(etcd_key)]),
-                                           deadline=deadline)  # fmt: skip
-            if not reply.get("succeeded"):
-                raise RegistrationError(404, f"no registration {id!r} in group {group!r}")
+            for _ in range(ATTEMPTS):  # bounded, and by the deadline
+                if held is None:
+                    found = wire.kvs(await self.client.call("/v3/kv/range", wire.range_request(etcd_key),
+                                                            deadline=deadline))  # fmt: skip
+                    if not found:
+                        raise RegistrationError(404, f"no registration {id!r} in group {group!r}")
+                    held = found[0]
+                reply = await self.client.call("/v3/kv/txn", wire.txn(
+                    [wire.held_at(etcd_key, held.mod_revision)], [wire.delete(etcd_key)],
+                ), deadline=deadline, once=True)  # fmt: skip
+                if reply.get("succeeded"):
+                    break
+                held = None  # written since: read it again
+            else:
+                raise RegistrationError(503, f"registration {id!r} in group {group!r} is changing too often "
+                                             "to delete; retry")  # fmt: skip
             deleted = wire.txn_deleted(reply)
             if deleted and deleted[0].lease:
                 await self._revoke(deleted[0].lease, deadline)
@@ -577,11 +601,11 @@ class EtcdRegistrationSource:
 @dataclass
 class GroupView:
     """What a write's checks are made on: this replica's view, or one group as etcd holds it now
-    (`fresh`), as of `revision`, with each registration's lease."""
+    (`fresh`), as of `revision`, with each registration's key (its lease and mod revision)."""
 
     state: State
     revision: int
-    leases: Mapping[Key, int]
+    kvs: Mapping[Key, wire.KeyValue]
     fresh: bool
 
 

@@ -100,8 +100,8 @@ def test_a_put_compares_the_whole_group_against_the_revision_it_was_checked_at()
         "failure": [],
     }  # fmt: skip
     assert wire.put(b"k", b"v") == {"request_put": {"key": b("k"), "value": b("v")}}  # no lease: none sent
-    assert wire.txn([wire.exists(b"k")], [wire.delete(b"k")])["compare"] == [
-        {"key": b("k"), "target": "VERSION", "result": "GREATER", "version": "0"}
+    assert wire.txn([wire.held_at(b"k", 9)], [wire.delete(b"k")])["success"] == [
+        {"request_delete_range": {"key": b("k"), "prev_kv": True}}
     ]
     assert wire.watch_request(b"/p/", b"/p0", 10) == {
         "create_request": {"key": b("/p/"), "range_end": b("/p0"), "start_revision": "10"}
@@ -112,6 +112,12 @@ def test_a_renewal_compares_the_value_and_reads_the_lease_the_key_is_on_now() ->
     body = wire.txn([wire.value_is(b"k", b"v")], [wire.get(b"k")])
     assert body["compare"] == [{"key": b("k"), "target": "VALUE", "result": "EQUAL", "value": b("v")}]
     assert body["success"] == [{"request_range": {"key": b("k")}}]
+
+
+def test_a_write_compares_the_key_as_the_view_holds_it() -> None:
+    # a range compare sees only keys that exist: that a key was deleted since is compared on the key
+    assert wire.held_at(b"k", 0) == {"key": b("k"), "target": "VERSION", "result": "EQUAL", "version": "0"}
+    assert wire.held_at(b"k", 17) == {"key": b("k"), "target": "MOD", "result": "EQUAL", "mod_revision": "17"}
 
 
 def test_the_probe_asks_for_one_key_in_a_revision_window_not_a_count() -> None:
