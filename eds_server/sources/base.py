@@ -166,8 +166,11 @@ class Heartbeat:
     """
 
     def __init__(self, probe: Callable[[], Awaitable[object]], what: str, *, every: float = 1.0,
-                 timeout: float = 2.0) -> None:  # fmt: skip
+                 timeout: float = 2.0, replied: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """`replied`: called when a probe got a proper reply (not an error), for a source that learns
+        nothing else when its peer comes back with nothing new to say."""
         self.probe, self.what, self.every, self.timeout = probe, what, every, timeout
+        self.replied = replied
         self.probes = 0  # sent, for tests
         self.hangs = 0  # found
         self._heard = 0.0
@@ -202,7 +205,9 @@ class Heartbeat:
         except TimeoutError:
             return False
         except Exception:  # an error is an answer: the peer is there
-            pass
+            return True
+        if self.replied is not None:
+            self.replied()
         return True
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -352,6 +357,11 @@ class Liveness:
         self.live_now = False
         self.last_error = reason
         self.store.mark_stale(self.name, True)
+
+    def refused(self, reason: str) -> None:
+        """Input refused while connected (the last good state stays): said as `last_error` on the
+        status, `/readyz` and the metrics until the next good input."""
+        self.last_error = reason
 
     def status(self, **details: Any) -> SourceStatus:
         return SourceStatus(self.name, self.loaded, self.live_now, self.last_error, details)
