@@ -7,6 +7,11 @@ is no longer kept, so the kind is listed again and the listing replaces what we 
 with jittered backoff; meanwhile the last endpoints keep being served, marked stale. Nothing is
 handed to the store before every kind has been listed once, so Envoy never sees a half-read cluster.
 
+An API server that stops answering with its connections open (a frozen process: a watch looks
+just like a quiet one) is found by a heartbeat: once nothing was heard for a second, GET /livez
+with two seconds to answer (any status counts); unanswered, every list and watch in flight is ended
+and the source is marked stale, within 5 s of the freeze, as for a server that went away.
+
 A backoff grows to 30 s during a long outage, and the server's return should not wait that out: while
 the API server is away it is probed (GET /readyz, short timeout) about once a second, and the wait
 ends once it answers again. The configuration's files (kubeconfig, the certificates it names) are
@@ -33,7 +38,19 @@ from typing import Any
 import aiohttp
 
 from ..store import Store
-from .base import Backoff, Comeback, FileStamps, Followed, Liveness, SharedProbe, SourceStatus, WarnOnce, pause
+from .base import (
+    Backoff,
+    Comeback,
+    FileStamps,
+    Followed,
+    Heartbeat,
+    Hung,
+    Liveness,
+    SharedProbe,
+    SourceStatus,
+    WarnOnce,
+    pause,
+)
 from .kubernetes_map import (
     REGION_LABEL,
     KubernetesOptions,
@@ -123,6 +140,8 @@ def cert_files(api: Any) -> list[str]:
 
 def describe(kind: Kind, e: BaseException, request: str = "request") -> str:
     """What went wrong, in words an operator can act on, rather than an exception's repr."""
+    if isinstance(e, Hung):
+        return f"{kind.name}: {e}"
     if isinstance(e, Unauthorized):
         return f"{kind.name}: the API server refused our credentials (401): {_after_status(e)}"
     if isinstance(e, ApiError):
@@ -194,6 +213,7 @@ class KubernetesSource(Followed):
         self.watch_timeout = watch_timeout
         self.probe_every, self.probe_timeout, self.backoff = probe_every, probe_timeout, backoff
         self.probe = SharedProbe(self._probe, fresh=probe_every / 2)
+        self.heartbeat = Heartbeat(self._pulse, "the API server", every=probe_every, timeout=probe_timeout)
         self._answering = True  # the last probe's answer, to say once that the server is back
         self.liveness = Liveness(store, self.name, "the API server")
         self.watches_open = 0
@@ -344,8 +364,10 @@ class KubernetesSource(Followed):
         if self._api is None:
             return
         try:
+            self.heartbeat.what = f"the API server at {self._api.configuration.host}"
             tasks = [asyncio.create_task(self._follow(kind, ns, stop)) for kind, ns in self._scopes]
             tasks.append(asyncio.create_task(self._publisher(stop)))
+            tasks.append(asyncio.create_task(self.heartbeat.run(stop)))
             try:
                 await asyncio.gather(*tasks)
             finally:
@@ -398,6 +420,12 @@ class KubernetesSource(Followed):
         self._answering = answered
         return answered
 
+    async def _pulse(self) -> None:
+        """GET /livez, for the heartbeat: any status is an answer (it asks only whether the server is
+        there; what it refuses is the real requests' to say)."""
+        resp = await self._api.call_api("/livez", "GET", auth_settings=["BearerToken"], _preload_content=False)
+        resp.release()
+
     async def _publisher(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self._changed.wait()
@@ -445,12 +473,14 @@ class KubernetesSource(Followed):
             request = "list" if version is None else "watch"
             try:
                 if version is None:
-                    version = await self._list(kind, namespace)
+                    async with self.heartbeat.guard():
+                        version = await self._list(kind, namespace)
                     self._listed.add(scope)
                     self._recovered(scope)
                     self._changed.set()  # the first full listing is published even if empty
                 started, request = asyncio.get_running_loop().time(), "watch"
-                version = await self._watch(kind, namespace, version, backoff, comeback)
+                async with self.heartbeat.guard():
+                    version = await self._watch(kind, namespace, version, backoff, comeback)
                 if asyncio.get_running_loop().time() - started > 1.0:
                     continue  # the server ended the watch (its timeout): resume from `version`
                 # ended at once: the server may be going away; resume after a pause
@@ -495,6 +525,7 @@ class KubernetesSource(Followed):
             path, "GET", query_params=query, header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
         )  # fmt: skip
+        self.heartbeat.beat()
         if resp.status == 410:
             resp.release()
             raise Gone()
@@ -544,6 +575,7 @@ class KubernetesSource(Followed):
             backoff.reset()
             comeback.reset()
             async for line in resp.content:
+                self.heartbeat.beat()
                 if not line.strip():
                     continue
                 event = json.loads(line)
