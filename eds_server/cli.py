@@ -535,6 +535,13 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
+def _no_kubernetes_configuration(kubeconfig: str | None) -> str | None:
+    """Why --kubernetes can never work as started (no configuration anywhere), or None."""
+    from .sources.kubernetes import missing_configuration
+
+    return missing_configuration(kubeconfig)
+
+
 def _installed(module: str) -> bool:
     """Whether an optional dependency can be imported, without importing it (kubernetes_asyncio: ~1 s)."""
     import importlib.util
@@ -616,6 +623,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.kubernetes and args.kubeconfig and not os.path.isfile(args.kubeconfig):
         log.error("not starting: --kubeconfig %s: no such file", args.kubeconfig)
+        return 2
+    if args.kubernetes and (nothing := _no_kubernetes_configuration(args.kubeconfig)):
+        log.error("not starting: --kubernetes: %s", nothing)
         return 2
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")

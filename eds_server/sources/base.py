@@ -339,17 +339,20 @@ class Liveness:
         self.live_now, self.last_error = True, None
         self.store.mark_stale(self.name, False)
 
-    def lost(self, reason: str, retry_in: float | None = None, again: bool = False) -> None:
+    def lost(self, reason: str, retry_in: float | None = None, again: bool = False, then: str | None = None) -> None:
         """`reason` is what happened, in words; with `retry_in` it is said as it is, followed by when
-        the next attempt comes, rather than as "<what> unreachable (reason)". `again`: said even if
-        already not live (the source knows the failure changed in kind)."""
+        the next attempt comes, rather than as "<what> unreachable (reason)"; with `then`, followed by
+        that instead (a fault that is not the remote end's, such as its configuration). `again`: said
+        even if already not live (the source knows the failure changed in kind)."""
         if self.live_now or self.last_error is None or again:
             meanwhile = (
                 "serving the last known endpoints (stale)" if self.loaded
                 else "not loaded yet: serving without it (--startup-timeout passed)" if self.store.ready
                 else "not loaded yet: nothing is answered to Envoy until it is (Envoy keeps what it has)"
             )  # fmt: skip
-            if retry_in is not None:
+            if then is not None:
+                log.warning("%s: %s; %s; %s", self.name, reason, meanwhile, then)
+            elif retry_in is not None:
                 log.warning("%s: %s; %s; reconnecting in %.1f s", self.name, reason, meanwhile, retry_in)
             else:
                 log.warning("%s: %s unreachable (%s); %s%s", self.name, self.what, reason, meanwhile,
