@@ -624,9 +624,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kubernetes and args.kubeconfig and not os.path.isfile(args.kubeconfig):
         log.error("not starting: --kubeconfig %s: no such file", args.kubeconfig)
         return 2
-    if args.kubernetes and (nothing := _no_kubernetes_configuration(args.kubeconfig)):
-        log.error("not starting: --kubernetes: %s", nothing)
-        return 2
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
         return 2
@@ -638,6 +635,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.kubernetes and not _installed("kubernetes_asyncio"):
         log.error("--kubernetes needs the kubernetes extra: pip install 'eds-server[kubernetes]'")
+        return 2
+    if args.kubernetes and (nothing := _no_kubernetes_configuration(args.kubeconfig)):
+        log.error("not starting: --kubernetes: %s", nothing)
         return 2
     from .app import Settings
     from .registration_api import (
