@@ -1,8 +1,9 @@
 """A small stand-in for a Kubernetes API server on 127.0.0.1: lists and watches of Services and
 EndpointSlices in one namespace (with history, so a watch resumed from an old version misses
 nothing), a bearer token, /readyz. It can go away and come back on the same port in-process, or run
-as its own process (``python -m tests.support.fake_kube_api``: it prints its port and serves one
-Service with one slice) for a test that freezes it with SIGSTOP.
+as its own process (``python -m tests.support.fake_kube_api [PORT IP...]``: it prints its port and
+serves one Service, group ``web``, with one slice of those endpoints) for a test that freezes it with
+SIGSTOP.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import copy
 import json
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from tests.support.paths import ROOT
 
 NS = "fake"
 
@@ -31,11 +35,11 @@ def service() -> dict[str, Any]:
             "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
 
 
-def endpoint_slice(*ips: str) -> dict[str, Any]:
+def endpoint_slice(*ips: str, port: int = 8080) -> dict[str, Any]:
     return {
         "metadata": {"name": "web-1", "namespace": NS, "labels": {"kubernetes.io/service-name": "web"}},
         "addressType": "IPv4",
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
     }
 
@@ -114,10 +118,36 @@ class FakeApiServer:
         return resp
 
 
-async def _serve_forever() -> None:
+
+async def run_process(*args: str) -> tuple[asyncio.subprocess.Process, int]:
+    """The stand-in as its own process (stderr discarded) and its port; the caller kills it."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.support.fake_kube_api", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+                                                cwd=ROOT)  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        return proc, int(await asyncio.wait_for(proc.stdout.readline(), 30))
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+
+
+def kubeconfig(path: Path, url: str, token: str = "token-a") -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": url}}],
+        "users": [{"name": "me", "user": {"token": token}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
+    }))  # fmt: skip
+    return path
+
+
+async def _serve_forever(args: list[str]) -> None:
+    """args: [PORT IP...], the endpoints of the one slice (default: 127.0.0.2 on 8080)."""
     server = FakeApiServer()
     server.put("services", service())
-    server.put("endpointslices", endpoint_slice("127.0.0.2"))
+    server.put("endpointslices", endpoint_slice(*args[1:], port=int(args[0])) if args else endpoint_slice("127.0.0.2"))
     await server.start()
     print(server.port, flush=True)
     await asyncio.Event().wait()
@@ -125,5 +155,5 @@ async def _serve_forever() -> None:
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve_forever())
+        asyncio.run(_serve_forever(sys.argv[1:]))
     sys.exit(0)

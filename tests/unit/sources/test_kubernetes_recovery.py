@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import signal
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -30,9 +28,8 @@ from eds_server.sources.kubernetes import (
 )
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
-from tests.support.fake_kube_api import NS, FakeApiServer, endpoint_slice, service
+from tests.support.fake_kube_api import NS, FakeApiServer, endpoint_slice, kubeconfig, run_process, service
 from tests.support.hung_peer import HUNG_BOUND
-from tests.support.paths import ROOT
 
 REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
 
@@ -48,16 +45,6 @@ async def fake() -> AsyncIterator[FakeApiServer]:
     finally:
         if server._runner is not None:
             await server.stop()
-
-
-def kubeconfig(path: Path, url: str, token: str) -> Path:
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": url}}],
-        "users": [{"name": "me", "user": {"token": token}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
-    }))  # fmt: skip
-    return path
 
 
 def addresses(store: Store) -> set[str]:
@@ -197,12 +184,8 @@ async def test_a_frozen_api_server_is_found_within_the_bound_and_followed_again_
     """The stand-in API server as its own process, SIGSTOPped: its port accepts and the watches stay
     open, nothing answers. With the default heartbeat (1 s of quiet, 2 s to answer) the source is stale
     within HUNG_BOUND and serves its last state; after SIGCONT it follows again."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.support.fake_kube_api",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-                                                cwd=ROOT)  # fmt: skip
+    proc, port = await run_process()
     try:
-        assert proc.stdout is not None
-        port = int(await asyncio.wait_for(proc.stdout.readline(), 30))
         config = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}", "token-a")
         store = Store(encode_group)
         source = KubernetesSource(store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)))
