@@ -418,8 +418,8 @@ def _why(e: BaseException) -> str:
 
     if isinstance(e, GRPCError):
         return f"the upstream answered {e.status.name}: {e.message or ''}".rstrip(": ")
-    if isinstance(e, StreamTerminatedError):
-        return "the upstream reset the stream"
+    if isinstance(e, StreamTerminatedError):  # its words: "Connection lost", "Received RST_STREAM ..."
+        return f"the upstream ended the stream ({e})" if str(e) else "the upstream reset the stream"
     if isinstance(e, ConnectionRefusedError):
         return "connection refused"
     if isinstance(e, ssl.SSLError):
