@@ -1,5 +1,6 @@
 """A peer frozen with SIGSTOP, seen from eds-server's admin side: the source it feeds must be said stale
-on every surface an operator or a probe reads (`/v1/sources`, `/readyz`, `/metrics`), within the bound
+on every surface an operator or a probe reads (`/v1/sources`, `/readyz`, `/metrics`, the groups of the
+status page), within the bound
 the docs state, and said live again after SIGCONT.
 
 HUNG_BOUND is the bound (seconds from the freeze to "stale") the docs promise for every remote
@@ -49,8 +50,11 @@ async def frozen_is_said(server: EdsServerProcess, source: str, frozen_at: float
             status, body = r.status, await r.json()
         async with s.get(f"http://127.0.0.1:{server.admin_port}/metrics") as r:
             metrics = await r.text()
+        async with s.get(f"http://127.0.0.1:{server.admin_port}/v1/groups") as r:
+            groups = (await r.json())["groups"]
     assert status == 200 and body["state"] == "degraded", body  # ready: the last good state is served
     assert source in [d["source"] for d in body["degraded"]], body
     healthy = re.search(rf'^eds_source_healthy{{source="{re.escape(source)}"}} (\S+)$', metrics, re.M)
     assert healthy is not None and float(healthy.group(1)) == 0.0, metrics[-2000:]
+    assert groups and all(g["stale"] for g in groups), groups  # what the status page lists, marked stale
     return took
