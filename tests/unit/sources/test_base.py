@@ -218,3 +218,30 @@ async def test_heartbeat_does_not_probe_a_peer_heard_from_and_lets_other_timeout
             async with asyncio.timeout(0.01):
                 await asyncio.Event().wait()
         assert not isinstance(caught.value, Hung)
+
+
+async def test_heartbeat_tells_of_proper_replies_only() -> None:
+    """`replied` is for a source that learns nothing else when its peer is back with nothing new to
+    say: a proper reply calls it, an error (an answer, but not a good one) does not."""
+    replies: list[str] = []
+    failing = False
+
+    async def probe() -> None:
+        if failing:
+            raise ConnectionResetError("reset")
+
+    beat = Heartbeat(probe, "peer", every=0.02, timeout=0.5, replied=lambda: replies.append("ok"))
+    async with beat.watching():
+        for _ in range(100):
+            if replies:
+                break
+            await asyncio.sleep(0.02)
+        assert replies
+        failing = True
+        await asyncio.sleep(0.05)
+        before, probes = len(replies), beat.probes
+        for _ in range(100):
+            if beat.probes >= probes + 3:
+                break
+            await asyncio.sleep(0.02)
+        assert len(replies) == before and beat.hangs == 0  # errors: no reply, and no hang either
