@@ -418,7 +418,6 @@ class KubernetesSource(Followed):
         if self._api is None:
             return
         try:
-            self.heartbeat.what = f"the API server at {self._api.configuration.host}"
             tasks = [asyncio.create_task(self._follow(kind, ns, stop)) for kind, ns in self._scopes]
             tasks.append(asyncio.create_task(self._publisher(stop)))
             tasks.append(asyncio.create_task(self.heartbeat.run(stop)))
@@ -448,6 +447,7 @@ class KubernetesSource(Followed):
             stamps = FileStamps([*files, *cert_files(api)])
             stamps.seen = before.seen + stamps.seen[len(files) :]
             old, self._api, self._loaded_at, self._stamps = self._api, api, now, stamps
+            self.heartbeat.what = f"the API server at {api.configuration.host}"
             self.loads += 1
             if old is not None and changed:
                 log.info("%s: configuration loaded again (its files changed); watches resume with it", self.name)

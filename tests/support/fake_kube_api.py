@@ -56,6 +56,7 @@ class FakeApiServer:
         self.objects: dict[str, dict[str, dict[str, Any]]] = {"services": {}, "endpointslices": {}}
         self.history: list[tuple[int, str, str, dict[str, Any]]] = []
         self.readyz = 0  # probes answered
+        self.livez = 0  # heartbeats answered
         self.refused = 0  # 401s
         self.failing = 0  # a status every API request gets (503: up, answering probes, not serving)
         self.failed = 0
@@ -89,6 +90,9 @@ class FakeApiServer:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/readyz":
             self.readyz += 1
+            return web.Response(text="ok")
+        if request.path == "/livez":  # the heartbeat's: counted apart from probes and failures
+            self.livez += 1
             return web.Response(text="ok")
         if self.failing:
             self.failed += 1
