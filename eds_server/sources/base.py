@@ -197,13 +197,17 @@ class Heartbeat:
         finally:
             self._guarded.discard(scope)
 
-    async def _answered(self) -> bool:
+    async def _answered(self) -> bool | None:
+        """True: answered; False: not within the timeout; None: cannot tell, our own loop was busy
+        past the deadline (an answer may be waiting unread: probe again rather than cry hang)."""
         self.probes += 1
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         try:
             async with asyncio.timeout(self.timeout):
                 await self.probe()
         except TimeoutError:
-            return False
+            return None if loop.time() - sent > self.timeout * 1.5 else False
         except Exception:  # an error is an answer: the peer is there
             return True
         if self.replied is not None:
@@ -218,7 +222,10 @@ class Heartbeat:
             if quiet < self.every or not self._guarded:
                 await asyncio.sleep(max(0.05, self.every - quiet) if self._guarded else self.every)
                 continue
-            if await self._answered():
+            answered = await self._answered()
+            if answered is None:
+                continue
+            if answered:
                 self.beat()
                 continue
             self.hangs += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,26 @@ async def test_heartbeat_tells_of_proper_replies_only() -> None:
                 break
             await asyncio.sleep(0.02)
         assert len(replies) == before and beat.hangs == 0  # errors: no reply, and no hang either
+
+
+async def test_heartbeat_does_not_blame_the_peer_for_our_own_busy_loop() -> None:
+    """A probe whose deadline passed while this process's loop was blocked (a long computation) is
+    asked again rather than taken as a hang; a peer that then answers is not hung."""
+    calls = 0
+
+    async def probe() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0)
+            time.sleep(0.4)  # the loop blocked past the probe's 0.1 s deadline (and the answer with it)
+            await asyncio.Event().wait()
+
+    beat = Heartbeat(probe, "peer", every=0.05, timeout=0.1)
+    async with beat.watching():
+        for _ in range(50):
+            if calls >= 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+    assert calls >= 2 and beat.hangs == 0
