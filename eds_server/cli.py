@@ -535,6 +535,13 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
+def _no_kubernetes_configuration(kubeconfig: str | None) -> str | None:
+    """Why --kubernetes can never work as started (no configuration anywhere), or None."""
+    from .sources.kubernetes import missing_configuration
+
+    return missing_configuration(kubeconfig)
+
+
 def _installed(module: str) -> bool:
     """Whether an optional dependency can be imported, without importing it (kubernetes_asyncio: ~1 s)."""
     import importlib.util
@@ -628,6 +635,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.kubernetes and not _installed("kubernetes_asyncio"):
         log.error("--kubernetes needs the kubernetes extra: pip install 'eds-server[kubernetes]'")
+        return 2
+    if args.kubernetes and (nothing := _no_kubernetes_configuration(args.kubeconfig)):
+        log.error("not starting: --kubernetes: %s", nothing)
         return 2
     from .app import Settings
     from .registration_api import (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 
@@ -63,3 +64,25 @@ class PerKey:
                     del self.buckets[next(iter(self.buckets))]
             bucket = self.buckets[key] = Bucket(self.capacity, self.window)
         return bucket
+
+
+class LogBudget:
+    """At most `most` lines per `window` seconds from one place that can repeat (a peer sending junk,
+    a refused credential retried): the first ones are said, the rest counted and their number said
+    with the next line that gets through."""
+
+    def __init__(self, logger: logging.Logger, most: int = 5, window: float = 60.0) -> None:
+        self.logger = logger
+        self.bucket = Bucket(most, window)
+        self.suppressed = 0
+
+    def log(self, level: int, msg: str, *args: object) -> bool:
+        """Log it if the budget allows (True), else count it."""
+        if not self.bucket.take():
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            msg += f" ({self.suppressed} more like it not logged)"
+            self.suppressed = 0
+        self.logger.log(level, msg, *args)
+        return True

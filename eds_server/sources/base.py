@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,6 +146,106 @@ async def pause(delay: float, stop: asyncio.Event, check: Callable[[], Awaitable
     return False
 
 
+class Hung(TimeoutError):
+    """The peer stopped answering while its connections stay open: a frozen process, a black-holed
+    route. Its words say which peer and for how long; a TimeoutError, as any request left unanswered."""
+
+
+class Heartbeat:
+    """Tells a hung peer from a quiet one, as fast as a dead one is told.
+
+    A peer frozen with SIGSTOP keeps its TCP connections open and its kernel keeps accepting: a watch
+    or an event stream waiting for news waits forever, and a quiet peer looks the same. So, while
+    some work is `guard`ed, once nothing was heard from the peer for `every` seconds (`beat` says
+    something was: an event, an answer) a cheap probe is sent; unanswered within `timeout`, every
+    guarded block is ended with `Hung`. The source then does what it does for a dead peer: marks
+    itself stale (its last state keeps being served) and reconnects. A hang is found within
+    `every + timeout` seconds of the peer's last sign of life (the bound the docs state: 5 s with the
+    defaults, and a loaded loop). Any answer counts, an error included: the question is only whether
+    the peer is there.
+    """
+
+    def __init__(self, probe: Callable[[], Awaitable[object]], what: str, *, every: float = 1.0,
+                 timeout: float = 2.0, replied: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """`replied`: called when a probe got a proper reply (not an error), for a source that learns
+        nothing else when its peer comes back with nothing new to say."""
+        self.probe, self.what, self.every, self.timeout = probe, what, every, timeout
+        self.replied = replied
+        self.probes = 0  # sent, for tests
+        self.hangs = 0  # found
+        self._heard = 0.0
+        self._guarded: set[asyncio.Timeout] = set()
+        self._why = ""
+
+    def beat(self) -> None:
+        """The peer said something: no probe is needed for another `every` seconds."""
+        self._heard = asyncio.get_running_loop().time()
+
+    @contextlib.asynccontextmanager
+    async def guard(self) -> AsyncIterator[None]:
+        """Run the block until it ends or the peer is found hung (then `Hung` is raised from it)."""
+        scope = asyncio.timeout(None)
+        self._guarded.add(scope)
+        self.beat()  # a new connection: the peer gets `every` seconds before it is probed
+        try:
+            async with scope:
+                yield
+        except TimeoutError:
+            if scope.expired():  # only run() expires it
+                raise Hung(self._why) from None
+            raise
+        finally:
+            self._guarded.discard(scope)
+
+    async def _answered(self) -> bool | None:
+        """True: answered; False: not within the timeout; None: cannot tell, our own loop was busy
+        past the deadline (an answer may be waiting unread: probe again rather than cry hang)."""
+        self.probes += 1
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.probe()
+        except TimeoutError:
+            return None if loop.time() - sent > self.timeout * 1.5 else False
+        except Exception:  # an error is an answer: the peer is there
+            return True
+        if self.replied is not None:
+            self.replied()
+        return True
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Probe while anything is guarded and the peer is quiet, until `stop` (or cancelled)."""
+        loop = asyncio.get_running_loop()
+        while stop is None or not stop.is_set():
+            quiet = loop.time() - self._heard
+            if quiet < self.every or not self._guarded:
+                await asyncio.sleep(max(0.05, self.every - quiet) if self._guarded else self.every)
+                continue
+            answered = await self._answered()
+            if answered is None:
+                continue
+            if answered:
+                self.beat()
+                continue
+            self.hangs += 1
+            self._why = f"{self.what} did not answer within {self.timeout:g} s (hung or cut off)"
+            for scope in list(self._guarded):
+                if scope.when() is None:
+                    scope.reschedule(loop.time())  # ends the block with TimeoutError, made Hung in guard()
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        """`guard` one block, probing for it meanwhile: a connection's life, for a source that has one."""
+        prober = asyncio.create_task(self.run())
+        try:
+            async with self.guard():
+                yield
+        finally:
+            prober.cancel()
+            await asyncio.gather(prober, return_exceptions=True)
+
+
 class FileStamps:
     """Whether files changed since last looked at (rewritten, replaced, created or removed), by
     their stat: a rotated credential file is noticed without reading it."""
@@ -246,17 +346,20 @@ class Liveness:
         self.live_now, self.last_error = True, None
         self.store.mark_stale(self.name, False)
 
-    def lost(self, reason: str, retry_in: float | None = None, again: bool = False) -> None:
+    def lost(self, reason: str, retry_in: float | None = None, again: bool = False, then: str | None = None) -> None:
         """`reason` is what happened, in words; with `retry_in` it is said as it is, followed by when
-        the next attempt comes, rather than as "<what> unreachable (reason)". `again`: said even if
-        already not live (the source knows the failure changed in kind)."""
+        the next attempt comes, rather than as "<what> unreachable (reason)"; with `then`, followed by
+        that instead (a fault that is not the remote end's, such as its configuration). `again`: said
+        even if already not live (the source knows the failure changed in kind)."""
         if self.live_now or self.last_error is None or again:
             meanwhile = (
                 "serving the last known endpoints (stale)" if self.loaded
                 else "not loaded yet: serving without it (--startup-timeout passed)" if self.store.ready
                 else "not loaded yet: nothing is answered to Envoy until it is (Envoy keeps what it has)"
             )  # fmt: skip
-            if retry_in is not None:
+            if then is not None:
+                log.warning("%s: %s; %s; %s", self.name, reason, meanwhile, then)
+            elif retry_in is not None:
                 log.warning("%s: %s; %s; reconnecting in %.1f s", self.name, reason, meanwhile, retry_in)
             else:
                 log.warning("%s: %s unreachable (%s); %s%s", self.name, self.what, reason, meanwhile,
@@ -264,6 +367,11 @@ class Liveness:
         self.live_now = False
         self.last_error = reason
         self.store.mark_stale(self.name, True)
+
+    def refused(self, reason: str) -> None:
+        """Input refused while connected (the last good state stays): said as `last_error` on the
+        status, `/readyz` and the metrics until the next good input."""
+        self.last_error = reason
 
     def status(self, **details: Any) -> SourceStatus:
         return SourceStatus(self.name, self.loaded, self.live_now, self.last_error, details)

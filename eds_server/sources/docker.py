@@ -1,9 +1,10 @@
 """Docker as a source: list labelled containers once, then follow the engine's event stream.
 
 aiodocker's event stream neither reconnects nor times out, so each connection gets a fresh client,
-an idle stream is checked with a bounded ping, and the containers are listed again after every
-reconnect and on a slow periodic resync (the engine keeps only a short event history). While the
-engine is away the last known endpoints keep being served, marked stale.
+an engine quiet for a second is pinged with a short timeout (a frozen engine keeps its socket open
+and answers nothing: it is found within 5 s, as a stopped one is), and the containers are listed
+again after every reconnect and on a slow periodic resync (the engine keeps only a short event
+history). While the engine is away or hung the last known endpoints keep being served, marked stale.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
 import aiodocker
 
 from ..model import Group
 from ..store import Store
-from .base import Backoff, Debounce, Followed, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Debounce, Followed, Heartbeat, Hung, Liveness, SourceStatus, WarnOnce
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
 log = logging.getLogger("eds_server.sources.docker")
@@ -46,19 +47,17 @@ class EngineFollower(Followed):
             return None
         if event is None:
             raise EngineGone("event stream ended")
+        if self.heartbeat is not None:
+            self.heartbeat.beat()  # news from the engine: no ping needed for now
         return cast(Mapping[str, Any], event)
 
-    async def _upkeep(self, docker: aiodocker.Docker, pending: Debounce, now: float, last_seen: float) -> float:
-        """After each wait: publish a settled change, ping an engine quiet for a ping interval (a
-        half-open connection fails there), re-list when a resync is due. Returns the last-seen time."""
+    async def _upkeep(self, docker: aiodocker.Docker, pending: Debounce, now: float) -> None:
+        """After each wait: publish a settled change, re-list when a resync is due. (An engine that
+        stops answering is the heartbeat's to find.)"""
         if pending.due(now):
             self.publish()
-        if now - last_seen >= self.ping_interval:
-            await self._request(docker.version())
-            last_seen = now
         if self.last_sync is not None and now - self.last_sync >= self.resync_interval:
             await self.relist(docker)
-        return last_seen
 
     name = "engine"
     what = "engine"  # for log lines
@@ -71,7 +70,8 @@ class EngineFollower(Followed):
         host: str | None = None,
         debounce: float = 0.05,
         resync_interval: float = 60.0,
-        ping_interval: float = 10.0,
+        ping_interval: float = 1.0,
+        ping_timeout: float = 2.0,
         request_timeout: float = 10.0,
     ) -> None:
         self.store = store
@@ -79,9 +79,10 @@ class EngineFollower(Followed):
         self.host = host
         self.debounce = debounce
         self.resync_interval = max(30.0, resync_interval)
-        self.ping_interval = ping_interval
+        self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.request_timeout = request_timeout
         self.liveness = Liveness(store, self.name, self.what)
+        self.heartbeat: Heartbeat | None = None  # the current connection's
         self.last_sync: float | None = None
         self.warnings = WarnOnce(log)  # per container or service
         store.add_source(self.name)
@@ -127,8 +128,14 @@ class EngineFollower(Followed):
             docker: aiodocker.Docker | None = None
             try:
                 # DOCKER_HOST first, as the docker CLI does (aiodocker alone prefers the context).
-                docker = aiodocker.Docker(url=self.host or os.environ.get("DOCKER_HOST") or None)
-                await self._follow(docker, stop, backoff)
+                url = self.host or os.environ.get("DOCKER_HOST") or None
+                docker = aiodocker.Docker(url=url)
+                self.heartbeat = Heartbeat(_pinger(docker), f"the engine at {url or 'its default socket'}",
+                                           every=self.ping_interval, timeout=self.ping_timeout)  # fmt: skip
+                async with self.heartbeat.watching():
+                    await self._follow(docker, stop, backoff)
+            except Hung as e:
+                self._lost(str(e))
             except AssertionError:  # aiodocker's way of saying it found no engine address
                 self._lost("no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock")
             except aiodocker.DockerError as e:
@@ -144,6 +151,15 @@ class EngineFollower(Followed):
 
     def _lost(self, reason: str) -> None:
         self.liveness.lost(with_fix(reason))
+
+
+def _pinger(docker: aiodocker.Docker) -> Callable[[], Awaitable[object]]:
+    """GET /version: a cheap request the engine answers from memory, through aiodocker's public API."""
+
+    async def ping() -> object:
+        return await docker.version()
+
+    return ping
 
 
 def with_fix(reason: str) -> str:
@@ -250,15 +266,12 @@ class DockerSource(EngineFollower):
         self._connected(backoff, len(self._inspects), "containers")
         loop = asyncio.get_running_loop()
         pending = Debounce(self.debounce)
-        last_seen = loop.time()
         while not stop.is_set():
             event = await self._next_event(subscriber, pending.timeout(loop.time(), self.ping_interval))
             now = loop.time()
-            if event is not None:
-                last_seen = now
-                if await self.handle(docker, event):
-                    pending.changed(now)
-            last_seen = await self._upkeep(docker, pending, now, last_seen)
+            if event is not None and await self.handle(docker, event):
+                pending.changed(now)
+            await self._upkeep(docker, pending, now)
 
 
 async def _close(docker: aiodocker.Docker) -> None:

@@ -7,6 +7,11 @@ is no longer kept, so the kind is listed again and the listing replaces what we 
 with jittered backoff; meanwhile the last endpoints keep being served, marked stale. Nothing is
 handed to the store before every kind has been listed once, so Envoy never sees a half-read cluster.
 
+An API server that stops answering with its connections open (a frozen process: a watch looks
+just like a quiet one) is found by a heartbeat: once nothing was heard for a second, GET /livez
+with two seconds to answer (any status counts); unanswered, every list and watch in flight is ended
+and the source is marked stale, within 5 s of the freeze, as for a server that went away.
+
 A backoff grows to 30 s during a long outage, and the server's return should not wait that out: while
 the API server is away it is probed (GET /readyz, short timeout) about once a second, and the wait
 ends once it answers again. The configuration's files (kubeconfig, the certificates it names) are
@@ -32,8 +37,21 @@ from typing import Any
 
 import aiohttp
 
+from ..ratelimit import LogBudget
 from ..store import Store
-from .base import Backoff, Comeback, FileStamps, Followed, Liveness, SharedProbe, SourceStatus, WarnOnce, pause
+from .base import (
+    Backoff,
+    Comeback,
+    FileStamps,
+    Followed,
+    Heartbeat,
+    Hung,
+    Liveness,
+    SharedProbe,
+    SourceStatus,
+    WarnOnce,
+    pause,
+)
 from .kubernetes_map import (
     REGION_LABEL,
     KubernetesOptions,
@@ -83,21 +101,70 @@ class Unauthorized(ApiError):
     """401: the credentials are no longer accepted (rotated, expired): load the configuration again."""
 
 
+class ConfigProblem(Exception):
+    """The Kubernetes configuration cannot be used (a kubeconfig that is not YAML, a CA file that does
+    not exist...): said in one line naming the file, as the operator's to fix, not the API server's."""
+
+
 async def make_client(options: KubernetesOptions) -> Any:
-    """An ApiClient from --kubeconfig, else KUBECONFIG, else in-cluster, else ~/.kube/config."""
+    """An ApiClient from --kubeconfig, else KUBECONFIG, else in-cluster, else ~/.kube/config;
+    ConfigProblem when the configuration found cannot be used."""
     from kubernetes_asyncio import client, config  # imported only when Kubernetes is followed (~1 s)
 
     logging.getLogger("kubernetes_asyncio").setLevel(logging.ERROR)  # our own warning says it, once
 
     cfg = client.Configuration()
-    if options.kubeconfig:
-        await config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
-    elif in_cluster():
-        # try_refresh_token: the service account token file is read again every minute (it rotates)
-        config.load_incluster_config(client_configuration=cfg, try_refresh_token=True)  # type: ignore[no-untyped-call]
-    else:
-        await config.load_kube_config(client_configuration=cfg)
+    files = config_files(options)
+    try:
+        if options.kubeconfig:
+            await config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
+        elif in_cluster():
+            # try_refresh_token: the service account token file is read again every minute (it rotates)
+            config.load_incluster_config(client_configuration=cfg, try_refresh_token=True)  # type: ignore[no-untyped-call]
+        else:
+            await config.load_kube_config(client_configuration=cfg)
+    except Exception as e:
+        raise ConfigProblem(config_problem(e, files)) from None
     return client.ApiClient(cfg)
+
+
+def config_problem(e: BaseException, files: list[str]) -> str:
+    """What is wrong with the configuration, in one line naming the file (the library's words run over
+    several lines, and some, such as a TypeError for an empty file, say nothing of the file)."""
+    import yaml
+
+    where = ", ".join(files) or "the in-cluster service account (/var/run/secrets/kubernetes.io/serviceaccount)"
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing and len(missing) == len(files):
+        return f"{where}: no such file"
+    mark = getattr(e, "problem_mark", None)
+    if isinstance(e, yaml.YAMLError) and mark is not None:
+        problem = getattr(e, "problem", None) or "syntax error"
+        return f"{mark.name}:{mark.line + 1}:{mark.column + 1}: not YAML: {problem}"
+    if isinstance(e, yaml.YAMLError):
+        return f"{where}: not YAML: {_one_line(str(e))}"
+    text = _one_line(str(e))
+    if text.startswith("File does not exists: "):  # the library's words for a CA, certificate or key file
+        return f"{where} names a file that does not exist: {text.removeprefix('File does not exists: ')}"
+    if isinstance(e, TypeError | AttributeError | KeyError):  # an empty file, or not a mapping
+        return f"{where}: not a kubeconfig (empty, or not a mapping of clusters, users and contexts)"
+    return f"{where}: {text or type(e).__name__}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def missing_configuration(kubeconfig: str | None) -> str | None:
+    """Why --kubernetes can never work as started, or None: no --kubeconfig, not in a cluster, and no
+    kubeconfig file where KUBECONFIG or the default (~/.kube/config) says."""
+    if kubeconfig or in_cluster():
+        return None
+    files = config_files(KubernetesOptions())
+    if any(os.path.exists(f) for f in files):
+        return None
+    return (f"no Kubernetes configuration: not in a cluster (KUBERNETES_SERVICE_HOST is not set), no --kubeconfig, "
+            f"and no {' or '.join(files) or 'kubeconfig'}: give --kubeconfig FILE or set KUBECONFIG")  # fmt: skip
 
 
 def in_cluster() -> bool:
@@ -123,6 +190,8 @@ def cert_files(api: Any) -> list[str]:
 
 def describe(kind: Kind, e: BaseException, request: str = "request") -> str:
     """What went wrong, in words an operator can act on, rather than an exception's repr."""
+    if isinstance(e, Hung):
+        return f"{kind.name}: {e}"
     if isinstance(e, Unauthorized):
         return f"{kind.name}: the API server refused our credentials (401): {_after_status(e)}"
     if isinstance(e, ApiError):
@@ -194,6 +263,7 @@ class KubernetesSource(Followed):
         self.watch_timeout = watch_timeout
         self.probe_every, self.probe_timeout, self.backoff = probe_every, probe_timeout, backoff
         self.probe = SharedProbe(self._probe, fresh=probe_every / 2)
+        self.heartbeat = Heartbeat(self._pulse, "the API server", every=probe_every, timeout=probe_timeout)
         self._answering = True  # the last probe's answer, to say once that the server is back
         self.liveness = Liveness(store, self.name, "the API server")
         self.watches_open = 0
@@ -217,6 +287,7 @@ class KubernetesSource(Followed):
         self._api: Any = None
         self._loaded_at = 0.0
         self._reload_lock = asyncio.Lock()
+        self._reloads_said = LogBudget(log, most=1, window=300.0)
         self._stamps = FileStamps(config_files(options))  # the configuration's files as last loaded
         self.loads = 0  # configurations loaded (one more per rotation), for tests
         store.add_source(self.name)
@@ -339,13 +410,17 @@ class KubernetesSource(Followed):
             try:
                 await self._reload()
             except Exception as e:  # no usable configuration (yet): say so, retry (at once if rewritten)
-                self._failed(None, f"no Kubernetes configuration: {type(e).__name__}: {e}")
-                await pause(backoff.next(), stop, self._config_changed, self.probe_every)
+                reason = f"configuration error: {e if isinstance(e, ConfigProblem) else _one_line(f'{e!r}')}"
+                delay = backoff.next()
+                self.liveness.lost(reason, again=reason != self.liveness.last_error,
+                                   then=f"loaded again when its files change, or in {delay:.0f} s")  # fmt: skip
+                await pause(delay, stop, self._config_changed, self.probe_every)
         if self._api is None:
             return
         try:
             tasks = [asyncio.create_task(self._follow(kind, ns, stop)) for kind, ns in self._scopes]
             tasks.append(asyncio.create_task(self._publisher(stop)))
+            tasks.append(asyncio.create_task(self.heartbeat.run(stop)))
             try:
                 await asyncio.gather(*tasks)
             finally:
@@ -372,10 +447,13 @@ class KubernetesSource(Followed):
             stamps = FileStamps([*files, *cert_files(api)])
             stamps.seen = before.seen + stamps.seen[len(files) :]
             old, self._api, self._loaded_at, self._stamps = self._api, api, now, stamps
+            self.heartbeat.what = f"the API server at {api.configuration.host}"
             self.loads += 1
-            if old is not None:
-                log.info("%s: configuration loaded again (%s); watches resume with it", self.name,
-                         "its files changed" if changed else "the credentials were refused")  # fmt: skip
+            if old is not None and changed:
+                log.info("%s: configuration loaded again (its files changed); watches resume with it", self.name)
+            elif old is not None:  # every 10 s for as long as a 401 lasts: said now and then, with a count
+                self._reloads_said.log(logging.INFO, "%s: configuration loaded again (the credentials were "
+                                       "refused); watches resume with it", self.name)  # fmt: skip
                 await old.close()  # watches on it end and resume on the new one
 
     async def _config_changed(self) -> bool:
@@ -397,6 +475,12 @@ class KubernetesSource(Followed):
             log.info("%s: the API server answers again; reconnecting now", self.name)
         self._answering = answered
         return answered
+
+    async def _pulse(self) -> None:
+        """GET /livez, for the heartbeat: any status is an answer (it asks only whether the server is
+        there; what it refuses is the real requests' to say)."""
+        resp = await self._api.call_api("/livez", "GET", auth_settings=["BearerToken"], _preload_content=False)
+        resp.release()
 
     async def _publisher(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -445,12 +529,14 @@ class KubernetesSource(Followed):
             request = "list" if version is None else "watch"
             try:
                 if version is None:
-                    version = await self._list(kind, namespace)
+                    async with self.heartbeat.guard():
+                        version = await self._list(kind, namespace)
                     self._listed.add(scope)
                     self._recovered(scope)
                     self._changed.set()  # the first full listing is published even if empty
                 started, request = asyncio.get_running_loop().time(), "watch"
-                version = await self._watch(kind, namespace, version, backoff, comeback)
+                async with self.heartbeat.guard():
+                    version = await self._watch(kind, namespace, version, backoff, comeback)
                 if asyncio.get_running_loop().time() - started > 1.0:
                     continue  # the server ended the watch (its timeout): resume from `version`
                 # ended at once: the server may be going away; resume after a pause
@@ -495,6 +581,7 @@ class KubernetesSource(Followed):
             path, "GET", query_params=query, header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
         )  # fmt: skip
+        self.heartbeat.beat()
         if resp.status == 410:
             resp.release()
             raise Gone()
@@ -544,6 +631,7 @@ class KubernetesSource(Followed):
             backoff.reset()
             comeback.reset()
             async for line in resp.content:
+                self.heartbeat.beat()
                 if not line.strip():
                     continue
                 event = json.loads(line)

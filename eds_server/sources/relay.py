@@ -9,7 +9,14 @@ versions, and nothing is sent to it again.
 Fail static, as every source: a name the upstream has not answered yet is not answered at all
 (the store withholds it); while the upstream is away the last state is served, marked stale, and
 the reconnect says which versions the relay holds (`initial_resource_versions`), so only what
-changed meanwhile comes back.
+changed meanwhile comes back. An upstream that stops answering with the connection open (a frozen
+process) is found by a heartbeat: a gRPC health check, two seconds to answer, once the upstream was
+quiet for a second.
+
+Only real answers count: a DeltaDiscoveryResponse of the ClusterLoadAssignment type, with a nonce,
+whose every resource is an assignment for a name the relay asked for, under that name. Anything else
+is NACKed and nothing of it is applied; an upstream that keeps sending such things is dropped and
+retried after a backoff. The relay is loaded (ready) only after a real answer.
 """
 
 from __future__ import annotations
@@ -21,15 +28,16 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..decode import DecodeError, decode_group
 from ..protowire import fields, length_delimited, string_field, text, varint
+from ..ratelimit import LogBudget
 from ..store import Relayed, Store
 from ..xds.common import EDS_TYPE_URL
-from .base import Backoff, Liveness, SourceStatus
+from .base import Backoff, Heartbeat, Hung, Liveness, SourceStatus
 
 if TYPE_CHECKING:
     from grpclib.client import Channel, Stream
@@ -37,8 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("eds_server.sources.relay")
 
 DELTA_PATH = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
 LINGER = 60.0  # seconds a name stays subscribed upstream after its last follower left
 NACK_CODE_INVALID_ARGUMENT = 3
+REFUSED_IN_A_ROW = 3  # responses refused one after another before the connection is dropped
+
+
+class Junk(Exception):
+    """The upstream keeps sending what is not an EDS answer: the connection is dropped."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,7 @@ class Subscriptions:
         self.dropped: dict[str, float] = {}  # name -> when its last follower left
         self._told: set[str] = set()  # subscribed on the current connection
         self._untold_removals: set[str] = set()  # unsubscribed here, not yet upstream
+        self.asked: set[str] = set()  # ever subscribed on the current connection (answers may cross removals)
 
     def follow(self, added: Iterable[str], removed: Iterable[str], now: float) -> None:
         for name in added:
@@ -116,12 +131,14 @@ class Subscriptions:
         subscribe = [n for n in self.wanted if n not in self._told]
         unsubscribe = sorted(self._untold_removals)
         self._told.update(subscribe)
+        self.asked.update(subscribe)
         self._untold_removals.clear()
         return subscribe, unsubscribe
 
     def reconnected(self) -> None:
         self._told.clear()
         self._untold_removals.clear()
+        self.asked.clear()
 
 
 def encode_request(
@@ -153,34 +170,55 @@ class Received:
 
 
 def decode_response(data: bytes) -> Received:
-    """ValueError (DecodeError) for a response that is not an EDS delta response."""
+    """ValueError (DecodeError) for a response that is not a well-formed EDS delta response: a type
+    other than ClusterLoadAssignment or none, no nonce, a resource without a name, a version or an
+    assignment, or an assignment whose cluster_name is not the resource's name (Envoy would reject it)."""
     resources: list[tuple[str, str, bytes]] = []
     removed: list[str] = []
-    nonce, type_url = "", ""
+    nonce, type_url = "", None
     for number, value in fields(data):
         if number == 2:
-            name, version, body = "", "", b""
-            for n2, v2 in fields(_bytes(value)):
-                if n2 == 3:
-                    name = text(v2)
-                elif n2 == 1:
-                    version = text(v2)
-                elif n2 == 2:  # Any{type_url (1), value (2)}
-                    for n3, v3 in fields(_bytes(v2)):
-                        if n3 == 1 and text(v3) != EDS_TYPE_URL:
-                            raise DecodeError(f"resource {name or '?'}: type {text(v3)!r}, not EDS")
-                        if n3 == 2:
-                            body = bytes(_bytes(v3))
-            resources.append((name, version, body))
+            resources.append(_resource(_bytes(value)))
         elif number == 4:
             type_url = text(value)
         elif number == 6:
             removed.append(text(value))
         elif number == 5:
             nonce = text(value)
-    if type_url not in ("", EDS_TYPE_URL):
-        raise DecodeError(f"response of type {type_url!r}, not EDS")
+    if type_url != EDS_TYPE_URL:
+        raise DecodeError(f"response of type {type_url!r}, not EDS" if type_url else "response without a type_url")
+    if not nonce:
+        raise DecodeError("response without a nonce")
     return Received(tuple(resources), tuple(removed), nonce)
+
+
+def _resource(data: memoryview) -> tuple[str, str, bytes]:
+    """One Resource{name (3), version (1), resource (2): Any{type_url, value}} -> (name, version, CLA)."""
+    name, version, body, type_url = "", "", None, None
+    for number, value in fields(data):
+        if number == 3:
+            name = text(value)
+        elif number == 1:
+            version = text(value)
+        elif number == 2:
+            for n2, v2 in fields(_bytes(value)):
+                if n2 == 1:
+                    type_url = text(v2)
+                elif n2 == 2:
+                    body = bytes(_bytes(v2))
+    if not name:
+        raise DecodeError("a resource without a name")
+    if type_url != EDS_TYPE_URL:
+        raise DecodeError(f"resource {name}: type {type_url!r}, not EDS" if type_url else f"resource {name}: no type")
+    if not version or body is None:
+        raise DecodeError(f"resource {name}: no {'version' if not version else 'assignment'}")
+    cluster_name = ""
+    for number, value in fields(body):  # the whole top level: a truncated assignment is refused here
+        if number == 1:
+            cluster_name = text(value)
+    if cluster_name != name:
+        raise DecodeError(f"resource {name}: its assignment is for cluster {cluster_name!r}")
+    return name, version, body
 
 
 def _bytes(value: int | memoryview) -> memoryview:
@@ -202,6 +240,9 @@ class RelaySource:
         self.liveness = Liveness(store, self.name, f"upstream eds-server {options.target}")
         self.responses = 0  # answers taken from the upstream, for tests and status
         self.nacks = 0
+        self.heartbeat: Heartbeat | None = None  # the current connection's
+        self._subscribed = False  # the current connection's first request was sent
+        self._refusals = LogBudget(log)  # a junk upstream sends thousands a second: a few lines a minute
         self._wake = asyncio.Event()
         store.add_source(self.name)
         store.withholds = True
@@ -232,11 +273,17 @@ class RelaySource:
         where: dict[str, Any] = {"path": o.path} if o.path is not None else {"host": o.host, "port": o.port}
         while not stop.is_set():
             channel = Channel(**where, ssl=o.ssl_context(), codec=PassThroughCodec(), config=config)
+            self._subscribed = False
+            self.heartbeat = Heartbeat(_health_check(channel), f"the upstream eds-server {o.target}",
+                                       replied=self._vouched)  # fmt: skip
             try:
-                await self._follow(channel, stop, backoff)
+                async with self.heartbeat.watching():
+                    await self._follow(channel, stop, backoff)
                 reason = "the upstream ended the stream"
             except asyncio.CancelledError:
                 raise
+            except (Hung, Junk) as e:
+                reason = str(e)
             except Exception as e:  # every failure of the upstream is a reconnect
                 reason = _why(e)
             finally:
@@ -251,11 +298,13 @@ class RelaySource:
         from grpclib.const import Cardinality
 
         self.subs.reconnected()
+        refused = 0  # responses refused one after another on this connection
         outbox: list[bytes] = []  # ACKs and NACKs, sent by the one writer (messages must not interleave)
         async with channel.request(DELTA_PATH, Cardinality.STREAM_STREAM, bytes, bytes) as stream:
             subscribe, _ = self.subs.request()
             await stream.send_message(encode_request(self.node_id, subscribe=subscribe,
                                                      initial_versions=self._held(subscribe), node=True))  # fmt: skip
+            self._subscribed = True
             writer = asyncio.create_task(self._write(stream, stop, outbox))
             try:
                 while True:
@@ -268,10 +317,17 @@ class RelaySource:
                     data = reading.result()
                     if data is None:
                         return
+                    if self.heartbeat is not None:
+                        self.heartbeat.beat()
                     nonce, nack = self._take(data)
                     if nack is None:
+                        refused = 0
                         backoff.reset()
                         self.liveness.live()
+                    else:
+                        refused += 1
+                        if refused >= REFUSED_IN_A_ROW:
+                            raise Junk(f"{refused} responses in a row were not EDS answers, the last: {nack}")
                     outbox.append(encode_request(self.node_id, nonce=nonce, error=nack))
                     self._wake.set()
             finally:
@@ -304,6 +360,13 @@ class RelaySource:
                 for w in waits:
                     w.cancel()
 
+    def _vouched(self) -> None:
+        """The upstream replied to a health check sent after our subscriptions on the same connection:
+        it read them, and owes no answer for the versions held (they are current). Without this a
+        reconnect to an upstream with nothing new stays stale until the next change."""
+        if self._subscribed and self.liveness.loaded and not self.liveness.live_now:
+            self.liveness.live()
+
     def _held(self, names: Iterable[str]) -> dict[str, str]:
         """The versions held of `names`: told to the upstream, which sends only those that differ."""
         held = self.store.resources()
@@ -314,6 +377,9 @@ class RelaySource:
         in which case nothing of it is applied)."""
         try:
             received = decode_response(data)
+            unasked = [name for name, _, _ in received.resources if name not in self.subs.asked]
+            if unasked:
+                raise DecodeError(f"resources the relay did not ask for: {', '.join(sorted(unasked)[:5])}")
         except ValueError as e:
             return "", self._rejected(e)
         now = time.monotonic()
@@ -327,8 +393,23 @@ class RelaySource:
 
     def _rejected(self, e: Exception) -> str:
         self.nacks += 1
-        log.warning("%s: rejected a response of the upstream (the last good state stays): %s", self.name, e)
+        reason = f"refused a response of the upstream: {e}"
+        self.liveness.refused(reason)
+        self._refusals.log(logging.WARNING, "%s: %s (nothing of it is applied)", self.name, reason)
         return str(e)
+
+
+def _health_check(channel: Channel) -> Callable[[], Awaitable[object]]:
+    """grpc.health.v1 Check on the relay's own connection: any answer, NOT_SERVING or an error
+    status included, says the upstream is there."""
+    from grpclib.client import UnaryUnaryMethod
+
+    check: UnaryUnaryMethod[bytes, bytes] = UnaryUnaryMethod(channel, HEALTH_CHECK_PATH, bytes, bytes)
+
+    async def probe() -> object:
+        return await check(b"")
+
+    return probe
 
 
 def _why(e: BaseException) -> str:
@@ -337,8 +418,8 @@ def _why(e: BaseException) -> str:
 
     if isinstance(e, GRPCError):
         return f"the upstream answered {e.status.name}: {e.message or ''}".rstrip(": ")
-    if isinstance(e, StreamTerminatedError):
-        return "the upstream reset the stream"
+    if isinstance(e, StreamTerminatedError):  # its words: "Connection lost", "Received RST_STREAM ..."
+        return f"the upstream ended the stream ({e})" if str(e) else "the upstream reset the stream"
     if isinstance(e, ConnectionRefusedError):
         return "connection refused"
     if isinstance(e, ssl.SSLError):

@@ -377,7 +377,7 @@ class SwarmSource(EngineFollower):
         self._connected(backoff, len(self._services), "services")
         loop = asyncio.get_running_loop()
         pending = Debounce(self.debounce)
-        last_seen = next_poll = loop.time()
+        next_poll = loop.time()
         while not stop.is_set():
             now = loop.time()
             timeout = pending.timeout(now, self.ping_interval)
@@ -385,18 +385,15 @@ class SwarmSource(EngineFollower):
                 timeout = min(timeout, next_poll - now)
             event = await self._next_event(subscriber, timeout)
             now = loop.time()
-            if event is not None:
-                last_seen = now
-                if await self.handle(docker, event):
-                    pending.changed(now)
+            if event is not None and await self.handle(docker, event):
+                pending.changed(now)
             if self._hot and now >= next_poll:
                 next_poll = now + self.poll_interval
                 if await self._poll_hot(docker):
                     pending.changed(now)
-                last_seen = now
             elif not self._hot:
                 next_poll = now
-            last_seen = await self._upkeep(docker, pending, now, last_seen)
+            await self._upkeep(docker, pending, now)
 
 
 def _updating(service: Mapping[str, Any]) -> bool:

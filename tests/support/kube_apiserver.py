@@ -10,6 +10,7 @@ authorization is RBAC, so a test can also try a least-privilege ServiceAccount.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -156,6 +157,17 @@ class KubeCluster:
 
     def stop_apiserver(self) -> None:
         _stop(self.kas)
+
+    @contextlib.contextmanager
+    def apiserver_frozen(self) -> Iterator[None]:
+        """SIGSTOP kube-apiserver for the block, SIGCONT after (whatever happens): its port accepts,
+        its open watches stay open, nothing answers."""
+        assert self.kas is not None and self.kas.poll() is None
+        self.kas.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.kas.send_signal(signal.SIGCONT)
 
     def start_controller_manager(self) -> None:
         """The real EndpointSlice controller: Pods + Services -> EndpointSlices, as on a cluster."""

@@ -12,6 +12,8 @@ side: no failed request while the backends are alive, and the cluster is never e
 2. The engine stopped and started: (a) with ``--live-restore`` the backends keep running: zero failures;
    (b) without it they die with the engine and come back (``--restart always``): the cluster keeps its
    hosts while the engine is away, and requests fail only while the backends are really down.
+3. The engine frozen (SIGSTOP): its socket stays open and nothing answers; it is said stale within the
+   stated bound, Envoy keeps every host, and it is followed again after SIGCONT.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ import pytest
 from tests.support.docker_engine import DockerEngine, _skip_or_fail, arun_backend
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.fault_watch import FaultWatch
+from tests.support.hung_peer import frozen_is_said, wait_source
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess, RunAs
 from tests.support.waiting import wait_for
@@ -270,3 +274,38 @@ async def test_engine_stop_start_without_live_restore(plain_engine: DockerEngine
     assert not [r for r in watch.failed() if not first_down <= r.t <= live]
     assert not [s for s in watch.samples if s.hosts == 0 and not first_down <= s.t <= live]
     assert watch.host_counts()[None] == 0
+
+
+# -- 3. the engine frozen -----------------------------------------------------------------------------
+
+
+async def test_engine_frozen_is_said_stale_within_the_bound_and_envoy_keeps_its_hosts(
+    docker_cleanup: DockerEngine, tmp_path: Path
+) -> None:
+    """dockerd and containerd SIGSTOPped: the socket still accepts, nothing answers, the backends keep
+    running. The source is said stale within the stated bound (/v1/sources, /readyz, /metrics) while
+    Envoy keeps its hosts (no failed request), and follows the engine again after SIGCONT."""
+    engine = docker_cleanup
+    first, second = await backend(engine, "fz-1"), await backend(engine, "fz-2")
+    async with (
+        EdsServerProcess(None, "--docker", "--docker-host", engine.host, workdir=tmp_path) as server,
+        envoy_on(server, {first, second}) as envoy,
+        FaultWatch(envoy, server, backends=(first, second)) as watch,
+    ):
+        await wait_source(server, "docker", stale=False, timeout=15)
+        await asyncio.sleep(1.0)
+        with engine.frozen():
+            frozen_at = time.monotonic()
+            watch.mark("engine frozen (SIGSTOP)")
+            took = await frozen_is_said(server, "docker", frozen_at)
+            watch.mark(f"said stale {took:.1f} s after the freeze")
+            await asyncio.sleep(3.0)  # stays stale, and served, while frozen
+            await wait_source(server, "docker", stale=True, timeout=1)
+        watch.mark("engine thawed (SIGCONT)")
+        await wait_source(server, "docker", stale=False, timeout=15)
+        watch.mark("source live again")
+        third = await backend(engine, "fz-3")
+        await wait_hosts(envoy, {first, second, third})
+        watch.mark("Envoy has all three")
+    watch.assert_held("engine frozen with SIGSTOP and thawed")
+    assert "did not answer within" in server.log_text()

@@ -20,6 +20,7 @@ from eds_server.sources.swarm import SwarmSource
 from eds_server.store import Store
 from tests.support.docker_engine import DockerEngine, backend_script
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.hung_peer import HUNG_BOUND
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
 from tests.support.waiting import wait_for
@@ -145,3 +146,25 @@ async def test_swarm_through_the_cli_to_a_real_envoy(swarm: DockerEngine, tmp_pa
             assert await envoy.update_rejected("web") == 0
         sources = {s["name"]: s for s in (await server.admin("/v1/sources"))["sources"]}
         assert sources["swarm"]["connected"] and sources["swarm"]["loaded"]
+
+
+async def test_a_frozen_manager_is_found_within_the_bound_and_followed_again(swarm: DockerEngine) -> None:
+    """The manager's dockerd and containerd SIGSTOPped (Swarm shares the Docker source's heartbeat):
+    stale within the bound with the endpoints kept, followed again after SIGCONT."""
+    port = free_port()
+    async with _harness(swarm) as h:
+        await h.service("web-frozen", port)
+        await h.wait(lambda e: set(e) == {port} and e[port].health == Health.HEALTHY)
+        await wait_for(lambda: h.source.connected, lambda c: c, timeout=10, interval=0.1, what="following")
+        with swarm.frozen():
+            loop = asyncio.get_running_loop()
+            frozen_at = loop.time()
+            await wait_for(lambda: h.source.connected, lambda c: not c, timeout=HUNG_BOUND, interval=0.1,
+                           what="the frozen manager noticed")  # fmt: skip
+            print(f"\nstale {loop.time() - frozen_at:.1f} s after the freeze: {h.source.last_error}")
+            assert h.store.is_stale("web") and set(h.endpoints()) == {port}
+            assert "did not answer within 2 s" in str(h.source.last_error)
+        await wait_for(lambda: h.source.connected, lambda c: c, timeout=30, interval=0.1, what="following again")
+        assert not h.store.is_stale("web") and set(h.endpoints()) == {port}
+        await h.docker("service", "rm", "web-frozen")
+        await h.wait(lambda e: not e)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import pytest
 from tests.support.backends import Backend, http_backends
 from tests.support.envoy_harness import ApiType, EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.fault_watch import FaultWatch
+from tests.support.hung_peer import frozen_is_said, wait_source
+from tests.support.junk_h2 import junk_upstream
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess, write_atomically
 from tests.support.waiting import wait_for
@@ -190,3 +194,67 @@ async def test_relay_over_mtls_to_an_origin_that_requires_client_certificates(
             async with envoy:
                 await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
                 assert (await relay.admin("/v1/groups/web"))["version"] == await origin_version(origin, "web")
+
+
+@pytest.mark.parametrize("random_bytes", [False, True], ids=["junk-grpc", "random-bytes"])
+async def test_relay_pointed_at_junk_is_never_ready_and_says_why_in_few_lines(
+    tmp_path: Path, random_bytes: bool
+) -> None:
+    """An upstream streaming junk gRPC messages (empty ones, random bytes, another type) or answering
+    with random bytes: the relay never loads (503, not ready), /readyz and /v1/sources name the last
+    error, and the log has a few lines, not one per message."""
+    async with junk_upstream(random_bytes=random_bytes) as junk:
+        relay = EdsServerProcess(None, "--upstream-eds", f"127.0.0.1:{junk.port}", workdir=tmp_path)
+        await relay.start(wait_ready=False)
+        try:
+            ready = await wait_for(lambda: relay.admin("/readyz"),
+                                   lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"])  # fmt: skip
+            await asyncio.sleep(8.0)  # thousands of junk messages, several reconnects
+            ready = await relay.admin("/readyz")
+            source = (await relay.admin("/v1/sources"))["sources"][0]
+        finally:
+            await relay.stop()
+    log = relay.log_text()
+    warnings = [line for line in log.splitlines() if "WARNING" in line]
+    print(f"\n{junk.connections} connections, {junk.sent} junk messages sent, {len(warnings)} warnings; "
+          f"last_error: {source['last_error']}")
+    assert not ready["ready"] and ready["waiting_for"][0]["last_error"], ready
+    assert source["last_error"] and not source["loaded"], source
+    assert "all sources loaded" not in log
+    assert len(warnings) <= 12, "\n".join(warnings[:20])
+    if not random_bytes:
+        assert junk.connections > 1 and junk.sent >= 6 and "refused a response of the upstream" in log
+        assert "not EDS answers" in source["last_error"]  # the connection was dropped for it
+
+
+async def test_a_frozen_origin_is_said_stale_within_the_bound_and_envoy_keeps_its_hosts(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
+    """The origin SIGSTOPped: its connection stays open and nothing answers. The relay says it is stale
+    within the stated bound (/v1/sources, /readyz, /metrics), Envoy keeps both hosts and no request
+    fails; after SIGCONT the relay follows it again and a change reaches Envoy."""
+    async with tiers(tmp_path, backends, "DELTA_GRPC") as (origin, relay, envoy, path):
+        source = f"upstream-eds:127.0.0.1:{origin.port}"
+        await wait_source(relay, source, stale=False, timeout=10)
+        assert origin.proc is not None
+        async with FaultWatch(envoy, relay, backends=[b.port for b in backends[:2]]) as watch:
+            await asyncio.sleep(1.0)
+            origin.proc.send_signal(signal.SIGSTOP)
+            try:
+                frozen_at = time.monotonic()
+                watch.mark("origin frozen (SIGSTOP)")
+                took = await frozen_is_said(relay, source, frozen_at)
+                watch.mark(f"relay said stale {took:.1f} s after the freeze")
+                await asyncio.sleep(3.0)
+                await wait_source(relay, source, stale=True, timeout=1)
+            finally:
+                origin.proc.send_signal(signal.SIGCONT)
+            watch.mark("origin thawed (SIGCONT)")
+            await wait_source(relay, source, stale=False, timeout=15)
+            watch.mark("relay live again")
+            write_atomically(path, upstreams(backends[:1], backends[2:]))
+            await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 1, timeout=15)
+            watch.mark("a change after the thaw reached Envoy")
+        print("\n" + watch.summary("origin frozen behind a relay"))
+        assert watch.failed() == []
+        assert watch.host_counts()[0] == 0 and watch.host_counts()[None] == 0

@@ -17,6 +17,7 @@ import datetime
 import json
 import re
 import ssl
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import yaml
 from tests.support.backends import Backend, serve_backend
 from tests.support.connect_proxy import ConnectProxy, http11_proxy_socket, loopback_for, pod_ip
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap
+from tests.support.hung_peer import frozen_is_said, wait_source
 from tests.support.kube_apiserver import KubeApi, KubeCluster, kube
 from tests.support.paths import ROOT
 from tests.support.ports import free_port
@@ -522,3 +524,37 @@ async def test_in_cluster_token_is_read_again(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def test_a_frozen_apiserver_is_said_stale_within_the_bound_and_envoy_keeps_its_hosts(
+    kube: KubeCluster, tmp_path: Path
+) -> None:
+    """kube-apiserver SIGSTOPped: its port accepts and the watches stay open, nothing answers (the
+    watch read timeout alone would take minutes). The source is said stale within the stated bound
+    (/v1/sources, /readyz, /metrics), Envoy keeps every host meanwhile, and after SIGCONT the source
+    follows again and a change reaches Envoy."""
+    ns, port = "frozen", free_port()
+    async with KubeApi(kube) as api:
+        await api.namespace(ns)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
+        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]))  # fmt: skip
+    async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
+        await s.wait_hosts(lambda h: len(h) == 2)
+        await wait_source(s.server, "kubernetes", stale=False, timeout=20)
+        version = await s.envoy.version_text("web")
+        with kube.apiserver_frozen():
+            frozen_at = time.monotonic()
+            took = await frozen_is_said(s.server, "kubernetes", frozen_at)
+            print(f"\nsaid stale {took:.1f} s after kube-apiserver was frozen")
+            for _ in range(5):  # frozen for 5 s more: Envoy keeps both hosts, nothing is pushed
+                await asyncio.sleep(1)
+                assert len(await s.hosts()) == 2
+        await wait_source(s.server, "kubernetes", stale=False, timeout=30)
+        assert await s.envoy.version_text("web") == version
+        async with KubeApi(kube) as api:
+            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                            {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
+        said = failure_lines(s.server.log_text())
+        assert any("did not answer within" in line for line in said), said

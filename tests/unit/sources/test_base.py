@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from eds_server.sources.base import (
     Comeback,
     Debounce,
     FileStamps,
+    Heartbeat,
+    Hung,
     Liveness,
     SharedProbe,
     SourceStatus,
@@ -165,3 +168,104 @@ def test_file_stamps_see_a_rewrite_a_replacement_and_a_removal(tmp_path: Path) -
     stamps.take()
     path.write_text("token: d")
     assert stamps.changed()
+
+
+async def test_heartbeat_ends_a_guarded_wait_when_the_peer_stops_answering() -> None:
+    """A frozen peer (a probe that never answers) ends the guarded block with Hung within every +
+    timeout; a quiet peer that answers its probes is left alone; an error is an answer."""
+    frozen = asyncio.Event()
+    answers: list[str] = []
+
+    async def probe() -> None:
+        if frozen.is_set():
+            await asyncio.Event().wait()  # never answers
+        answers.append("ok")
+        if len(answers) == 2:
+            raise OSError("refused by policy")  # still an answer: it is there
+
+    beat = Heartbeat(probe, "the peer at 127.0.0.1:1", every=0.05, timeout=0.1)
+    forever = asyncio.Event()
+    task = asyncio.create_task(asyncio.wait_for(_guarded_wait(beat, forever), 10))
+    for _ in range(200):  # the quiet peer is probed, answers, and nothing ends
+        if len(answers) >= 3:
+            break
+        await asyncio.sleep(0.02)
+    assert len(answers) >= 3 and not task.done() and beat.hangs == 0
+    frozen.set()
+    with pytest.raises(Hung, match=r"the peer at 127.0.0.1:1 did not answer within 0.1 s"):
+        await task
+    assert beat.hangs == 1
+
+
+async def _guarded_wait(beat: Heartbeat, forever: asyncio.Event) -> None:
+    async with beat.watching():
+        await forever.wait()
+
+
+async def test_heartbeat_does_not_probe_a_peer_heard_from_and_lets_other_timeouts_through() -> None:
+    probes = 0
+
+    async def probe() -> None:
+        nonlocal probes
+        probes += 1
+
+    beat = Heartbeat(probe, "peer", every=0.2, timeout=0.1)
+    async with beat.watching():
+        for _ in range(10):  # events every 50 ms: the peer is alive, no probe needed
+            beat.beat()
+            await asyncio.sleep(0.05)
+        assert probes == 0
+        with pytest.raises(TimeoutError) as caught:  # a request's own timeout is not a hang
+            async with asyncio.timeout(0.01):
+                await asyncio.Event().wait()
+        assert not isinstance(caught.value, Hung)
+
+
+async def test_heartbeat_tells_of_proper_replies_only() -> None:
+    """`replied` is for a source that learns nothing else when its peer is back with nothing new to
+    say: a proper reply calls it, an error (an answer, but not a good one) does not."""
+    replies: list[str] = []
+    failing = False
+
+    async def probe() -> None:
+        if failing:
+            raise ConnectionResetError("reset")
+
+    beat = Heartbeat(probe, "peer", every=0.02, timeout=0.5, replied=lambda: replies.append("ok"))
+    async with beat.watching():
+        for _ in range(100):
+            if replies:
+                break
+            await asyncio.sleep(0.02)
+        assert replies
+        failing = True
+        await asyncio.sleep(0.05)
+        before, probes = len(replies), beat.probes
+        for _ in range(100):
+            if beat.probes >= probes + 3:
+                break
+            await asyncio.sleep(0.02)
+        assert len(replies) == before and beat.hangs == 0  # errors: no reply, and no hang either
+
+
+async def test_heartbeat_does_not_blame_the_peer_for_our_own_busy_loop() -> None:
+    """A probe whose deadline passed while this process's loop was blocked (a long computation) is
+    asked again rather than taken as a hang; a peer that then answers is not hung."""
+    calls = 0
+
+    async def probe() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0)
+            time.sleep(0.4)  # the loop blocked past the probe's 0.1 s deadline (and the answer with it)
+            await asyncio.Event().wait()
+
+    beat = Heartbeat(probe, "peer", every=0.05, timeout=0.1)
+    async with beat.watching():
+        for _ in range(50):
+            if calls >= 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+    assert calls >= 2 and beat.hangs == 0

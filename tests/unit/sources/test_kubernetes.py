@@ -5,16 +5,22 @@ The real list+watch against kube-apiserver is in e2e/kubernetes/test_kubernetes_
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import logging
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from eds_server.encode import encode_group
 from eds_server.model import Health, Locality
-from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, KubernetesSource
+from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, ConfigProblem, KubernetesSource, make_client
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 from tests.support.paths import DATA
@@ -135,3 +141,78 @@ def test_a_missing_kubeconfig_stops_the_start(tmp_path: Path) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert f"not starting: --kubeconfig {missing}: no such file" in out.stderr
+
+
+def _kubeconfig(ca: str | None = None) -> str:
+    cluster: dict[str, Any] = {"server": "https://127.0.0.1:1"}
+    if ca is not None:
+        cluster["certificate-authority"] = ca
+    return json.dumps({"apiVersion": "v1", "kind": "Config", "current-context": "c",
+                       "clusters": [{"name": "c", "cluster": cluster}],
+                       "users": [{"name": "u", "user": {"token": "t"}}],
+                       "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]})  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("apiVersion: v1\nclusters: [\n  - name: x\n   bad: : :\n", r"kubeconfig:3:3: not YAML: expected the node content"),
+    (_kubeconfig(ca="/nonexistent/ca.crt"), r"kubeconfig names a file that does not exist: /nonexistent/ca.crt$"),
+    ("", r"kubeconfig: not a kubeconfig \(empty"),
+    (None, r"kubeconfig: no such file$"),
+])  # fmt: skip
+async def test_configuration_errors_are_named_in_one_line(tmp_path: Path, text: str | None, said: str) -> None:
+    path = tmp_path / "kubeconfig"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigProblem) as caught:
+        await make_client(KubernetesOptions(kubeconfig=str(path)))
+    assert "\n" not in str(caught.value) and re.search(said, str(caught.value)), str(caught.value)
+
+
+async def test_a_configuration_error_is_said_once_as_such_not_blamed_on_the_api_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text(_kubeconfig(ca=str(tmp_path / "ca.crt")))
+    store = Store(encode_group)
+    src = KubernetesSource(store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05), probe_every=0.05)
+    stop = asyncio.Event()
+    caplog.set_level(logging.INFO, "eds_server")
+    task = asyncio.create_task(src.run(stop))
+    await asyncio.sleep(1.0)  # many retries
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"kubernetes: configuration error: {path} names a file that does not exist: ")
+    assert "unreachable" not in said[0] and "API server" not in said[0] and "\n" not in said[0]
+    assert src.status().last_error == said[0].split("; ")[0].removeprefix("kubernetes: ")
+
+
+def test_kubernetes_without_any_configuration_outside_a_cluster_stops_the_start(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config
+    cmd = [sys.executable, "-m", "eds_server", "serve", "--kubernetes", "--listen", "127.0.0.1:0", "--admin", "off"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(lines) == 1 and "not starting: --kubernetes: no Kubernetes configuration: not in a cluster" in lines[0]
+    assert f"no {tmp_path}/.kube/config" in lines[0]
+
+
+async def test_reloads_after_refused_credentials_are_said_now_and_then(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 401 that lasts loads the configuration again every 10 s: said once, not every time."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(_kubeconfig())
+    src = KubernetesSource(Store(encode_group), KubernetesOptions(kubeconfig=str(path)))
+    caplog.set_level(logging.INFO, "eds_server")
+    try:
+        for _ in range(5):
+            src._loaded_at = -1000.0  # as if 10 s had passed since the last load
+            await src._reload()
+        assert src.loads == 5
+    finally:
+        await src._api.close()
+    said = [r.getMessage() for r in caplog.records if "configuration loaded again" in r.getMessage()]
+    assert said == ["kubernetes: configuration loaded again (the credentials were refused); watches resume with it"]

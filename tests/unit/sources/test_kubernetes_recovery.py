@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import json
 import logging
 import re
-import socket
+import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from eds_server.encode import encode_group
 from eds_server.sources.kubernetes import (
@@ -32,103 +28,10 @@ from eds_server.sources.kubernetes import (
 )
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
+from tests.support.fake_kube_api import NS, FakeApiServer, endpoint_slice, kubeconfig, run_process, service
+from tests.support.hung_peer import HUNG_BOUND
 
-NS = "fake"
 REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def service() -> dict[str, Any]:
-    return {"metadata": {"name": "web", "namespace": NS, "annotations": {"eds.group": "web"}},
-            "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
-
-
-def endpoint_slice(*ips: str) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "web-1", "namespace": NS, "labels": {"kubernetes.io/service-name": "web"}},
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
-    }
-
-
-class FakeApiServer:
-    """Lists and watches (with history, so a watch resumed from an old version misses nothing) of
-    Services and EndpointSlices in one namespace, a bearer token, and /readyz."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.token = "token-a"
-        self.rv = 100
-        self.objects: dict[str, dict[str, dict[str, Any]]] = {"services": {}, "endpointslices": {}}
-        self.history: list[tuple[int, str, str, dict[str, Any]]] = []
-        self.readyz = 0  # probes answered
-        self.refused = 0  # 401s
-        self.failing = 0  # a status every API request gets (503: up, answering probes, not serving)
-        self.failed = 0
-        self._bump = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-
-    def put(self, plural: str, obj: dict[str, Any]) -> None:
-        self.rv += 1
-        obj = copy.deepcopy(obj)
-        obj["metadata"]["resourceVersion"] = str(self.rv)
-        name = obj["metadata"]["name"]
-        etype = "MODIFIED" if name in self.objects[plural] else "ADDED"
-        self.objects[plural][name] = obj
-        self.history.append((self.rv, plural, etype, obj))
-        self._bump.set()
-        self._bump = asyncio.Event()
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/{tail:.*}", self.handle)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
-
-    async def stop(self) -> None:
-        """Away: open watches are cut mid-stream, new connections refused."""
-        assert self._runner is not None
-        await self._runner.cleanup()
-        self._runner = None
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        if request.path == "/readyz":
-            self.readyz += 1
-            return web.Response(text="ok")
-        if self.failing:
-            self.failed += 1
-            return web.json_response({"kind": "Status", "code": self.failing, "message": "busy"}, status=self.failing)
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
-            self.refused += 1
-            return web.json_response({"kind": "Status", "code": 401, "message": "Unauthorized"}, status=401)
-        plural = request.path.rsplit("/", 1)[-1]
-        if plural not in self.objects:
-            return web.json_response({"kind": "Status", "code": 404, "message": "not found"}, status=404)
-        if not request.query.get("watch"):
-            items = list(self.objects[plural].values())
-            return web.json_response({"metadata": {"resourceVersion": str(self.rv)}, "items": items})
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        sent = int(request.query["resourceVersion"])
-        deadline = asyncio.get_running_loop().time() + float(request.query["timeoutSeconds"])
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            for rv, kind, etype, obj in list(self.history):
-                if rv > sent:
-                    sent = rv
-                    if kind == plural:
-                        await resp.write(json.dumps({"type": etype, "object": obj}).encode() + b"\n")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._bump.wait(), left)
-        await resp.write_eof()
-        return resp
 
 
 @pytest.fixture
@@ -142,16 +45,6 @@ async def fake() -> AsyncIterator[FakeApiServer]:
     finally:
         if server._runner is not None:
             await server.stop()
-
-
-def kubeconfig(path: Path, url: str, token: str) -> Path:
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": url}}],
-        "users": [{"name": "me", "user": {"token": token}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
-    }))  # fmt: skip
-    return path
 
 
 def addresses(store: Store) -> set[str]:
@@ -283,3 +176,45 @@ def test_failures_are_said_in_words() -> None:
     for error, words, away in cases:
         assert (describe(SLICES, error, "watch"), went_away(error)) == (words, away)
         assert not REPR.search(words)
+
+
+async def test_a_frozen_api_server_is_found_within_the_bound_and_followed_again_after_it_thaws(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stand-in API server as its own process, SIGSTOPped: its port accepts and the watches stay
+    open, nothing answers. With the default heartbeat (1 s of quiet, 2 s to answer) the source is stale
+    within HUNG_BOUND and serves its last state; after SIGCONT it follows again."""
+    proc, port = await run_process()
+    try:
+        config = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}", "token-a")
+        store = Store(encode_group)
+        source = KubernetesSource(store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)))
+        stop = asyncio.Event()
+        task = asyncio.create_task(source.run(stop))
+        caplog.set_level(logging.INFO, "eds_server")
+        try:
+            await until(lambda: store.ready and source.connected and source.watches_open == 2, 20, "following")
+            await asyncio.sleep(1.5)  # quiet: the heartbeat probes, the server answers, nothing changes
+            assert source.connected and source.heartbeat.probes >= 1 and source.heartbeat.hangs == 0
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                took = await until(lambda: not source.connected, HUNG_BOUND, "the frozen server noticed")
+                assert store.is_stale("web") and addresses(store) == {"127.0.0.2"}  # served, marked stale
+                assert "did not answer within 2 s" in str(source.last_error)
+                await asyncio.sleep(2.0)
+                assert not source.connected
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            await until(lambda: source.connected and source.watches_open == 2, 10, "following again")
+            assert not store.is_stale("web") and addresses(store) == {"127.0.0.2"}
+        finally:
+            stop.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    finally:
+        proc.kill()
+        await proc.wait()
+    print(f"\nstale {took:.1f} s after the freeze")
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "the API server at http://127.0.0.1" in said[0], said

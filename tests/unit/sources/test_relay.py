@@ -3,8 +3,10 @@ the store's withholding of names its upstream has not answered."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +15,8 @@ from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group, Health, locality
 from eds_server.pb.envoy.config.endpoint.v3 import ClusterLoadAssignment
 from eds_server.pb.envoy.service.discovery.v3 import DeltaDiscoveryRequest
-from eds_server.sources.relay import Subscriptions, decode_response, encode_request
+from eds_server.protowire import length_delimited, string_field
+from eds_server.sources.relay import RelaySource, Subscriptions, UpstreamOptions, decode_response, encode_request
 from eds_server.store import Resource, Store
 from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL
@@ -123,6 +126,53 @@ def test_a_response_of_another_type_is_refused() -> None:
         assert "not EDS" in str(e)
     else:
         raise AssertionError("accepted")
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    (b"", "without a type_url"),  # an empty gRPC message: no answer at all, not "nothing to serve"
+    (string_field(5, "n1"), "without a type_url"),
+    (string_field(4, EDS_TYPE_URL), "without a nonce"),
+    (string_field(4, "type.googleapis.com/envoy.config.cluster.v3.Cluster") + string_field(5, "1"), "not EDS"),
+    (b"\xff\xff\xff", "varint"),
+    (string_field(4, EDS_TYPE_URL) + string_field(5, "1") + length_delimited(2, string_field(1, "v1")),
+     "without a name"),
+    (string_field(4, EDS_TYPE_URL) + string_field(5, "1") + length_delimited(2, string_field(3, "web")), "no type"),
+])  # fmt: skip
+def test_what_is_not_a_well_formed_eds_answer_is_refused(raw: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_response(raw)
+
+
+def test_an_assignment_under_another_name_is_refused() -> None:
+    body = encode_group(Group("api", (Endpoint("10.0.0.1", 80),)))
+    raw = wire.delta_discovery_response("sys", [Resource("web", "v1", body, Group("web"))], "1")
+    with pytest.raises(DecodeError, match="for cluster 'api'"):
+        decode_response(raw)
+    truncated = wire.delta_discovery_response("sys", [Resource("web", "v1", body[:-3], Group("web"))], "1")
+    with pytest.raises(ValueError):  # protowire says "truncated"
+        decode_response(truncated)
+
+
+def test_junk_is_nacked_never_loaded_and_said_once_then_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """A response that is not a real answer, or an answer for a name not asked for, is NACKed: the
+    store stays unloaded (not ready), the reason is the source's last_error, and a flood of them
+    logs a few lines, not one each."""
+    store = Store(encode_group)
+    relay = RelaySource(store, UpstreamOptions("127.0.0.1", 1))
+    body = encode_group(Group("web", (Endpoint("10.0.0.1", 80),)))
+    unasked = wire.delta_discovery_response("sys", [Resource("web", "v1", body, Group("web"))], "1")
+    with caplog.at_level(logging.WARNING, "eds_server.sources.relay"):
+        for raw in [b"", unasked] * 50:
+            _, nack = relay._take(raw)
+            assert nack is not None
+    assert relay.name in store.pending_sources and not store.ready
+    status = relay.status()
+    assert not status.loaded and status.last_error and "did not ask for: web" in status.last_error
+    assert relay.nacks == 100 and len(caplog.records) <= 5
+    relay.subs.follow(["web"], [], 0.0)
+    relay.subs.request()  # told upstream: now an answer for it counts
+    assert relay._take(unasked) == ("1", None)
+    assert store.ready and relay.status().loaded
 
 
 # -- decoding what is relayed ------------------------------------------------------------------------
