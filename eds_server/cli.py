@@ -479,7 +479,7 @@ async def start_app(
     from .security import SecurityConfigError
     from .sources.registrations import RegistrationStateError
 
-    listen = None if settings.reuse_port else settings.listen  # a worker shares it with the others
+    listen = None if settings.listen_fd is not None else settings.listen  # a worker's: bound by its owner
     taken = ports.unbindable([("--listen", listen), ("--admin", settings.admin),
                               ("--rest-listen", settings.rest_listen), *extra_ports])  # fmt: skip
     if taken is not None:

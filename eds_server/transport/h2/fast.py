@@ -649,7 +649,7 @@ class Server(grpclib.server.Server):
 
     async def start(
         self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
-        backlog: int = 1024, path: str | None = None, **kwargs: Any,
+        backlog: int = 1024, path: str | None = None, sock: socket.socket | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         """grpclib's start, with a TLS handshake timeout. Over-limit connections are accepted and
         closed at once (with a GOAWAY saying why), so the accept backlog sheds rather than stalls."""
@@ -659,6 +659,11 @@ class Server(grpclib.server.Server):
         ssl = ssl or self.ssl
         if path is not None:  # a Unix socket: the workers' link to their owner
             self._server = await self._loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
+        elif sock is not None:  # a listening socket handed over by the owner of --workers N
+            self._server = await self._loop.create_server(
+                self._protocol_factory, sock=sock, backlog=backlog, ssl=ssl,
+                ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None,
+            )  # fmt: skip
         else:
             self._server = await self._loop.create_server(
                 self._protocol_factory, host, cast(int, port), backlog=backlog, ssl=ssl, flags=socket.AI_PASSIVE,
