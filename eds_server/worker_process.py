@@ -140,12 +140,18 @@ def remove_leftovers(parent: str | None = None) -> list[str]:
     for directory in glob.glob(os.path.join(parent or tempfile.gettempdir(), DIRECTORY_PREFIX + "*")):
         lock = os.path.join(directory, LOCK_FILE)
         try:
-            st = os.stat(lock)
-            if st.st_uid != os.getuid() or time.time() - st.st_mtime < 2.0:
-                continue  # another user's, or an owner still between making its lock and taking it
+            if os.stat(directory).st_uid != os.getuid():
+                continue
+            if not os.path.exists(lock):  # an owner killed before it made its lock, or one making it now
+                if time.time() - os.stat(directory).st_mtime > 10:
+                    shutil.rmtree(directory, ignore_errors=True)
+                    removed.append(directory)
+                continue
+            if time.time() - os.stat(lock).st_mtime < 0.5:
+                continue  # an owner between making its lock and taking it
             fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
-            continue  # not ours, gone meanwhile, or being made (no lock file yet)
+            continue  # gone meanwhile
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
