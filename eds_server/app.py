@@ -190,7 +190,7 @@ class App:
                 make_registry(self.store, self.service, self.source_status,
                               lambda: (self.grpc.connections, self.grpc.refused)),
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
-                self.workers,
+                self.workers, self._shed if self.settings.admin_unix is not None else None,
             )  # fmt: skip
             if self.settings.admin_unix is not None:
                 await self._serve_unix(app, self.settings.admin_unix)
@@ -218,6 +218,9 @@ class App:
                 log.warning("authorization: without --tls-client-ca no client has a certificate: "
                             "san_uri and san_dns rules match nobody")  # fmt: skip
         return ssl
+
+    async def _shed(self, streams: int, one_under: int) -> dict[str, int]:
+        return await self.service.shed(streams, one_under, self.grpc.goaway)
 
     def reload(self) -> None:
         """SIGHUP: read the TLS certificate and key and the authorization file again. A file that does

@@ -63,6 +63,8 @@ RESTART_DELAY = (0.5, 30.0)  # first and longest wait before restarting a worker
 START_TIMEOUT = 30.0  # a worker not listening by then is killed: a failed start
 MAX_FAILED_STARTS = 3  # failed starts in a row of one worker before the owner gives up (exit status 1)
 FETCH_TIMEOUT = 5.0
+SHED_STREAMS = 50  # streams at most asked to move at a time when load goes back to a restarted worker
+REBALANCE_ROUNDS = 40
 SampleKey = tuple[str, str, tuple[tuple[str, str], ...]]  # family, sample name, labels
 
 
@@ -124,6 +126,7 @@ class WorkerPool:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._kinds: dict[str, tuple[str, str]] = {}  # metric family -> (type, help), as the workers said
+        self._rebalancing: asyncio.Task[None] | None = None
 
     def socket(self, worker: Worker) -> str:
         return os.path.join(self.directory, f"worker-{worker.index}.sock")
@@ -229,6 +232,44 @@ class WorkerPool:
         log.info("worker %d serving again (pid %s, %.2fs after its start)", worker.index,
                  worker.process.pid if worker.process else None, took)  # fmt: skip
         self._steer_to_serving()
+        if self._rebalancing is None or self._rebalancing.done():
+            self._rebalancing = asyncio.create_task(self._rebalance(worker), name=f"load back to worker {worker.index}")
+
+    async def _rebalance(self, fresh: Worker) -> None:
+        """Bring load back to a restarted worker: new connections go to it alone while the busiest
+        worker asks a few of its connections at a time (SHED_STREAMS streams at most, or one that
+        narrows the gap) to reconnect; until the two are even, bounded in rounds. Each moved stream
+        ends cleanly and reopens with its versions (nothing is sent again, no cluster is emptied)."""
+        if not self.steering.steer([fresh.index - 1]):
+            return  # the kernel's hash will bring connections back as Envoys reconnect
+        try:
+            for _ in range(REBALANCE_ROUNDS):
+                counts = {w.index: stats["streams_open"] for w, stats in await self._each("/v1/stats")}
+                if fresh.index not in counts or not fresh.serving or len(counts) < 2:
+                    return
+                busiest = max(counts, key=lambda i: counts[i])
+                gap = counts[busiest] - counts[fresh.index]
+                if busiest == fresh.index or gap < 2:
+                    return
+                answer = await self._post(self.workers[busiest - 1], "/v1/worker/shed",
+                                          {"streams": str(min(SHED_STREAMS, gap // 2)), "one_under": str(gap)})
+                if not answer.get("streams"):
+                    return  # only connections too big to move without making it worse
+                target = counts[fresh.index] + int(answer["streams"])
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10.0  # Envoy's backoff, then they reconnect; if not, the next round
+                while await self._streams_of(fresh) < target and loop.time() < deadline:
+                    await asyncio.sleep(0.1)
+            counts = {w.index: stats["streams_open"] for w, stats in await self._each("/v1/stats")}
+            log.info("streams per worker after moving load to worker %d: %s", fresh.index,
+                     ", ".join(f"{i}: {n}" for i, n in sorted(counts.items())))  # fmt: skip
+        except Exception as e:  # a worker gone meanwhile: the kernel's hash does the rest
+            log.debug("moving load to worker %d: %r", fresh.index, e)
+        finally:
+            self._steer_to_serving()
+
+    async def _streams_of(self, worker: Worker) -> int:
+        return int((await self._get(worker, "/v1/stats"))["streams_open"])
 
     def _steer_to_serving(self) -> None:
         """New connections to the workers that serve (none or all: the kernel's hash over all). A
@@ -249,6 +290,8 @@ class WorkerPool:
     async def stop(self, grace: float) -> None:
         """SIGTERM to every worker (each drains its streams), SIGKILL to those still up after `grace`."""
         self._stopping = True
+        if self._rebalancing is not None:
+            self._rebalancing.cancel()
         running = [w.process for w in self.workers if w.alive and w.process is not None]
         for worker in self.workers:
             if worker.alive and worker.process is not None and worker.control is not None:
@@ -271,7 +314,7 @@ class WorkerPool:
                 worker.process.kill()
                 await worker.process.wait()
 
-# -- reading the workers' admin ------------------------------------------------------------
+    # -- reading the workers' admin ------------------------------------------------------------
     async def _get(self, worker: Worker, path: str) -> Any:
         import aiohttp
 
@@ -285,6 +328,18 @@ class WorkerPool:
                 response.raise_for_status()
             if path.startswith("/metrics"):
                 return await response.text()
+            return await response.json()
+
+    async def _post(self, worker: Worker, path: str, query: dict[str, str]) -> Any:
+        import aiohttp
+
+        connector = aiohttp.UnixConnector(path=self.socket(worker))
+        timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT + 5.0)
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            session.post(f"http://worker{path}", params=query) as response,
+        ):
+            response.raise_for_status()
             return await response.json()
 
     async def _each(self, path: str) -> list[tuple[Worker, Any]]:

@@ -303,6 +303,7 @@ class _H2Protocol(H2Protocol):
 
     gate: Gate
     flusher: Flusher
+    open: set[_H2Protocol] | None = None  # the server's open connections, this one among them
     _peer_budgets: PeerBudgets | None = None
     _transport: asyncio.Transport | None = None
     _deadline: asyncio.TimerHandle | None = None
@@ -341,6 +342,15 @@ class _H2Protocol(H2Protocol):
         h2.close_connection(error_code=ErrorCodes.FRAME_SIZE_ERROR, additional_data=b"frame too large")
         self.connection.flush()
         self._close("Frame too large")
+
+    def leave(self, why: str) -> None:
+        """GOAWAY NO_ERROR and close: the client opens a new connection for its next streams."""
+        if self._dead or self._peer_budgets is None:
+            return
+        h2 = self.connection._connection
+        h2.close_connection(error_code=ErrorCodes.NO_ERROR, additional_data=why.encode()[:200])
+        self.connection.flush()
+        self._close(why)
 
     def _calm(self, why: str) -> None:
         """GOAWAY ENHANCE_YOUR_CALM, from outside a frame (a stream timed out)."""
@@ -590,6 +600,8 @@ class _H2Protocol(H2Protocol):
         self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._no_request)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self.open is not None:
+            self.open.discard(self)
         if self._peer_budgets is None:
             return
         h2 = cast(GuardedH2Connection, self.connection._connection)
@@ -620,6 +632,7 @@ class Server(grpclib.server.Server):
         self.reader = reader
         self.flusher = Flusher()
         self.ssl: SSLContext | None = None  # TLS for start() when it is given none
+        self.open: set[_H2Protocol] = set()
         if mapping is not None:
             self._mapping = mapping(self._mapping)  # read by each connection's handler
 
@@ -694,7 +707,16 @@ class Server(grpclib.server.Server):
         mine = _H2Protocol(protocol.handler, protocol.config, protocol.h2_config)
         mine.gate = self.gate
         mine.flusher = self.flusher
+        mine.open = self.open
+        self.open.add(mine)
         return mine
+
+    def goaway(self, peers: set[str], why: str) -> int:
+        """GOAWAY NO_ERROR to the connections from these peers (`ip:port`); how many were sent one."""
+        chosen = [p for p in self.open if p._peer in peers]
+        for protocol in chosen:
+            protocol.leave(why)
+        return len(chosen)
 
 
 @dataclass

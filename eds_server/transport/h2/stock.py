@@ -96,6 +96,10 @@ class StockServer(grpclib.server.Server):
     def stop_accepting(self) -> None:
         """grpclib has no public way to stop accepting alone: close() at the end does it."""
 
+    def goaway(self, peers: set[str], why: str) -> int:
+        """grpclib has no public way to end one connection: the streams end, the connection stays."""
+        return 0
+
     @property
     def refused(self) -> dict[str, int]:
         return dict.fromkeys(REASONS, 0)
