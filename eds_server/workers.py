@@ -138,8 +138,10 @@ class WorkerPool:
                 pickle.dump(worker_settings(settings, owner_socket(self.directory), self.socket(worker)), f)
 
     async def start(self) -> None:
+        """Start every worker now (their imports overlap the owner's start), then watch them."""
         for worker in self.workers:
-            self._tasks.append(asyncio.create_task(self._supervise(worker), name=f"worker {worker.index}"))
+            lines = await self._spawn(worker)
+            self._tasks.append(asyncio.create_task(self._supervise(worker, lines), name=f"worker {worker.index}"))
 
     async def _spawn(self, worker: Worker) -> asyncio.StreamReader:
         """Start the worker's process; the reader of the lines it says of itself ("started", "serving")."""
@@ -170,11 +172,10 @@ class WorkerPool:
         log.info("worker %d starting (pid %d)", worker.index, worker.process.pid)
         return reader
 
-    async def _supervise(self, worker: Worker) -> None:
-        """Run, watch and restart one worker; give up (self.failed) after MAX_FAILED_STARTS in a row."""
+    async def _supervise(self, worker: Worker, lines: asyncio.StreamReader) -> None:
+        """Watch and restart one worker; give up (self.failed) after MAX_FAILED_STARTS in a row."""
         delay, failures = RESTART_DELAY[0], 0
         while True:
-            lines = await self._spawn(worker)
             assert worker.process is not None
             started = await self._follow(worker, lines)
             code = await worker.process.wait()
@@ -203,6 +204,7 @@ class WorkerPool:
             if self._stopping:
                 return
             worker.restarts += 1
+            lines = await self._spawn(worker)
 
     async def _follow(self, worker: Worker, lines: asyncio.StreamReader) -> bool:
         """Read what the worker says until it exits; whether it ever started (was listening)."""

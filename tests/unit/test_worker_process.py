@@ -214,3 +214,45 @@ def test_summed_counters_carry_on_and_gauges_do_not() -> None:
     assert "eds_requests_total 125.0" in text
     assert 'eds_streams_open{transport="sotw"} 3.0' in text
     assert 'eds_worker_restarts_total{worker="1"} 1.0' in text
+
+
+async def test_sighup_reloads_the_authorization_file_and_keeps_the_running_rules_on_a_bad_one(tmp_path: Path) -> None:
+    """One process (no --workers) as well: a stream opened after the reload gets the new rules."""
+    authz = tmp_path / "authz.yaml"
+    authz.write_text('rules:\n  - match: {node_id: "envoy-*"}\n    groups: ["other"]\ndefault: deny\n')
+    async with EdsServerProcess(upstreams(tmp_path), "--authz", str(authz), workdir=tmp_path) as server:
+        assert server.proc is not None
+        assert await _first_answer(server.port) == "PERMISSION_DENIED"
+        authz.write_text("rules: [oops\n")
+        server.proc.send_signal(signal.SIGHUP)
+        await wait_for(lambda: "authorization not reloaded, the running rules kept" in server.log_text(), timeout=10)
+        assert await _first_answer(server.port) == "PERMISSION_DENIED"
+        authz.write_text('rules:\n  - match: {node_id: "envoy-*"}\n    groups: ["web"]\ndefault: deny\n')
+        server.proc.send_signal(signal.SIGHUP)
+        await wait_for(lambda: "authorization" in server.log_text() and "reloaded: 1 rules" in server.log_text(),
+                       timeout=10)  # fmt: skip
+        assert await _first_answer(server.port) == "web"
+
+
+async def _first_answer(port: int) -> str:
+    """The first thing a delta stream for web from node envoy-1 gets: a resource name, or the status."""
+    from grpclib.client import Channel
+    from grpclib.const import Cardinality
+    from grpclib.exceptions import GRPCError
+
+    from eds_server.sources.relay import DELTA_PATH, decode_response, encode_request
+    from eds_server.transport.h2 import PassThroughCodec
+
+    channel = Channel("127.0.0.1", port, codec=PassThroughCodec())
+    try:
+        async with channel.request(DELTA_PATH, Cardinality.STREAM_STREAM, bytes, bytes) as stream:
+            await stream.send_message(encode_request("envoy-1", subscribe=["web"], node=True))
+            try:
+                received = decode_response(await asyncio.wait_for(stream.recv_message(), 10))
+                answer = ",".join(name for name, _, _ in received.resources)
+            except GRPCError as e:
+                answer = e.status.name
+            await stream.cancel()
+            return answer
+    finally:
+        channel.close()
