@@ -22,6 +22,7 @@ import pytest
 from eds_server.worker_process import BOOTSTRAP, DIRECTORY_PREFIX, LOCK_FILE, Steering, bind_listeners, remove_leftovers
 from eds_server.workers import merge_metrics
 from tests.support.server_process import EdsServerProcess, RunAs
+from tests.support.tls import CertAuthority, client_context
 from tests.support.waiting import wait_for
 
 ROUNDS = 8  # owner kills, each at a random moment of a worker's first start or restart
@@ -256,3 +257,34 @@ async def _first_answer(port: int) -> str:
             return answer
     finally:
         channel.close()
+
+
+async def test_sighup_gives_new_tls_connections_the_new_certificate_on_every_worker(tmp_path: Path) -> None:
+    ca = CertAuthority("test CA", tmp_path / "ca")
+    first = ca.issue(tmp_path / "first", common_name="first", ips=["127.0.0.1"])
+    second = ca.issue(tmp_path / "second", common_name="second", ips=["127.0.0.1"])
+    cert, key = tmp_path / "server.pem", tmp_path / "server-key.pem"
+    cert.write_bytes(first.cert.read_bytes())
+    key.write_bytes(first.key.read_bytes())
+    context = client_context(ca.cert_path)
+
+    def names(connections: int = 8) -> set[str]:
+        """The common names new connections are shown (8 connections: both workers, by the kernel's hash)."""
+        seen = set()
+        for _ in range(connections):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw, \
+                    context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+                subject = dict(x[0] for x in tls.getpeercert()["subject"])
+                seen.add(subject["commonName"])
+        return seen
+
+    async with EdsServerProcess(upstreams(tmp_path), "--workers", "2", "--tls-cert", str(cert), "--tls-key", str(key),
+                                workdir=tmp_path) as server:  # fmt: skip
+        assert server.proc is not None
+        assert await asyncio.to_thread(names) == {"first"}
+        cert.write_bytes(second.cert.read_bytes())
+        key.write_bytes(second.key.read_bytes())
+        server.proc.send_signal(signal.SIGHUP)
+        await wait_for(lambda: server.log_text().count("SIGHUP: TLS certificate") == 2, timeout=10,
+                       what="both workers' reload lines")  # fmt: skip
+        assert await asyncio.to_thread(names) == {"second"}
