@@ -425,20 +425,30 @@ class WorkerPool:
             text = answers.get(worker.index)
             gauges: dict[SampleKey, float] = {}
             if text is not None:
-                worker.seen = {}
-                for family in text_string_to_metric_families(text):
-                    if family.name not in SERVED and family.name not in WHOLE:
-                        continue
-                    self._kinds[family.name] = (family.type, family.documentation)
-                    counted = family.type in ("counter", "histogram", "summary")
-                    for sample in family.samples:
-                        key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
-                        (worker.seen if counted else gauges)[key] = sample.value
+                worker.seen, gauges = served_samples(text, self._kinds)
             part = dict(gauges)
             for key, value in [*worker.carried.items(), *worker.seen.items()]:
                 part[key] = part.get(key, 0.0) + value
             parts.append(part)
         return merge_metrics(own, parts, self._kinds, self.describe())
+
+
+Samples = dict[SampleKey, float]
+
+
+def served_samples(text: str, kinds: dict[str, tuple[str, str]]) -> tuple[Samples, Samples]:
+    """A worker's SERVED and WHOLE samples: (counters and histograms, gauges); each family's type
+    and help noted in `kinds`."""
+    counted: dict[SampleKey, float] = {}
+    gauges: dict[SampleKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in SERVED and family.name not in WHOLE:
+            continue
+        kinds[family.name] = (family.type, family.documentation)
+        into = counted if family.type in ("counter", "histogram", "summary") else gauges
+        for sample in family.samples:
+            into[(family.name, sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return counted, gauges
 
 
 def merge_metrics(

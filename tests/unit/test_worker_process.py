@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from eds_server.worker_process import BOOTSTRAP, DIRECTORY_PREFIX, LOCK_FILE, Steering, bind_listeners, remove_leftovers
-from eds_server.workers import merge_metrics
+from eds_server.workers import merge_metrics, served_samples
 from tests.support.server_process import EdsServerProcess, RunAs
 from tests.support.tls import CertAuthority, client_context
 from tests.support.waiting import wait_for
@@ -288,3 +288,24 @@ async def test_sighup_gives_new_tls_connections_the_new_certificate_on_every_wor
         await wait_for(lambda: server.log_text().count("SIGHUP: TLS certificate") == 2, timeout=10,
                        what="both workers' reload lines")  # fmt: skip
         assert await asyncio.to_thread(names) == {"second"}
+
+
+def test_worker_metrics_are_summed_and_store_metrics_are_the_owners() -> None:
+    own = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 2.0\n"
+           "# TYPE eds_ready gauge\neds_ready 1.0\n"
+           "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 100.0\n")  # fmt: skip
+    worker = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 5.0\n"
+              "# TYPE eds_ready gauge\neds_ready 1.0\n"
+              "# TYPE eds_responses_total counter\neds_responses_total 7.0\n"
+              "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 10.0\n")  # fmt: skip
+    kinds: dict[str, tuple[str, str]] = {}
+    counted, gauges = served_samples(worker, kinds)
+    assert "eds_ready" not in kinds  # a store figure: the owner's
+    merged = merge_metrics(own, [{**counted, **gauges}, {**counted, **gauges}], kinds,
+                           [{"worker": 1, "alive": True, "restarts": 0},
+                            {"worker": 2, "alive": False, "restarts": 3}])  # fmt: skip
+    assert 'eds_streams_open{transport="delta"} 10.0' in merged  # the workers' streams, not the owner's links
+    assert "eds_responses_total 14.0" in merged
+    assert "eds_ready 1.0" in merged  # the owner's alone
+    assert "process_resident_memory_bytes 120.0" in merged  # every process
+    assert "eds_workers_alive 1.0" in merged and 'eds_worker_restarts_total{worker="2"} 3.0' in merged
