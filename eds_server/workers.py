@@ -204,7 +204,20 @@ class WorkerPool:
             if self._stopping:
                 return
             worker.restarts += 1
-            lines = await self._spawn(worker)
+            while True:
+                try:
+                    lines = await self._spawn(worker)
+                    break
+                except OSError as e:  # out of processes or descriptors: a failed start, tried again
+                    log.error("worker %d could not be started: %s", worker.index, e)
+                    failures += 1
+                    if failures >= MAX_FAILED_STARTS:
+                        if not self.failed.done():
+                            self.failed.set_result(f"worker {worker.index} could not be started: {e}")
+                        return
+                    await asyncio.sleep(delay)
+                    if self._stopping:
+                        return
 
     async def _follow(self, worker: Worker, lines: asyncio.StreamReader) -> bool:
         """Read what the worker says until it exits; whether it ever started (was listening)."""
