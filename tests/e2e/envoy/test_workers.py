@@ -209,3 +209,47 @@ async def test_a_restarted_worker_gets_load_back_and_summed_counters_never_go_ba
         went_back = {k: (before[k], after.get(k)) for k in before if after.get(k, -1.0) < before[k]}
         assert went_back == {}
     assert scrapes[-1][("eds_worker_restarts_total", (("worker", str(victim["worker"])),))] == 1.0
+
+
+async def test_an_owner_killed_while_a_worker_restarts_leaves_the_port_to_the_next_server(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
+    """The orphan that black-holed Envoys: the owner killed while a restarted worker is starting.
+    Nothing of it survives, and a new eds-server on the same port serves an Envoy started afterwards."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(upstreams(backends[:2]))
+    server = EdsServerProcess(path, "--workers", "2", workdir=tmp_path)
+    await server.start()
+    assert server.proc is not None
+    pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
+    os.kill(pids[0], signal.SIGKILL)
+    await wait_for(lambda: server.log_text().count(" starting (pid ") == 3, timeout=10,
+                   what="the worker restarting")  # fmt: skip
+    server.proc.send_signal(signal.SIGKILL)
+    await server.proc.wait()
+    await wait_for(lambda: _bindable(server.port), timeout=10, what="the port free")
+    await server.start()  # the same ports
+    bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
+    async with envoy_fleet([bootstrap]) as (envoy,):
+        await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
+        async with FaultWatch(envoy, server, backends=[b.port for b in backends[:2]]) as watch:
+            await wait_for(lambda: _count(watch), lambda n: n >= 20, timeout=20, what="20 requests")
+        assert watch.requests and watch.failed_while_backends_up() == []
+    assert await server.stop() == 0
+
+
+async def _count(watch: FaultWatch) -> int:
+    return len(watch.requests)
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(1)
+        except OSError:
+            return False
+    return True
