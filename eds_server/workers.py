@@ -536,6 +536,8 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
         reason = "address in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
         log.error("not starting: --listen %s:%s: %s", host, port, reason)
         return 1
+    log.info("listening on %s:%s for %d worker processes (connections wait there until they serve)", host,
+             listeners[0].getsockname()[1], count)  # fmt: skip
     directory, lock = make_private_directory()
     app = None
     try:
@@ -546,7 +548,6 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
         if app is None:
             await pool.stop(1.0)
             return 1
-        log.info("listening on %s:%s for %d worker processes", host, listeners[0].getsockname()[1], count)
         stopped: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
         serving: asyncio.Future[Any] = asyncio.ensure_future(pool.all_serving.wait())
         failed: asyncio.Future[Any] = pool.failed
