@@ -566,6 +566,8 @@ class _H2Protocol(H2Protocol):
             asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
             return
         self._peer_budgets = admitted
+        if self.open is not None:
+            self.open.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _set_nodelay(sock)
@@ -707,8 +709,7 @@ class Server(grpclib.server.Server):
         mine = _H2Protocol(protocol.handler, protocol.config, protocol.h2_config)
         mine.gate = self.gate
         mine.flusher = self.flusher
-        mine.open = self.open
-        self.open.add(mine)
+        mine.open = self.open  # joined once admitted (a failed TLS handshake never is, nor ever leaves)
         return mine
 
     def goaway(self, peers: set[str], why: str) -> int:
