@@ -157,6 +157,7 @@ def counters(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
+@pytest.mark.fast_path  # the stock path cannot send one connection GOAWAY: load comes back as Envoys reconnect
 async def test_a_restarted_worker_gets_load_back_and_summed_counters_never_go_back(
     two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
 ) -> None:
