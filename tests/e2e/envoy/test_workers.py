@@ -254,3 +254,27 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+async def test_sighup_under_traffic_restarts_nothing_and_fails_no_request(
+    two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
+) -> None:
+    """SIGHUP once killed the owner and orphaned its workers; now it only reloads."""
+    server, _ = two_workers
+    assert server.proc is not None
+    bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
+    async with envoy_fleet([bootstrap]) as (envoy,):
+        await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
+        version = await envoy.version_text("web")
+        pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
+        async with FaultWatch(envoy, server, backends=[b.port for b in backends[:2]]) as watch:
+            for _ in range(3):
+                server.proc.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.3)
+            await wait_for(lambda: server.log_text().count("SIGHUP: nothing to reload") == 6, timeout=10,
+                           what="each worker's reload line, three times")  # fmt: skip
+            await wait_for(lambda: _count(watch), lambda n: n >= 20, timeout=20, what="20 requests")
+        assert watch.failed_while_backends_up() == []
+        assert min(s.hosts for s in watch.samples if s.hosts is not None) == 2
+        assert await envoy.version_text("web") == version
+        assert [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]] == pids
