@@ -1,15 +1,19 @@
 """`--workers N`: one process owns the sources and the store, N worker processes serve Envoy.
 
-Each worker listens on the same `--listen` address (SO_REUSEPORT: the kernel spreads new
-connections among them) and is a relay (sources/relay.py) of its owner, over delta xDS on a Unix
-socket in a directory only they may enter (no other local user reads groups past `--authz` there):
-the same mechanism as a relay tier, not a second one, so a worker serves the owner's versions and
-an Envoy that moves to another worker is sent nothing again.
+Each worker serves `--listen` on a socket its owner bound and handed over (worker_process.py: one
+SO_REUSEPORT socket per worker, the kernel spreads new connections among them) and is a relay
+(sources/relay.py) of its owner, over delta xDS on a Unix socket in a directory only they may enter
+(no other local user reads groups past `--authz` there): the same mechanism as a relay tier, not a
+second one, so a worker serves the owner's versions and an Envoy that moves to another worker is
+sent nothing again.
 
-The owner restarts a worker that dies (Envoy reconnects to a live one meanwhile), drains them all
-on stop, and answers for all of them on its admin port: streams, stats and metrics are read from
-each worker's admin over a Unix socket in a private directory when asked for, and added up here
-(prometheus-client's multiprocess mode cannot take the live collectors every process uses).
+A worker tells its owner "started" (listening) and "serving" (its relay loaded) on a pipe. The owner
+restarts a worker that dies (new connections go to the live ones meanwhile), gives up after
+MAX_FAILED_STARTS starts in a row that never got to "started" (exit 1: a supervisor sees it), moves
+load back to a restarted worker, drains them all on stop, and answers for all of them on its admin
+port: streams, stats and metrics are read from each worker's admin over a Unix socket in the private
+directory when asked for, and added up here (prometheus-client's multiprocess mode cannot take the
+live collectors every process uses); counters carry on across a restart.
 """
 
 from __future__ import annotations
