@@ -94,6 +94,7 @@ def make_app(
     admin_token: str | None = None,
     registration_policy: RegistrationPolicy | None = None,
     workers: WorkerPool | None = None,  # --workers N: streams, stats and metrics are the workers'
+    shed: Callable[[int, int], Awaitable[dict[str, int]]] | None = None,  # a worker's: its owner moves load
 ) -> web.Application:
     async def all_streams(after: int, limit: int) -> dict[str, Any]:
         return await workers.streams(after, limit) if workers is not None else streams(after, limit)
@@ -193,6 +194,13 @@ def make_app(
     app.router.add_get("/v1/stats", stats_handler)
     app.router.add_get("/v1/streams", streams_handler)
     app.router.add_get("/metrics", metrics)
+    if shed is not None:  # only on a worker's admin socket, which only its owner may reach
+
+        async def shed_handler(request: web.Request) -> web.Response:
+            streams, one_under = int(request.query["streams"]), int(request.query.get("one_under", "0"))
+            return web.json_response(await shed(streams, one_under))
+
+        app.router.add_post("/v1/worker/shed", shed_handler)
     if registrations is not None:
         add_routes(app, registrations, admin_token, policy=registration_policy)
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from ssl import SSLContext
@@ -78,7 +79,7 @@ class Settings:
     max_registrations: int = MAX_REGISTRATIONS
     registration_policy: RegistrationPolicy = field(default_factory=RegistrationPolicy)  # scoped tokens, CIDRs
     upstream_eds: UpstreamOptions | None = None  # a relay: groups from another eds-server, no other source
-    reuse_port: bool = False  # share --listen with other processes (the workers of --workers N)
+    listen_fd: int | None = None  # serve gRPC on this inherited listening socket (a worker's, bound by its owner)
     admin_unix: str | None = None  # admin HTTP on this Unix socket instead (a worker's, read by its owner)
     listen_unix: str | None = None  # gRPC on this Unix socket instead (an owner's, for its workers alone)
 
@@ -178,7 +179,8 @@ class App:
             self.grpc_port = 0
             log.info("serving EDS (gRPC) to the workers on %s", self.settings.listen_unix)
         else:
-            await self.grpc.start(host, port, reuse_port=self.settings.reuse_port)
+            sock = socket.socket(fileno=self.settings.listen_fd) if self.settings.listen_fd is not None else None
+            await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         if self.settings.admin is not None or self.settings.admin_unix is not None:
@@ -188,7 +190,7 @@ class App:
                 make_registry(self.store, self.service, self.source_status,
                               lambda: (self.grpc.connections, self.grpc.refused)),
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
-                self.workers,
+                self.workers, self._shed if self.settings.admin_unix is not None else None,
             )  # fmt: skip
             if self.settings.admin_unix is not None:
                 await self._serve_unix(app, self.settings.admin_unix)
@@ -216,6 +218,40 @@ class App:
                 log.warning("authorization: without --tls-client-ca no client has a certificate: "
                             "san_uri and san_dns rules match nobody")  # fmt: skip
         return ssl
+
+    async def _shed(self, streams: int, one_under: int) -> dict[str, int]:
+        if not self.grpc.fast:  # the stock path cannot end one connection: its streams would come back here
+            return {"connections": 0, "streams": 0}
+        return await self.service.shed(streams, one_under, self.grpc.goaway)
+
+    def reload(self) -> None:
+        """SIGHUP: read the TLS certificate and key and the authorization file again. A file that does
+        not load is logged and the running one kept; what loads applies to connections (TLS) and
+        streams (authorization) opened from now on. The upstreams file needs no signal: it is followed."""
+        s = self.settings
+        if not s.tls_cert and not s.authz:
+            log.info("SIGHUP: nothing to reload (no --tls-cert, no --authz; the upstreams file is followed as it "
+                     "changes)")  # fmt: skip
+            return
+        if s.tls_cert and self.grpc.ssl is not None:
+            try:
+                security.server_ssl_context(s.tls_cert, s.tls_key, s.tls_client_ca)  # the whole check, first
+                self.grpc.ssl.load_cert_chain(s.tls_cert, s.tls_key)  # the running context: new handshakes
+                if s.tls_client_ca:
+                    self.grpc.ssl.load_verify_locations(s.tls_client_ca)
+                log.info("SIGHUP: TLS certificate %s reloaded", s.tls_cert)
+            except (SecurityConfigError, OSError, ValueError) as e:
+                why = "; ".join(e.problems) if isinstance(e, SecurityConfigError) else str(e)
+                log.error("SIGHUP: TLS files not reloaded, the running ones kept: %s", why)
+        if s.authz:
+            try:
+                policy = security.load_authz(s.authz)
+            except SecurityConfigError as e:
+                log.error("SIGHUP: authorization not reloaded, the running rules kept: %s", "; ".join(e.problems))
+            else:
+                self.service.authorize = policy.for_client
+                log.info("SIGHUP: authorization %s reloaded: %d rules, default %s (for streams opened from now on)",
+                         s.authz, len(policy.rules), policy.default)  # fmt: skip
 
     async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
         runner = http_runner(app, self.settings.http_limits, self.settings.http2)

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
@@ -479,7 +479,7 @@ async def start_app(
     from .security import SecurityConfigError
     from .sources.registrations import RegistrationStateError
 
-    listen = None if settings.reuse_port else settings.listen  # a worker shares it with the others
+    listen = None if settings.listen_fd is not None else settings.listen  # a worker's: bound by its owner
     taken = ports.unbindable([("--listen", listen), ("--admin", settings.admin),
                               ("--rest-listen", settings.rest_listen), *extra_ports])  # fmt: skip
     if taken is not None:
@@ -512,8 +512,8 @@ def refuse_security(e: SecurityConfigError) -> None:
     log.error("not starting: fix the TLS or authorization settings")
 
 
-async def until_signalled() -> None:
-    """Until SIGTERM or SIGINT."""
+async def until_signalled(reload: Callable[[], None] | None = None) -> None:
+    """Until SIGTERM or SIGINT; SIGHUP calls `reload` (docs/configuration.md: signals)."""
     import asyncio
     import signal
 
@@ -521,6 +521,8 @@ async def until_signalled() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload)
     await stop.wait()
 
 
@@ -529,7 +531,7 @@ async def serve(settings: Settings) -> int:
     app = await start_app(settings)
     if app is None:
         return 1
-    await until_signalled()
+    await until_signalled(app.reload)
     log.info("shutting down")
     await app.stop()
     return 0

@@ -122,6 +122,39 @@ class EdsService:
         for session in self.sessions:
             session.wake.set()
 
+    async def shed(self, streams: int, one_under: int, goaway: Callable[[set[str], str], int],
+                   timeout: float = 5.0) -> dict[str, int]:  # fmt: skip
+        """Ask whole connections to reconnect elsewhere (--workers: load back to a restarted worker):
+        the smallest first while their streams add up to at most `streams`, or else the smallest one
+        if it has fewer than `one_under`. Their streams end cleanly (status OK: Envoy keeps its
+        endpoints and reopens them), then the connection gets GOAWAY, so the streams come back on a
+        new connection."""
+        by_peer: dict[str, list[_Session]] = {}
+        for session in self.sessions:
+            by_peer.setdefault(session.peer, []).append(session)
+        chosen: list[str] = []
+        total = 0
+        for peer, sessions in sorted(by_peer.items(), key=lambda item: len(item[1])):
+            if total + len(sessions) > streams:
+                break
+            chosen.append(peer)
+            total += len(sessions)
+        if not chosen and by_peer:
+            peer, sessions = min(by_peer.items(), key=lambda item: len(item[1]))
+            if len(sessions) < one_under:
+                chosen, total = [peer], len(sessions)
+        leaving = [s for peer in chosen for s in by_peer[peer]]
+        for session in leaving:
+            session.leaving = True
+            session.wake.set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(s in self.sessions for s in leaving) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        sent = goaway(set(chosen), "reconnect: moving load to another worker")
+        log.info("asked %d connections (%d streams) to reconnect elsewhere", sent, total)
+        return {"connections": sent, "streams": total}
+
     @property
     def open_streams(self) -> int:
         return len(self.sessions)
@@ -266,6 +299,7 @@ class _Session(SessionDriver):
         self.reader: asyncio.Task[None] | None = None
         self.busy = True  # run() is sending (or not started): a change is left to it
         self.pending: tuple[Framed, Iterable[Resource]] | None = None  # polled in on_change, for run()
+        self.leaving = False  # asked to end (its connection is being moved): ends as on shutdown
 
     def on_change(self, names: frozenset[str] | None) -> None:
         super().on_change(names)
@@ -276,7 +310,7 @@ class _Session(SessionDriver):
         """Answer a change right here, in the store's callback, when the answer can go out without
         waiting (the usual case): no task is woken per stream, and the frames join one write per
         connection. False: leave it to run()."""
-        if self.busy or self.pending is not None or self.service._stopping:
+        if self.busy or self.pending is not None or self.service._stopping or self.leaving:
             return False
         if not self.io.ready():
             return False
@@ -332,7 +366,7 @@ class _Session(SessionDriver):
                 await self.wake.wait()
                 self.busy = True
                 self.wake.clear()
-                if self.service._stopping:
+                if self.service._stopping or self.leaving:
                     return
                 ended = reader.done()
                 if ended:

@@ -14,6 +14,7 @@ response, end with a status), and knows its port and what it refused.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from ssl import SSLContext
 from typing import Any, Protocol
@@ -39,9 +40,10 @@ class GrpcServer(Protocol):
     ssl: SSLContext | None  # TLS for start(), e.g. security.server_ssl_context(...)
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StreamIO: ...
-    async def start(self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False,
-                    path: str | None = None) -> None: ...  # fmt: skip
+    async def start(self, host: str | None = None, port: int | None = None, *, path: str | None = None,
+                    sock: socket.socket | None = None) -> None: ...  # fmt: skip
     def stop_accepting(self) -> None: ...
+    def goaway(self, peers: set[str], why: str) -> int: ...
     def close(self) -> None: ...
     async def wait_closed(self) -> None: ...
     @property

@@ -303,6 +303,7 @@ class _H2Protocol(H2Protocol):
 
     gate: Gate
     flusher: Flusher
+    open: set[_H2Protocol] | None = None  # the server's open connections, this one among them
     _peer_budgets: PeerBudgets | None = None
     _transport: asyncio.Transport | None = None
     _deadline: asyncio.TimerHandle | None = None
@@ -341,6 +342,15 @@ class _H2Protocol(H2Protocol):
         h2.close_connection(error_code=ErrorCodes.FRAME_SIZE_ERROR, additional_data=b"frame too large")
         self.connection.flush()
         self._close("Frame too large")
+
+    def leave(self, why: str) -> None:
+        """GOAWAY NO_ERROR and close: the client opens a new connection for its next streams."""
+        if self._dead or self._peer_budgets is None:
+            return
+        h2 = self.connection._connection
+        h2.close_connection(error_code=ErrorCodes.NO_ERROR, additional_data=why.encode()[:200])
+        self.connection.flush()
+        self._close(why)
 
     def _calm(self, why: str) -> None:
         """GOAWAY ENHANCE_YOUR_CALM, from outside a frame (a stream timed out)."""
@@ -556,6 +566,8 @@ class _H2Protocol(H2Protocol):
             asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
             return
         self._peer_budgets = admitted
+        if self.open is not None:
+            self.open.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _set_nodelay(sock)
@@ -590,6 +602,8 @@ class _H2Protocol(H2Protocol):
         self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._no_request)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self.open is not None:
+            self.open.discard(self)
         if self._peer_budgets is None:
             return
         h2 = cast(GuardedH2Connection, self.connection._connection)
@@ -620,6 +634,7 @@ class Server(grpclib.server.Server):
         self.reader = reader
         self.flusher = Flusher()
         self.ssl: SSLContext | None = None  # TLS for start() when it is given none
+        self.open: set[_H2Protocol] = set()
         if mapping is not None:
             self._mapping = mapping(self._mapping)  # read by each connection's handler
 
@@ -649,7 +664,7 @@ class Server(grpclib.server.Server):
 
     async def start(
         self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
-        backlog: int = 1024, path: str | None = None, **kwargs: Any,
+        backlog: int = 1024, path: str | None = None, sock: socket.socket | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         """grpclib's start, with a TLS handshake timeout. Over-limit connections are accepted and
         closed at once (with a GOAWAY saying why), so the accept backlog sheds rather than stalls."""
@@ -659,6 +674,11 @@ class Server(grpclib.server.Server):
         ssl = ssl or self.ssl
         if path is not None:  # a Unix socket: the workers' link to their owner
             self._server = await self._loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
+        elif sock is not None:  # a listening socket handed over by the owner of --workers N
+            self._server = await self._loop.create_server(
+                self._protocol_factory, sock=sock, backlog=backlog, ssl=ssl,
+                ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None,
+            )  # fmt: skip
         else:
             self._server = await self._loop.create_server(
                 self._protocol_factory, host, cast(int, port), backlog=backlog, ssl=ssl, flags=socket.AI_PASSIVE,
@@ -689,7 +709,15 @@ class Server(grpclib.server.Server):
         mine = _H2Protocol(protocol.handler, protocol.config, protocol.h2_config)
         mine.gate = self.gate
         mine.flusher = self.flusher
+        mine.open = self.open  # joined once admitted (a failed TLS handshake never is, nor ever leaves)
         return mine
+
+    def goaway(self, peers: set[str], why: str) -> int:
+        """GOAWAY NO_ERROR to the connections from these peers (`ip:port`); how many were sent one."""
+        chosen = [p for p in self.open if p._peer in peers]
+        for protocol in chosen:
+            protocol.leave(why)
+        return len(chosen)
 
 
 @dataclass

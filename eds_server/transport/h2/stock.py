@@ -70,8 +70,9 @@ class StockServer(grpclib.server.Server):
 
     async def start(
         self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
-        reuse_port: bool | None = None, path: str | None = None, **kwargs: Any,
+        path: str | None = None, sock: socket.socket | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
+        """On `host`:`port`, a Unix socket `path`, or a listening socket handed over (a worker's)."""
         if path is not None:  # a Unix socket: the workers' link to their owner
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(path)
@@ -79,8 +80,9 @@ class StockServer(grpclib.server.Server):
             self._sock = sock
             await super().start(sock=sock, **kwargs)
             return
-        family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
-        sock = socket.create_server((host or "", port or 0), family=family, backlog=1024, reuse_port=bool(reuse_port))
+        if sock is None:
+            family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+            sock = socket.create_server((host or "", port or 0), family=family, backlog=1024)
         self._sock = sock
         await super().start(sock=sock, ssl=ssl or self.ssl, **kwargs)
 
@@ -93,6 +95,10 @@ class StockServer(grpclib.server.Server):
 
     def stop_accepting(self) -> None:
         """grpclib has no public way to stop accepting alone: close() at the end does it."""
+
+    def goaway(self, peers: set[str], why: str) -> int:
+        """grpclib has no public way to end one connection: the streams end, the connection stays."""
+        return 0
 
     @property
     def refused(self) -> dict[str, int]:

@@ -1,10 +1,12 @@
 """`--workers 2` with real Envoys: connections spread over both workers, every Envoy gets every
-change, and a worker killed with SIGKILL empties no cluster and changes no version."""
+change, a worker killed with SIGKILL empties no cluster and changes no version, and once restarted
+it gets its share of the streams back while the summed counters never go back."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 from grpclib.client import Channel
 from grpclib.const import Cardinality
+from prometheus_client.parser import text_string_to_metric_families
 
 from eds_server.sources.relay import DELTA_PATH, decode_response, encode_request
 from eds_server.transport.h2 import PassThroughCodec
@@ -141,3 +144,137 @@ async def _metrics(server: EdsServerProcess) -> str:
 
     async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{server.admin_port}/metrics") as r:
         return await r.text()
+
+
+def counters(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every counter and histogram sample of an exposition (the series that may only go up)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.type in ("counter", "histogram"):
+            for s in family.samples:
+                if not s.name.endswith("_created"):
+                    out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.mark.fast_path  # the stock path cannot send one connection GOAWAY: load comes back as Envoys reconnect
+async def test_a_restarted_worker_gets_load_back_and_summed_counters_never_go_back(
+    two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
+) -> None:
+    server, _ = two_workers
+    envoys_n, clusters = 4, [EdsCluster("web"), EdsCluster("web-b", service_name="web"),
+                             EdsCluster("web-c", service_name="web")]  # fmt: skip
+    bootstraps = [envoy_bootstrap(server.port, clusters, free_port(), routes={"/": "web"}, node_id=f"envoy-{i}",
+                                  xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"})
+                  for i in range(envoys_n)]  # fmt: skip
+    scrapes: list[dict[tuple[str, tuple[tuple[str, str], ...]], float]] = []
+
+    async def scrape(stop: asyncio.Event) -> None:
+        for _ in range(600):  # bounded: 0.1 s apart at most 60 s
+            scrapes.append(counters(await _metrics(server)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+                return
+
+    async with envoy_fleet(bootstraps) as envoys:
+        for envoy in envoys:
+            await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 2)
+        await wait_for(lambda: streams(server), lambda s: len(s) == envoys_n * len(clusters))
+        versions = [await e.version_text("web") for e in envoys]
+        stats = await server.admin("/v1/stats")
+        victim = max(stats["workers"], key=lambda w: w["streams_open"])
+        stop = asyncio.Event()
+        scraper = asyncio.create_task(scrape(stop))
+        async with contextlib.AsyncExitStack() as stack:
+            watches = [await stack.enter_async_context(FaultWatch(e, server, backends=[b.port for b in backends[:2]]))
+                       for e in envoys]  # fmt: skip
+            os.kill(victim["pid"], signal.SIGKILL)
+            # restarted, then given load back: the streams end up even (6 and 6)
+            stats = await wait_for(lambda: server.admin("/v1/stats"),
+                                   lambda s: sorted(w["streams_open"] or 0 for w in s["workers"]) == [6, 6]
+                                   and all(w["alive"] for w in s["workers"]), timeout=40)  # fmt: skip
+        stop.set()
+        await scraper
+        for watch in watches:
+            assert watch.failed_while_backends_up() == []
+            assert min(s.hosts for s in watch.samples if s.hosts is not None) == 2  # never emptied
+        for envoy, version in zip(envoys, versions, strict=True):
+            assert await envoy.version_text("web") == version
+            assert await envoy.update_rejected("web") == 0
+    restarts = [w["restarts"] for w in stats["workers"]]
+    assert sorted(restarts) == [0, 1]
+    assert "asked 2 connections (6 streams) to reconnect elsewhere" in server.log_text()
+    # every summed counter, scraped across the restart, only went up (rate() holds)
+    assert len(scrapes) > 5
+    for before, after in itertools.pairwise(scrapes):
+        went_back = {k: (before[k], after.get(k)) for k in before if after.get(k, -1.0) < before[k]}
+        assert went_back == {}
+    assert scrapes[-1][("eds_worker_restarts_total", (("worker", str(victim["worker"])),))] == 1.0
+
+
+async def test_an_owner_killed_while_a_worker_restarts_leaves_the_port_to_the_next_server(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
+    """The orphan that black-holed Envoys: the owner killed while a restarted worker is starting.
+    Nothing of it survives, and a new eds-server on the same port serves an Envoy started afterwards."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(upstreams(backends[:2]))
+    server = EdsServerProcess(path, "--workers", "2", workdir=tmp_path)
+    await server.start()
+    assert server.proc is not None
+    pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
+    os.kill(pids[0], signal.SIGKILL)
+    await wait_for(lambda: server.log_text().count(" starting (pid ") == 3, timeout=10,
+                   what="the worker restarting")  # fmt: skip
+    server.proc.send_signal(signal.SIGKILL)
+    await server.proc.wait()
+    await wait_for(lambda: _bindable(server.port), timeout=10, what="the port free")
+    await server.start()  # the same ports
+    bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
+    async with envoy_fleet([bootstrap]) as (envoy,):
+        await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
+        async with FaultWatch(envoy, server, backends=[b.port for b in backends[:2]]) as watch:
+            await wait_for(lambda: _count(watch), lambda n: n >= 20, timeout=20, what="20 requests")
+        assert watch.requests and watch.failed_while_backends_up() == []
+    assert await server.stop() == 0
+
+
+async def _count(watch: FaultWatch) -> int:
+    return len(watch.requests)
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+async def test_sighup_under_traffic_restarts_nothing_and_fails_no_request(
+    two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
+) -> None:
+    """SIGHUP once killed the owner and orphaned its workers; now it only reloads."""
+    server, _ = two_workers
+    assert server.proc is not None
+    bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
+    async with envoy_fleet([bootstrap]) as (envoy,):
+        await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
+        version = await envoy.version_text("web")
+        pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
+        async with FaultWatch(envoy, server, backends=[b.port for b in backends[:2]]) as watch:
+            for _ in range(3):
+                server.proc.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.3)
+            await wait_for(lambda: server.log_text().count("SIGHUP: nothing to reload") == 6, timeout=10,
+                           what="each worker's reload line, three times")  # fmt: skip
+            await wait_for(lambda: _count(watch), lambda n: n >= 20, timeout=20, what="20 requests")
+        assert watch.failed_while_backends_up() == []
+        assert min(s.hosts for s in watch.samples if s.hosts is not None) == 2
+        assert await envoy.version_text("web") == version
+        assert [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]] == pids

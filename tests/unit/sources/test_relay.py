@@ -238,23 +238,3 @@ def test_store_withholds_what_the_upstream_has_not_answered_and_tells_of_interes
     assert changed == [frozenset({"a"})]
     store.unfollow(changed.append)
     assert seen[-1] == ((), ("a",))  # b is still followed
-
-
-# -- adding the workers' metrics up ------------------------------------------------------------------
-def test_worker_metrics_are_summed_and_store_metrics_are_the_owners() -> None:
-    from eds_server.workers import merge_metrics
-
-    own = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 2.0\n"
-           "# TYPE eds_ready gauge\neds_ready 1.0\n"
-           "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 100.0\n")  # fmt: skip
-    worker = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 5.0\n"
-              "# TYPE eds_ready gauge\neds_ready 1.0\n"
-              "# TYPE eds_responses_total counter\neds_responses_total 7.0\n"
-              "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 10.0\n")  # fmt: skip
-    merged = merge_metrics(own, [worker, worker], [{"worker": 1, "alive": True, "restarts": 0},
-                                                   {"worker": 2, "alive": False, "restarts": 3}])  # fmt: skip
-    assert 'eds_streams_open{transport="delta"} 10.0' in merged  # the workers' streams, not the owner's links
-    assert "eds_responses_total 14.0" in merged
-    assert "eds_ready 1.0" in merged  # the owner's alone
-    assert "process_resident_memory_bytes 120.0" in merged  # every process
-    assert "eds_workers_alive 1.0" in merged and 'eds_worker_restarts{worker="2"} 3.0' in merged
