@@ -7,12 +7,14 @@ eds-server with sample backends and a real Envoy. `eds-server COMMAND --help` de
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import re
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
@@ -81,12 +83,18 @@ def duration(value: str) -> float:
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
+def utc_timestamp(created: float) -> str:
+    """RFC 3339 in UTC with milliseconds (`2026-12-02T06:46:56.123Z`): log collectors on other
+    hosts and zones read it without guessing, and lines within one second keep their order."""
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; fields passed with `extra=` become keys of their own."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "ts": utc_timestamp(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -118,9 +126,21 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("", "0", "false", "no", "off")
+_BAD_BOOLEANS: dict[str, str] = {}  # variable -> value that is neither (`maybe`, `ture`): refused by `serve`
+
+
 def _flag(name: str) -> bool:
+    """An on/off variable: 1, true, yes, on, or 0, false, no, off, empty (any case). Anything else
+    is refused rather than read as off: `EDS_DOCKER=ture` must not start a server without Docker."""
     _BUILT_IN[name] = "off"
-    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+    value = os.environ.get(name, "")
+    if value.strip().lower() in TRUE_WORDS:
+        return True
+    if value.strip().lower() not in FALSE_WORDS:
+        _BAD_BOOLEANS[name] = value
+    return False
 
 
 def env_var(flag: str) -> str:
@@ -195,9 +215,29 @@ def _workers(value: str) -> int:
     return n
 
 
+class _StoreOnce(argparse._StoreAction):
+    """A single-valued option given twice is refused: argparse keeps the last one silently, and
+    `serve --upstreams a.yaml --upstreams b.yaml` would serve b alone."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        given: dict[str, Any] = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in given:
+            flag = "/".join(self.option_strings) or self.dest
+            hint = (": serve reads one upstreams file; merge them into one (`eds-server check` takes several)"
+                    if flag == "--upstreams" else ": it takes one value")  # fmt: skip
+            both = f" ({given[self.dest]!r}, then {values!r})" if isinstance(values, str) else ""
+            parser.error(f"{flag} given twice{both}{hint}")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
 class _Parser(argparse.ArgumentParser):
     """Says when a bad value came from the environment, not the command line: argparse names only
-    the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`."""
+    the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`. Suggests the
+    closest command for a misspelt one, and refuses a single-valued option given twice."""
 
     argv: Sequence[str] = ()
 
@@ -206,6 +246,8 @@ class _Parser(argparse.ArgumentParser):
         # another flag with that prefix is added; subcommands' parsers are made by this class too
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str) -> NoReturn:
         found = re.match(r"argument (--[\w-]+)", message)
@@ -213,10 +255,33 @@ class _Parser(argparse.ArgumentParser):
             env = env_var(found[1])
             if env in os.environ:
                 message += f" (from {env}={os.environ[env]!r})"
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'([^']*)'", choice[2]) or [c.strip() for c in choice[2].split(",")]
+            close = difflib.get_close_matches(choice[1], options, n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
         super().error(message)
+
+    def unrecognized(self, extras: Sequence[str]) -> NoReturn:
+        """argparse's "unrecognized arguments", from this (sub)command's parser, so that the usage
+        shown is the command's own, with the closest option for each misspelt one."""
+        options = [o for a in self._actions for o in a.option_strings]
+        hints = []
+        for extra in extras:
+            flag = extra.split("=", 1)[0]
+            if flag.startswith("-") and flag not in options:
+                close = difflib.get_close_matches(flag, options, n=1, cutoff=0.7)
+                if close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+_SUBCOMMANDS: dict[str, Any] = {}  # filled by build_parser: each command's own parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    _BAD_BOOLEANS.clear()
     parser = _Parser(prog="eds-server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"eds-server {__version__}")
@@ -430,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Envoy bootstrap to run [-] (default: the one shipped with eds-server, "
                            "envoy/envoy.yaml in a checkout)")
     _add_logging(demo)
+    _SUBCOMMANDS.update({"serve": serve, "check": check, "demo": demo})
     return parser  # fmt: skip
 
 
@@ -585,7 +651,13 @@ def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _SUBCOMMANDS[args.command].unrecognized(extras)
+    if args.command == "serve" and _BAD_BOOLEANS:
+        name, value = next(iter(_BAD_BOOLEANS.items()))
+        _SUBCOMMANDS["serve"].error(f"{name}={value!r} is neither on nor off: write {', '.join(TRUE_WORDS)} "
+                                    f"for on; {', '.join(FALSE_WORDS[1:])} or nothing for off")  # fmt: skip
     if args.command == "check":
         if not (args.files or args.authz):
             print("eds-server check: give one or more upstreams FILEs and/or --authz FILE", file=sys.stderr)

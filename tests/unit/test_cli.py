@@ -269,3 +269,66 @@ def test_workers_auto_counts_the_cores_a_cgroup_quota_allows(tmp_path: Path) -> 
     assert usable_cores(str(quota)) == min(cores, 2)
     quota.write_text("50000 100000\n")
     assert usable_cores(str(quota)) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "usage", "hint"),
+    [(["serve", "--upstream", "x.yaml"], "usage: eds-server serve", "--upstream: did you mean --upstreams?"),
+     (["check", "--authz", "a.yaml", "--auth", "b.yaml"], "usage: eds-server check", "did you mean --authz?"),
+     (["demo", "--envoy-confg", "e.yaml"], "usage: eds-server demo", "did you mean --envoy-config?"),
+     (["chek", "x.yaml"], "usage: eds-server [", "did you mean 'check'?")],
+)  # fmt: skip
+def test_a_misspelt_flag_or_command_gets_the_closest_and_its_commands_usage(
+    args: list[str], usage: str, hint: str
+) -> None:
+    out = run(*args)
+    assert out.returncode == 2
+    assert out.stderr.startswith(usage) and hint in out.stderr, out.stderr
+
+
+def test_a_single_valued_flag_given_twice_is_refused_in_one_line() -> None:
+    """argparse would keep the last: `serve --upstreams a --upstreams b` served b alone."""
+    out = run("serve", "--upstreams", "a.yaml", "--upstreams", "b.yaml")
+    assert out.returncode == 2
+    [error] = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert error == ("eds-server serve: error: --upstreams given twice ('a.yaml', then 'b.yaml'): serve reads one "
+                     "upstreams file; merge them into one (`eds-server check` takes several)")  # fmt: skip
+    out = run("serve", "--upstreams", "a.yaml", "--listen", ":1", "--listen", ":2")
+    assert out.returncode == 2 and "--listen given twice: it takes one value" in out.stderr
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("TRUE", True), ("yes", True), ("On", True),
+                                           ("0", False), ("false", False), ("no", False), ("off", False),
+                                           ("", False)])  # fmt: skip
+def test_booleans_from_the_environment_take_the_documented_spellings(
+    monkeypatch: pytest.MonkeyPatch, value: str, on: bool
+) -> None:
+    from eds_server import cli
+
+    monkeypatch.setenv("EDS_DOCKER", value)
+    assert cli.build_parser().parse_args(["serve"]).docker is on
+    assert not cli._BAD_BOOLEANS
+
+
+@pytest.mark.parametrize("value", ["maybe", "ture", "2"])
+def test_any_other_boolean_from_the_environment_is_refused(value: str) -> None:
+    import os
+
+    args = [sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30, env={**os.environ, "EDS_DOCKER": value})
+    assert out.returncode == 2
+    assert f"EDS_DOCKER={value!r} is neither on nor off: write 1, true, yes, on for on" in out.stderr
+
+
+def test_json_log_timestamps_are_utc_with_milliseconds() -> None:
+    import logging
+    import re
+
+    from eds_server.cli import JsonFormatter
+
+    record = logging.LogRecord("eds_server", logging.INFO, "", 0, "hello", None, None)
+    record.created = 1796194016.0625  # 2026-12-02T06:46:56.062Z
+    line = json.loads(JsonFormatter().format(record))
+    assert line["ts"] == "2026-12-02T06:46:56.062Z"
+    now = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.INFO, "", 0, "m", None, None)))["ts"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", now)
