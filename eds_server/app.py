@@ -67,7 +67,7 @@ class Settings:
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
     http2: str = "auto"  # which HTTP/2 path: auto, fast or stock (transport/h2/compat.py)
-    shutdown_grace: float = 2.0
+    shutdown_grace: float = 5.0  # --shutdown-timeout: SIGTERM to exit, however many streams are open
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
     tls_client_ca: str | None = None  # require client certificates issued by this CA (mTLS)
@@ -247,27 +247,34 @@ class App:
 
     async def stop(self) -> None:
         """Stop accepting, end streams cleanly (Envoy keeps its endpoints and reconnects), then
-        close everything."""
+        close everything: all within `shutdown_grace` seconds (--shutdown-timeout), however many
+        streams are open. Streams still open at 60% of it are cut (Envoy keeps its endpoints then
+        too, and reconnects); closing the connections and the sources gets the rest."""
+        loop = asyncio.get_running_loop()
+        start, budget = loop.time(), self.settings.shutdown_grace
+        streams = self.service.open_streams
         if self.grpc_port is not None:
             self.grpc.stop_accepting()  # first
-        self.service.stop()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.shutdown_grace
-        while self.service.open_streams and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        self.service.stop(end_streams=False)
+        await self.service.end_streams_by(start + 0.6 * budget)
+        cut = self.service.open_streams
+        if streams:
+            log.info("shutdown: %d streams ended cleanly, %d cut (--shutdown-timeout %gs)", streams - cut, cut, budget)
         if self.grpc_port is not None:
             self.grpc.close()
             try:
-                await asyncio.wait_for(self.grpc.wait_closed(), self.settings.shutdown_grace)
+                await asyncio.wait_for(self.grpc.wait_closed(), max(0.05, start + 0.8 * budget - loop.time()))
             except TimeoutError:
-                log.warning("some gRPC handlers did not finish in time")
+                log.warning("some gRPC handlers did not finish in time: left to the exit")
         self.service.stream_log.summarise()  # the count of stream lines left out, not lost with the process
         self._stop_sources.set()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for runner in self._http:
-            await runner.cleanup()
+        rest = [*self._tasks, *(runner.cleanup() for runner in self._http)]
+        _, pending = await asyncio.wait([asyncio.ensure_future(t) for t in rest],
+                                        timeout=max(0.05, start + budget - loop.time()))  # fmt: skip
+        if pending:
+            log.warning("shutdown: %d tasks had not finished by --shutdown-timeout: left to the exit", len(pending))
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str, source: str | None = None) -> None:
         """Run a background task; a failure is logged at once (not found at shutdown), and the

@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer Envoy after this even if a source never loaded (risk: Envoy drops the "
                             "endpoints that source would give), or 'off': wait for every source "
                             "[EDS_STARTUP_TIMEOUT] (default off)")
+    serve.add_argument("--shutdown-timeout", type=duration, metavar="DURATION",
+                       default=_env("EDS_SHUTDOWN_TIMEOUT", "5s"),
+                       help="on SIGTERM: end open streams cleanly (Envoy keeps its endpoints and reconnects) for up "
+                            "to 60%% of this, cut the rest, and exit within it, however many streams are open; keep "
+                            "it below the stop timeout (docker stop: 10s; Kubernetes: 30s) (default 5s)")
     serve.add_argument("--max-streams-per-connection", type=positive_int, metavar="N",
                        default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
                        help="HTTP/2 concurrent streams per connection (default 10000)")
@@ -781,6 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         admin=args.admin,
         rest_listen=args.rest_listen,
         startup_timeout=args.startup_timeout,
+        shutdown_grace=args.shutdown_timeout,
         max_streams_per_connection=args.max_streams_per_connection,
         keepalive_time=args.keepalive_time,
         keepalive_timeout=args.keepalive_timeout,
