@@ -54,6 +54,9 @@ class Settings:
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
     rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
+    metrics_listen: tuple[str, int] | None = None  # read-only /metrics, /healthz, /readyz, off unless asked for
+    admin_tls_cert: str | None = None  # the admin port over TLS (--admin-tls: --tls-cert's file)
+    admin_tls_key: str | None = None  # its key (None: in admin_tls_cert)
     startup_timeout: float | None = None  # None: answer nobody until every source has loaded
     max_streams_per_connection: int = 10_000
     keepalive_time: float = 30.0
@@ -151,6 +154,7 @@ class App:
         self.grpc_port: int | None = None
         self.admin_port: int | None = None
         self.rest_port: int | None = None
+        self.metrics_port: int | None = None
 
     def source_status(self) -> list[dict[str, Any]]:
         """What each source says of itself, in merge order (for /v1/sources, the status page, metrics)."""
@@ -164,6 +168,7 @@ class App:
 
     async def start(self) -> None:
         ssl = self._security()
+        admin_ssl = self._admin_ssl()  # before anything starts: unusable files refuse the start
         for source in self.sources:
             await source.start()  # raises UpstreamsError, RegistrationStateError: refuse to start
         for source in self.sources:
@@ -181,12 +186,12 @@ class App:
             await self.grpc.start(host, port, reuse_port=self.settings.reuse_port)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
+        registry = make_registry(self.store, self.service, self.source_status,
+                                 lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
         if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
-                self.service.describe_streams,
-                make_registry(self.store, self.service, self.source_status,
-                              lambda: (self.grpc.connections, self.grpc.refused)),
+                self.service.describe_streams, registry,
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
                 self.workers,
             )  # fmt: skip
@@ -194,7 +199,13 @@ class App:
                 await self._serve_unix(app, self.settings.admin_unix)
             else:
                 assert self.settings.admin is not None
-                self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
+                self.admin_port = await self._serve_http(app, self.settings.admin, "admin", admin_ssl)
+        if self.settings.metrics_listen is not None and self.settings.admin_unix is None:  # not a worker's
+            app = admin.make_app(self.store, self.source_status, self.stats, self.service.describe_streams,
+                                 registry, workers=self.workers, read_only_probes=True)  # fmt: skip
+            self.metrics_port = await self._serve_http(
+                app, self.settings.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
+            )
         if self.settings.rest_listen is not None:
             app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)
             self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
@@ -217,14 +228,24 @@ class App:
                             "san_uri and san_dns rules match nobody")  # fmt: skip
         return ssl
 
-    async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
+    def _admin_ssl(self) -> SSLContext | None:
+        s = self.settings
+        if s.admin_tls_cert is None or s.admin is None:
+            return None
+        ssl = security.http_ssl_context(s.admin_tls_cert, s.admin_tls_key)
+        log.info("admin over TLS: certificate %s", s.admin_tls_cert)
+        return ssl
+
+    async def _serve_http(
+        self, app: web.Application, address: tuple[str, int], what: str, ssl: SSLContext | None = None
+    ) -> int:
         runner = http_runner(app, self.settings.http_limits, self.settings.http2)
         await runner.setup()
         self._http.append(runner)
-        site = web.TCPSite(runner, *address)
+        site = web.TCPSite(runner, *address, ssl_context=ssl)
         await site.start()
         port = runner_port(runner)
-        log.info("%s on http://%s:%s", what, address[0], port)
+        log.info("%s on %s://%s:%s", what, "https" if ssl else "http", address[0], port)
         return port
 
     async def _serve_unix(self, app: web.Application, path: str) -> None:

@@ -307,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin", type=optional_address, metavar="HOST:PORT",
                        default=_env("EDS_ADMIN", "127.0.0.1:18001"),
                        help="admin HTTP address, or 'off' [EDS_ADMIN] (default 127.0.0.1:18001)")
+    serve.add_argument("--metrics-listen", type=optional_address, metavar="HOST:PORT",
+                       default=_env("EDS_METRICS_LISTEN", "off"),
+                       help="read-only HTTP with /metrics, /healthz and /readyz alone, to expose to scrapers and "
+                            "probes on other hosts while --admin (the status page, the groups, the registration "
+                            "API) stays on loopback; or 'off' [EDS_METRICS_LISTEN] (default off)")
     serve.add_argument("--rest-listen", type=optional_address, metavar="HOST:PORT",
                        default=_env("EDS_REST_LISTEN", "off"),
                        help="REST-JSON EDS for api_type: REST, or 'off' [EDS_REST_LISTEN] (default off)")
@@ -432,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="PEM private key, unencrypted (default: the key in --tls-cert) [EDS_TLS_KEY]")
     sec.add_argument("--tls-client-ca", metavar="FILE", default=_env("EDS_TLS_CLIENT_CA", None),
                      help="require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]")
+    sec.add_argument("--admin-tls", action="store_true", default=_flag("EDS_ADMIN_TLS"),
+                     help="serve --admin (and the registration API on it) over HTTPS with the same --tls-cert and "
+                          "--tls-key; no client certificates (writes carry their tokens) [EDS_ADMIN_TLS=1]")
     sec.add_argument("--authz", metavar="FILE", default=_env("EDS_AUTHZ", None),
                      help="which groups each client may read, by certificate or node [EDS_AUTHZ]")
     relay = serve.add_argument_group("tiers and cores (docs/more-than-one-host.md)")
@@ -569,7 +577,8 @@ async def start_app(
 
     listen = None if settings.reuse_port else settings.listen  # a worker shares it with the others
     taken = ports.unbindable([("--listen", listen), ("--admin", settings.admin),
-                              ("--rest-listen", settings.rest_listen), *extra_ports])  # fmt: skip
+                              ("--rest-listen", settings.rest_listen), ("--metrics-listen", settings.metrics_listen),
+                              *extra_ports])  # fmt: skip
     if taken is not None:
         log.error("not starting: %s", taken)
         return None
@@ -716,6 +725,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
         return 2
+    if args.admin_tls and not args.tls_cert:
+        log.error("--admin-tls needs --tls-cert (EDS_TLS_CERT): the admin port uses the gRPC port's certificate")
+        return 2
+    if args.admin_tls and args.admin is None:
+        log.error("--admin-tls needs the admin HTTP: drop --admin off, or --admin-tls")
+        return 2
     if (args.tls_key or args.tls_client_ca) and not args.tls_cert:
         log.error("--tls-key and --tls-client-ca need --tls-cert (EDS_TLS_CERT)")
         return 2
@@ -785,6 +800,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         listen=args.listen,
         admin=args.admin,
         rest_listen=args.rest_listen,
+        metrics_listen=args.metrics_listen,
+        admin_tls_cert=args.tls_cert if args.admin_tls else None,
+        admin_tls_key=args.tls_key if args.admin_tls else None,
         startup_timeout=args.startup_timeout,
         shutdown_grace=args.shutdown_timeout,
         max_streams_per_connection=args.max_streams_per_connection,
