@@ -487,6 +487,11 @@ def _endpoint_spec(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
             w.problem(node, path, str(e))
             return None
         return Endpoint(address, port)
+    spaced = _spaced_address(node)
+    if spaced is not None:
+        w.problem(node, path, f"`{spaced[0]}: {spaced[1]}` reads as a mapping in YAML (the space after the colon): "
+                              f"write {spaced[0]}:{spaced[1]}")  # fmt: skip
+        return None
     spec = w.mapping(node, path, ENDPOINT_KEYS)
     if spec is None:
         return None
@@ -503,6 +508,20 @@ def _endpoint_spec(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
     if len(w.problems) > n_problems:
         return None
     return Endpoint.from_fields(values)
+
+
+def _spaced_address(node: yaml.Node) -> tuple[str, str] | None:
+    """`- 10.0.0.2: 80`: a one-entry mapping from an IP to a port, meant as `10.0.0.2:80`."""
+    if not isinstance(node, yaml.MappingNode) or len(node.value) != 1:
+        return None
+    key, value = node.value[0]
+    if not (isinstance(key, yaml.ScalarNode) and isinstance(value, yaml.ScalarNode)) or key.value in ENDPOINT_KEYS:
+        return None
+    try:
+        fields.ip(key.value)
+    except ValueError:
+        return None
+    return key.value, value.value
 
 
 def _metadata(w: _Walker, node: yaml.Node, path: str) -> dict[str, Any]:

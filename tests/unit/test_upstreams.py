@@ -67,6 +67,9 @@ def test_ipv6_and_empty_groups() -> None:
         # what YAML accepts and reads otherwise than it looks: refused, each saying how to write it
         ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, weight: \"2\"}\n",
          'upstreams.yaml:4: groups.web.endpoints[0].weight: "2" is quoted text, not a number: write it without quotes'),
+        ("groups:\n  web:\n    endpoints:\n      - 10.0.0.2: 80\n",
+         "upstreams.yaml:4: groups.web.endpoints[0]: `10.0.0.2: 80` reads as a mapping in YAML (the space after the "
+         "colon): write 10.0.0.2:80"),
         ("groups:\n  web:\n    endpoints: ['10.0.0.2: 80']\n",
          "upstreams.yaml:3: groups.web.endpoints[0]: '10.0.0.2: 80' is not ADDRESS:PORT (no spaces: '10.0.0.2:80')"),
         ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 080}\n",
