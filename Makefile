@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine
-	$(VENV)/bin/eds-server demo
+demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine (DEMO_ARGS=--free-ports if a port is busy)
+	$(VENV)/bin/eds-server demo $(DEMO_ARGS)
 
 test: $(STAMP)  ## the whole suite, real Envoy included
 	$(PY) -m pytest

@@ -24,13 +24,16 @@ log = logging.getLogger("eds_server.admin")
 
 PATHS = ("/", "/healthz", "/readyz", "/v1/groups", "/v1/groups/{name}", "/v1/sources", "/v1/stats", "/v1/streams",
          "/metrics")  # fmt: skip
+PROBE_PATHS = ("/metrics", "/healthz", "/readyz")  # all that --metrics-listen serves
 REGISTRATIONS_OFF = (
     "the registration API is off: start eds-server with --state FILE and/or --admin-token TOKEN "
     "(EDS_STATE, EDS_ADMIN_TOKEN)"
 )
 
 
-def json_errors(registrations_on: bool) -> Callable[..., Awaitable[web.StreamResponse]]:
+def json_errors(
+    registrations_on: bool, paths: tuple[str, ...] = PATHS
+) -> Callable[..., Awaitable[web.StreamResponse]]:
     """aiohttp's own errors (unknown path, wrong method, a handler's crash) as JSON with a hint, like
     every answer of the admin API, instead of `404: Not Found` text."""
 
@@ -48,10 +51,10 @@ def json_errors(registrations_on: bool) -> Callable[..., Awaitable[web.StreamRes
                 registration_path = request.path.startswith("/v1/registrations") or (
                     request.path.startswith("/v1/groups/") and "/endpoints" in request.path
                 )
-                if registration_path and not registrations_on:
+                if registration_path and not registrations_on and paths is PATHS:
                     body["hint"] = REGISTRATIONS_OFF
                 else:
-                    body["hint"] = "paths: " + ", ".join(PATHS)
+                    body["hint"] = "paths: " + ", ".join(paths)
             elif e.status == 405:
                 body["hint"] = f"allowed: {e.headers.get('Allow', 'GET')}"
             headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
@@ -95,6 +98,7 @@ def make_app(
     registration_policy: RegistrationPolicy | None = None,
     workers: WorkerPool | None = None,  # --workers N: streams, stats and metrics are the workers'
     shed: Callable[[int, int], Awaitable[dict[str, int]]] | None = None,  # a worker's: its owner moves load
+    read_only_probes: bool = False,  # --metrics-listen: /metrics, /healthz and /readyz, nothing else
 ) -> web.Application:
     async def all_streams(after: int, limit: int) -> dict[str, Any]:
         return await workers.streams(after, limit) if workers is not None else streams(after, limit)
@@ -184,6 +188,11 @@ def make_app(
             body = (await workers.metrics(body.decode())).encode()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    if read_only_probes:  # nothing that names groups, sources or clients, and nothing that writes
+        app = web.Application(middlewares=[json_errors(False, PROBE_PATHS)])
+        for path, handler in (("/metrics", metrics), ("/healthz", healthz), ("/readyz", readyz)):
+            app.router.add_get(path, handler)
+        return app
     app = web.Application(middlewares=[json_errors(registrations is not None)])
     app.router.add_get("/", index)
     app.router.add_get("/healthz", healthz)

@@ -55,6 +55,9 @@ class Settings:
     listen: tuple[str, int] = ("0.0.0.0", 18000)
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
     rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
+    metrics_listen: tuple[str, int] | None = None  # read-only /metrics, /healthz, /readyz, off unless asked for
+    admin_tls_cert: str | None = None  # the admin port over TLS (--admin-tls: --tls-cert's file)
+    admin_tls_key: str | None = None  # its key (None: in admin_tls_cert)
     startup_timeout: float | None = None  # None: answer nobody until every source has loaded
     max_streams_per_connection: int = 10_000
     keepalive_time: float = 30.0
@@ -68,7 +71,7 @@ class Settings:
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
     http2: str = "auto"  # which HTTP/2 path: auto, fast or stock (transport/h2/compat.py)
-    shutdown_grace: float = 2.0
+    shutdown_grace: float = 5.0  # --shutdown-timeout: SIGTERM to exit, however many streams are open
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
     tls_client_ca: str | None = None  # require client certificates issued by this CA (mTLS)
@@ -152,6 +155,7 @@ class App:
         self.grpc_port: int | None = None
         self.admin_port: int | None = None
         self.rest_port: int | None = None
+        self.metrics_port: int | None = None
 
     def source_status(self) -> list[dict[str, Any]]:
         """What each source says of itself, in merge order (for /v1/sources, the status page, metrics)."""
@@ -165,6 +169,7 @@ class App:
 
     async def start(self) -> None:
         ssl = self._security()
+        admin_ssl = self._admin_ssl()  # before anything starts: unusable files refuse the start
         for source in self.sources:
             await source.start()  # raises UpstreamsError, RegistrationStateError: refuse to start
         for source in self.sources:
@@ -183,12 +188,12 @@ class App:
             await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
+        registry = make_registry(self.store, self.service, self.source_status,
+                                 lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
         if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
-                self.service.describe_streams,
-                make_registry(self.store, self.service, self.source_status,
-                              lambda: (self.grpc.connections, self.grpc.refused)),
+                self.service.describe_streams, registry,
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
                 self.workers, self._shed if self.settings.admin_unix is not None else None,
             )  # fmt: skip
@@ -196,7 +201,13 @@ class App:
                 await self._serve_unix(app, self.settings.admin_unix)
             else:
                 assert self.settings.admin is not None
-                self.admin_port = await self._serve_http(app, self.settings.admin, "admin")
+                self.admin_port = await self._serve_http(app, self.settings.admin, "admin", admin_ssl)
+        if self.settings.metrics_listen is not None and self.settings.admin_unix is None:  # not a worker's
+            app = admin.make_app(self.store, self.source_status, self.stats, self.service.describe_streams,
+                                 registry, workers=self.workers, read_only_probes=True)  # fmt: skip
+            self.metrics_port = await self._serve_http(
+                app, self.settings.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
+            )
         if self.settings.rest_listen is not None:
             app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)
             self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
@@ -253,14 +264,24 @@ class App:
                 log.info("SIGHUP: authorization %s reloaded: %d rules, default %s (for streams opened from now on)",
                          s.authz, len(policy.rules), policy.default)  # fmt: skip
 
-    async def _serve_http(self, app: web.Application, address: tuple[str, int], what: str) -> int:
+    def _admin_ssl(self) -> SSLContext | None:
+        s = self.settings
+        if s.admin_tls_cert is None or s.admin is None:
+            return None
+        ssl = security.http_ssl_context(s.admin_tls_cert, s.admin_tls_key)
+        log.info("admin over TLS: certificate %s", s.admin_tls_cert)
+        return ssl
+
+    async def _serve_http(
+        self, app: web.Application, address: tuple[str, int], what: str, ssl: SSLContext | None = None
+    ) -> int:
         runner = http_runner(app, self.settings.http_limits, self.settings.http2)
         await runner.setup()
         self._http.append(runner)
-        site = web.TCPSite(runner, *address)
+        site = web.TCPSite(runner, *address, ssl_context=ssl)
         await site.start()
         port = runner_port(runner)
-        log.info("%s on http://%s:%s", what, address[0], port)
+        log.info("%s on %s://%s:%s", what, "https" if ssl else "http", address[0], port)
         return port
 
     async def _serve_unix(self, app: web.Application, path: str) -> None:
@@ -283,27 +304,34 @@ class App:
 
     async def stop(self) -> None:
         """Stop accepting, end streams cleanly (Envoy keeps its endpoints and reconnects), then
-        close everything."""
+        close everything: all within `shutdown_grace` seconds (--shutdown-timeout), however many
+        streams are open. Streams still open at 60% of it are cut (Envoy keeps its endpoints then
+        too, and reconnects); closing the connections and the sources gets the rest."""
+        loop = asyncio.get_running_loop()
+        start, budget = loop.time(), self.settings.shutdown_grace
+        streams = self.service.open_streams
         if self.grpc_port is not None:
             self.grpc.stop_accepting()  # first
-        self.service.stop()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.shutdown_grace
-        while self.service.open_streams and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        self.service.stop(end_streams=False)
+        await self.service.end_streams_by(start + 0.6 * budget)
+        cut = self.service.open_streams
+        if streams:
+            log.info("shutdown: %d streams ended cleanly, %d cut (--shutdown-timeout %gs)", streams - cut, cut, budget)
         if self.grpc_port is not None:
             self.grpc.close()
             try:
-                await asyncio.wait_for(self.grpc.wait_closed(), self.settings.shutdown_grace)
+                await asyncio.wait_for(self.grpc.wait_closed(), max(0.05, start + 0.8 * budget - loop.time()))
             except TimeoutError:
-                log.warning("some gRPC handlers did not finish in time")
+                log.warning("some gRPC handlers did not finish in time: left to the exit")
         self.service.stream_log.summarise()  # the count of stream lines left out, not lost with the process
         self._stop_sources.set()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for runner in self._http:
-            await runner.cleanup()
+        rest = [*self._tasks, *(runner.cleanup() for runner in self._http)]
+        _, pending = await asyncio.wait([asyncio.ensure_future(t) for t in rest],
+                                        timeout=max(0.05, start + budget - loop.time()))  # fmt: skip
+        if pending:
+            log.warning("shutdown: %d tasks had not finished by --shutdown-timeout: left to the exit", len(pending))
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str, source: str | None = None) -> None:
         """Run a background task; a failure is logged at once (not found at shutdown), and the

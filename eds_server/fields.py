@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,21 +17,36 @@ from .model import Health
 UINT32_MAX = 2**32 - 1
 MAX_METADATA_DEPTH = 20  # Envoy parses protobuf with a nesting limit; a Struct level is two messages
 HEALTH_NAMES = {h.name.lower(): h for h in Health}
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")
+
+
+def show(value: Any) -> str:
+    """A value as the file or the JSON that held it spells it: `null`, `true`, not Python's None, True."""
+    if value is None:
+        return "null (an empty value)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
 
 
 def _int(value: Any, what: str) -> int:
+    """A whole number, or one written in decimal as text (container labels and annotations are
+    text). `" 80"`, `"+80"`, `"8_0"` and `"080"` are refused: Python's int() would take them, and
+    a leading zero reads as octal elsewhere (YAML 1.1 `0120` is 80)."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{value!r} is not {what}")
-    try:
+        raise ValueError(f"{show(value)} is not {what}")
+    if isinstance(value, str):
+        if not _DECIMAL.fullmatch(value):
+            hint = ": write it without leading zeros" if value.isdigit() else ""
+            raise ValueError(f"{show(value)} is not {what}{hint}")
         return int(value)
-    except ValueError:
-        raise ValueError(f"{value!r} is not {what}") from None
+    return value
 
 
 def ip(value: Any) -> str:
     """An IP literal, normalised (Envoy resolves nothing in EDS: a hostname would be rejected)."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{value!r} is not an IP address")
+        raise ValueError(f"{show(value)} is not an IP address")
     text = value[1:-1] if value.startswith("[") and value.endswith("]") else value
     try:
         return str(ipaddress.ip_address(text))
@@ -64,7 +80,7 @@ def priority(value: Any) -> int:
 def health(value: Any) -> Health:
     if isinstance(value, str) and value.lower() in HEALTH_NAMES:
         return HEALTH_NAMES[value.lower()]
-    raise ValueError(f"{value!r} is not a health status (one of {', '.join(HEALTH_NAMES)})")
+    raise ValueError(f"{show(value)} is not a health status (one of {', '.join(HEALTH_NAMES)})")
 
 
 def is_unicode(text: str) -> bool:
@@ -78,12 +94,14 @@ def is_unicode(text: str) -> bool:
 
 def text(value: Any, what: str = "a string") -> str:
     if isinstance(value, bool) or not isinstance(value, str | int | float) or not is_unicode(str(value)):
-        raise ValueError(f"{value!r} is not {what}")
+        raise ValueError(f"{show(value)} is not {what}")
     return str(value)
 
 
 def host_port(value: str) -> tuple[str, int]:
     """`10.0.0.5:8080` or `[2001:db8::1]:8080`."""
+    if value != "".join(value.split()):
+        raise ValueError(f"{value!r} is not ADDRESS:PORT (no spaces: {''.join(value.split())!r})")
     if value.startswith("["):
         host, sep, rest = value[1:].partition("]")
         if not sep or not rest.startswith(":"):
@@ -133,13 +151,14 @@ def _depth(value: Any) -> int:
 def metadata(value: Any) -> dict[str, Any]:
     """filter_metadata["envoy.lb"]: a mapping of JSON values, as a protobuf Struct can carry."""
     if not isinstance(value, dict):
-        raise ValueError(f"{value!r} is not a mapping")
+        raise ValueError(f"{show(value)} is not a mapping")
     if _depth(value) > MAX_METADATA_DEPTH:
         raise ValueError(f"nested more than {MAX_METADATA_DEPTH} levels deep")
     bad = _first_bad(value)
     if bad is not None:
         raise ValueError(
-            f"{bad!r} cannot be carried in metadata (strings, finite numbers, booleans, null, lists and mappings only)"
+            f"{show(bad)} cannot be carried in metadata "
+            "(strings, finite numbers, booleans, null, lists and mappings only)"
         )
     return dict(value)
 

@@ -10,14 +10,38 @@ from collections.abc import Iterable
 
 
 def unbindable(addresses: Iterable[tuple[str, tuple[str, int] | None]]) -> str | None:
-    """The first `(what, (host, port))` that cannot be bound, as `"WHAT HOST:PORT: reason"`, else None.
+    """The first of `every_unbindable`, or None."""
+    found = every_unbindable(addresses, first_only=True)
+    return found[0] if found else None
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports the OS says are free on `host` now (held together while chosen, so they
+    differ). Like `unbindable`, a check: another program may take one before it is bound."""
+    with contextlib.ExitStack() as held:
+        found = []
+        for _ in range(n):
+            sock = held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+            sock.bind((host, 0))
+            found.append(int(sock.getsockname()[1]))
+        return found
+
+
+def every_unbindable(
+    addresses: Iterable[tuple[str, tuple[str, int] | None]], first_only: bool = False
+) -> list[str]:
+    """Each `(what, (host, port))` that cannot be bound, as `"WHAT HOST:PORT: reason"`: all of them,
+    so that a user moving one busy port learns of the next at once.
 
     Binds as asyncio's servers do (SO_REUSEADDR, every address the host resolves to) and holds each
     socket until all are tried, so two flags naming one port are caught too. Port 0 is skipped. It
     is a check, not a reservation: a port taken just after it still fails at start, less clearly.
     """
+    problems: list[str] = []
     with contextlib.ExitStack() as held:
         for what, address in addresses:
+            if problems and first_only:
+                break
             if address is None or address[1] == 0:
                 continue
             host, port = address
@@ -25,7 +49,8 @@ def unbindable(addresses: Iterable[tuple[str, tuple[str, int] | None]]) -> str |
             try:
                 infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             except socket.gaierror as e:
-                return f"{what} {shown}: cannot resolve {host!r} ({e.strerror})"
+                problems.append(f"{what} {shown}: cannot resolve {host!r} ({e.strerror})")
+                continue
             for family, kind, proto, _, sockaddr in infos:
                 sock = held.enter_context(socket.socket(family, kind, proto))
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -36,5 +61,6 @@ def unbindable(addresses: Iterable[tuple[str, tuple[str, int] | None]]) -> str |
                     sock.listen(1)  # a listening socket: a second bind to it fails, even with SO_REUSEADDR
                 except OSError as e:
                     reason = "address in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-                    return f"{what} {shown}: {reason}"
-    return None
+                    problems.append(f"{what} {shown}: {reason}")
+                    break
+    return problems

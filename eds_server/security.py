@@ -60,6 +60,19 @@ def _no_password() -> str:
     raise SecurityConfigError(["encrypted"])
 
 
+def http_ssl_context(cert: str, key: str | None = None) -> ssl.SSLContext:
+    """A server context for the admin port (HTTP/1.1): the gRPC port's certificate and key, TLS
+    1.2+, no client certificates (the registration API's writes carry their tokens)."""
+    grpc_ctx = server_ssl_context(cert, key)  # the same checks, the same one-line errors
+    del grpc_ctx
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
+    ctx.set_alpn_protocols(["http/1.1"])
+    ctx.load_cert_chain(cert, key, password=_no_password)
+    return ctx
+
+
 def server_ssl_context(cert: str, key: str | None = None, client_ca: str | None = None) -> ssl.SSLContext:
     """A server context for gRPC: TLS 1.2+, ALPN h2, and client certificates required (and checked
     against `client_ca`) when `client_ca` is given. `key` may be left out when `cert` holds it too.

@@ -227,7 +227,9 @@ def render(
         f'<h1>eds-server <span class="muted">{_e(version)}</span> {badge}</h1>'
         f'<p class="muted">{_n(total_groups, "group")}, {_n(total_endpoints, "endpoint")}, '
         f'{_n(total_streams, "stream")} · '
-        f'{_n(int(stats.get("acks", 0)), "ACK")}, {_n(int(stats.get("nacks", 0)), "NACK")} · '
+        # counted by this process: after a restart, streams whose Envoy already had the version are
+        # shown ACKed below although no response (and so no ACK) has passed since
+        f'{_n(int(stats.get("acks", 0)), "ACK")}, {_n(int(stats.get("nacks", 0)), "NACK")} since start · '
         f'{time.strftime("%Y-%m-%d %H:%M:%S %Z")}, reloads every {REFRESH_SECONDS} s</p>'
         f"<nav>JSON: {links}</nav>"
         f'<h2 id="sources">Sources</h2>{_sources(sources)}'

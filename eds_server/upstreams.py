@@ -11,6 +11,7 @@ few hundred bytes expand into gigabytes. Reading is bounded too: regular files o
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import stat
@@ -33,6 +34,13 @@ ENDPOINT_KEYS = (
 LOCALITY_KEYS = ("region", "zone", "subzone", "weight")
 GROUP_KEYS = ("endpoints", "localities")
 TOP_KEYS = ("groups",)
+NUMBER_KEYS = ("port", "weight", "priority")  # whole numbers, written as YAML integers in decimal
+# Words people write for a group's endpoints, and for other keys, that difflib would not match
+_MEANT = {
+    "hosts": "endpoints", "addresses": "endpoints", "backends": "endpoints", "servers": "endpoints",
+    "members": "endpoints", "targets": "endpoints", "ip": "address", "host": "address", "addr": "address",
+}  # fmt: skip
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")
 MAX_NAME_LENGTH = 1024
 MAX_FILE_SIZE = 4 * 1024 * 1024  # --max-upstreams-size: ~80,000 one-line endpoints; parsing peaks ~65 MB per MB
 
@@ -48,11 +56,22 @@ class Problem:
     line: int  # 1-based
     path: str  # e.g. groups.web.endpoints[1].port
     message: str
+    column: int = 0  # 1-based, where it helps (YAML syntax errors); 0: not given
 
     def __str__(self) -> str:
         where = f"{self.path}: " if self.path else ""
         line = f":{self.line}" if self.line else ""  # 0: about the whole file (e.g. it cannot be read)
-        return f"{self.file}{line}: {where}{self.message}"
+        column = f":{self.column}" if self.line and self.column else ""
+        return f"{self.file}{line}{column}: {where}{self.message}"
+
+
+def did_you_mean(key: str, allowed: tuple[str, ...]) -> str:
+    """`; did you mean `endpoints`?` for a near miss (or a usual other word) of one allowed key, else ''."""
+    meant = _MEANT.get(key.lower())
+    if meant not in allowed:
+        close = difflib.get_close_matches(key.lower(), allowed, n=1, cutoff=0.6)
+        meant = close[0] if close else None
+    return f"; did you mean `{meant}`?" if meant else ""
 
 
 class UpstreamsError(Exception):
@@ -114,14 +133,25 @@ class _Walker:
             if key in out:
                 self.problem(key_node, sub, "duplicate key")
             elif allowed is not None and key not in allowed:
-                self.problem(key_node, sub, f"unknown key (expected one of: {', '.join(allowed)})")
+                hint = did_you_mean(key, allowed)
+                self.problem(key_node, sub, f"unknown key (expected one of: {', '.join(allowed)}){hint}")
             else:
                 out[key] = (key_node, value_node)
         return out
 
-    def field(self, node: yaml.Node, path: str, check: Callable[[Any], Any]) -> Any:
+    def field(self, node: yaml.Node, path: str, check: Callable[[Any], Any], number: bool = False) -> Any:
+        """The checked value; a `number` is also refused unless written as a plain decimal integer:
+        `"2"` (text) and `0120` (YAML 1.1 octal: 80) say something else than they seem to."""
         if not isinstance(node, yaml.ScalarNode):
             self.problem(node, path, "must be a single value")
+            return None
+        if number and node.style in ("'", '"'):
+            self.problem(node, path, f"{node.style}{node.value}{node.style} is quoted text, not a number: "
+                                     f"write it without quotes")  # fmt: skip
+            return None
+        if number and node.tag.endswith(":int") and not _DECIMAL.fullmatch(node.value):
+            self.problem(node, path, f"{node.value} is not a decimal number (a leading 0 is octal in YAML, "
+                                     f"0x hexadecimal): write it in decimal digits")  # fmt: skip
             return None
         try:
             return check(self.value(node))
@@ -140,10 +170,21 @@ def compose(text: str, filename: str) -> yaml.Node | None:
     except RecursionError:
         raise UpstreamsError([Problem(filename, 1, "", "not valid YAML: nested too deeply")]) from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else 1
-        reason = getattr(e, "problem", None) or str(e)
-        raise UpstreamsError([Problem(filename, line, "", f"not valid YAML: {reason}")]) from None
+        raise UpstreamsError([syntax_problem(e, filename)]) from None
+
+
+def syntax_problem(e: yaml.YAMLError, filename: str) -> Problem:
+    """PyYAML's error as one line with the line and column where it was found, and what was being
+    read when it started (`while scanning a quoted scalar` ... `found unexpected end of stream`)."""
+    mark = getattr(e, "problem_mark", None)
+    line = mark.line + 1 if mark is not None else 1
+    column = mark.column + 1 if mark is not None else 0
+    reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    context_mark = getattr(e, "context_mark", None)
+    if context and context_mark is not None and context_mark.line != (mark.line if mark is not None else -1):
+        context += f" (from line {context_mark.line + 1})"
+    return Problem(filename, line, "", f"not valid YAML: {reason}" + (f", {context}" if context else ""), column)
 
 
 def _refuse_anchors(text: str, filename: str) -> None:
@@ -357,7 +398,12 @@ def _group(w: _Walker, name: str, key_node: yaml.Node, node: yaml.Node) -> Group
         w.problem(key_node, path, f"group names must be 1-{MAX_NAME_LENGTH} characters, no outer spaces")
         return None
     if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null"):
-        return Group(name)
+        w.problem(key_node, path, f"empty (null): write `{name}: {{endpoints: []}}` for a group with no endpoints, "
+                                  "or remove it")  # fmt: skip
+        return None
+    if isinstance(node, yaml.SequenceNode):
+        w.problem(node, path, f"must be a mapping, not a list: did you mean `{name}: {{endpoints: [...]}}`?")
+        return None
     if not w.reuse:
         return _group_spec(w, name, node, path)
     key = (name, w.key(node))
@@ -390,7 +436,9 @@ def _group_spec(w: _Walker, name: str, node: yaml.Node, path: str) -> Group | No
     if "endpoints" in spec:
         ep_node = spec["endpoints"][1]
         if not isinstance(ep_node, yaml.SequenceNode):
-            if not (isinstance(ep_node, yaml.ScalarNode) and ep_node.tag.endswith(":null")):
+            if isinstance(ep_node, yaml.ScalarNode) and ep_node.tag.endswith(":null"):
+                w.problem(ep_node, f"{path}.endpoints", "empty (null): write `endpoints: []` for no endpoints")
+            else:
                 w.problem(ep_node, f"{path}.endpoints", "must be a list")
         else:
             seen: dict[tuple[str, int], int] = {}
@@ -433,12 +481,17 @@ def _endpoint_spec(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
         try:
             value = w.value(node)
             if not isinstance(value, str):
-                raise ValueError(f"{value!r} is not ADDRESS:PORT or a mapping")
+                raise ValueError(f"{fields.show(value)} is not ADDRESS:PORT or a mapping")
             address, port = fields.host_port(value)
         except ValueError as e:
             w.problem(node, path, str(e))
             return None
         return Endpoint(address, port)
+    spaced = _spaced_address(node)
+    if spaced is not None:
+        w.problem(node, path, f"`{spaced[0]}: {spaced[1]}` reads as a mapping in YAML (the space after the colon): "
+                              f"write {spaced[0]}:{spaced[1]}")  # fmt: skip
+        return None
     spec = w.mapping(node, path, ENDPOINT_KEYS)
     if spec is None:
         return None
@@ -451,10 +504,24 @@ def _endpoint_spec(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
         if key == "metadata":
             values[key] = _metadata(w, value_node, f"{path}.metadata")
         else:
-            values[key] = w.field(value_node, f"{path}.{key}", fields.ENDPOINT_CHECKS[key])
+            values[key] = w.field(value_node, f"{path}.{key}", fields.ENDPOINT_CHECKS[key], key in NUMBER_KEYS)
     if len(w.problems) > n_problems:
         return None
     return Endpoint.from_fields(values)
+
+
+def _spaced_address(node: yaml.Node) -> tuple[str, str] | None:
+    """`- 10.0.0.2: 80`: a one-entry mapping from an IP to a port, meant as `10.0.0.2:80`."""
+    if not isinstance(node, yaml.MappingNode) or len(node.value) != 1:
+        return None
+    key, value = node.value[0]
+    if not (isinstance(key, yaml.ScalarNode) and isinstance(value, yaml.ScalarNode)) or key.value in ENDPOINT_KEYS:
+        return None
+    try:
+        fields.ip(key.value)
+    except ValueError:
+        return None
+    return key.value, value.value
 
 
 def _metadata(w: _Walker, node: yaml.Node, path: str) -> dict[str, Any]:
@@ -484,7 +551,7 @@ def _localities(w: _Walker, node: yaml.Node, path: str) -> dict[Locality, int]:
             k: w.field(spec[k][1], f"{item_path}.{k}", fields.text) if k in spec else ""
             for k in ("region", "zone", "subzone")
         }
-        weight = w.field(spec["weight"][1], f"{item_path}.weight", fields.weight)
+        weight = w.field(spec["weight"][1], f"{item_path}.weight", fields.weight, number=True)
         if weight is None or None in parts.values():
             continue
         loc = locality(parts["region"], parts["zone"], parts["subzone"])

@@ -114,13 +114,35 @@ class EdsService:
             ),
         }
 
-    def stop(self) -> None:
-        """End every open stream cleanly (status OK); Envoy keeps its endpoints and reconnects."""
+    def stop(self, end_streams: bool = True) -> None:
+        """Take no more changes, and end every open stream cleanly (status OK; Envoy keeps its
+        endpoints and reconnects), or leave that to `end_streams_by`."""
         self._stopping = True
         self.heap.stop()
         self._unwatch()
-        for session in self.sessions:
-            session.wake.set()
+        if end_streams:
+            for session in self.sessions:
+                session.wake.set()
+
+    async def end_streams_by(self, deadline: float, batch: int = 256, patience: float = 0.25) -> None:
+        """End open streams cleanly, `batch` at a time, until `deadline` (the loop's clock). Thousands
+        woken at once would each take their turn before anything checked the time, holding the loop
+        a second or more past any deadline; a batch that ends slowly (a client that does not read)
+        holds the next one `patience` seconds at most. Streams left are cut as their connections close."""
+        loop = asyncio.get_running_loop()
+        waiting = list(self.sessions)
+        for i in range(0, len(waiting), batch):
+            now = loop.time()
+            if now >= deadline:
+                return
+            woken = waiting[i : i + batch]
+            for session in woken:
+                session.wake.set()
+            until = min(deadline, now + patience)
+            while loop.time() < until and any(s in self.sessions for s in woken):
+                await asyncio.sleep(0.005)
+        while self.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.005)
 
     async def shed(self, streams: int, one_under: int, goaway: Callable[[set[str], str], int],
                    timeout: float = 5.0) -> dict[str, int]:  # fmt: skip

@@ -67,3 +67,8 @@ def test_deployment_is_locked_down_and_probed() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert "--kubernetes" in container["args"]
+    # the probes ask the read-only port; the admin API (and its writes) stays on the Pod's loopback
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert container["readinessProbe"]["httpGet"]["port"] == container["livenessProbe"]["httpGet"]["port"] == "probes"
+    assert f"--metrics-listen=0.0.0.0:{ports['probes']}" in container["args"]
+    assert "--admin=127.0.0.1:18001" in container["args"] and 18001 not in ports.values()

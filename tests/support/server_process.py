@@ -68,7 +68,7 @@ class EdsServerProcess:
             *(["--upstreams", str(self.upstreams)] if self.upstreams else []),
             "--listen", f"127.0.0.1:{self.port}",
             "--admin", f"127.0.0.1:{self.admin_port}",
-            "--log-level", "debug",
+            *([] if "--log-level" in self.extra_args else ["--log-level", "debug"]),  # a flag is given once
             *self.extra_args,
             stdout=self._log, stderr=self._log,
         )  # fmt: skip

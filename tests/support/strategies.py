@@ -103,7 +103,7 @@ def shorthand(address_text: str, port: Any, v6: bool) -> str:
 
 
 def _number(draw: st.DrawFn, n: int) -> Any:
-    return pick(draw, [n, str(n)])  # `port: "80"` is accepted too
+    return n  # `port: "80"` (quoted) is refused in the file: a number is written as one
 
 
 def _text_value(draw: st.DrawFn, s: str) -> Any:
@@ -152,7 +152,7 @@ def gen_groups(draw: st.DrawFn, name: str, min_endpoints: int = 0) -> GenGroup:
                                                   ("subzone", loc.subzone)] if v or draw(st.booleans())}  # fmt: skip
         item["weight"] = _number(draw, w)
         localities.append(item)
-    empty = pick(draw, [None, {}, {"endpoints": []}, {"endpoints": None}, {"localities": []}])
+    empty = pick(draw, [{}, {"endpoints": []}, {"localities": []}])  # `web:` and `endpoints:` (null) are refused
     return GenGroup(name, eps, weights, localities, empty)
 
 

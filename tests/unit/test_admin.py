@@ -30,3 +30,84 @@ async def test_admin_errors_are_json_with_a_hint(tmp_path: Path) -> None:
                     assert hint in body["hint"], body
         async with s.post(base + "/v1/groups") as r:
             assert r.headers["Allow"] == "GET,HEAD" or "GET" in r.headers["Allow"]
+
+
+async def test_the_metrics_listener_serves_the_probes_and_nothing_else(tmp_path: Path) -> None:
+    """--metrics-listen can be exposed to a scraper on another host: it answers /metrics, /healthz
+    and /readyz, and nothing that names groups or clients, or writes (the registration API is on)."""
+    from tests.support.ports import free_port
+
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
+    port = free_port()
+    async with (
+        EdsServerProcess(path, "--metrics-listen", f"127.0.0.1:{port}", "--state", str(tmp_path / "state.json"),
+                         "--admin-token", "t" * 32) as server,
+        aiohttp.ClientSession() as s,
+    ):  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        async with s.get(base + "/metrics") as r:
+            assert r.status == 200 and "eds_streams_open" in await r.text()
+        for where in ("/healthz", "/readyz"):
+            async with s.get(base + where) as r:
+                assert r.status == 200, where
+        for method, where in [("GET", "/"), ("GET", "/v1/groups"), ("GET", "/v1/streams"),
+                              ("GET", "/v1/registrations"), ("PUT", "/v1/groups/web/endpoints/vm-1"),
+                              ("POST", "/metrics")]:  # fmt: skip
+            async with s.request(method, base + where, headers={"Authorization": "Bearer " + "t" * 32}) as r:
+                assert r.status in (404, 405), (method, where, r.status)
+                body = await r.json()
+                if r.status == 404:
+                    assert body["hint"] == "paths: /metrics, /healthz, /readyz", body
+        async with s.get(f"http://127.0.0.1:{server.admin_port}/v1/groups") as r:
+            assert r.status == 200  # the admin port is as it was
+    assert f"metrics and probes (read-only: /metrics, /healthz, /readyz) on http://127.0.0.1:{port}" in (
+        server.log_text()
+    )
+
+
+async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path) -> None:
+    import ssl
+
+    from tests.support.ports import free_port
+    from tests.support.tls import CertAuthority
+    from tests.support.waiting import wait_for
+
+    ca = CertAuthority("admin CA", tmp_path)
+    issued = ca.issue(tmp_path / "server", ips=["127.0.0.1"])
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
+    probes = free_port()
+    server = EdsServerProcess(path, "--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--admin-tls",
+                              "--metrics-listen", f"127.0.0.1:{probes}", workdir=tmp_path)  # fmt: skip
+    await server.start(wait_ready=False)  # its readiness check speaks plain HTTP to the admin port
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def ready() -> int:
+                async with s.get(f"http://127.0.0.1:{probes}/readyz") as r:
+                    return r.status
+
+            await wait_for(ready, lambda status: status == 200, timeout=15, what="ready")
+            trusting = ssl.create_default_context(cafile=str(ca.cert_path))
+            async with s.get(f"https://127.0.0.1:{server.admin_port}/v1/groups", ssl=trusting) as r:
+                assert r.status == 200 and [g["name"] for g in (await r.json())["groups"]] == ["web"]
+            try:
+                async with s.get(f"http://127.0.0.1:{server.admin_port}/v1/groups") as r:
+                    plain = r.status
+            except aiohttp.ClientError:
+                plain = None
+            assert plain in (None, 400)  # plain HTTP gets no answer from the TLS port
+    finally:
+        assert await server.stop() == 0
+    assert f"admin on https://127.0.0.1:{server.admin_port}" in server.log_text()
+
+
+def test_admin_tls_without_a_certificate_is_one_line() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml",
+                          "--admin-tls"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 2 and "--admin-tls needs --tls-cert" in out.stderr
+    assert out.stderr.count("\n") == 1

@@ -269,3 +269,116 @@ def test_workers_auto_counts_the_cores_a_cgroup_quota_allows(tmp_path: Path) -> 
     assert usable_cores(str(quota)) == min(cores, 2)
     quota.write_text("50000 100000\n")
     assert usable_cores(str(quota)) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "usage", "hint"),
+    [(["serve", "--upstream", "x.yaml"], "usage: eds-server serve", "--upstream: did you mean --upstreams?"),
+     (["check", "--authz", "a.yaml", "--auth", "b.yaml"], "usage: eds-server check", "did you mean --authz?"),
+     (["demo", "--envoy-confg", "e.yaml"], "usage: eds-server demo", "did you mean --envoy-config?"),
+     (["chek", "x.yaml"], "usage: eds-server [", "did you mean 'check'?")],
+)  # fmt: skip
+def test_a_misspelt_flag_or_command_gets_the_closest_and_its_commands_usage(
+    args: list[str], usage: str, hint: str
+) -> None:
+    out = run(*args)
+    assert out.returncode == 2
+    assert out.stderr.startswith(usage) and hint in out.stderr, out.stderr
+
+
+def test_a_single_valued_flag_given_twice_is_refused_in_one_line() -> None:
+    """argparse would keep the last: `serve --upstreams a --upstreams b` served b alone."""
+    out = run("serve", "--upstreams", "a.yaml", "--upstreams", "b.yaml")
+    assert out.returncode == 2
+    [error] = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert error == ("eds-server serve: error: --upstreams given twice ('a.yaml', then 'b.yaml'): serve reads one "
+                     "upstreams file; merge them into one (`eds-server check` takes several)")  # fmt: skip
+    out = run("serve", "--upstreams", "a.yaml", "--listen", ":1", "--listen", ":2")
+    assert out.returncode == 2 and "--listen given twice: it takes one value" in out.stderr
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("TRUE", True), ("yes", True), ("On", True),
+                                           ("0", False), ("false", False), ("no", False), ("off", False),
+                                           ("", False)])  # fmt: skip
+def test_booleans_from_the_environment_take_the_documented_spellings(
+    monkeypatch: pytest.MonkeyPatch, value: str, on: bool
+) -> None:
+    from eds_server import cli
+
+    monkeypatch.setenv("EDS_DOCKER", value)
+    assert cli.build_parser().parse_args(["serve"]).docker is on
+    assert not cli._BAD_BOOLEANS
+
+
+@pytest.mark.parametrize("value", ["maybe", "ture", "2"])
+def test_any_other_boolean_from_the_environment_is_refused(value: str) -> None:
+    import os
+
+    args = [sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30, env={**os.environ, "EDS_DOCKER": value})
+    assert out.returncode == 2
+    assert f"EDS_DOCKER={value!r} is neither on nor off: write 1, true, yes, on for on" in out.stderr
+
+
+def test_json_log_timestamps_are_utc_with_milliseconds() -> None:
+    import logging
+    import re
+
+    from eds_server.cli import JsonFormatter
+
+    record = logging.LogRecord("eds_server", logging.INFO, "", 0, "hello", None, None)
+    record.created = 1796194016.0625  # 2026-12-02T06:46:56.062Z
+    line = json.loads(JsonFormatter().format(record))
+    assert line["ts"] == "2026-12-02T06:46:56.062Z"
+    now = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.INFO, "", 0, "m", None, None)))["ts"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", now)
+
+
+def test_the_demo_names_every_busy_port_before_starting_anything(tmp_path: Path) -> None:
+    """Not only the first: someone running an Envoy (admin 9901) and something on 18001 learns of
+    both at once, and of the flags that move them."""
+    with socket.socket() as one, socket.socket() as two:
+        for sock in (one, two):
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+        p1, p2 = one.getsockname()[1], two.getsockname()[1]
+        out = run("demo", "--admin-port", str(p1), "--envoy-admin-port", str(p2))
+    if "no envoy binary" in out.stderr:
+        pytest.skip("no envoy binary")
+    assert out.returncode == 1
+    [error] = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert f"2 ports are in use or unusable: eds-server admin 127.0.0.1:{p1}: address in use; " in error
+    assert f"Envoy admin 127.0.0.1:{p2}: address in use" in error
+    assert "--free-ports" in error and "--envoy-admin-port" in error
+
+
+def test_the_demo_moves_envoys_ports_and_the_examples_backends() -> None:
+    from eds_server import demo
+
+    chosen = demo.DemoPorts(envoy_admin=0, free=False).chosen([8081, 8082])
+    assert (chosen.grpc, chosen.admin, chosen.envoy) == (18000, 18001, 10000)
+    assert chosen.envoy_admin not in (0, 9901) and chosen.backends == {8081: 8081, 8082: 8082}
+    free = demo.DemoPorts(grpc=18500, free=True).chosen([8081, 8082, 8083])
+    assert free.grpc == 18500 and 0 not in free.backends.values()
+    assert len({free.grpc, free.admin, free.envoy, free.envoy_admin, *free.backends.values()}) == 7
+    text = demo.EXAMPLE.read_text()
+    moved = demo.example_on(text, {8081: 1, 8082: 2, 8083: 3})
+    assert "127.0.0.1:1\n" in moved and "port: 2\n" in moved and "127.0.0.1:3\n" in moved
+    changed = [(a, b) for a, b in zip(text.splitlines(), moved.splitlines(), strict=True) if a != b]
+    assert len(changed) == 3 and "weight: 2" in moved
+
+
+def test_the_demos_envoy_config_follows_the_ports(tmp_path: Path) -> None:
+    import yaml
+
+    from eds_server import demo
+
+    chosen = demo.DemoPorts(grpc=1, admin=2, envoy=3, envoy_admin=4)
+    path = demo.envoy_config_on(str(demo.ENVOY_CONFIG), chosen, str(tmp_path))
+    assert demo.envoy_ports(path) == [("Envoy admin", ("127.0.0.1", 4)), ("Envoy listener ingress", ("127.0.0.1", 3))]
+    boot = yaml.safe_load(Path(path).read_text())
+    xds = next(c for c in boot["static_resources"]["clusters"] if c["name"] == "xds_cluster")
+    assert xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": 1}  # fmt: skip
+    usual = demo.DemoPorts(grpc=18000, admin=18001, envoy=10000, envoy_admin=9901)
+    assert demo.envoy_config_on(str(demo.ENVOY_CONFIG), usual, str(tmp_path)) == str(demo.ENVOY_CONFIG)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
@@ -42,33 +43,44 @@ async def _get_json(url: str) -> Any:
 
 
 async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -> None:
-    needed = [("", ("127.0.0.1", p)) for p in (8081, 8082, 8083, 9901, 10000, 18000, 18001)]
-    if ports.unbindable(needed) is not None:
-        pytest.skip(f"the demo's fixed ports are in use here: {ports.unbindable(needed)}")
+    """On free ports (`--free-ports`), with the usual Envoy admin port taken, as by an Envoy already
+    running here: the banner names the ports chosen, and its commands work on them."""
     before = hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
     log = tmp_path / "demo.log"
-    with log.open("wb") as out:
+    with socket.socket() as busy, log.open("wb") as out:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # taken already: as good
+            busy.bind(("127.0.0.1", 9901))
+            busy.listen()
         # from outside the checkout: the example and Envoy's config come from the package
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "eds_server", "demo",
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "eds_server", "demo", "--free-ports",
                                                     stdout=out, stderr=out, cwd=tmp_path)  # fmt: skip
-    try:
-        found = await wait_for(lambda: asyncio.sleep(0, log.read_text()),
-                               lambda text: re.search(r"Edit (\S+/upstreams\.yaml)", text), timeout=30)  # fmt: skip
-        copy = Path(re.search(r"Edit (\S+/upstreams\.yaml)", found).group(1))  # type: ignore[union-attr]
-        assert copy != EXAMPLE and copy.exists() and "eds-demo-" in str(copy)
-        # the banner comes once Envoy is live: the first command it prints works at once
-        async with aiohttp.ClientSession() as session, session.get("http://127.0.0.1:10000/") as r:
-            assert r.status == 200 and (await r.text()).startswith("hello from web backend 127.0.0.1:808")
-        await wait_for(lambda: _get_json("http://127.0.0.1:9901/clusters?format=json"),
-                       lambda c: any(s["name"] == "web" and len(s.get("host_statuses", [])) == 2
-                                     for s in c["cluster_statuses"]), timeout=30)  # fmt: skip
-        copy.write_text(copy.read_text().replace("      - 127.0.0.1:8081\n", ""))
-        await wait_for(lambda: _get_json("http://127.0.0.1:18001/v1/groups/web"),
-                       lambda g: len(g["endpoints"]) == 1, timeout=15)
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-        code = await asyncio.wait_for(proc.wait(), 20)
+        try:
+            found = await wait_for(lambda: asyncio.sleep(0, log.read_text()),
+                                   lambda text: re.search(r"Edit (\S+/upstreams\.yaml)", text), timeout=30)  # fmt: skip
+            copy = Path(re.search(r"Edit (\S+/upstreams\.yaml)", found).group(1))  # type: ignore[union-attr]
+            assert copy != EXAMPLE and copy.exists() and "eds-demo-" in str(copy)
+            banner = re.search(r"eds-server \(gRPC :(\d+), admin :(\d+)\), 3 sample backends \(:(\d+), :(\d+), "
+                               r":(\d+)\), Envoy \(listener :(\d+), admin :(\d+)\)", found)  # fmt: skip
+            assert banner is not None, found
+            grpc, admin, b1, b2, b3, listener, envoy_admin = map(int, banner.groups())
+            assert envoy_admin != 9901 and len({grpc, admin, b1, b2, b3, listener, envoy_admin}) == 7
+            assert f"127.0.0.1:{b1}" in copy.read_text()  # the copy lists the backends where they are
+            # the banner comes once Envoy is live: the first command it prints works at once
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{listener}/") as r:
+                assert r.status == 200
+                assert (await r.text()).startswith((f"hello from web backend 127.0.0.1:{b1}",
+                                                    f"hello from web backend 127.0.0.1:{b2}"))
+            await wait_for(lambda: _get_json(f"http://127.0.0.1:{envoy_admin}/clusters?format=json"),
+                           lambda c: any(s["name"] == "web" and len(s.get("host_statuses", [])) == 2
+                                         for s in c["cluster_statuses"]), timeout=30)  # fmt: skip
+            copy.write_text(copy.read_text().replace(f"      - 127.0.0.1:{b1}\n", ""))
+            await wait_for(lambda: _get_json(f"http://127.0.0.1:{admin}/v1/groups/web"),
+                           lambda g: len(g["endpoints"]) == 1, timeout=15)
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGINT)
+            code = await asyncio.wait_for(proc.wait(), 20)
     assert code == 0, log.read_text()
     assert not copy.exists() and not copy.parent.exists()
     assert hashlib.sha256(EXAMPLE.read_bytes()).hexdigest() == before
