@@ -631,6 +631,9 @@ async def serve(settings: Settings) -> int:
     await until_signalled(app.reload)
     log.info("shutting down")
     await app.stop()
+    from . import gc_settings
+
+    gc_settings.before_exit()
     return 0
 
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from . import gc_settings
 from .registration_api import RegistrationPolicy
 from .sources.relay import UpstreamOptions
 from .worker_process import (
@@ -67,6 +68,7 @@ RESTART_DELAY = (0.5, 30.0)  # first and longest wait before restarting a worker
 START_TIMEOUT = 30.0  # a worker not listening by then is killed: a failed start
 MAX_FAILED_STARTS = 3  # failed starts in a row of one worker before the owner gives up (exit status 1)
 FETCH_TIMEOUT = 5.0
+WORKER_EXIT = 2.0  # past --shutdown-timeout (each worker's own drain), for a worker's process to exit
 SHED_STREAMS = 50  # streams at most asked to move at a time when load goes back to a restarted worker
 REBALANCE_ROUNDS = 40
 SampleKey = tuple[str, str, tuple[tuple[str, str], ...]]  # family, sample name, labels
@@ -570,11 +572,12 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
             status = 1
         else:
             log.info("shutting down: draining the workers")
-        await pool.stop(settings.shutdown_grace + 5.0)
+        await pool.stop(settings.shutdown_grace + WORKER_EXIT)
         return status
     finally:
         if app is not None:
             await app.stop()
+            gc_settings.before_exit()
         for sock in listeners:
             sock.close()
         shutil.rmtree(directory, ignore_errors=True)
@@ -650,6 +653,7 @@ async def _work(settings: Settings, owner: int, directory: str, status: int, con
     loop.remove_signal_handler(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     await app.stop()
+    gc_settings.before_exit()
     # Not stopped by the owner: it is dying (its threads send the signal one by one), or gone.
     deadline = loop.time() + 1.0
     while not told_to_stop(control) and owner_alive(owner, status) and loop.time() < deadline:
