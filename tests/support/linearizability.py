@@ -243,9 +243,15 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
 def check(model: Model[Any], history: Sequence[Operation], max_steps: int = 2_000_000,
           timeout: float | None = 60.0) -> Result:  # fmt: skip
     """Every part of `history` (as `model.partition` splits it); ILLEGAL if any part is, else
-    UNKNOWN if any part ran out of budget (`max_steps` each, `timeout` seconds in all)."""
+    UNKNOWN if any part ran out of budget. Each part gets `max_steps` first, so that one hard part
+    does not starve the others; unless one is ILLEGAL already, the parts that ran out then share
+    what is left of `timeout`."""
     deadline = None if timeout is None else time.monotonic() + timeout
     parts = [check_part(model, part, max_steps, deadline) for part in model.partition(history) if part]
+    if deadline is not None and all(p.verdict is not Verdict.ILLEGAL for p in parts):
+        for i, part in enumerate(parts):
+            if part.verdict is Verdict.UNKNOWN and time.monotonic() < deadline:
+                parts[i] = check_part(model, part.operations, 1 << 62, deadline)
     verdicts = {p.verdict for p in parts}
     verdict = Verdict.ILLEGAL if Verdict.ILLEGAL in verdicts else Verdict.UNKNOWN if Verdict.UNKNOWN in verdicts \
         else Verdict.OK  # fmt: skip

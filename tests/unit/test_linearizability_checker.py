@@ -145,9 +145,10 @@ def test_the_registration_model_on_what_the_api_answers() -> None:
 def test_the_search_gives_up_with_unknown_rather_than_hanging() -> None:
     # many concurrent writes and reads that no order satisfies: more orders than the budget allows
     history = [w(i, i, 0, 100) for i in range(1, 13)] + [r(0, 99, 0, 100)]
-    result = check(REGISTER, history, max_steps=500)
+    result = check(REGISTER, history, max_steps=500, timeout=None)
     assert result.verdict is Verdict.UNKNOWN
     assert "unknown" in result.explain()
+    assert check(REGISTER, history, timeout=0.001).verdict is Verdict.UNKNOWN  # out of time
     assert check(REGISTER, history, max_steps=10**7).verdict is Verdict.ILLEGAL
 
 
@@ -279,3 +280,12 @@ def test_a_correct_store_with_lagging_views_passes_as_the_fault_test_records_it(
         assert result.verdict is Verdict.OK, result.explain()
     stale = simulate(seed, 1500, lag=0.5, frozen=(2.0, 4.0))
     assert check(REGISTRATION_MODEL, checkable(stale, stale_read_bound=0.5)[0], timeout=60).verdict is Verdict.ILLEGAL
+
+
+def test_a_part_that_runs_out_of_steps_gets_the_time_left() -> None:
+    hard = [w(i, i, 0, 100) for i in range(1, 11)] + [r(0, 99, 0, 100)]  # not linearizable, 33,000 steps
+    split: Model[int] = Model(init=0, step=deterministic(register_step), partition=lambda ops: [ops[:3], ops])
+    assert check(split, hard, max_steps=1000, timeout=None).verdict is Verdict.UNKNOWN
+    result = check(split, hard, max_steps=1000, timeout=60)
+    assert result.verdict is Verdict.ILLEGAL
+    assert [p.verdict for p in result.parts] == [Verdict.OK, Verdict.ILLEGAL]
