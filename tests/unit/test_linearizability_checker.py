@@ -91,6 +91,19 @@ def test_a_lost_answer_may_or_may_not_have_taken_effect() -> None:
     assert verdict(REGISTER, [r(1, 1, 0, 5), w(0, 1, 10)]) is Verdict.ILLEGAL
 
 
+def test_an_order_known_besides_real_time_is_kept() -> None:
+    # a read overlapping a write may take effect before it, unless it must follow it (a replica's
+    # view holds the writes that replica acknowledged)
+    write = Operation(0, ("write", 1), None, 0, 10, id="w")
+    assert verdict(REGISTER, [write, Operation(1, ("read", 0), 0, 5, 15, id="r")]) is Verdict.OK
+    late = Operation(1, ("read", 0), 0, 5, 15, id="r", after=("w",))
+    assert verdict(REGISTER, [write, late]) is Verdict.ILLEGAL
+    assert "must follow" not in check(REGISTER, [write, late]).explain()
+    assert verdict(REGISTER, [write, Operation(1, ("read", 0), 1, 5, 15, id="r", after=("w",))]) is Verdict.OK
+    # naming an operation that is not in the history (or in another part) constrains nothing
+    assert verdict(REGISTER, [write, Operation(1, ("read", 0), 0, 5, 15, after=("gone",))]) is Verdict.OK
+
+
 def test_a_failure_names_the_longest_prefix_and_the_operation_that_could_not_be_placed() -> None:
     history = [w(0, 1, 0, 10), w(0, 2, 20, 30), r(1, 1, 40, 50)]
     result = check(REGISTER, history)
@@ -170,10 +183,12 @@ def small_register_histories(draw: st.DrawFn) -> list[Operation]:
         call = draw(st.integers(0, 20))
         lost = draw(st.booleans()) and draw(st.booleans())
         ret = INFINITY if lost else call + draw(st.integers(0, 10))
+        # sometimes an order known besides real time: after an earlier operation
+        after = (draw(st.integers(0, i - 1)),) if i and draw(st.integers(0, 3)) == 0 else ()
         if draw(st.booleans()):
-            ops.append(Operation(i, ("write", draw(st.integers(0, 2))), None, call, ret))
+            ops.append(Operation(i, ("write", draw(st.integers(0, 2))), None, call, ret, id=i, after=after))
         elif not lost:  # a read without an answer says nothing
-            ops.append(Operation(i, ("read", 0), draw(st.integers(0, 2)), call, ret))
+            ops.append(Operation(i, ("read", 0), draw(st.integers(0, 2)), call, ret, id=i, after=after))
     return ops
 
 
