@@ -214,6 +214,7 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
     linearized = 0  # a bitset of operation indexes
     stack: list[tuple[_Node, frozenset[Any]]] = []
     cache: set[tuple[int, frozenset[Any]]] = set()
+    interned: dict[frozenset[Any], frozenset[Any]] = {}  # one object per set of states: a smaller cache
     best: list[int] = []
     best_states = states
     blocked: int | None = None
@@ -231,6 +232,7 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
                 continue
             after = frozenset(itertools.chain.from_iterable(model.step(s, op.input, op.output) for s in states))
             if after:
+                after = interned.setdefault(after, after)
                 now = linearized | (1 << entry.index)
                 if (now, after) not in cache:
                     cache.add((now, after))
@@ -259,14 +261,15 @@ def check(model: Model[Any], history: Sequence[Operation], max_steps: int = 2_00
           timeout: float | None = 60.0) -> Result:  # fmt: skip
     """Every part of `history` (as `model.partition` splits it); ILLEGAL if any part is, else
     UNKNOWN if any part ran out of budget. Each part gets `max_steps` first, so that one hard part
-    does not starve the others; unless one is ILLEGAL already, the parts that ran out then share
-    what is left of `timeout`."""
+    does not starve the others; unless one is ILLEGAL already, the parts that ran out then get ten
+    times as many, within what is left of `timeout` (the cache grows with the steps: about 50 bytes
+    each)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     parts = [check_part(model, part, max_steps, deadline) for part in model.partition(history) if part]
     if deadline is not None and all(p.verdict is not Verdict.ILLEGAL for p in parts):
         for i, part in enumerate(parts):
             if part.verdict is Verdict.UNKNOWN and time.monotonic() < deadline:
-                parts[i] = check_part(model, part.operations, 1 << 62, deadline)
+                parts[i] = check_part(model, part.operations, 10 * max_steps, deadline)
     verdicts = {p.verdict for p in parts}
     verdict = Verdict.ILLEGAL if Verdict.ILLEGAL in verdicts else Verdict.UNKNOWN if Verdict.UNKNOWN in verdicts \
         else Verdict.OK  # fmt: skip

@@ -297,10 +297,11 @@ def test_a_correct_store_with_lagging_views_passes_as_the_fault_test_records_it(
     assert check(REGISTRATION_MODEL, checkable(stale, stale_read_bound=0.5)[0], timeout=60).verdict is Verdict.ILLEGAL
 
 
-def test_a_part_that_runs_out_of_steps_gets_the_time_left() -> None:
+def test_a_part_that_runs_out_of_steps_gets_ten_times_as_many_in_the_time_left() -> None:
     hard = [w(i, i, 0, 100) for i in range(1, 11)] + [r(0, 99, 0, 100)]  # not linearizable, 33,000 steps
     split: Model[int] = Model(init=0, step=deterministic(register_step), partition=lambda ops: [ops[:3], ops])
-    assert check(split, hard, max_steps=1000, timeout=None).verdict is Verdict.UNKNOWN
-    result = check(split, hard, max_steps=1000, timeout=60)
+    assert check(split, hard, max_steps=5000, timeout=None).verdict is Verdict.UNKNOWN
+    assert check(split, hard, max_steps=1000, timeout=60).verdict is Verdict.UNKNOWN  # 10,000: not enough
+    result = check(split, hard, max_steps=5000, timeout=60)
     assert result.verdict is Verdict.ILLEGAL
     assert [p.verdict for p in result.parts] == [Verdict.OK, Verdict.ILLEGAL]
