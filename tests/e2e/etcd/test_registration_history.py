@@ -83,6 +83,7 @@ EVERY_KIND = {"put": 2, "put-ttl": 2, "renew": 3, "delete": 2, "get": 4}  # the 
 CLIENTS = 6
 GROUP = "web"
 KEYS = ("k0", "k1", "k2", "k3")
+PORTS_PER_KEY = 6  # values to choose from: enough that a stale read rarely shows what was written again since
 TTL = 3600  # an hour: nothing expires during a run, so the model need not know about expiry
 CLIENT_TIMEOUT = 10.0  # a write answers within about 4 s (503 past that); an answer later is lost
 STALE_READ_SECONDS = 6.0
@@ -103,6 +104,7 @@ def found_today(what: str) -> pytest.MarkDecorator:
 def port_of(key: str, choice: int) -> int:
     """Each key has its own ports: two keys never hold the same address:port (that would be a 409
     across keys, which a per-key model cannot see)."""
+    assert 0 <= choice < PORTS_PER_KEY <= 10
     return 20000 + 10 * KEYS.index(key) + choice
 
 
@@ -169,9 +171,9 @@ class Rig:
             kind = rng.choices(list(self.kinds), list(self.kinds.values()))[0]
             op: Input
             if kind == "put":
-                op = Put(key, port_of(key, rng.randrange(2)), None)
+                op = Put(key, port_of(key, rng.randrange(PORTS_PER_KEY)), None)
             elif kind == "put-ttl":
-                op = Put(key, port_of(key, rng.randrange(2)), TTL)
+                op = Put(key, port_of(key, rng.randrange(PORTS_PER_KEY)), TTL)
             elif kind == "renew":
                 port, _ = self.known.get(key, (port_of(key, 0), TTL))
                 op = Put(key, port, TTL)
