@@ -22,7 +22,7 @@ Short run (in `make test`): EDS_HISTORY_SEEDS (default "1,2"), EDS_HISTORY_SECON
 (default 25), a frozen etcd member, and two runs of one replica without faults. Long run: `make
 test-history` (seeds 1-20, 60 s each, with --runxfail). `pytest -s` shows one summary line per run;
 a failure prints the longest linearizable prefix of each key that is not, and where the whole
-history was saved.
+history was saved (EDS_HISTORY_DIR: a directory to keep failed runs' histories and logs in).
 
 The runs marked found_today fail on the server as it was when this test was written (xfail, not
 strict: an XPASS says they pass now, and the mark can go).
@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -262,9 +263,19 @@ class Rig:
         await wait_for(answers, timeout=30, interval=0.1, what=f"etcd member {member.name} answering",
                        retry=(aiohttp.ClientError, OSError, TimeoutError, RuntimeError))  # fmt: skip
 
-    def save(self, ops: list[Operation]) -> Path:
-        """The history as the checker saw it, one operation a line, and the faults, for a post-mortem."""
-        path = self.replicas[min(self.replicas)].log_path.parent / f"history-{self.seed}.jsonl"
+    def save(self, ops: list[Operation], failed: bool) -> Path:
+        """The history as the checker saw it, one operation a line, and the faults, for a post-mortem:
+        beside the logs, or (a failed run, with EDS_HISTORY_DIR set) with copies of the replicas'
+        logs in a folder of that directory, which outlives pytest's temporary ones."""
+        logs = self.replicas[min(self.replicas)].log_path.parent
+        where = os.environ.get("EDS_HISTORY_DIR")
+        if failed and where:
+            folder = Path(where) / f"{logs.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for server in self.replicas.values():
+                shutil.copy(server.log_path, folder)
+            logs = folder
+        path = logs / f"history-{self.seed}.jsonl"
         with path.open("w") as f:
             for fault in self.faults:
                 f.write(json.dumps({"fault": fault.kind, "target": fault.target, "start": fault.start,
@@ -373,7 +384,7 @@ async def run(r: Rig, seconds: float, nemesis: bool) -> None:
           f"({', '.join(f'{k} {v}' for k, v in sorted(faults.items())) or 'none'}), "
           f"views {'equal to etcd' if not diverged else 'NOT equal to etcd'} {converged:.2f} s after healing, "
           f"keys not linearizable: {len(result.illegal)} of {len(result.parts)} ({result.verdict.value})")  # fmt: skip
-    saved = r.save(ops)
+    saved = r.save(ops, failed=not result.ok or bool(diverged))
     assert result.ok, f"{result.explain()}\n(the whole history: {saved})"
     assert not diverged, "\n".join(diverged)
 
