@@ -6,6 +6,8 @@ and that answer. An operation whose answer never came (a timeout, a lost connect
 says "may not have been made") returns at +infinity: it may have taken effect at any point after
 its invocation, or never (linearized after everything else, where nothing observes it).
 
+Besides real time, an operation may have to follow others (`Operation.after`).
+
 The search keeps the history as a doubly linked list of call and return events sorted by time. It
 walks the list: at a call, it tries to linearize that operation next (the model must accept its
 input and output in the current state); at a return, the operation that returns there was not
@@ -35,13 +37,19 @@ INFINITY = math.inf
 
 @dataclass(frozen=True)
 class Operation:
-    """One call as a client saw it. `ret` is INFINITY when its answer was lost (`unknown`)."""
+    """One call as a client saw it. `ret` is INFINITY when its answer was lost (`unknown`).
+
+    `after`: the `id`s of operations that must take effect before this one, an order known besides
+    real time (a replica's view holds the writes it acknowledged, so its later reads follow them
+    even when they overlap in time)."""
 
     client: Hashable
     input: Any
     output: Any
     call: float
     ret: float = INFINITY
+    id: Hashable = None
+    after: tuple[Hashable, ...] = ()
 
     @property
     def unknown(self) -> bool:
@@ -114,10 +122,12 @@ class PartResult:
                          "but neither it nor any operation invoked before that could take effect next:")  # fmt: skip
             done = {id(op) for op in self.longest}
             pending = [op for op in self.operations if id(op) not in done and op.call <= self.blocked.ret]
+            waiting = {o.id for o in pending if o.id is not None}
             for op in sorted(pending, key=lambda o: o.call)[:limit]:
                 possible = any(True for s in self.states for _ in model.step(s, op.input, op.output))
-                lines.append(f"  {when(op)} {model.describe_operation(op)}"
-                             f"{'' if possible else '  <- impossible in that state'}")  # fmt: skip
+                note = "  <- must follow one not placed yet" if waiting & set(op.after) else \
+                    "" if possible else "  <- impossible in that state"  # fmt: skip
+                lines.append(f"  {when(op)} {model.describe_operation(op)}{note}")
         return "\n".join(lines)
 
 
@@ -198,10 +208,13 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
     """One part of a history; `deadline` is a `time.monotonic()` value."""
     ops = list(ops)
     head = _events(ops)
+    index = {op.id: i for i, op in enumerate(ops) if op.id is not None}
+    needs = [sum(1 << index[a] for a in set(op.after) if a in index) for op in ops]  # bitsets of `after`
     states: frozenset[Any] = frozenset([model.init])
     linearized = 0  # a bitset of operation indexes
     stack: list[tuple[_Node, frozenset[Any]]] = []
     cache: set[tuple[int, frozenset[Any]]] = set()
+    interned: dict[frozenset[Any], frozenset[Any]] = {}  # one object per set of states: a smaller cache
     best: list[int] = []
     best_states = states
     blocked: int | None = None
@@ -214,8 +227,12 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
         assert entry is not None
         if entry.is_call:
             op = ops[entry.index]
+            if needs[entry.index] & ~linearized:  # an operation it must follow is not placed yet
+                entry = entry.next
+                continue
             after = frozenset(itertools.chain.from_iterable(model.step(s, op.input, op.output) for s in states))
             if after:
+                after = interned.setdefault(after, after)
                 now = linearized | (1 << entry.index)
                 if (now, after) not in cache:
                     cache.add((now, after))
@@ -243,9 +260,16 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
 def check(model: Model[Any], history: Sequence[Operation], max_steps: int = 2_000_000,
           timeout: float | None = 60.0) -> Result:  # fmt: skip
     """Every part of `history` (as `model.partition` splits it); ILLEGAL if any part is, else
-    UNKNOWN if any part ran out of budget (`max_steps` each, `timeout` seconds in all)."""
+    UNKNOWN if any part ran out of budget. Each part gets `max_steps` first, so that one hard part
+    does not starve the others; unless one is ILLEGAL already, the parts that ran out then get ten
+    times as many, within what is left of `timeout` (the cache grows with the steps: about 50 bytes
+    each)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     parts = [check_part(model, part, max_steps, deadline) for part in model.partition(history) if part]
+    if deadline is not None and all(p.verdict is not Verdict.ILLEGAL for p in parts):
+        for i, part in enumerate(parts):
+            if part.verdict is Verdict.UNKNOWN and time.monotonic() < deadline:
+                parts[i] = check_part(model, part.operations, 10 * max_steps, deadline)
     verdicts = {p.verdict for p in parts}
     verdict = Verdict.ILLEGAL if Verdict.ILLEGAL in verdicts else Verdict.UNKNOWN if Verdict.UNKNOWN in verdicts \
         else Verdict.OK  # fmt: skip
@@ -266,8 +290,10 @@ def check_brute_force(model: Model[Any], history: Sequence[Operation]) -> bool:
             for i, op in enumerate(ops):
                 if done & (1 << i):
                     continue
-                # i may go next only if nothing still to go returned before i was called
-                if any(not done & (1 << j) and other.ret < op.call for j, other in enumerate(ops)):
+                # i may go next only if nothing still to go returned before i was called, or must
+                # come before it
+                if any(not done & (1 << j) and (other.ret < op.call or (other.id is not None and other.id in op.after))
+                       for j, other in enumerate(ops)):  # fmt: skip
                     continue
                 after = frozenset(itertools.chain.from_iterable(model.step(s, op.input, op.output) for s in states))
                 if after and search(done | (1 << i), after):

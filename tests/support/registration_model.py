@@ -11,7 +11,7 @@ What each answer promises (docs/registration-api.md, eds_server/registration_api
   its view, which follows etcd's watch, so a read may see the key as it was a little earlier: the
   history gives each read an invocation `stale_read_bound` seconds earlier than it was made (a read
   may take effect anywhere from then to its answer), and a read made after a write acknowledged by
-  the same replica starts no earlier than that answer (that replica's view holds it).
+  the same replica takes effect after that write (that replica's view holds it once it answers).
 - Another 4xx changes nothing. A 503, another 5xx, a timeout or a connection lost after the request
   was sent: the change may or may not have been made (the API says "may not have been made; retry").
   Such a write returns at +infinity; a read without an answer says nothing and is left out.
@@ -129,12 +129,12 @@ def checkable(records: Sequence[Record], stale_read_bound: float,
     left out because `unchecked` said so."""
     ops: list[Operation] = []
     skipped = 0
-    # (replica, key) -> (invoked, answered) of each write that replica acknowledged
-    acked: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
-    for r in records:
+    # (replica, key) -> (invoked, answered, index) of each write that replica acknowledged
+    acked: dict[tuple[str, str], list[tuple[float, float, int]]] = collections.defaultdict(list)
+    for i, r in enumerate(records):
         if r.output in (200, 201, 204):  # a 2xx write answers once this replica's view holds it
-            acked[(r.replica, r.input.key)].append((r.call, r.ret))
-    for r in records:
+            acked[(r.replica, r.input.key)].append((r.call, r.ret, i))
+    for i, r in enumerate(records):
         client = f"{r.client}@{r.replica}"
         if r.output is None:
             continue
@@ -143,13 +143,16 @@ def checkable(records: Sequence[Record], stale_read_bound: float,
                 skipped += 1
                 continue
             # a view may lag etcd, but never behind a write this replica acknowledged before the read:
-            # the read takes effect after that write did, so after it was invoked (its invocation, not
-            # its answer: the view may already hold newer changes than the write, not older ones)
-            mine = [call for call, ret in acked[(r.replica, r.input.key)] if ret < r.call]
-            call = max(r.call - stale_read_bound, max(mine, default=-math.inf))
-            ops.append(Operation(client, r.input, r.output, call, r.ret))
+            # the read takes effect after those writes (the latest, and any that overlap it: the ones
+            # before are before it in real time)
+            mine = [w for w in acked[(r.replica, r.input.key)] if w[1] < r.call]
+            latest = max(mine, default=None)
+            after = tuple(j for _, ret, j in mine if ret >= latest[0]) if latest is not None else ()
+            call = max(r.call - stale_read_bound, latest[0] if latest is not None else -math.inf)
+            ops.append(Operation(client, r.input, r.output, call, r.ret, id=i, after=after))
         else:
-            ops.append(Operation(client, r.input, r.output, r.call, INFINITY if r.output == UNKNOWN else r.ret))
+            ret = INFINITY if r.output == UNKNOWN else r.ret
+            ops.append(Operation(client, r.input, r.output, r.call, ret, id=i))
     return ops, skipped
 
 
