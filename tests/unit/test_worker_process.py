@@ -22,6 +22,7 @@ import pytest
 
 from eds_server.worker_process import BOOTSTRAP, DIRECTORY_PREFIX, LOCK_FILE, Steering, bind_listeners, remove_leftovers
 from eds_server.workers import merge_metrics, served_samples
+from tests.support.ports import bindable
 from tests.support.server_process import EdsServerProcess, RunAs
 from tests.support.tls import CertAuthority, client_context
 from tests.support.waiting import wait_for
@@ -51,17 +52,6 @@ def workers_of(owner: int) -> dict[int, str]:
                 and state != "Z":  # fmt: skip
             found[int(entry)] = argv[4].decode()
     return found
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-            sock.listen(1)
-        except OSError:
-            return False
-    return True
 
 
 async def test_an_owner_killed_at_any_moment_of_a_workers_start_leaves_no_process_and_no_port(

@@ -22,7 +22,7 @@ from eds_server.transport.h2 import PassThroughCodec
 from tests.support.backends import Backend, http_backends
 from tests.support.envoy_harness import EdsCluster, envoy_bootstrap, envoy_fleet
 from tests.support.fault_watch import FaultWatch
-from tests.support.ports import free_port
+from tests.support.ports import bindable, free_port
 from tests.support.server_process import EdsServerProcess, write_atomically
 from tests.support.waiting import wait_for
 
@@ -228,7 +228,7 @@ async def test_an_owner_killed_while_a_worker_restarts_leaves_the_port_to_the_ne
                    what="the worker restarting")  # fmt: skip
     server.proc.send_signal(signal.SIGKILL)
     await server.proc.wait()
-    await wait_for(lambda: _bindable(server.port), timeout=10, what="the port free")
+    await wait_for(lambda: bindable(server.port), timeout=10, what="the port free")
     await server.start()  # the same ports
     bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
     async with envoy_fleet([bootstrap]) as (envoy,):
@@ -241,19 +241,6 @@ async def test_an_owner_killed_while_a_worker_restarts_leaves_the_port_to_the_ne
 
 async def _count(watch: FaultWatch) -> int:
     return len(watch.requests)
-
-
-def _bindable(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-            sock.listen(1)
-        except OSError:
-            return False
-    return True
 
 
 async def test_sighup_under_traffic_restarts_nothing_and_fails_no_request(
