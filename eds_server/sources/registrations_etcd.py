@@ -33,8 +33,10 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..model import Endpoint
+from ..ratelimit import LogBudget
 from ..store import Store
 from . import etcd_wire as wire
 from .base import Backoff, Liveness, SourceStatus, WarnOnce
@@ -74,6 +76,7 @@ BEHIND_PROBES = 3  # probes running that find a change the watch has not brought
 # live replica's view within FOLLOW_BOUND seconds.
 FOLLOW_BOUND = 6.0
 ATTEMPTS = 64  # tries of one write (each failed compare: another replica wrote to the group first)
+STALE_READ_TRIES = 3  # members asked for a read not behind the view
 
 
 def lease_ttl(ttl: float) -> int:
@@ -134,6 +137,7 @@ class EtcdRegistrationSource:
         self._relist = False  # list again rather than resume the watch
         self._following = asyncio.Event()  # set while the view follows etcd (live), for writes to wait on
         self._watching: asyncio.Task[None] | None = None
+        self._stale_reads = LogBudget(log)
         store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
@@ -393,8 +397,7 @@ class EtcdRegistrationSource:
     async def _group_now(self, group: str, deadline: float) -> GroupView:
         """The group as etcd holds it now (a linearizable read), for checks that must not see a stale view."""
         prefix = self.keys.group(group)
-        reply = await self.client.call("/v3/kv/range", wire.range_request(prefix, wire.range_end(prefix)),
-                                       deadline=deadline)  # fmt: skip
+        reply = await self._read_now("/v3/kv/range", wire.range_request(prefix, wire.range_end(prefix)), deadline)
         state, kvs = State(), {}
         for kv in wire.kvs(reply):
             reg = self._entry(kv)
@@ -451,8 +454,7 @@ class EtcdRegistrationSource:
         """The key as etcd holds it now if it holds exactly `value`, its lease kept alive (a renewal);
         None when it does not (absent, another value, or its lease just ended): then it is written."""
         key = self.keys.key(group, id)
-        reply = await self.client.call("/v3/kv/txn", wire.txn([wire.value_is(key, value)], [wire.get(key)]),
-                                       deadline=deadline)  # fmt: skip
+        reply = await self._read_now("/v3/kv/txn", wire.txn([wire.value_is(key, value)], [wire.get(key)]), deadline)
         held = wire.txn_range(reply) if reply.get("succeeded") else []
         if not held:
             return None
@@ -580,6 +582,21 @@ class EtcdRegistrationSource:
         await self._caught_up(wire.revision(reply))
         return (self._entry(deleted[0]) if deleted else None) or old
 
+    async def _read_now(self, path: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """A linearizable read that is not behind this replica's view. A member that was frozen
+        (SIGSTOP) has been seen, just after it resumed, to answer such a read from its own state
+        before it caught up (etcd 3.4): an answer from behind the view is asked again of the next
+        member, a few times, then refused."""
+        for _ in range(STALE_READ_TRIES):  # bounded
+            seen = self._revision
+            reply = await self.client.call(path, body, deadline=deadline)
+            if wire.revision(reply) >= seen:
+                return reply
+            self._stale_reads.log(logging.WARNING, "registrations: %s answered a read at revision %d, behind this "
+                                  "view (%d): asking another member", self.client.member, wire.revision(reply), seen)
+            self.client.rotate()
+        raise EtcdUnavailable(f"every answer was behind this replica's view (revision {self._revision})")
+
     async def read(self, group: str, id: str) -> Registration | None:
         """One registration as etcd holds it now (a linearizable read), not as this replica's view may
         still hold it: an answer never goes back in time, whichever replica is asked."""
@@ -587,8 +604,7 @@ class EtcdRegistrationSource:
             raise RegistrationError(503, "registrations are not loaded from etcd yet")
         deadline = asyncio.get_running_loop().time() + WRITE_DEADLINE
         try:
-            reply = await self.client.call("/v3/kv/range", wire.range_request(self.keys.key(group, id)),
-                                           deadline=deadline)  # fmt: skip
+            reply = await self._read_now("/v3/kv/range", wire.range_request(self.keys.key(group, id)), deadline)
         except (EtcdUnavailable, TimeoutError) as e:
             raise RegistrationError(503, f"etcd cannot be reached ({e}); this replica's view may be stale: "
                                          f"see /v1/groups/{group}/endpoints for it") from None  # fmt: skip
