@@ -53,7 +53,6 @@ from hyperframe.frame import (
     DataFrame,
     ExtensionFrame,
     Frame,
-    GoAwayFrame,
     HeadersFrame,
     PingFrame,
     PriorityFrame,
@@ -88,6 +87,10 @@ class _Calm(H2ProtocolError):
     error_code = ErrorCodes.ENHANCE_YOUR_CALM
 
 
+def _nothing() -> None:
+    return None
+
+
 class GuardedH2Connection(H2Connection):
     """h2's connection, charging what each frame received costs to the connection's and the client
     IP's budgets (limits.py says what is charged), and counting open streams in O(1).
@@ -116,6 +119,7 @@ class GuardedH2Connection(H2Connection):
         self.bad: dict[int, str] = {}  # streams whose headers were malformed, and why (answered PROTOCOL_ERROR)
         self.direct: dict[int, DirectReader] = {}  # streams whose DATA frames skip h2 (direct.py)
         self.on_calm: Callable[[str], None] | None = None  # ends the connection over a budget, outside a frame
+        self.on_active: Callable[[], None] = _nothing  # a stream opened or a request sent: the connection is busy
 
     def _wasted(self, what: str) -> None:
         """A stream ended (or refused, or timed out) without a request."""
@@ -166,8 +170,11 @@ class GuardedH2Connection(H2Connection):
             else:
                 self.awaiting.add(sid)
                 peer.pending += 1
+                self.on_active()
             return
         if isinstance(frame, DataFrame):
+            if frame.data:
+                self.on_active()
             if sid in self.awaiting:
                 self._answered(sid)
                 if not frame.data and "END_STREAM" in frame.flags:
@@ -288,12 +295,6 @@ class _Processor(EventsProcessor):
             self.connection.ping_ack_process()
 
 
-def _refusal(reason: str) -> bytes:
-    """A server preface and GOAWAY, for a connection refused before it gets an h2 state."""
-    goaway = GoAwayFrame(0, error_code=ErrorCodes.ENHANCE_YOUR_CALM, additional_data=reason.encode()[:200])
-    return SettingsFrame(0).serialize() + goaway.serialize()
-
-
 class _H2Protocol(H2Protocol):
     """grpclib's protocol, with our settings from the start and the gate's limits enforced.
 
@@ -307,6 +308,7 @@ class _H2Protocol(H2Protocol):
     _transport: asyncio.Transport | None = None
     _deadline: asyncio.TimerHandle | None = None
     _saw_request = False
+    _opened_at_check = 0  # the highest stream id at the last idle check
     _dead = False  # closing after a protocol error or a refusal: input is ignored
     _sweep: asyncio.TimerHandle | None = None  # for streams held without a request
 
@@ -500,6 +502,7 @@ class _H2Protocol(H2Protocol):
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
                         self._direct_unacked += length
+                        self._active()
                         reader.take(view[pos + 9 : after])
                         run = after
                     else:
@@ -530,15 +533,47 @@ class _H2Protocol(H2Protocol):
         if transport is not None:  # a client that does not read would keep it forever
             asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
 
-    def _no_request(self) -> None:
-        if self._saw_request or self.connection.is_closing() or self._dead:
+    def _check_idle(self) -> None:
+        """Close a connection that opened no stream within the request timeout, or has held none
+        since the last check (an idle timeout ago): a client that answers our PINGs but asks for
+        nothing keeps no slot (grpc-go's MaxConnectionIdle). Checked at that interval, so an idle
+        connection goes between one and two idle timeouts after its last stream."""
+        self._deadline = None
+        if self.connection.is_closing() or self._dead:
             return
-        timeout = self.gate.limits.request_timeout
-        self.gate.shed("no_stream", self._peer, f"closing: no stream opened in {timeout:.0f}s")
+        h2 = cast(GuardedH2Connection, self.connection._connection)
+        limits = self.gate.limits
+        opened = h2.highest_inbound_stream_id
+        if not self._saw_request:
+            reason, why = "no_stream", f"no stream opened in {limits.request_timeout:g}s"
+        elif opened == self._opened_at_check and not h2.open_inbound_streams:
+            reason, why = "idle", f"no stream held for {limits.idle_timeout:g}s"
+        else:
+            self._opened_at_check = opened
+            self._deadline = asyncio.get_running_loop().call_later(limits.idle_timeout, self._check_idle)
+            return
+        self.gate.shed(reason, self._peer, f"closing (GOAWAY NO_ERROR): {why}")
+        self._goaway(ErrorCodes.NO_ERROR, why, "Idle connection")
+
+    def _goaway(self, code: ErrorCodes, why: str, reason: str) -> None:
         h2 = self.connection._connection
-        h2.close_connection(error_code=ErrorCodes.NO_ERROR, additional_data=b"no request in time")
+        h2.close_connection(error_code=code, additional_data=why.encode()[:200])
         self.connection.flush()
-        self._close("No request in time")
+        self._close(reason)
+
+    def busy(self) -> bool:
+        """Whether it holds a stream (for the gate's choice of who gives way)."""
+        return bool(self._peer_budgets is not None and self.connection._connection.open_inbound_streams)
+
+    def give_way(self, why: str) -> None:
+        """Closed by the gate to make room for another connection (its slot is released already)."""
+        if not self._dead:
+            self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
+
+    def _active(self) -> None:
+        budgets = self._peer_budgets
+        if budgets is not None:
+            budgets.touch(self)
 
     @property
     def _peer(self) -> str:
@@ -548,19 +583,14 @@ class _H2Protocol(H2Protocol):
     def connection_made(self, transport: Any) -> None:
         self._transport = cast(asyncio.Transport, transport)
         addr = transport.get_extra_info("peername")
-        admitted = self.gate.admit(str(addr[0]) if addr else "?")
-        if isinstance(admitted, str):
-            self.gate.shed("connection_limit", self._peer, f"refusing connection: {admitted}")
-            transport.write(_refusal(admitted))
-            transport.close()
-            asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
-            return
+        admitted = self.gate.admit(str(addr[0]) if addr else "?", self)
         self._peer_budgets = admitted
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _set_nodelay(sock)
         h2_conn = GuardedH2Connection(self.h2_config, admitted, self.gate.limits)
         h2_conn.on_calm = self._calm
+        h2_conn.on_active = self._active
         # Set before the first SETTINGS frame, so the limit holds before Envoy's ACK arrives too.
         h2_conn.local_settings = Settings(
             client=False,
@@ -587,7 +617,7 @@ class _H2Protocol(H2Protocol):
         self.connection.flush()
         self.connection.initialize()
         self.processor = _Processor(self.handler, self.connection)
-        self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._no_request)
+        self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._check_idle)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._peer_budgets is None:
@@ -596,7 +626,7 @@ class _H2Protocol(H2Protocol):
         for reader in list(h2.direct.values()):
             reader.fall_back()  # grpclib ends the stream its own way
         h2.forget()
-        self.gate.release(self._peer_budgets)
+        self.gate.release(self._peer_budgets, self)
         self._peer_budgets = None
         if self._deadline is not None:
             self._deadline.cancel()
