@@ -189,7 +189,7 @@ async def test_per_ip_connection_limit_sheds_with_goaway() -> None:
             for _, w in held:
                 w.write(PREFACE)
             await wait_for(lambda: server.gate.connections == 3, timeout=5)
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0))
+            _, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0))
             frames = await read_frames(held[0][0])
             writer.close()
             why = b"closing to make room: 127.0.0.9 holds its limit of 3 connections (server half full)"
