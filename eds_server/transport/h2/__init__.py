@@ -25,11 +25,10 @@ from grpclib.config import Configuration
 
 from . import compat
 from .base import Framed, PassThroughCodec, StreamIO, timeout_middleware
-from .limits import REASONS, ConnectionLimits, HttpLimits, PartialBudget
+from .limits import FILE_HEADROOM, REASONS, ConnectionLimits, HttpLimits, PartialBudget
 
-__all__ = ["REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec", "StreamIO",
-           "build_server",
-           "http_runner", "runner_port"]  # fmt: skip
+__all__ = ["FILE_HEADROOM", "REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec",
+           "StreamIO", "build_server", "http_runner", "runner_port"]  # fmt: skip
 
 
 class GrpcServer(Protocol):

@@ -72,7 +72,6 @@ MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16
 log = logging.getLogger("eds_server.grpc")
 
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
-FILE_RESERVE = 600  # descriptors kept for the admin and REST ports (256 each by default) and files
 WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
 OPEN_WINDOW = 65_535  # bytes of connection window left: the client could have sent its requests
 
@@ -707,8 +706,8 @@ class Server(grpclib.server.Server):
                 soft = hard
         if soft == resource.RLIM_INFINITY:
             return
-        room = max(16, soft - FILE_RESERVE)
         limits = self.gate.limits
+        room = max(16, soft - limits.file_reserve)
         if limits.max_connections > room:
             log.warning("open-file limit %d: gRPC connections limited to %d (not %d)",
                         soft, room, limits.max_connections)  # fmt: skip
