@@ -6,7 +6,9 @@ an xDS server that faces untrusted clients and fans one change out to thousands 
   whole connection on stream 101, but Envoy opens one stream per EDS cluster on one connection);
 - open streams counted in O(1) (h2 walks every stream on each new one: quadratic);
 - the budgets of limits.py charged per frame; past one, GOAWAY ENHANCE_YOUR_CALM;
-- a frame longer than allowed refused from its header (GOAWAY FRAME_SIZE_ERROR), not buffered;
+- every byte read first through the frame guard (guard.py): a frame longer than allowed refused
+  from its header (GOAWAY FRAME_SIZE_ERROR), not buffered; a header block's total size bounded and
+  its CONTINUATION frames charged as control frames;
 - malformed request headers answered RST_STREAM PROTOCOL_ERROR (headers.py) before grpclib sees them;
 - a connection must open a stream, and a stream send its first request, within the request
   timeout; a TLS handshake must finish within its own timeout;
@@ -65,6 +67,7 @@ from ...observe import clip
 from ...ratelimit import Bucket
 from .base import Framed
 from .direct import DirectReader, window_update
+from .guard import FrameGuard
 from .headers import request_problem, trailers_problem
 from .limits import BUDGET_WINDOW, ConnectionLimits, Gate, PartialBudget, PeerBudgets
 
@@ -303,6 +306,7 @@ class _H2Protocol(H2Protocol):
 
     gate: Gate
     flusher: Flusher
+    _guard: FrameGuard
     _peer_budgets: PeerBudgets | None = None
     _transport: asyncio.Transport | None = None
     _deadline: asyncio.TimerHandle | None = None
@@ -317,31 +321,16 @@ class _H2Protocol(H2Protocol):
     def data_received(self, data: bytes) -> None:
         if self._peer_budgets is None or self._dead:
             return  # refused or closing
+        _, refusal = self._guard.feed(data)
+        if refusal is not None:  # nothing of it reaches h2: the connection ends here
+            self.gate.shed(refusal.reason, self._peer, refusal.detail)
+            self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1], "Frame guard")
+            return
         h2 = cast(GuardedH2Connection, self.connection._connection)
         if h2.direct or self._held:
             self._split(h2, data)
-        elif self._feed(h2, data) and not self._oversize(h2):
+        elif self._feed(h2, data):
             self.connection.flush()
-
-    def _oversize(self, h2: GuardedH2Connection) -> bool:
-        """Refuse a frame from its header when it is longer than we allow (h2 would buffer all of
-        it first, then refuse it): True if so."""
-        incoming = h2.incoming_buffer
-        buf = incoming._data
-        if len(buf) < 9 or incoming._preamble_len:
-            return False
-        length = int.from_bytes(buf[:3], "big")
-        if length <= h2.max_inbound_frame_size:
-            return False
-        self._too_big(h2, length)
-        return True
-
-    def _too_big(self, h2: GuardedH2Connection, length: int) -> None:
-        limit = h2.max_inbound_frame_size
-        self.gate.shed("frame_size", self._peer, f"GOAWAY FRAME_SIZE_ERROR: frame of {length} bytes (limit {limit})")
-        h2.close_connection(error_code=ErrorCodes.FRAME_SIZE_ERROR, additional_data=b"frame too large")
-        self.connection.flush()
-        self._close("Frame too large")
 
     def _calm(self, why: str) -> None:
         """GOAWAY ENHANCE_YOUR_CALM, from outside a frame (a stream timed out)."""
@@ -455,7 +444,7 @@ class _H2Protocol(H2Protocol):
         its state (HEADERS, RST_STREAM, DATA with END_STREAM or padding) hands the stream back to
         h2 before h2 reads it. h2 gets whole frames only, so its own buffer stays empty between
         calls; until it is (the preface, a frame begun before the first stream went direct),
-        everything goes through h2. A frame over the size limit is refused from its header."""
+        everything goes through h2."""
         incoming = h2.incoming_buffer
         held = self._held
         if held:
@@ -468,23 +457,17 @@ class _H2Protocol(H2Protocol):
             buf = data
         self._held = b""
         if incoming._preamble_len or incoming._data:
-            if self._feed(h2, buf) and not self._oversize(h2):
+            if self._feed(h2, buf):
                 self.connection.flush()
             return
         view = memoryview(buf)
         direct = h2.direct
-        limit = h2.max_inbound_frame_size
         in_headers = bool(incoming._headers_buffer)  # a header block continues: nothing else may come between
         pos = run = 0
         end = len(buf)
         while end - pos >= 9:
             high, low, ftype, flags, sid = _FRAME_HEADER.unpack_from(buf, pos)
-            length = high << 8 | low
-            if length > limit:
-                if run < pos and not self._feed(h2, view[run:pos]):
-                    return
-                self._too_big(h2, length)
-                return
+            length = high << 8 | low  # within the frame size limit: the guard saw this header first
             after = pos + 9 + length
             if after > end:
                 break
@@ -590,12 +573,14 @@ class _H2Protocol(H2Protocol):
         h2_conn = GuardedH2Connection(self.h2_config, admitted, self.gate.limits)
         h2_conn.on_calm = self._calm
         h2_conn.on_active = self._active
+        self._guard = FrameGuard(max_frame_size=MAX_INBOUND_FRAME, max_header_block=self.gate.limits.max_header_block,
+                                 control=h2_conn.control)  # fmt: skip
         # Set before the first SETTINGS frame, so the limit holds before Envoy's ACK arrives too.
         h2_conn.local_settings = Settings(
             client=False,
             initial_values={
                 SettingCodes.MAX_CONCURRENT_STREAMS: self.gate.limits.max_streams,
-                SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
+                SettingCodes.MAX_HEADER_LIST_SIZE: self.gate.limits.max_header_block,
                 # an Envoy's first request (its Node, often 60 KB) comes as one DATA frame, not four:
                 # a quarter of the frames for h2 to parse, account and turn into events per stream
                 SettingCodes.MAX_FRAME_SIZE: MAX_INBOUND_FRAME,
