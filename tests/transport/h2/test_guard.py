@@ -63,7 +63,7 @@ def test_any_split_passes_the_same_frames_unknown_ones_left_out(cuts: list[int])
 def test_an_oversize_frame_is_refused_from_its_header(cuts: list[int]) -> None:
     header = frame(DATA, 0, 1, b"")[:9]
     header = (1 << 20).to_bytes(3, "big") + header[3:]
-    out, refusal = feed_in(guard(), PREFACE + header, cuts)
+    _, refusal = feed_in(guard(), PREFACE + header, cuts)
     assert refusal is not None and refusal.reason == "frame_size" and refusal.code == 6  # FRAME_SIZE_ERROR
 
 
