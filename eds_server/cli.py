@@ -727,6 +727,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.upstream_eds is not None
         else None,
     )
+    if args.http2 == "fast":  # refused here in one line, not from deep inside the start as a traceback
+        from .transport.h2 import compat
+
+        try:
+            compat.fast_path("fast")
+        except compat.UnverifiedVersions as e:
+            log.error("not starting: %s", e)
+            return 2
     if args.workers > 1:
         from .workers import serve_with_workers
 

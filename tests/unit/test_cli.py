@@ -269,3 +269,15 @@ def test_workers_auto_counts_the_cores_a_cgroup_quota_allows(tmp_path: Path) -> 
     assert usable_cores(str(quota)) == min(cores, 2)
     quota.write_text("50000 100000\n")
     assert usable_cores(str(quota)) == 1
+
+
+def test_the_fast_path_on_unverified_versions_refuses_in_one_line(tmp_path: Path) -> None:
+    upstreams = tmp_path / "upstreams.yaml"
+    upstreams.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8080]\n")
+    code = ("import sys\nfrom eds_server.transport.h2 import compat\n"
+            "compat.VERIFIED['h2'] = ('0.0.1',)  # as if another h2 were installed\n"
+            "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, "serve", "--upstreams", str(upstreams), "--http2", "fast",
+                          "--admin", "off", "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "--http2 fast: installed h2 4.4.1" in out.stderr, out.stderr

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import resource
 import socket
 import struct
 from collections.abc import Callable
@@ -69,7 +68,7 @@ from .base import Framed
 from .direct import DirectReader, window_update
 from .guard import FrameGuard
 from .headers import request_problem, trailers_problem
-from .limits import BUDGET_WINDOW, ConnectionLimits, Gate, PartialBudget, PeerBudgets
+from .limits import BUDGET_WINDOW, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 
 MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16 KiB to 16 MiB)
 log = logging.getLogger("eds_server.grpc")
@@ -90,6 +89,10 @@ class _Calm(H2ProtocolError):
 
 
 def _nothing() -> None:
+    return None
+
+
+def _ignore(reason: str, detail: str) -> None:
     return None
 
 
@@ -122,6 +125,7 @@ class GuardedH2Connection(H2Connection):
         self.direct: dict[int, DirectReader] = {}  # streams whose DATA frames skip h2 (direct.py)
         self.on_calm: Callable[[str], None] | None = None  # ends the connection over a budget, outside a frame
         self.on_active: Callable[[], None] = _nothing  # a stream opened or a request sent: the connection is busy
+        self.on_shed: Callable[[str, str], None] = _ignore  # a refusal, by reason and detail: counted and logged
 
     def _wasted(self, what: str) -> None:
         """A stream ended (or refused, or timed out) without a request."""
@@ -131,6 +135,11 @@ class GuardedH2Connection(H2Connection):
     def _answered(self, stream_id: int) -> None:
         self.awaiting.discard(stream_id)
         self.peer.pending -= 1
+
+    def timed_out(self, stream_id: int, timeout: float, defer: bool = False) -> None:
+        """A stream that sent no request within `timeout`: counted, logged and charged."""
+        self.on_shed("no_request", f"DEADLINE_EXCEEDED on stream {stream_id}: no request within {timeout:g}s")
+        self.no_request(stream_id, defer=defer)
 
     def no_request(self, stream_id: int, why: str = "no request in time", defer: bool = False) -> None:
         """A stream ended, or was refused, without a request: charged as a wasted stream. Over the
@@ -423,7 +432,7 @@ class _H2Protocol(H2Protocol):
                             ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)),
                             ("grpc-message", f"no request within {timeout:g}s")]  # fmt: skip
                 h2.send_headers(sid, trailers, end_stream=True)
-            h2.no_request(sid)
+            h2.timed_out(sid, timeout)
             if self._dead:
                 return
         self.connection.flush()
@@ -552,6 +561,9 @@ class _H2Protocol(H2Protocol):
         if not self._dead:
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
 
+    def _shed(self, reason: str, detail: str) -> None:
+        self.gate.shed(reason, self._peer, detail)
+
     def _active(self) -> None:
         budgets = self._peer_budgets
         if budgets is not None:
@@ -573,6 +585,7 @@ class _H2Protocol(H2Protocol):
         h2_conn = GuardedH2Connection(self.h2_config, admitted, self.gate.limits)
         h2_conn.on_calm = self._calm
         h2_conn.on_active = self._active
+        h2_conn.on_shed = self._shed
         self._guard = FrameGuard(max_frame_size=MAX_INBOUND_FRAME, max_header_block=self.gate.limits.max_header_block,
                                  control=h2_conn.control)  # fmt: skip
         # Set before the first SETTINGS frame, so the limit holds before Envoy's ACK arrives too.
@@ -669,7 +682,7 @@ class Server(grpclib.server.Server):
         closed at once (with a GOAWAY saying why), so the accept backlog sheds rather than stalls."""
         if self._server is not None:
             raise RuntimeError("Server is already started")
-        self._fit_connections_to_file_limit()
+        fit_to_file_limit(self.gate.limits)
         ssl = ssl or self.ssl
         if path is not None:  # a Unix socket: the workers' link to their owner
             self._server = await self._loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
@@ -679,24 +692,6 @@ class Server(grpclib.server.Server):
                 ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None, **kwargs,
             )  # fmt: skip
         self._server_closed_fut = self._loop.create_future()
-
-    def _fit_connections_to_file_limit(self) -> None:
-        """Raise the open-file limit to its hard limit, and keep the connection limit under it
-        (with room for the admin and REST ports and files): running out of descriptors fails
-        everything at once, the admin port and file reloads included."""
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
-            with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-                soft = hard
-        if soft == resource.RLIM_INFINITY:
-            return
-        limits = self.gate.limits
-        room = max(16, soft - limits.file_reserve)
-        if limits.max_connections > room:
-            log.warning("open-file limit %d: gRPC connections limited to %d (not %d)",
-                        soft, room, limits.max_connections)  # fmt: skip
-            limits.max_connections = room
 
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
@@ -759,7 +754,7 @@ async def recv_limited(
             except TimeoutError:
                 h2 = raw._h2_connection
                 if isinstance(h2, GuardedH2Connection) and raw.id is not None:
-                    h2.no_request(raw.id, defer=True)
+                    h2.timed_out(raw.id, timeout, defer=True)
                 raise GRPCError(Status.DEADLINE_EXCEEDED, f"no request within {timeout:g}s") from None
         else:
             header = await raw.recv_data(5)

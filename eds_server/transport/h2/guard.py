@@ -9,7 +9,9 @@ refusal or nothing out), no other library's internals, so it sits below both pat
   its own limit), instead of h2 holding up to 64 CONTINUATION frames of any size;
 - CONTINUATION frames are charged as control frames (the `control` budget);
 - unknown frame types, when `drop_unknown`: charged as control frames and left out of what is
-  passed on (RFC 9113 section 4.1: ignored), for a library that would fail on them.
+  passed on (RFC 9113 section 4.1: ignored), for a library that would fail on them;
+- `on_frame` sees every other frame's header: the stock path charges its budgets there
+  (StreamLedger, from the frames' headers both ways), the fast path inside h2 (fast.py).
 
 Frame types are hyperframe's public table (`hyperframe.frame.FRAMES`); the header itself is
 unpacked with struct: hyperframe's `Frame.parse_frame_header` builds a frame object per header,
@@ -18,12 +20,25 @@ unpacked with struct: hyperframe's `Frame.parse_frame_header` builds a frame obj
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from h2.errors import ErrorCodes
-from hyperframe.frame import FRAMES, ContinuationFrame, HeadersFrame, PushPromiseFrame
+from hyperframe.frame import (
+    FRAMES,
+    ContinuationFrame,
+    DataFrame,
+    HeadersFrame,
+    PingFrame,
+    PriorityFrame,
+    PushPromiseFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
 
 from ...ratelimit import Bucket
+from .limits import PeerBudgets
 
 PREFACE_LENGTH = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": the client's, before its first frame
 END_HEADERS = 0x4
@@ -45,16 +60,18 @@ class FrameGuard:
     """Frame headers of one connection's input, followed across reads of any size."""
 
     __slots__ = ("_block", "_dropping", "_head", "_left", "_preface", "control", "drop_unknown",
-                 "max_frame_size", "max_header_block", "refusal")  # fmt: skip
+                 "max_frame_size", "max_header_block", "on_frame", "refusal")  # fmt: skip
 
     def __init__(
         self, *, max_frame_size: int, max_header_block: int, control: Bucket | None = None,
         server: bool = True, drop_unknown: bool = False,
+        on_frame: Callable[[int, int, int, int], Refusal | None] | None = None,
     ) -> None:  # fmt: skip
         self.max_frame_size = max_frame_size
         self.max_header_block = max_header_block
         self.control = control  # the connection's control-frame budget (None: not charged here)
         self.drop_unknown = drop_unknown
+        self.on_frame = on_frame  # (type, flags, stream id, length) of each frame passed on: a refusal or None
         self.refusal: Refusal | None = None  # once refused, every later feed is too
         self._preface = PREFACE_LENGTH if server else 0
         self._head = b""  # the start of a frame header split across reads
@@ -101,6 +118,8 @@ class FrameGuard:
             length = int.from_bytes(header[:3], "big")
             ftype = header[3]
             refusal = self._check(length, ftype, header[4])
+            if refusal is None and self.on_frame is not None and ftype in FRAMES:
+                refusal = self.on_frame(ftype, header[4], int.from_bytes(header[5:9], "big") & 0x7FFFFFFF, length)
             if refusal is not None:
                 self.refusal = refusal
                 return b"", refusal
@@ -118,6 +137,11 @@ class FrameGuard:
             return data, None
         out.append(view[mark:end])
         return b"".join(out), None
+
+    @property
+    def between_frames(self) -> bool:
+        """Whether a frame may be put in the input here: none is begun, and no header block."""
+        return not (self._left or self._head or self._preface) and self._block < 0
 
     def _check(self, length: int, ftype: int, flags: int) -> Refusal | None:
         if length > self.max_frame_size:
@@ -149,3 +173,125 @@ class FrameGuard:
     def _calm(what: str) -> Refusal:
         return Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm",
                        f"GOAWAY ENHANCE_YOUR_CALM: over its budget of control frames ({what})")  # fmt: skip
+
+
+# frame types and flags (RFC 9113 section 6), from hyperframe's classes
+_DATA, _HEADERS, _PRIORITY, _RST = DataFrame.type, HeadersFrame.type, PriorityFrame.type, RstStreamFrame.type
+_SETTINGS, _PING, _WINDOW_UPDATE = SettingsFrame.type, PingFrame.type, WindowUpdateFrame.type
+END_STREAM = ACK = 0x1
+WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
+
+
+class StreamLedger:
+    """What a connection's frames, both ways, cost its client, from their headers alone (the
+    rules of limits.py), for a path that cannot see inside the HTTP/2 library: streams open and
+    awaiting their first request, stream and reset budgets, control frames. `received` and `sent`
+    take each frame's (type, flags, stream id, length); `received` answers a refusal when a budget
+    is spent."""
+
+    def __init__(self, peer: PeerBudgets, control: Bucket, clock: Callable[[], float]) -> None:
+        self.peer = peer
+        self.control = control
+        self.clock = clock
+        self.open: set[int] = set()  # streams the client opened that are not closed both ways
+        self.awaiting: dict[int, float] = {}  # streams opened with no DATA yet, and when (oldest first)
+        self._remote_ended: set[int] = set()
+        self._local_ended: set[int] = set()
+        self.highest = 0  # the highest stream id the client opened
+        self.opened = 0  # streams opened, in all
+        self._settings_credit = 1  # the client's first SETTINGS, then one ACK per SETTINGS we send
+        self._window_credit = 100
+
+    def received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
+        peer = self.peer
+        if ftype == _HEADERS:
+            if sid <= self.highest:
+                return None  # trailers, or h2's to refuse
+            self.highest = sid
+            if not peer.wasted.peek():  # an IP that spent its budget opens nothing until it refills
+                return _over("streams without a request")
+            self.opened += 1
+            self.open.add(sid)
+            if flags & END_STREAM:
+                self._remote_ended.add(sid)
+                return self._wasted()
+            self.awaiting[sid] = self.clock()
+            return None
+        if ftype == _DATA:
+            if self.awaiting and self.awaiting.pop(sid, None) is not None and not length and flags & END_STREAM:
+                self._end(sid, remote=True)
+                return self._wasted()
+            if flags & END_STREAM:
+                self._end(sid, remote=True)
+            if length or flags & END_STREAM:
+                return None
+            what = "empty DATA"
+        elif ftype == _RST:
+            self._close(sid)
+            if self.awaiting.pop(sid, None) is not None and self._wasted() is not None:
+                return _over("streams without a request")
+            return None if peer.resets.take() else _over("stream resets")
+        elif ftype == _WINDOW_UPDATE:
+            if self._window_credit > 0:
+                self._window_credit -= 1
+                return None
+            what = "WINDOW_UPDATE"
+        elif ftype == _SETTINGS:
+            if self._settings_credit > 0:
+                self._settings_credit -= 1
+                return None
+            what = "SETTINGS"
+        elif ftype == _PING:
+            if flags & ACK:
+                return None  # our keepalive's answer
+            what = "PING"
+        elif ftype == _PRIORITY:
+            what = "PRIORITY"
+        else:
+            return None
+        return None if self.control.take() else _over(f"control frames ({what})")
+
+    def sent(self, ftype: int, flags: int, sid: int, length: int) -> None:
+        if ftype == _DATA:
+            self._window_credit = min(self._window_credit + WINDOW_CREDIT_PER_DATA_FRAME, 100_000)
+        if ftype == _RST:
+            self._close(sid)
+        elif ftype in (_DATA, _HEADERS) and flags & END_STREAM:
+            self._end(sid, remote=False)
+        elif ftype == _SETTINGS and not flags & ACK:
+            self._settings_credit += 1
+
+    def expired(self, timeout: float) -> list[int]:
+        """Streams that have sent no request within `timeout`: forgotten here, and charged."""
+        now = self.clock()
+        out = []
+        for sid, since in self.awaiting.items():  # in opening order: the oldest first
+            if now - since < timeout:
+                break
+            out.append(sid)
+        for sid in out:
+            del self.awaiting[sid]
+            self._close(sid)
+        return out
+
+    def charge_expired(self) -> Refusal | None:
+        return self._wasted()
+
+    def _wasted(self) -> Refusal | None:
+        return None if self.peer.wasted.take() else _over("streams without a request")
+
+    def _end(self, sid: int, remote: bool) -> None:
+        ended, other = (self._remote_ended, self._local_ended) if remote else (self._local_ended, self._remote_ended)
+        if sid in other:
+            self._close(sid)
+        elif sid in self.open:
+            ended.add(sid)
+
+    def _close(self, sid: int) -> None:
+        self.open.discard(sid)
+        self._remote_ended.discard(sid)
+        self._local_ended.discard(sid)
+
+
+def _over(what: str) -> Refusal:
+    return Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm", f"GOAWAY ENHANCE_YOUR_CALM: over its budget of {what}")

@@ -19,7 +19,9 @@ served while the server has room. Every refusal is counted by reason and logged,
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -260,3 +262,20 @@ class PartialBudget:
         self.used -= n
         if peer is not None:
             peer.partial -= n
+
+
+def fit_to_file_limit(limits: ConnectionLimits) -> None:
+    """Raise the open-file limit to its hard limit, and keep the connection limit under it, less
+    `limits.file_reserve` (the admin and REST ports, the sources, the upstreams reload): running out
+    of descriptors fails everything at once, the admin port and the reload included."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY:
+        return
+    room = max(16, soft - limits.file_reserve)
+    if limits.max_connections > room:
+        log.warning("open-file limit %d: gRPC connections limited to %d (not %d)", soft, room, limits.max_connections)
+        limits.max_connections = room

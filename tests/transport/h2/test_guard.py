@@ -4,7 +4,6 @@ the network could make; on a server, over loopback, on whichever HTTP/2 path run
 from __future__ import annotations
 
 import asyncio
-import os
 
 import hpack
 from hypothesis import given
@@ -101,7 +100,7 @@ async def test_a_server_refuses_a_long_header_block_and_serves_the_next_client()
     """CONTINUATION frames of 16 KiB each, never ending the block: h2 would hold 64 of them (8 MiB at
     the 128 KiB frame size); the guard ends the connection once the block passes its limit."""
     limits = ConnectionLimits(max_header_block=1 << 16)
-    async with serving(limits, http2=os.environ.get("EDS_HTTP2", "auto")) as (server, _, port):
+    async with serving(limits) as (server, _, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             writer.write(PREFACE + frame(HEADERS, 0, 1, BLOCK))

@@ -212,7 +212,7 @@ async def test_a_connection_that_opens_no_stream_is_closed() -> None:
 
 
 async def test_a_stream_that_sends_no_request_ends_with_deadline_exceeded() -> None:
-    async with serving(ConnectionLimits(request_timeout=0.3)) as (_, service, port):
+    async with serving(ConnectionLimits(request_timeout=0.3)) as (server, service, port):
         channel = Channel("127.0.0.1", port)
         try:
             with pytest.raises(GRPCError) as e:
@@ -222,6 +222,7 @@ async def test_a_stream_that_sends_no_request_ends_with_deadline_exceeded() -> N
                     await asyncio.wait_for(s.recv_message(), 5)
             assert e.value.status == Status.DEADLINE_EXCEEDED
             assert service.open_streams == 0
+            assert server.refused["no_request"] == 1  # counted (eds_refused_total) and logged
         finally:
             channel.close()
 
