@@ -277,7 +277,7 @@ def test_the_fast_path_on_unverified_versions_refuses_in_one_line(tmp_path: Path
     code = ("import sys\nfrom eds_server.transport.h2 import compat\n"
             "compat.VERIFIED['h2'] = ('0.0.1',)  # as if another h2 were installed\n"
             "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, "serve", "--upstreams", str(upstreams), "--http2", "fast",
-                          "--admin", "off", "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    args = ["serve", "--upstreams", str(upstreams), "--http2", "fast", "--admin", "off", "--listen", "127.0.0.1:0"]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "--http2 fast: installed h2 4.4.1" in out.stderr, out.stderr
