@@ -24,11 +24,11 @@ from aiohttp import web
 from grpclib.config import Configuration
 
 from . import compat
-from .base import Framed, PassThroughCodec, StreamIO, timeout_middleware
+from .base import Framed, PassThroughCodec, StreamIO, keepalive_config, timeout_middleware
 from .limits import FILE_HEADROOM, REASONS, ConnectionLimits, HttpLimits, PartialBudget
 
 __all__ = ["FILE_HEADROOM", "REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec",
-           "StreamIO", "build_server", "http_runner", "runner_port"]  # fmt: skip
+           "StreamIO", "build_server", "http_runner", "keepalive_config", "runner_port"]  # fmt: skip
 
 
 class GrpcServer(Protocol):
