@@ -251,7 +251,12 @@ class StreamLedger:
             return None
         return None if self.control.take() else _over(f"control frames ({what})")
 
-    def sent(self, ftype: int, flags: int, sid: int, length: int) -> None:
+    def sent(self, ftype: int, flags: int, sid: int, length: int, answering: bool = False) -> Refusal | None:
+        """A frame we sent; `answering`: written while a received frame was being handled, so a
+        RST_STREAM is h2 answering the client (DATA after END_STREAM), charged like a client's reset."""
+        if ftype == _RST and answering and not self.peer.resets.take():
+            self._close(sid)
+            return _over("stream resets")
         if ftype == _DATA:
             self._window_credit = min(self._window_credit + WINDOW_CREDIT_PER_DATA_FRAME, 100_000)
         if ftype == _RST:
@@ -260,6 +265,7 @@ class StreamLedger:
             self._end(sid, remote=False)
         elif ftype == _SETTINGS and not flags & ACK:
             self._settings_credit += 1
+        return None
 
     def expired(self, timeout: float) -> list[int]:
         """Streams that have sent no request within `timeout`: forgotten here, and charged."""

@@ -102,6 +102,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.peer: PeerBudgets | None = None
         self._transport: asyncio.Transport | None = None
         self._dead = False
+        self._receiving = False  # inside grpclib's data_received: what it writes answers the client
         self._timer: asyncio.TimerHandle | None = None
         self._opened_at_check = 0  # streams opened at the last check
         self._age = 0.0  # seconds of checks: since the connection was made
@@ -140,18 +141,29 @@ class GuardedProtocol(asyncio.Protocol):
         return refusal
 
     def _sent(self, ftype: int, flags: int, sid: int, length: int) -> None:
-        self._ledger.sent(ftype, flags, sid, length)
+        refusal = self._ledger.sent(ftype, flags, sid, length, answering=self._receiving)
+        if refusal is not None:  # from inside grpclib's handling of a frame: ended once it returns
+            asyncio.get_running_loop().call_soon(self._refuse, refusal)
+        return None
+
+    def _refuse(self, refusal: Refusal) -> None:
+        if not self._dead:
+            self.gate.shed(refusal.reason, self._peer_name, refusal.detail)
+            self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1])
 
     def data_received(self, data: bytes) -> None:
         if self._dead:
             return
         passed, refusal = self._guard.feed(data)
         if refusal is not None:
-            self.gate.shed(refusal.reason, self._peer_name, refusal.detail)
-            self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1])
+            self._refuse(refusal)
             return
         if passed:
-            self.inner.data_received(cast(bytes, passed))
+            self._receiving = True
+            try:
+                self.inner.data_received(cast(bytes, passed))
+            finally:
+                self._receiving = False
 
     def _check(self) -> None:
         """Every tick (the shorter of the request and idle timeouts): streams that sent no request
@@ -173,8 +185,7 @@ class GuardedProtocol(asyncio.Protocol):
                     self._transport.write(reset)
                 refusal = ledger.charge_expired()
                 if refusal is not None:
-                    self.gate.shed(refusal.reason, self._peer_name, refusal.detail)
-                    self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1])
+                    self._refuse(refusal)
                     return
         self._age += tick
         if not ledger.opened:

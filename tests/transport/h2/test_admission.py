@@ -16,7 +16,7 @@ from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, Discovery
 from eds_server.transport.h2.limits import ConnectionLimits, Gate
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import serving
-from tests.support.h2frames import DATA, END_HEADERS, GOAWAY, HEADERS, PING, PREFACE, frame, split
+from tests.support.h2frames import DATA, END_HEADERS, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, frame, split
 from tests.support.waiting import wait_for
 from tests.transport.h2.test_limits import HEADERS as REQUEST_HEADERS
 from tests.transport.h2.test_limits import fetch_web
@@ -201,3 +201,25 @@ async def test_a_connection_that_holds_no_stream_is_closed_though_it_answers_pin
         writer.close()
         assert GOAWAY in types and PING in types  # closed, PINGs answered all along
         assert server.gate.refused["idle"] == 1 and server.gate.refused["no_stream"] == 0
+
+
+async def test_a_stream_without_a_request_is_ended_and_counted_on_either_path() -> None:
+    """Headers only, no request: the fast path answers DEADLINE_EXCEEDED in trailers, the stock path
+    resets the stream (RST_STREAM CANCEL); both count it as no_request and serve the next stream."""
+    async with serving(ConnectionLimits(request_timeout=0.3)) as (server, _, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(PREFACE + frame(HEADERS, END_HEADERS, 1, hpack.Encoder().encode(REQUEST_HEADERS)))
+            types = []
+            buffer = b""
+            for _ in range(100):  # bounded
+                chunk = await asyncio.wait_for(reader.read(65536), 5)
+                assert chunk, "closed"
+                got, buffer = split(buffer + chunk)
+                types += [(f.type, f.stream_id) for f in got]
+                if (RST_STREAM, 1) in types or (HEADERS, 1) in types:
+                    break
+        finally:
+            writer.close()
+        await wait_for(lambda: server.refused["no_request"] == 1, timeout=5)
+        await fetch_web(port)
