@@ -707,11 +707,14 @@ ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
 }  # fmt: skip
 
 
-async def main(name: str, port: int, src: str, seconds: float) -> None:
+async def main(name: str, port: int, src: str, seconds: float, *more: str) -> None:
     assert src.startswith("127."), "loopback only"
-    stats = await asyncio.wait_for(ATTACKS[name](port, src, seconds), seconds + 30)
+    if name == "fill_table" and more:  # connections per address
+        stats = await asyncio.wait_for(fill_table(port, src, seconds, per_address=int(more[0])), seconds + 30)
+    else:
+        stats = await asyncio.wait_for(ATTACKS[name](port, src, seconds), seconds + 30)
     print(json.dumps({"attack": name, **stats}))
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])))
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), *sys.argv[5:]))

@@ -6,10 +6,11 @@ their public API. The services above see a small interface (base.py): a server t
 StreamIO per call (read a request, take further requests directly as they arrive, queue or send a
 response, end with a status), and knows its port and what it refused.
 
-- limits.py: what a client may take, and what each limit charges (pure);
+- limits.py: what a client may take, and what each limit charges (pure), connection admission;
+- guard.py: the frame guard both paths read through (frame headers only, sans-IO);
 - headers.py: RFC 9113 request header checks (pure);
 - fast.py, direct.py: the fast gRPC path; http.py: connection limits for the aiohttp ports;
-- stock.py: the public-API gRPC path.
+- stock.py: the public-API gRPC path, below the guard.
 """
 
 from __future__ import annotations
