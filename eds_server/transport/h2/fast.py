@@ -92,7 +92,7 @@ def _nothing() -> None:
     return None
 
 
-def _ignore(reason: str, detail: str) -> None:
+def _ignore(reason: str, detail: str, count: int) -> None:
     return None
 
 
@@ -125,7 +125,7 @@ class GuardedH2Connection(H2Connection):
         self.direct: dict[int, DirectReader] = {}  # streams whose DATA frames skip h2 (direct.py)
         self.on_calm: Callable[[str], None] | None = None  # ends the connection over a budget, outside a frame
         self.on_active: Callable[[], None] = _nothing  # a stream opened or a request sent: the connection is busy
-        self.on_shed: Callable[[str, str], None] = _ignore  # a refusal, by reason and detail: counted and logged
+        self.on_shed: Callable[[str, str, int], None] = _ignore  # refusals (reason, detail, count): counted, logged
 
     def _wasted(self, what: str) -> None:
         """A stream ended (or refused, or timed out) without a request."""
@@ -138,7 +138,7 @@ class GuardedH2Connection(H2Connection):
 
     def timed_out(self, stream_id: int, timeout: float, defer: bool = False) -> None:
         """A stream that sent no request within `timeout`: counted, logged and charged."""
-        self.on_shed("no_request", f"DEADLINE_EXCEEDED on stream {stream_id}: no request within {timeout:g}s")
+        self.on_shed("no_request", f"DEADLINE_EXCEEDED on stream {stream_id}: no request within {timeout:g}s", 1)
         self.no_request(stream_id, defer=defer)
 
     def no_request(self, stream_id: int, why: str = "no request in time", defer: bool = False) -> None:
@@ -424,6 +424,9 @@ class _H2Protocol(H2Protocol):
             if now - since < timeout:
                 break
             expired.append(sid)
+        if expired:  # one line for them all: a connection of 1,000 idle streams is one event
+            h2.on_shed("no_request", f"DEADLINE_EXCEEDED on {len(expired)} streams ({expired[0]}...): "
+                                     f"no request within {timeout:g}s", len(expired))  # fmt: skip
         for sid in expired:
             del h2.held[sid]
             stream = h2.streams.get(sid)
@@ -432,7 +435,7 @@ class _H2Protocol(H2Protocol):
                             ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)),
                             ("grpc-message", f"no request within {timeout:g}s")]  # fmt: skip
                 h2.send_headers(sid, trailers, end_stream=True)
-            h2.timed_out(sid, timeout)
+            h2.no_request(sid)
             if self._dead:
                 return
         self.connection.flush()
@@ -561,8 +564,8 @@ class _H2Protocol(H2Protocol):
         if not self._dead:
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
 
-    def _shed(self, reason: str, detail: str) -> None:
-        self.gate.shed(reason, self._peer, detail)
+    def _shed(self, reason: str, detail: str, count: int) -> None:
+        self.gate.shed(reason, self._peer, detail, count)
 
     def _active(self) -> None:
         budgets = self._peer_budgets

@@ -160,16 +160,21 @@ class Gate:
     connections: int = 0
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     _prune_at: int = 0  # table size at which idle peers are forgotten next
-    _log: LogLimit = field(default_factory=LogLimit)
+    # one log budget per reason: a flood of one kind of refusal does not hide the others
+    _logs: dict[str, LogLimit] = field(default_factory=dict)
     # addresses by how many connections they hold (count -> IPs, in the order they reached it), and
     # the highest count: the address that gives way is found in O(1), not by walking every address
     _by_count: dict[int, dict[str, None]] = field(default_factory=dict)
     _top: int = 0
 
-    def shed(self, reason: str, peer: str, detail: str) -> None:
-        """Count a refusal and log it (rate-limited), with the client's address and why."""
-        self.refused[reason] += 1
-        self._log.warning("%s from %s: %s", reason.replace("_", " "), peer, detail)
+    def shed(self, reason: str, peer: str, detail: str, count: int = 1) -> None:
+        """Count `count` refusals and log them in one line (rate-limited per reason, with a count of
+        the lines left out), with the client's address and why."""
+        self.refused[reason] += count
+        log_limit = self._logs.get(reason)
+        if log_limit is None:
+            log_limit = self._logs[reason] = LogLimit()
+        log_limit.warning("%s from %s: %s", reason.replace("_", " "), peer, detail)
 
     def admit(self, ip: str, holder: Holder) -> PeerBudgets:
         """Take `holder` in for `ip`, closing another connection first if the table is full (of the
