@@ -94,7 +94,8 @@ class _Tap:
 
 
 class GuardedProtocol(asyncio.Protocol):
-    """grpclib's protocol for one connection, below which every limit of the gRPC port holds."""
+    """grpclib's protocol for one connection, below which the gRPC port's per-client limits hold
+    (docs/limits.md lists the few that need h2's insides and do not)."""
 
     def __init__(self, inner: asyncio.Protocol, gate: Gate) -> None:
         self.inner = inner
