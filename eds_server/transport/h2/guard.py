@@ -218,6 +218,10 @@ class StreamLedger:
             self.awaiting[sid] = self.clock()
             return None
         if ftype == _DATA:
+            if sid and (sid in self._remote_ended or (sid <= self.highest and sid not in self.open)):
+                # DATA on a stream the client ended or that is closed: h2 answers it with its own
+                # RST_STREAM, charged here, before h2 sees it, like a client's reset
+                return None if peer.resets.take() else _over("stream resets (DATA on a closed stream)")
             if self.awaiting and self.awaiting.pop(sid, None) is not None and not length and flags & END_STREAM:
                 self._end(sid, remote=True)
                 return self._wasted()
@@ -251,12 +255,8 @@ class StreamLedger:
             return None
         return None if self.control.take() else _over(f"control frames ({what})")
 
-    def sent(self, ftype: int, flags: int, sid: int, length: int, answering: bool = False) -> Refusal | None:
-        """A frame we sent; `answering`: written while a received frame was being handled, so a
-        RST_STREAM is h2 answering the client (DATA after END_STREAM), charged like a client's reset."""
-        if ftype == _RST and answering and not self.peer.resets.take():
-            self._close(sid)
-            return _over("stream resets")
+    def sent(self, ftype: int, flags: int, sid: int, length: int) -> None:
+        """A frame we sent."""
         if ftype == _DATA:
             self._window_credit = min(self._window_credit + WINDOW_CREDIT_PER_DATA_FRAME, 100_000)
         if ftype == _RST:
@@ -265,7 +265,6 @@ class StreamLedger:
             self._end(sid, remote=False)
         elif ftype == _SETTINGS and not flags & ACK:
             self._settings_credit += 1
-        return None
 
     def expired(self, timeout: float) -> list[int]:
         """Streams that have sent no request within `timeout`: forgotten here, and charged."""

@@ -103,7 +103,6 @@ class GuardedProtocol(asyncio.Protocol):
         self.peer: PeerBudgets | None = None
         self._transport: asyncio.Transport | None = None
         self._dead = False
-        self._receiving = False  # inside grpclib's data_received: what it writes answers the client
         self._timer: asyncio.TimerHandle | None = None
         self._opened_at_check = 0  # streams opened at the last check
         self._age = 0.0  # seconds of checks: since the connection was made
@@ -141,10 +140,8 @@ class GuardedProtocol(asyncio.Protocol):
             self.peer.touch(self)  # a request, or a stream opened: the last of its address to give way
         return refusal
 
-    def _sent(self, ftype: int, flags: int, sid: int, length: int) -> None:
-        refusal = self._ledger.sent(ftype, flags, sid, length, answering=self._receiving)
-        if refusal is not None:  # from inside grpclib's handling of a frame: ended once it returns
-            asyncio.get_running_loop().call_soon(self._refuse, refusal)
+    def _sent(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
+        self._ledger.sent(ftype, flags, sid, length)
         return None
 
     def _refuse(self, refusal: Refusal) -> None:
@@ -160,11 +157,7 @@ class GuardedProtocol(asyncio.Protocol):
             self._refuse(refusal)
             return
         if passed:
-            self._receiving = True
-            try:
-                self.inner.data_received(cast(bytes, passed))
-            finally:
-                self._receiving = False
+            self.inner.data_received(cast(bytes, passed))
 
     def _check(self) -> None:
         """Every tick (the shorter of the request and idle timeouts): streams that sent no request

@@ -113,3 +113,24 @@ async def test_a_server_refuses_a_long_header_block_and_serves_the_next_client()
         assert goaway and int.from_bytes(goaway[0][4:8], "big") == 11, frames  # ENHANCE_YOUR_CALM
         assert server.refused["header_size"] == 1
         await fetch_web(port)
+
+
+def test_the_ledger_charges_what_h2_would_answer_and_counts_open_streams() -> None:
+    """From frame headers alone: a stream is open until ended both ways or reset; DATA on a stream
+    the client ended is charged as a reset (h2 answers it with one) before h2 sees it."""
+    from eds_server.transport.h2.guard import StreamLedger
+    from eds_server.transport.h2.limits import PeerBudgets
+
+    now = [0.0]
+    ledger = StreamLedger(PeerBudgets(ConnectionLimits(reset_budget=3)), Bucket(100, 10.0), lambda: now[0])
+    assert ledger.received(HEADERS, END_HEADERS, 1, 50) is None
+    assert ledger.open == {1} and list(ledger.awaiting) == [1]
+    assert ledger.received(DATA, 1, 1, 10) is None  # the request, and the client's end
+    assert not ledger.awaiting and ledger.open == {1}
+    ledger.sent(HEADERS, END_HEADERS | 1, 1, 20)  # our trailers: closed both ways
+    assert ledger.open == set()
+    refusals = [ledger.received(DATA, 0, 1, 1) for _ in range(4)]  # DATA after END_STREAM
+    assert refusals[:3] == [None] * 3 and refusals[3] is not None and refusals[3].reason == "calm"
+    assert ledger.received(HEADERS, END_HEADERS, 3, 50) is None
+    now[0] = 11.0
+    assert ledger.expired(10.0) == [3] and ledger.open == set()
