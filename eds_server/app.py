@@ -30,7 +30,7 @@ from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
-from .transport.h2 import ConnectionLimits, HttpLimits, http_runner, runner_port
+from .transport.h2 import FILE_HEADROOM, ConnectionLimits, HttpLimits, http_runner, runner_port
 from .transport.rest import make_rest_app
 from .upstreams import MAX_FILE_SIZE
 from .xds.common import Limits
@@ -145,7 +145,9 @@ class App:
             keepalive_timeout=settings.keepalive_timeout,
             max_message_size=settings.max_message_size,
             reset_budget=settings.reset_budget,
-            limits=settings.connection_limits,
+            limits=dataclasses.replace(  # the admin and REST ports' descriptors kept out of the gRPC port's
+                settings.connection_limits, file_reserve=2 * settings.http_limits.max_connections + FILE_HEADROOM
+            ),
             http2=settings.http2,
         )
         self._http: list[web.AppRunner] = []

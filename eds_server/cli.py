@@ -350,12 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     hostile = serve.add_argument_group("limits per client (gRPC port; see docs/limits.md)")
     hostile.add_argument("--max-connections", type=positive_int, metavar="N",
                          default=_env("EDS_MAX_CONNECTIONS", "10000"),
-                         help="gRPC connections in total; more are closed with GOAWAY (default 10000)")
+                         help="gRPC connections in total (kept under the open-file limit); when full, a newcomer "
+                              "takes the place of the idlest connection of the address holding the most, which "
+                              "gets GOAWAY (default 10000)")
     hostile.add_argument("--max-connections-per-ip", type=positive_int, metavar="N",
                          default=_env("EDS_MAX_CONNECTIONS_PER_IP", "100"),
                          help="gRPC connections from one client IP, once the server holds half of "
-                              "--max-connections (many Envoys behind one NAT are served while there is room) "
-                              "(default 100)")
+                              "--max-connections (many Envoys behind one NAT are served while there is room); "
+                              "past it, the IP's newcomer takes the place of its idlest connection (default 100)")
     hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
                          help="streams one client IP may end without sending a request (reset, ended, refused "
                               "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
@@ -370,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
                          default=_env("EDS_REQUEST_TIMEOUT", "10s"),
                          help="for a connection to open a stream, a stream to send its first request, and a "
                               "started request to arrive whole (default 10s)")
+    hostile.add_argument("--connection-idle-timeout", type=duration, metavar="DURATION",
+                         default=_env("EDS_CONNECTION_IDLE_TIMEOUT", "5m"),
+                         help="close a gRPC connection (GOAWAY NO_ERROR) that has held no stream this long, "
+                              "PINGs answered or not; closed between one and two of these after its last "
+                              "stream (default 5m)")
     hostile.add_argument("--partial-message-budget", type=positive_int, metavar="BYTES",
                          default=_env("EDS_PARTIAL_MESSAGE_BUDGET", str(64 * 1024 * 1024)),
                          help="bytes of requests being received at once, server-wide (default 64 MiB)")
@@ -834,6 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream_budget=args.stream_budget,
             control_budget=args.control_frame_budget,
             request_timeout=args.request_timeout,
+            idle_timeout=args.connection_idle_timeout,
             partial_message_budget=args.partial_message_budget,
             tls_handshake_timeout=args.tls_handshake_timeout,
         ),
@@ -849,6 +857,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.upstream_eds is not None
         else None,
     )
+    if args.http2 == "fast":  # refused here in one line, not from deep inside the start as a traceback
+        from .transport.h2 import compat
+
+        try:
+            compat.fast_path("fast")
+        except compat.UnverifiedVersions as e:
+            log.error("not starting: %s", e)
+            return 2
     if args.workers > 1:
         from .workers import serve_with_workers
 

@@ -163,6 +163,7 @@ def names_shown(names: Iterable[str], most: int = 10) -> str:
 
 STREAM_LINES = 300  # opened and closed lines logged one by one at once, refilled over...
 STREAM_LINES_WINDOW = 10.0  # ...these seconds; past them, one line counts what was not logged
+DROP_LINES = 20  # "dropping ...: not reading" WARNINGs per window, before they are counted instead
 
 
 class StreamLog(StreamObserver):
@@ -171,18 +172,22 @@ class StreamLog(StreamObserver):
     Opened and closed lines are rate limited: a fleet of 10,000 Envoys reconnecting at once would
     write 10,000 lines (a tenth of the CPU it takes to connect them) that nobody reads one by one.
     Past STREAM_LINES in STREAM_LINES_WINDOW, one line per window says how many were left out;
-    /v1/streams and the metrics still show every stream. NACKs, denials and drops are always logged.
+    /v1/streams and the metrics still show every stream. Drops (a stream ended for not reading)
+    are WARNINGs, DROP_LINES per window, then counted into one line per window (2,000 non-reading
+    streams dropped at once wrote 2,000 lines). NACKs and denials are always logged.
     """
 
     def __init__(self, lines: int = STREAM_LINES, window: float = STREAM_LINES_WINDOW) -> None:
         self._bucket = Bucket(lines, window)
+        self._drops = Bucket(DROP_LINES, window)
         self._window = window
-        self._left_out = {"opened": 0, "closed": 0}
+        self._left_out = {"opened": 0, "closed": 0, "dropped": 0}
         self._summary: asyncio.TimerHandle | None = None
 
-    def _may_log(self, event: str) -> bool:
-        if self._bucket.peek():  # not take() alone: a refusal would empty the bucket, and a steady
-            return self._bucket.take()  # rate over the budget would never log a line again
+    def _may_log(self, event: str, bucket: Bucket | None = None) -> bool:
+        bucket = bucket or self._bucket
+        if bucket.peek():  # not take() alone: a refusal would empty the bucket, and a steady
+            return bucket.take()  # rate over the budget would never log a line again
         self._left_out[event] += 1
         if self._summary is None:
             with contextlib.suppress(RuntimeError):  # no event loop (a unit test): counted only
@@ -194,9 +199,13 @@ class StreamLog(StreamObserver):
         if self._summary is not None:
             self._summary.cancel()  # called before its time (the server stops)
             self._summary = None
-        opened, closed = self._left_out["opened"], self._left_out["closed"]
+        opened, closed, dropped = self._left_out["opened"], self._left_out["closed"], self._left_out["dropped"]
+        self._left_out = {"opened": 0, "closed": 0, "dropped": 0}
+        if dropped:
+            log.warning("%d more streams dropped for not reading were not logged one by one (over %d lines in "
+                        "%gs); eds_clients_dropped_total counts them all", dropped, int(self._drops.capacity),
+                        self._window, extra={"event": "drop_lines_left_out", "dropped": dropped})  # fmt: skip
         if opened or closed:
-            self._left_out = {"opened": 0, "closed": 0}
             fields = {"event": "stream_lines_left_out", "opened": opened, "closed": closed}
             log.info("%d streams opened and %d closed were not logged one by one (over %d stream lines "
                      "in %gs); /v1/streams lists every stream", opened, closed, int(self._bucket.capacity),
@@ -226,7 +235,8 @@ class StreamLog(StreamObserver):
                         extra=s.fields("denied"))  # fmt: skip
 
     def stopped_reading(self, s: StreamView) -> None:
-        log.warning("dropping node=%s peer=%s: not reading", s.node, s.peer)
+        if self._may_log("dropped", self._drops):
+            log.warning("dropping node=%s peer=%s: not reading", s.node, s.peer)
 
     def closed(self, s: StreamView) -> None:
         if not s.requested:  # never sent a request: nothing was logged of it (and churn cannot flood the log)

@@ -263,12 +263,11 @@ class RelaySource:
 
     async def run(self, stop: asyncio.Event) -> None:
         from grpclib.client import Channel
-        from grpclib.config import Configuration
 
-        from ..transport.h2 import PassThroughCodec
+        from ..transport.h2 import PassThroughCodec, keepalive_config
 
         backoff = Backoff(initial=0.2, cap=5.0)
-        config = Configuration(_keepalive_time=30.0, _keepalive_timeout=10.0)
+        config = keepalive_config(30.0, 10.0, server=False)
         o = self.options
         where: dict[str, Any] = {"path": o.path} if o.path is not None else {"host": o.host, "port": o.port}
         while not stop.is_set():

@@ -18,7 +18,6 @@ from typing import Any
 import grpclib.const
 import grpclib.server
 from grpclib import GRPCError
-from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 
 from ..heap import HeapTrim
@@ -36,7 +35,7 @@ from ..xds.common import (
     response_version,
 )
 from ..xds.session import DELTA, SOTW, Authorize, SessionDriver, StreamKind, decode_request, node_fields, shown
-from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server
+from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server, keepalive_config
 from .h2.limits import LogLimit
 from .h2.stock import StockIO
 from .reflection import ReflectionService
@@ -507,14 +506,7 @@ def make_server(
     limits = dataclasses.replace(
         limits or ConnectionLimits(), max_streams=max_streams_per_connection, reset_budget=reset_budget
     )
-    config = Configuration(
-        _keepalive_time=keepalive_time,
-        _keepalive_timeout=keepalive_timeout,
-        _keepalive_permit_without_calls=True,
-        # EDS streams sit idle for hours: keep pinging however long no data flows.
-        _http2_max_pings_without_data=0,
-        _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
-    )
+    config = keepalive_config(keepalive_time, keepalive_timeout)
     counted = {
         path: handler
         for svc in (HealthService(service.store), ReflectionService(SERVED))

@@ -97,6 +97,7 @@ def envoy_bootstrap(
     xds_circuit_breakers: Mapping[str, int] | None = None,
     xds_retry_back_off: Mapping[str, str] | None = None,
     node_id: str = "test-envoy",
+    xds_source_address: str | None = None,
 ) -> dict[str, Any]:
     """An Envoy v3 bootstrap (as a dict) for running against an xDS server on 127.0.0.1.
 
@@ -109,6 +110,8 @@ def envoy_bootstrap(
       gRPC EDS cluster holds one request on it, and Envoy's default of 1,024 resets the rest locally;
     - `xds_retry_back_off`: how gRPC EDS streams are re-established (``{"base_interval": "0.5s",
       "max_interval": "5s"}``); Envoy's default is 0.5 s doubling up to 30 s, fully jittered;
+    - `xds_source_address`: the loopback address Envoy connects to the xDS server from (another
+      127.0.0.0/8 address tells it from other clients by IP);
     - `static_clusters`: extra STATIC clusters, name -> backend ports on 127.0.0.1;
     - if `listener_port` is given, an HTTP listener on 127.0.0.1 routing path prefixes to
       clusters, e.g. ``{"/api": "api-cluster", "/": "web"}``; longer prefixes match first.
@@ -117,6 +120,8 @@ def envoy_bootstrap(
     xds_extra: dict[str, Any] = {"typed_extension_protocol_options": _HTTP2_KEEPALIVE_OPTIONS}
     if xds_circuit_breakers is not None:
         xds_extra["circuit_breakers"] = {"thresholds": [{"priority": "DEFAULT", **xds_circuit_breakers}]}
+    if xds_source_address is not None:
+        xds_extra["upstream_bind_config"] = {"source_address": {"address": xds_source_address, "port_value": 0}}
     cluster_list: list[dict[str, Any]] = [_static_cluster("xds_cluster", [xds_port], **xds_extra)]
     if any(c.api_type == "REST" for c in clusters):
         cluster_list.append(_static_cluster("xds_rest_cluster", [rest_port or xds_port]))

@@ -112,7 +112,8 @@ async def serving(limits: ConnectionLimits, **kwargs: object) -> AsyncIterator[t
     store.update("test", {"web": Group("web", (Endpoint("127.0.0.1", 1),))})
     service = EdsService(store)
     settings: dict[str, Any] = {"max_streams_per_connection": 100, "keepalive_time": 30, "keepalive_timeout": 10,
-                                "max_message_size": 1 << 20, "limits": limits, **kwargs}  # fmt: skip
+                                "max_message_size": 1 << 20, "limits": limits,
+                                "http2": os.environ.get("EDS_HTTP2", "auto"), **kwargs}  # fmt: skip
     server = make_server(service, **settings)
     await server.start("127.0.0.1", 0)
     port = server.port

@@ -652,20 +652,69 @@ async def malformed_headers(port: int, src: str, seconds: float, connections: in
     return stats
 
 
+async def fill_table(port: int, src: str, seconds: float, addresses: int = 50, per_address: int = 8,
+                     most: int = 5000) -> dict[str, Any]:  # fmt: skip
+    """Fill the connection table from `addresses` addresses from `src` up, `per_address` connections
+    each, every one with a valid EDS stream (its request sent) and answering every PING, so no budget
+    is charged; a connection the server closes is opened again (at most `most` in all)."""
+    deadline = time.monotonic() + seconds
+    base = src.rsplit(".", 1)
+    stats = {"opened": 0, "closed_by_server": 0, "failed": 0, "held_at_end": 0}
+
+    async def hold(ip: str) -> None:
+        while time.monotonic() < deadline and stats["opened"] < most:
+            try:
+                conn = await Conn.open(port, ip)
+                _, opening = conn.open_stream()
+                await conn.send(opening + frame(DATA, 0, 1, grpc_message(discovery_request(node=f"filler-{ip}"))))
+            except (OSError, TimeoutError):
+                stats["failed"] += 1
+                await asyncio.sleep(0.1)
+                continue
+            stats["opened"] += 1
+            buffer = b""
+            try:
+                while time.monotonic() < deadline:
+                    chunk = await asyncio.wait_for(conn.reader.read(65536), max(0.01, deadline - time.monotonic()))
+                    if not chunk:
+                        stats["closed_by_server"] += 1
+                        break
+                    got, buffer = split(buffer + chunk)
+                    for f in got:
+                        if f.type == PING and not f.flags & 1:
+                            await conn.send(frame(PING, 1, 0, f.payload))
+                else:
+                    stats["held_at_end"] += 1
+            except TimeoutError:
+                stats["held_at_end"] += 1
+            except OSError:
+                stats["closed_by_server"] += 1
+            finally:
+                conn.close()
+            await asyncio.sleep(0.05)
+
+    ips = [f"{base[0]}.{int(base[1]) + i}" for i in range(addresses)]
+    await asyncio.gather(*(hold(ip) for ip in ips for _ in range(per_address)))
+    return stats
+
+
 ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
     f.__name__: f
     for f in (ping_flood, settings_flood, priority_flood, unknown_flood, empty_data_flood, reset_churn,
               open_close_churn, data_after_end, idle_streams, idle_connections, partial_messages,
               big_health_message, health_streams, big_messages_small_frames, oversize_frames,
-              malformed_headers)
+              malformed_headers, fill_table)
 }  # fmt: skip
 
 
-async def main(name: str, port: int, src: str, seconds: float) -> None:
+async def main(name: str, port: int, src: str, seconds: float, *more: str) -> None:
     assert src.startswith("127."), "loopback only"
-    stats = await asyncio.wait_for(ATTACKS[name](port, src, seconds), seconds + 30)
+    if name == "fill_table" and more:  # connections per address
+        stats = await asyncio.wait_for(fill_table(port, src, seconds, per_address=int(more[0])), seconds + 30)
+    else:
+        stats = await asyncio.wait_for(ATTACKS[name](port, src, seconds), seconds + 30)
     print(json.dumps({"attack": name, **stats}))
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])))
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), *sys.argv[5:]))

@@ -46,10 +46,13 @@ class EdsServerProcess:
     """`python -m eds_server serve` on loopback ports; restartable on the same ports."""
 
     def __init__(
-        self, upstreams: Path | None, *extra_args: str, workdir: Path | None = None, user: RunAs | None = None
+        self, upstreams: Path | None, *extra_args: str, workdir: Path | None = None, user: RunAs | None = None,
+        open_files: int | None = None,
     ) -> None:
+        """`open_files`: the server's open-file limit, soft and hard (util-linux ``prlimit``)."""
         self.upstreams = upstreams
         self.user = user
+        self.open_files = open_files
         self.port = free_port()
         self.admin_port = free_port()
         self.extra_args = extra_args
@@ -63,6 +66,7 @@ class EdsServerProcess:
 
     async def start(self, wait_ready: bool = True) -> None:
         self.proc = await asyncio.create_subprocess_exec(
+            *(["prlimit", f"--nofile={self.open_files}:{self.open_files}", "--"] if self.open_files else []),
             *(self.user.command() if self.user else []),
             sys.executable, "-m", "eds_server", "serve",
             *(["--upstreams", str(self.upstreams)] if self.upstreams else []),

@@ -382,3 +382,15 @@ def test_the_demos_envoy_config_follows_the_ports(tmp_path: Path) -> None:
         "address": "127.0.0.1", "port_value": 1}  # fmt: skip
     usual = demo.DemoPorts(grpc=18000, admin=18001, envoy=10000, envoy_admin=9901)
     assert demo.envoy_config_on(str(demo.ENVOY_CONFIG), usual, str(tmp_path)) == str(demo.ENVOY_CONFIG)
+
+
+def test_the_fast_path_on_unverified_versions_refuses_in_one_line(tmp_path: Path) -> None:
+    upstreams = tmp_path / "upstreams.yaml"
+    upstreams.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8080]\n")
+    code = ("import sys\nfrom eds_server.transport.h2 import compat\n"
+            "compat.VERIFIED['h2'] = ('0.0.1',)  # as if another h2 were installed\n"
+            "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))")  # fmt: skip
+    args = ["serve", "--upstreams", str(upstreams), "--http2", "fast", "--admin", "off", "--listen", "127.0.0.1:0"]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "--http2 fast: installed h2 4.4.1" in out.stderr, out.stderr

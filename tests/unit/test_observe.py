@@ -96,3 +96,19 @@ def test_a_steady_rate_over_the_budget_still_logs_at_the_budget(
         stream_log.opened(View(100 + 2 * step))
         stream_log.opened(View(101 + 2 * step))
     assert len(lines(caplog, "stream opened")) == 10 + 10
+
+
+def test_drops_are_logged_up_to_a_budget_then_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """2,000 streams dropped for not reading at once: DROP_LINES WARNINGs, then one line with the rest."""
+    from eds_server.observe import DROP_LINES
+
+    caplog.set_level(logging.INFO, "eds_server.grpc")
+    stream_log = StreamLog(lines=3, window=3600)
+    for i in range(2000):
+        stream_log.stopped_reading(View(i))  # type: ignore[arg-type]
+    assert len(lines(caplog, ": not reading")) == DROP_LINES
+    stream_log.summarise()
+    assert lines(caplog, "dropped for not reading") == [
+        f"{2000 - DROP_LINES} more streams dropped for not reading were not logged one by one (over {DROP_LINES} "
+        "lines in 3600s); eds_clients_dropped_total counts them all"
+    ]

@@ -6,10 +6,11 @@ their public API. The services above see a small interface (base.py): a server t
 StreamIO per call (read a request, take further requests directly as they arrive, queue or send a
 response, end with a status), and knows its port and what it refused.
 
-- limits.py: what a client may take, and what each limit charges (pure);
+- limits.py: what a client may take, and what each limit charges (pure), connection admission;
+- guard.py: the frame guard both paths read through (frame headers only, sans-IO);
 - headers.py: RFC 9113 request header checks (pure);
 - fast.py, direct.py: the fast gRPC path; http.py: connection limits for the aiohttp ports;
-- stock.py: the public-API gRPC path.
+- stock.py: the public-API gRPC path, below the guard.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from aiohttp import web
 from grpclib.config import Configuration
 
 from . import compat
-from .base import Framed, PassThroughCodec, StreamIO, timeout_middleware
-from .limits import REASONS, ConnectionLimits, HttpLimits, PartialBudget
+from .base import Framed, PassThroughCodec, StreamIO, keepalive_config, timeout_middleware
+from .limits import FILE_HEADROOM, REASONS, ConnectionLimits, HttpLimits, PartialBudget
 
-__all__ = ["REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec", "StreamIO",
-           "build_server",
-           "http_runner", "runner_port"]  # fmt: skip
+__all__ = ["FILE_HEADROOM", "REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec",
+           "StreamIO", "build_server", "http_runner", "keepalive_config", "runner_port"]  # fmt: skip
 
 
 class GrpcServer(Protocol):

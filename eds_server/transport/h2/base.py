@@ -13,6 +13,7 @@ from typing import Any, Protocol, cast
 import betterproto2
 from aiohttp import web
 from grpclib import GRPCError
+from grpclib.config import Configuration
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 
@@ -109,3 +110,18 @@ def timeout_middleware(
                 busy(request, -1)
 
     return limit
+
+
+def keepalive_config(keepalive_time: float, keepalive_timeout: float, *, server: bool = True) -> Configuration:
+    """grpclib's Configuration with keepalive: its keyword arguments for it are private (a leading
+    underscore), so they are named here only. A server keeps pinging however long no data flows
+    (EDS streams sit idle for hours), at most every half keepalive time."""
+    if not server:
+        return Configuration(_keepalive_time=keepalive_time, _keepalive_timeout=keepalive_timeout)
+    return Configuration(
+        _keepalive_time=keepalive_time,
+        _keepalive_timeout=keepalive_timeout,
+        _keepalive_permit_without_calls=True,
+        _http2_max_pings_without_data=0,
+        _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
+    )

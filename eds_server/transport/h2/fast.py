@@ -6,7 +6,9 @@ an xDS server that faces untrusted clients and fans one change out to thousands 
   whole connection on stream 101, but Envoy opens one stream per EDS cluster on one connection);
 - open streams counted in O(1) (h2 walks every stream on each new one: quadratic);
 - the budgets of limits.py charged per frame; past one, GOAWAY ENHANCE_YOUR_CALM;
-- a frame longer than allowed refused from its header (GOAWAY FRAME_SIZE_ERROR), not buffered;
+- every byte read first through the frame guard (guard.py): a frame longer than allowed refused
+  from its header (GOAWAY FRAME_SIZE_ERROR), not buffered; a header block's total size bounded and
+  its CONTINUATION frames charged as control frames;
 - malformed request headers answered RST_STREAM PROTOCOL_ERROR (headers.py) before grpclib sees them;
 - a connection must open a stream, and a stream send its first request, within the request
   timeout; a TLS handshake must finish within its own timeout;
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import resource
 import socket
 import struct
 from collections.abc import Callable
@@ -53,7 +54,6 @@ from hyperframe.frame import (
     DataFrame,
     ExtensionFrame,
     Frame,
-    GoAwayFrame,
     HeadersFrame,
     PingFrame,
     PriorityFrame,
@@ -66,14 +66,14 @@ from ...observe import clip
 from ...ratelimit import Bucket
 from .base import Framed
 from .direct import DirectReader, window_update
+from .guard import FrameGuard
 from .headers import request_problem, trailers_problem
-from .limits import BUDGET_WINDOW, ConnectionLimits, Gate, PartialBudget, PeerBudgets
+from .limits import BUDGET_WINDOW, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 
 MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16 KiB to 16 MiB)
 log = logging.getLogger("eds_server.grpc")
 
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
-FILE_RESERVE = 600  # descriptors kept for the admin and REST ports (256 each by default) and files
 WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
 OPEN_WINDOW = 65_535  # bytes of connection window left: the client could have sent its requests
 
@@ -86,6 +86,14 @@ class _Calm(H2ProtocolError):
     """A client over one of its budgets: h2 answers GOAWAY with this code."""
 
     error_code = ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def _nothing() -> None:
+    return None
+
+
+def _ignore(reason: str, detail: str, count: int) -> None:
+    return None
 
 
 class GuardedH2Connection(H2Connection):
@@ -116,6 +124,8 @@ class GuardedH2Connection(H2Connection):
         self.bad: dict[int, str] = {}  # streams whose headers were malformed, and why (answered PROTOCOL_ERROR)
         self.direct: dict[int, DirectReader] = {}  # streams whose DATA frames skip h2 (direct.py)
         self.on_calm: Callable[[str], None] | None = None  # ends the connection over a budget, outside a frame
+        self.on_active: Callable[[], None] = _nothing  # a stream opened or a request sent: the connection is busy
+        self.on_shed: Callable[[str, str, int], None] = _ignore  # refusals (reason, detail, count): counted, logged
 
     def _wasted(self, what: str) -> None:
         """A stream ended (or refused, or timed out) without a request."""
@@ -125,6 +135,11 @@ class GuardedH2Connection(H2Connection):
     def _answered(self, stream_id: int) -> None:
         self.awaiting.discard(stream_id)
         self.peer.pending -= 1
+
+    def timed_out(self, stream_id: int, timeout: float, defer: bool = False) -> None:
+        """A stream that sent no request within `timeout`: counted, logged and charged."""
+        self.on_shed("no_request", f"DEADLINE_EXCEEDED on stream {stream_id}: no request within {timeout:g}s", 1)
+        self.no_request(stream_id, defer=defer)
 
     def no_request(self, stream_id: int, why: str = "no request in time", defer: bool = False) -> None:
         """A stream ended, or was refused, without a request: charged as a wasted stream. Over the
@@ -166,8 +181,11 @@ class GuardedH2Connection(H2Connection):
             else:
                 self.awaiting.add(sid)
                 peer.pending += 1
+                self.on_active()
             return
         if isinstance(frame, DataFrame):
+            if frame.data:
+                self.on_active()
             if sid in self.awaiting:
                 self._answered(sid)
                 if not frame.data and "END_STREAM" in frame.flags:
@@ -288,12 +306,6 @@ class _Processor(EventsProcessor):
             self.connection.ping_ack_process()
 
 
-def _refusal(reason: str) -> bytes:
-    """A server preface and GOAWAY, for a connection refused before it gets an h2 state."""
-    goaway = GoAwayFrame(0, error_code=ErrorCodes.ENHANCE_YOUR_CALM, additional_data=reason.encode()[:200])
-    return SettingsFrame(0).serialize() + goaway.serialize()
-
-
 class _H2Protocol(H2Protocol):
     """grpclib's protocol, with our settings from the start and the gate's limits enforced.
 
@@ -304,10 +316,12 @@ class _H2Protocol(H2Protocol):
     gate: Gate
     flusher: Flusher
     open: set[_H2Protocol] | None = None  # the server's open connections, this one among them
+    _guard: FrameGuard
     _peer_budgets: PeerBudgets | None = None
     _transport: asyncio.Transport | None = None
     _deadline: asyncio.TimerHandle | None = None
     _saw_request = False
+    _opened_at_check = 0  # the highest stream id at the last idle check
     _dead = False  # closing after a protocol error or a refusal: input is ignored
     _sweep: asyncio.TimerHandle | None = None  # for streams held without a request
 
@@ -317,31 +331,16 @@ class _H2Protocol(H2Protocol):
     def data_received(self, data: bytes) -> None:
         if self._peer_budgets is None or self._dead:
             return  # refused or closing
+        _, refusal = self._guard.feed(data)
+        if refusal is not None:  # nothing of it reaches h2: the connection ends here
+            self.gate.shed(refusal.reason, self._peer, refusal.detail)
+            self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1], "Frame guard")
+            return
         h2 = cast(GuardedH2Connection, self.connection._connection)
         if h2.direct or self._held:
             self._split(h2, data)
-        elif self._feed(h2, data) and not self._oversize(h2):
+        elif self._feed(h2, data):
             self.connection.flush()
-
-    def _oversize(self, h2: GuardedH2Connection) -> bool:
-        """Refuse a frame from its header when it is longer than we allow (h2 would buffer all of
-        it first, then refuse it): True if so."""
-        incoming = h2.incoming_buffer
-        buf = incoming._data
-        if len(buf) < 9 or incoming._preamble_len:
-            return False
-        length = int.from_bytes(buf[:3], "big")
-        if length <= h2.max_inbound_frame_size:
-            return False
-        self._too_big(h2, length)
-        return True
-
-    def _too_big(self, h2: GuardedH2Connection, length: int) -> None:
-        limit = h2.max_inbound_frame_size
-        self.gate.shed("frame_size", self._peer, f"GOAWAY FRAME_SIZE_ERROR: frame of {length} bytes (limit {limit})")
-        h2.close_connection(error_code=ErrorCodes.FRAME_SIZE_ERROR, additional_data=b"frame too large")
-        self.connection.flush()
-        self._close("Frame too large")
 
     def leave(self, why: str) -> None:
         """GOAWAY NO_ERROR and close: the client opens a new connection for its next streams."""
@@ -435,6 +434,9 @@ class _H2Protocol(H2Protocol):
             if now - since < timeout:
                 break
             expired.append(sid)
+        if expired:  # one line for them all: a connection of 1,000 idle streams is one event
+            h2.on_shed("no_request", f"DEADLINE_EXCEEDED on {len(expired)} streams ({expired[0]}...): "
+                                     f"no request within {timeout:g}s", len(expired))  # fmt: skip
         for sid in expired:
             del h2.held[sid]
             stream = h2.streams.get(sid)
@@ -464,7 +466,7 @@ class _H2Protocol(H2Protocol):
         its state (HEADERS, RST_STREAM, DATA with END_STREAM or padding) hands the stream back to
         h2 before h2 reads it. h2 gets whole frames only, so its own buffer stays empty between
         calls; until it is (the preface, a frame begun before the first stream went direct),
-        everything goes through h2. A frame over the size limit is refused from its header."""
+        everything goes through h2."""
         incoming = h2.incoming_buffer
         held = self._held
         if held:
@@ -477,23 +479,17 @@ class _H2Protocol(H2Protocol):
             buf = data
         self._held = b""
         if incoming._preamble_len or incoming._data:
-            if self._feed(h2, buf) and not self._oversize(h2):
+            if self._feed(h2, buf):
                 self.connection.flush()
             return
         view = memoryview(buf)
         direct = h2.direct
-        limit = h2.max_inbound_frame_size
         in_headers = bool(incoming._headers_buffer)  # a header block continues: nothing else may come between
         pos = run = 0
         end = len(buf)
         while end - pos >= 9:
             high, low, ftype, flags, sid = _FRAME_HEADER.unpack_from(buf, pos)
-            length = high << 8 | low
-            if length > limit:
-                if run < pos and not self._feed(h2, view[run:pos]):
-                    return
-                self._too_big(h2, length)
-                return
+            length = high << 8 | low  # within the frame size limit: the guard saw this header first
             after = pos + 9 + length
             if after > end:
                 break
@@ -510,6 +506,7 @@ class _H2Protocol(H2Protocol):
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
                         self._direct_unacked += length
+                        self._active()
                         reader.take(view[pos + 9 : after])
                         run = after
                     else:
@@ -540,15 +537,50 @@ class _H2Protocol(H2Protocol):
         if transport is not None:  # a client that does not read would keep it forever
             asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
 
-    def _no_request(self) -> None:
-        if self._saw_request or self.connection.is_closing() or self._dead:
+    def _check_idle(self) -> None:
+        """Close a connection that opened no stream within the request timeout, or has held none
+        since the last check (an idle timeout ago): a client that answers our PINGs but asks for
+        nothing keeps no slot (grpc-go's MaxConnectionIdle). Checked at that interval, so an idle
+        connection goes between one and two idle timeouts after its last stream."""
+        self._deadline = None
+        if self.connection.is_closing() or self._dead:
             return
-        timeout = self.gate.limits.request_timeout
-        self.gate.shed("no_stream", self._peer, f"closing: no stream opened in {timeout:.0f}s")
+        h2 = cast(GuardedH2Connection, self.connection._connection)
+        limits = self.gate.limits
+        opened = h2.highest_inbound_stream_id
+        if not self._saw_request:
+            reason, why = "no_stream", f"no stream opened in {limits.request_timeout:g}s"
+        elif opened == self._opened_at_check and not h2.open_inbound_streams:
+            reason, why = "idle", f"no stream held for {limits.idle_timeout:g}s"
+        else:
+            self._opened_at_check = opened
+            self._deadline = asyncio.get_running_loop().call_later(limits.idle_timeout, self._check_idle)
+            return
+        self.gate.shed(reason, self._peer, f"closing (GOAWAY NO_ERROR): {why}")
+        self._goaway(ErrorCodes.NO_ERROR, why, "Idle connection")
+
+    def _goaway(self, code: ErrorCodes, why: str, reason: str) -> None:
         h2 = self.connection._connection
-        h2.close_connection(error_code=ErrorCodes.NO_ERROR, additional_data=b"no request in time")
+        h2.close_connection(error_code=code, additional_data=why.encode()[:200])
         self.connection.flush()
-        self._close("No request in time")
+        self._close(reason)
+
+    def busy(self) -> bool:
+        """Whether it holds a stream (for the gate's choice of who gives way)."""
+        return bool(self._peer_budgets is not None and self.connection._connection.open_inbound_streams)
+
+    def give_way(self, why: str) -> None:
+        """Closed by the gate to make room for another connection (its slot is released already)."""
+        if not self._dead:
+            self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
+
+    def _shed(self, reason: str, detail: str, count: int) -> None:
+        self.gate.shed(reason, self._peer, detail, count)
+
+    def _active(self) -> None:
+        budgets = self._peer_budgets
+        if budgets is not None:
+            budgets.touch(self)
 
     @property
     def _peer(self) -> str:
@@ -558,13 +590,7 @@ class _H2Protocol(H2Protocol):
     def connection_made(self, transport: Any) -> None:
         self._transport = cast(asyncio.Transport, transport)
         addr = transport.get_extra_info("peername")
-        admitted = self.gate.admit(str(addr[0]) if addr else "?")
-        if isinstance(admitted, str):
-            self.gate.shed("connection_limit", self._peer, f"refusing connection: {admitted}")
-            transport.write(_refusal(admitted))
-            transport.close()
-            asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
-            return
+        admitted = self.gate.admit(str(addr[0]) if addr else "?", self)
         self._peer_budgets = admitted
         if self.open is not None:
             self.open.add(self)
@@ -573,12 +599,16 @@ class _H2Protocol(H2Protocol):
             _set_nodelay(sock)
         h2_conn = GuardedH2Connection(self.h2_config, admitted, self.gate.limits)
         h2_conn.on_calm = self._calm
+        h2_conn.on_active = self._active
+        h2_conn.on_shed = self._shed
+        self._guard = FrameGuard(max_frame_size=MAX_INBOUND_FRAME, max_header_block=self.gate.limits.max_header_block,
+                                 control=h2_conn.control)  # fmt: skip
         # Set before the first SETTINGS frame, so the limit holds before Envoy's ACK arrives too.
         h2_conn.local_settings = Settings(
             client=False,
             initial_values={
                 SettingCodes.MAX_CONCURRENT_STREAMS: self.gate.limits.max_streams,
-                SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
+                SettingCodes.MAX_HEADER_LIST_SIZE: self.gate.limits.max_header_block,
                 # an Envoy's first request (its Node, often 60 KB) comes as one DATA frame, not four:
                 # a quarter of the frames for h2 to parse, account and turn into events per stream
                 SettingCodes.MAX_FRAME_SIZE: MAX_INBOUND_FRAME,
@@ -599,7 +629,7 @@ class _H2Protocol(H2Protocol):
         self.connection.flush()
         self.connection.initialize()
         self.processor = _Processor(self.handler, self.connection)
-        self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._no_request)
+        self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._check_idle)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.open is not None:
@@ -610,7 +640,7 @@ class _H2Protocol(H2Protocol):
         for reader in list(h2.direct.values()):
             reader.fall_back()  # grpclib ends the stream its own way
         h2.forget()
-        self.gate.release(self._peer_budgets)
+        self.gate.release(self._peer_budgets, self)
         self._peer_budgets = None
         if self._deadline is not None:
             self._deadline.cancel()
@@ -670,7 +700,7 @@ class Server(grpclib.server.Server):
         closed at once (with a GOAWAY saying why), so the accept backlog sheds rather than stalls."""
         if self._server is not None:
             raise RuntimeError("Server is already started")
-        self._fit_connections_to_file_limit()
+        fit_to_file_limit(self.gate.limits)
         ssl = ssl or self.ssl
         if path is not None:  # a Unix socket: the workers' link to their owner
             self._server = await self._loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
@@ -685,24 +715,6 @@ class Server(grpclib.server.Server):
                 ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None, **kwargs,
             )  # fmt: skip
         self._server_closed_fut = self._loop.create_future()
-
-    def _fit_connections_to_file_limit(self) -> None:
-        """Raise the open-file limit to its hard limit, and keep the connection limit under it
-        (with room for the admin and REST ports and files): running out of descriptors fails
-        everything at once, the admin port and file reloads included."""
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
-            with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-                soft = hard
-        if soft == resource.RLIM_INFINITY:
-            return
-        room = max(16, soft - FILE_RESERVE)
-        limits = self.gate.limits
-        if limits.max_connections > room:
-            log.warning("open-file limit %d: gRPC connections limited to %d (not %d)",
-                        soft, room, limits.max_connections)  # fmt: skip
-            limits.max_connections = room
 
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
@@ -773,7 +785,7 @@ async def recv_limited(
             except TimeoutError:
                 h2 = raw._h2_connection
                 if isinstance(h2, GuardedH2Connection) and raw.id is not None:
-                    h2.no_request(raw.id, defer=True)
+                    h2.timed_out(raw.id, timeout, defer=True)
                 raise GRPCError(Status.DEADLINE_EXCEEDED, f"no request within {timeout:g}s") from None
         else:
             header = await raw.recv_data(5)

@@ -19,9 +19,12 @@ served while the server has room. Every refusal is counted by reason and logged,
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import resource
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ...ratelimit import Bucket
 
@@ -32,12 +35,14 @@ SMALL_MESSAGE = 256 * 1024  # bytes: a request this small is never refused for o
 
 # Why a connection, stream or message was refused or shed: the label values of eds_refused_total.
 REASONS = (
-    "connection_limit",  # over the total or per-IP connection limit
+    "connection_limit",  # closed to make room: its address held the most connections, or over its own cap
     "no_stream",  # a connection that opened no stream in time
+    "idle",  # a connection that held no stream for the idle timeout
     "no_request",  # a stream that sent no request in time
     "pending_streams",  # a stream refused (REFUSED_STREAM): too many of the IP's streams await a request
     "calm",  # GOAWAY ENHANCE_YOUR_CALM: over a budget
     "frame_size",  # a frame longer than we allow, refused from its header
+    "header_size",  # a header block (HEADERS and CONTINUATION) longer than we allow, refused as it grows
     "bad_headers",  # a request whose headers break RFC 9113 section 8 (RST_STREAM PROTOCOL_ERROR)
     "protocol_error",  # any other HTTP/2 protocol error (GOAWAY)
     "partial_messages",  # a message refused: the partial-message budget is held by others
@@ -56,8 +61,16 @@ class ConnectionLimits:
     max_connections: int = 10_000  # in total
     max_connections_per_ip: int = 100  # binds once the server holds half of max_connections
     request_timeout: float = 10.0  # to open a first stream, to send a first request, to finish a message
+    idle_timeout: float = 300.0  # a connection holding no stream this long is closed (GOAWAY NO_ERROR)
+    max_header_block: int = 64 * 1024  # bytes of one header block, HEADERS and CONTINUATION frames together
     tls_handshake_timeout: float = 5.0
     partial_message_budget: int = 128 * 1024 * 1024  # bytes of messages being received, server-wide
+    # descriptors kept out of the connection limit: the admin and REST ports (256 each by default),
+    # the sources' connections, the upstreams reload and logs (FILE_HEADROOM)
+    file_reserve: int = 2 * 256 + 88  # 2 * HttpLimits.max_connections + FILE_HEADROOM
+
+
+FILE_HEADROOM = 88  # descriptors for the sources, the upstreams reload, logs and the listening sockets
 
 
 @dataclass
@@ -69,13 +82,26 @@ class HttpLimits:
     timeout: float = 10.0
 
 
+class Holder(Protocol):
+    """A connection the gate may close to make room for another."""
+
+    def busy(self) -> bool:
+        """Whether it holds a stream."""
+
+    def give_way(self, why: str) -> None:
+        """Close with GOAWAY saying why (the gate has already released its slot)."""
+
+
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""
 
-    __slots__ = ("connections", "partial", "pending", "resets", "wasted")
+    __slots__ = ("connections", "held", "ip", "partial", "pending", "resets", "wasted")
 
-    def __init__(self, limits: ConnectionLimits) -> None:
+    def __init__(self, limits: ConnectionLimits, ip: str = "?") -> None:
+        self.ip = ip
         self.connections = 0
+        # its connections, least recently active first (touch() moves one to the end)
+        self.held: dict[Holder, None] = {}
         self.partial = 0  # bytes of its messages being received
         self.pending = 0  # streams opened that have not sent a request yet
         self.wasted = Bucket(limits.stream_budget, BUDGET_WINDOW)  # streams ended without a request
@@ -84,6 +110,27 @@ class PeerBudgets:
     @property
     def idle(self) -> bool:
         return not (self.connections or self.partial or self.pending) and self.wasted.full and self.resets.full
+
+    def touch(self, holder: Holder) -> None:
+        """The connection sent a request (or opened a stream): it is the last one to give way."""
+        held = self.held
+        if holder in held:
+            del held[holder]
+            held[holder] = None
+
+    def idlest(self, look: int = 32) -> Holder:
+        """The connection to give way: of the `look` least recently active, the first that holds no
+        stream, else the least recently active (a bounded look: an address may hold thousands)."""
+        first: Holder | None = None
+        for i, holder in enumerate(self.held):
+            if first is None:
+                first = holder
+            if not holder.busy():
+                return holder
+            if i + 1 >= look:
+                break
+        assert first is not None, "idlest() of an address that holds no connection"
+        return first
 
 
 class LogLimit:
@@ -94,6 +141,7 @@ class LogLimit:
         self.suppressed = 0
 
     def warning(self, msg: str, *args: Any) -> None:
+        """Log (at most `most` per window); what is left out is counted into the next line that is not."""
         if self.bucket.take():
             if self.suppressed:
                 msg += f" ({self.suppressed} similar messages suppressed)"
@@ -112,34 +160,78 @@ class Gate:
     connections: int = 0
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     _prune_at: int = 0  # table size at which idle peers are forgotten next
-    _log: LogLimit = field(default_factory=LogLimit)
+    # one log budget per reason: a flood of one kind of refusal does not hide the others
+    _logs: dict[str, LogLimit] = field(default_factory=dict)
+    # addresses by how many connections they hold (count -> IPs, in the order they reached it), and
+    # the highest count: the address that gives way is found in O(1), not by walking every address
+    _by_count: dict[int, dict[str, None]] = field(default_factory=dict)
+    _top: int = 0
 
-    def shed(self, reason: str, peer: str, detail: str) -> None:
-        """Count a refusal and log it (rate-limited), with the client's address and why."""
-        self.refused[reason] += 1
-        self._log.warning("%s from %s: %s", reason.replace("_", " "), peer, detail)
+    def shed(self, reason: str, peer: str, detail: str, count: int = 1) -> None:
+        """Count `count` refusals and log them in one line (rate-limited per reason, with a count of
+        the lines left out), with the client's address and why."""
+        self.refused[reason] += count
+        log_limit = self._logs.get(reason)
+        if log_limit is None:
+            log_limit = self._logs[reason] = LogLimit()
+        log_limit.warning("%s from %s: %s", reason.replace("_", " "), peer, detail)
 
-    def admit(self, ip: str) -> PeerBudgets | str:
-        """The IP's budgets, or why the connection is refused."""
+    def admit(self, ip: str, holder: Holder) -> PeerBudgets:
+        """Take `holder` in for `ip`, closing another connection first if the table is full (of the
+        address holding the most) or `ip` is over its own cap (one of its own): never the newcomer."""
         limits = self.limits
-        if self.connections >= limits.max_connections:
-            return f"server holds its limit of {limits.max_connections} connections"
         peer = self.peers.get(ip)
         if peer is None:
             if len(self.peers) >= max(self._prune_at, limits.max_connections):
                 self._forget_idle()
                 # next time at twice what is left: a table of busy peers is not walked per connection
                 self._prune_at = 2 * len(self.peers)
-            peer = self.peers[ip] = PeerBudgets(limits)
+            peer = self.peers[ip] = PeerBudgets(limits, ip)
         if peer.connections >= limits.max_connections_per_ip and 2 * self.connections >= limits.max_connections:
-            return f"{ip} holds its limit of {limits.max_connections_per_ip} connections (server half full)"
-        peer.connections += 1
-        self.connections += 1
+            self._make_room(peer, f"{ip} holds its limit of {limits.max_connections_per_ip} connections "
+                                  "(server half full)")  # fmt: skip
+        elif self.connections >= limits.max_connections:
+            top = self._top_peer()
+            self._make_room(top, f"server holds its limit of {limits.max_connections} connections, "
+                                 f"{top.ip} the most ({top.connections})")  # fmt: skip
+        self._count(peer, +1)
+        peer.held[holder] = None
         return peer
 
-    def release(self, peer: PeerBudgets) -> None:
-        peer.connections -= 1
-        self.connections -= 1
+    def release(self, peer: PeerBudgets, holder: Holder) -> None:
+        """The connection is gone (a no-op for one the gate closed to make room: released then)."""
+        if peer.held.pop(holder, 0) is None:
+            self._count(peer, -1)
+
+    def held_by(self) -> Iterator[tuple[str, int]]:
+        """(IP, connections) of every address holding one, the most first."""
+        for count in sorted(self._by_count, reverse=True):
+            for ip in self._by_count[count]:
+                yield ip, count
+
+    def _make_room(self, peer: PeerBudgets, why: str) -> None:
+        holder = peer.idlest()
+        self.release(peer, holder)
+        self.shed("connection_limit", peer.ip, f"closing one of its connections (GOAWAY) to make room: {why}")
+        holder.give_way(why)
+
+    def _top_peer(self) -> PeerBudgets:
+        return self.peers[next(iter(self._by_count[self._top]))]
+
+    def _count(self, peer: PeerBudgets, step: int) -> None:
+        by_count, ip = self._by_count, peer.ip
+        if peer.connections:
+            at = by_count[peer.connections]
+            del at[ip]
+            if not at:
+                del by_count[peer.connections]
+        peer.connections += step
+        self.connections += step
+        if peer.connections:
+            by_count.setdefault(peer.connections, {})[ip] = None
+            self._top = max(self._top, peer.connections)
+        while self._top and self._top not in by_count:
+            self._top -= 1
 
     def _forget_idle(self) -> None:
         """Drop IPs with no connection and full budgets: bounded memory, and nobody's debt forgotten."""
@@ -175,3 +267,20 @@ class PartialBudget:
         self.used -= n
         if peer is not None:
             peer.partial -= n
+
+
+def fit_to_file_limit(limits: ConnectionLimits) -> None:
+    """Raise the open-file limit to its hard limit, and keep the connection limit under it, less
+    `limits.file_reserve` (the admin and REST ports, the sources, the upstreams reload): running out
+    of descriptors fails everything at once, the admin port and the reload included."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY:
+        return
+    room = max(16, soft - limits.file_reserve)
+    if limits.max_connections > room:
+        log.warning("open-file limit %d: gRPC connections limited to %d (not %d)", soft, room, limits.max_connections)
+        limits.max_connections = room

@@ -1,24 +1,42 @@
-"""The stock path: grpclib's public API only, for library versions the fast path was not tested
-with (compat.py). Correct, and slower: every change wakes each stream's task and is encoded into
-its own frames by h2, messages are read whole by grpclib (no size limit before the body, no
-deadline), and none of the per-client budgets of limits.py apply; docs/limits.md lists what holds.
+"""The stock path: grpclib's public API, for library versions the fast path was not tested with
+(compat.py). Slower: every change wakes each stream's task and is encoded into its own frames by
+h2, and messages are read whole by grpclib (no size limit before the body).
+
+It is as guarded as the fast path where it counts, from below: each connection's protocol is
+grpclib's own, wrapped by GuardedProtocol, which sees every byte both ways before grpclib and h2
+do and needs nothing of theirs but the protocol (`Server._protocol_factory`, the one private
+name this path touches; checked when the server is built). Connection admission by fair share
+and the idle timeout (limits.py), the frame guard (guard.py: frame and header block sizes,
+CONTINUATION and unknown frames, the latter left out), the stream, reset and control-frame budgets
+from frame headers (guard.StreamLedger), and the first-request deadline (a stream with no request
+in time is reset both ways). docs/limits.md lists what holds on each path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Callable
 from ssl import SSLContext
-from typing import Any
+from typing import Any, cast
 
 import grpclib.const
 import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Status
+from h2.errors import ErrorCodes
+from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
+from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .limits import REASONS, ConnectionLimits
+from .guard import FrameGuard, Refusal, StreamLedger
+from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PeerBudgets, fit_to_file_limit
+
+log = logging.getLogger("eds_server.grpc")
+STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
+CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -54,16 +72,185 @@ class StockIO:
         """Nothing is charged on the stock path."""
 
 
+class _Tap:
+    """The transport as grpclib sees it: every write's frame headers go to the ledger first."""
+
+    __slots__ = ("_outbound", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, outbound: FrameGuard) -> None:
+        self._transport = transport
+        self._outbound = outbound
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._outbound.feed(data)
+        self._transport.write(data)
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """grpclib's protocol for one connection, below which the gRPC port's per-client limits hold
+    (docs/limits.md lists the few that need h2's insides and do not)."""
+
+    def __init__(self, inner: asyncio.Protocol, gate: Gate) -> None:
+        self.inner = inner
+        self.gate = gate
+        self.peer: PeerBudgets | None = None
+        self._transport: asyncio.Transport | None = None
+        self._dead = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._opened_at_check = 0  # streams opened at the last check
+        self._age = 0.0  # seconds of checks: since the connection was made
+        self._idle = 0.0  # seconds of checks without a stream held or opened
+
+    # the gate's view (limits.Holder)
+    def busy(self) -> bool:
+        return bool(self._ledger.open)
+
+    def give_way(self, why: str) -> None:
+        self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
+
+    @property
+    def _peer_name(self) -> str:
+        addr = self._transport.get_extra_info("peername") if self._transport else None
+        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "?"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        addr = transport.get_extra_info("peername")
+        limits = self.gate.limits
+        self.peer = self.gate.admit(str(addr[0]) if isinstance(addr, tuple) else "?", self)
+        loop = asyncio.get_running_loop()
+        control = Bucket(limits.control_budget, BUDGET_WINDOW)
+        self._ledger = StreamLedger(self.peer, control, loop.time)
+        self._guard = FrameGuard(max_frame_size=STOCK_MAX_FRAME, max_header_block=limits.max_header_block,
+                                 control=control, drop_unknown=True, on_frame=self._received)  # fmt: skip
+        outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
+        self.inner.connection_made(cast(asyncio.Transport, _Tap(self._transport, outbound)))
+        self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
+
+    def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
+        refusal = self._ledger.received(ftype, flags, sid, length)
+        if refusal is None and self.peer is not None and ((length and ftype == 0) or ftype == 1):
+            self.peer.touch(self)  # a request, or a stream opened: the last of its address to give way
+        return refusal
+
+    def _sent(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
+        self._ledger.sent(ftype, flags, sid, length)
+        return None
+
+    def _refuse(self, refusal: Refusal) -> None:
+        if not self._dead:
+            self.gate.shed(refusal.reason, self._peer_name, refusal.detail)
+            self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1])
+
+    def data_received(self, data: bytes) -> None:
+        if self._dead:
+            return
+        passed, refusal = self._guard.feed(data)
+        if refusal is not None:
+            self._refuse(refusal)
+            return
+        if passed:
+            self.inner.data_received(cast(bytes, passed))
+
+    def _check(self) -> None:
+        """Every tick (the shorter of the request and idle timeouts): streams that sent no request
+        in time are reset both ways (h2 and grpclib hear a reset from the client, the client one
+        from us) and charged; a connection that opened no stream in time, or has held none for the
+        idle timeout, is closed."""
+        self._timer = None
+        if self._dead:
+            return
+        limits, ledger = self.gate.limits, self._ledger
+        tick = min(limits.request_timeout, limits.idle_timeout)
+        if ledger.awaiting and self._guard.between_frames:
+            expired = ledger.expired(limits.request_timeout)
+            if expired:  # one line for them all: a connection of 1,000 idle streams is one event
+                why = f"RST_STREAM CANCEL on {len(expired)} streams ({expired[0]}...): no request in time"
+                self.gate.shed("no_request", self._peer_name, why, len(expired))
+            for sid in expired:
+                reset = RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize()
+                self.inner.data_received(reset)
+                if self._transport is not None and not self._transport.is_closing():
+                    self._transport.write(reset)
+                refusal = ledger.charge_expired()
+                if refusal is not None:
+                    self._refuse(refusal)
+                    return
+        self._age += tick
+        if not ledger.opened:
+            if self._age >= limits.request_timeout:
+                why = f"no stream opened in {limits.request_timeout:g}s"
+                self.gate.shed("no_stream", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
+                self._goaway(ErrorCodes.NO_ERROR, why)
+                return
+        elif not ledger.open and ledger.opened == self._opened_at_check:
+            self._idle += tick
+            if self._idle >= limits.idle_timeout:
+                why = f"no stream held for {limits.idle_timeout:g}s"
+                self.gate.shed("idle", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
+                self._goaway(ErrorCodes.NO_ERROR, why)
+                return
+        else:
+            self._idle = 0.0
+        self._opened_at_check = ledger.opened
+        self._timer = asyncio.get_running_loop().call_later(tick, self._check)
+
+    def _goaway(self, code: ErrorCodes, why: str) -> None:
+        """GOAWAY written here, below h2 (whose state no longer matters: the connection ends), then closed."""
+        if self._dead:
+            return
+        self._dead = True
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        goaway = GoAwayFrame(0, last_stream_id=self._ledger.highest, error_code=code,
+                             additional_data=why.encode()[:200])  # fmt: skip
+        transport.write(goaway.serialize())
+        transport.close()
+        asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer is not None:
+            self.gate.release(self.peer, self)
+        if self._timer is not None:
+            self._timer.cancel()
+        self.inner.connection_lost(exc)
+
+
 class StockServer(grpclib.server.Server):
-    """grpclib's server, listening on a socket of ours (so its port is known without internals)."""
+    """grpclib's server, listening on a socket of ours (so its port is known without internals),
+    each connection under a GuardedProtocol."""
 
     fast = False
 
     def __init__(self, handlers: list[Any], *, limits: ConnectionLimits, **kwargs: Any) -> None:
         super().__init__(handlers, **kwargs)
         self.limits = limits
+        self.gate = Gate(limits)
         self.ssl: SSLContext | None = None
         self._sock: socket.socket | None = None
+        if not callable(getattr(grpclib.server.Server, "_protocol_factory", None)):  # then never called
+            log.warning("HTTP/2: this grpclib has no Server._protocol_factory: the stock path runs without "
+                        "its per-client limits (docs/limits.md)")  # fmt: skip
+
+    def _protocol_factory(self) -> Any:  # grpclib's own, below the guard
+        return GuardedProtocol(super()._protocol_factory(), self.gate)
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StockIO:
         return StockIO(stream)
@@ -73,6 +260,7 @@ class StockServer(grpclib.server.Server):
         path: str | None = None, sock: socket.socket | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         """On `host`:`port`, a Unix socket `path`, or a listening socket handed over (a worker's)."""
+        fit_to_file_limit(self.limits)
         if path is not None:  # a Unix socket: the workers' link to their owner
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(path)
@@ -102,11 +290,11 @@ class StockServer(grpclib.server.Server):
 
     @property
     def refused(self) -> dict[str, int]:
-        return dict.fromkeys(REASONS, 0)
+        return {**dict.fromkeys(REASONS, 0), **self.gate.refused}
 
     @property
     def connections(self) -> int:
-        return 0
+        return self.gate.connections
 
 
 def counted_handler(

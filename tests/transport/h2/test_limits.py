@@ -181,17 +181,19 @@ async def test_a_ping_ack_with_another_payload_does_not_keep_a_connection_alive(
 
 
 async def test_per_ip_connection_limit_sheds_with_goaway() -> None:
-    # the per-IP cap binds once the server holds half its connections: 3 of 6 here
+    # the per-IP cap binds once the server holds half its connections: 3 of 6 here; the address's
+    # newcomer gets in, and its idlest connection gets the GOAWAY
     async with serving(ConnectionLimits(max_connections_per_ip=3, max_connections=6)) as (server, _, port):
         held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0)) for _ in range(3)]
         try:
             for _, w in held:
                 w.write(PREFACE)
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0))
-            frames = await read_frames(reader)
+            await wait_for(lambda: server.gate.connections == 3, timeout=5)
+            _, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0))
+            frames = await read_frames(held[0][0])
             writer.close()
-            why = b"127.0.0.9 holds its limit of 3 connections (server half full)"
-            assert (7, b"\x00\x00\x00\x00" + (11).to_bytes(4, "big") + why) in frames
+            why = b"closing to make room: 127.0.0.9 holds its limit of 3 connections (server half full)"
+            assert (7, b"\x00\x00\x00\x00" + (0).to_bytes(4, "big") + why) in frames
             await fetch_web(port)  # another IP is served
             assert server.gate.refused["connection_limit"] == 1
         finally:
@@ -210,7 +212,7 @@ async def test_a_connection_that_opens_no_stream_is_closed() -> None:
 
 
 async def test_a_stream_that_sends_no_request_ends_with_deadline_exceeded() -> None:
-    async with serving(ConnectionLimits(request_timeout=0.3)) as (_, service, port):
+    async with serving(ConnectionLimits(request_timeout=0.3)) as (server, service, port):
         channel = Channel("127.0.0.1", port)
         try:
             with pytest.raises(GRPCError) as e:
@@ -220,6 +222,7 @@ async def test_a_stream_that_sends_no_request_ends_with_deadline_exceeded() -> N
                     await asyncio.wait_for(s.recv_message(), 5)
             assert e.value.status == Status.DEADLINE_EXCEEDED
             assert service.open_streams == 0
+            assert server.refused["no_request"] == 1  # counted (eds_refused_total) and logged
         finally:
             channel.close()
 
