@@ -486,6 +486,7 @@ class EtcdRegistrationSource:
                 if ttl is not None and not lease:
                     lease = int((await self.client.call("/v3/lease/grant", {"TTL": str(lease_ttl(ttl))},
                                                         deadline=deadline))["ID"])  # fmt: skip
+                    log.debug("registrations: lease %d granted for %s/%s", lease, group, id)
                 old = view.state.regs.get(key)
                 held = view.kvs.get(key) if old is not None else None
                 old_lease = held.lease if held is not None else 0
@@ -530,6 +531,7 @@ class EtcdRegistrationSource:
         """Revoke the lease a replaced or deleted registration was on, before answering. The key is
         already off it (the transaction moved or deleted it), so if etcd cannot be reached now the
         lease keeps nothing alive and expires by itself."""
+        log.debug("registrations: revoking lease %d", lease)
         try:
             await self.client.call("/v3/lease/revoke", {"ID": str(lease)}, deadline=deadline)
         except (EtcdUnavailable, TimeoutError, wire.EtcdError) as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
 import signal
@@ -142,6 +143,32 @@ class EtcdCluster:
         if "error" in reply:
             raise RuntimeError(f"{m.name}: {reply}")
         return reply
+
+    async def events(self, prefix: str = "/eds/", quiet: float = 1.0) -> list[dict[str, Any]]:
+        """Every change under `prefix` since the cluster began, as etcd's watch gives it (from revision 1,
+        each with the key's previous value and lease), for a post-mortem; bounded by `quiet` seconds
+        without a message."""
+        end = bytearray(prefix.encode())
+        end[-1] += 1
+        body = {"create_request": {"key": _b64(prefix.encode()), "range_end": _b64(bytes(end)), "start_revision": "1",
+                                   "prev_kv": True}}  # fmt: skip
+        out: list[dict[str, Any]] = []
+        m = next(m for m in self.members if m.running)
+        async with aiohttp.ClientSession() as s, s.post(m.url + "/v3/watch", json=body) as r:
+            for _ in range(100_000):  # bounded, and by `quiet`
+                try:
+                    line = await asyncio.wait_for(r.content.readline(), quiet)
+                except TimeoutError:
+                    break
+                if not line:
+                    break
+                for e in json.loads(line).get("result", {}).get("events", ()):
+                    kv, prev = e.get("kv", {}), e.get("prev_kv", {})
+                    out.append({"type": e.get("type", "PUT"), "key": base64.b64decode(kv.get("key", "")).decode(),
+                                "revision": int(kv.get("mod_revision", 0)), "lease": kv.get("lease"),
+                                "value": base64.b64decode(kv.get("value", "")).decode(errors="replace"),
+                                "prev_lease": prev.get("lease")})  # fmt: skip
+        return out
 
     async def any_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         last: Exception | None = None

@@ -366,7 +366,11 @@ async def run(r: Rig, seconds: float, nemesis: bool) -> None:
           f"({', '.join(f'{k} {v}' for k, v in sorted(faults.items())) or 'none'}), "
           f"views {'equal to etcd' if not diverged else 'NOT equal to etcd'} {converged:.2f} s after healing, "
           f"keys not linearizable: {len(result.illegal)} of {len(result.parts)} ({result.verdict.value})")  # fmt: skip
-    saved = r.save(ops, failed=not result.ok or bool(diverged))
+    failed = not result.ok or bool(diverged)
+    saved = r.save(ops, failed)
+    if failed:  # etcd's own record of every change (with each key's lease before it), beside the history
+        with (saved.parent / f"etcd-events-{r.seed}.jsonl").open("w") as out:
+            out.writelines(json.dumps(e) + "\n" for e in await r.cluster.events())
     assert result.ok, f"{result.explain()}\n(the whole history: {saved})"
     assert not diverged, "\n".join(diverged)
 
