@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
+from .fields import MAX_UPSTREAMS_SIZE  # the standard library only: no YAML at start-up
 
 if TYPE_CHECKING:
     from .app import App, Settings
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 # Only the standard library at import, so `--version` and `--help` answer at once: the server's
 # modules (grpclib, aiohttp, protobuf, ...: about half a second) are imported by the command that
 # runs them.
-
-MAX_UPSTREAMS_SIZE = 4 * 1024 * 1024  # upstreams.MAX_FILE_SIZE (a test holds them equal), without importing YAML
 
 log = logging.getLogger("eds_server")
 

@@ -82,12 +82,6 @@ def test_version_and_help_import_none_of_the_server() -> None:
     assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr
 
 
-def test_the_help_texts_limit_is_the_servers() -> None:
-    from eds_server import cli, upstreams
-
-    assert cli.MAX_UPSTREAMS_SIZE == upstreams.MAX_FILE_SIZE
-
-
 @pytest.mark.parametrize("args", [["serve", "--upstream", "examples/upstreams.yaml"],
                                   ["serve", "--upstreams", "examples/upstreams.yaml", "--debounc", "1s"],
                                   ["check", "--auth", "authz.yaml"], ["demo", "--envoy", "envoy.yaml"]])  # fmt: skip
