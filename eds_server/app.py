@@ -38,7 +38,6 @@ from .xds.common import Limits
 if TYPE_CHECKING:
     from .sources.kubernetes import KubernetesSource
     from .sources.registrations_etcd import EtcdRegistrationSource
-    from .workers import WorkerPool
 
 log = logging.getLogger("eds_server")
 
@@ -149,7 +148,7 @@ class App:
             http2=settings.http2,
         )
         self._http: list[web.AppRunner] = []
-        self.workers: WorkerPool | None = None  # set before start() by the owner of --workers N
+        self.workers: admin.WorkerAnswers | None = None  # set before start() by the owner of --workers N
         self._stop_sources = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.grpc_port: int | None = None

@@ -318,7 +318,7 @@ def test_json_log_timestamps_are_utc_with_milliseconds() -> None:
     import logging
     import re
 
-    from eds_server.cli import JsonFormatter
+    from eds_server.startup import JsonFormatter
 
     record = logging.LogRecord("eds_server", logging.INFO, "", 0, "hello", None, None)
     record.created = 1796194016.0625  # 2026-12-02T06:46:56.062Z
