@@ -211,9 +211,9 @@ async def test_streams_reset_right_after_a_response_leave_nothing_behind(harness
             await stream.send_message(first("web"))
             await recv(stream)
         # the context manager resets the stream, as a departing Envoy does
-    await wait_for(lambda: harness.service.open_streams == 0 and not harness.store._following)
+    await wait_for(lambda: harness.service.open_streams == 0 and not harness.store.subscriptions())
     assert harness.service.open_streams == 0
-    assert not harness.store._following and not harness.store._by_name
+    assert not harness.store.subscriptions() and not list(harness.store.followed())
     assert harness.service.counters.streams_opened == 50
 
 
@@ -397,7 +397,7 @@ async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harn
     await wait_for(lambda: harness.service.open_streams == 0)
     # tasks, file descriptors, sessions: back to what they were
     await wait_for(counts, lambda now: now == before, what=f"tasks, fds, sessions back to {before}")
-    assert not harness.store._following
+    assert not harness.store.subscriptions()
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])

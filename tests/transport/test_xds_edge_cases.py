@@ -97,7 +97,7 @@ def session(h: Harness) -> _Session:
 
 def store_agrees(h: Harness) -> bool:
     """Every stream's subscriptions are exactly what the store tells it about."""
-    following = h.store._following
+    following = h.store.subscriptions()
     return all(set(s.sm.subscribed) == following.get(s.on_change, set()) for s in h.service.sessions)
 
 
@@ -160,7 +160,7 @@ async def test_sotw_unsubscribing_while_in_flight_then_acking_keeps_nothing(harn
         await wait_for(lambda: not session(harness).sm.subscribed, timeout=5.0)
         sm = session(harness).sm
         assert not sm.acked and not sm.sent and not sm.nacked
-        assert store_agrees(harness) and not harness.store._by_name
+        assert store_agrees(harness) and not list(harness.store.followed())
 
 
 async def test_sotw_empty_nonce_after_a_response_is_stale(harness: Harness) -> None:
