@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -18,7 +18,6 @@ from .store import Resource, Store
 
 if TYPE_CHECKING:
     from .sources.registrations import Registrations
-    from .workers import WorkerPool
 
 log = logging.getLogger("eds_server.admin")
 
@@ -87,6 +86,16 @@ def group_json(store: Store, resource: Resource, *, endpoint_sources: bool = Fal
     }
 
 
+class WorkerAnswers(Protocol):
+    """What the admin port asks of `--workers N`'s workers (workers.WorkerPool), named here so the
+    port knows nothing of what runs above it."""
+
+    async def not_ready(self) -> list[int]: ...
+    async def streams(self, after: int, limit: int) -> dict[str, Any]: ...
+    async def stats(self, own: dict[str, Any]) -> dict[str, Any]: ...
+    async def metrics(self, own: str) -> str: ...
+
+
 def make_app(
     store: Store,
     source_status: Callable[[], list[dict[str, Any]]],
@@ -96,7 +105,7 @@ def make_app(
     registrations: Registrations | None = None,
     admin_token: str | None = None,
     registration_policy: RegistrationPolicy | None = None,
-    workers: WorkerPool | None = None,  # --workers N: streams, stats and metrics are the workers'
+    workers: WorkerAnswers | None = None,  # --workers N: streams, stats and metrics are the workers'
     shed: Callable[[int, int], Awaitable[dict[str, int]]] | None = None,  # a worker's: its owner moves load
     read_only_probes: bool = False,  # --metrics-listen: /metrics, /healthz and /readyz, nothing else
 ) -> web.Application:

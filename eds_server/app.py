@@ -15,6 +15,7 @@ from aiohttp import web
 
 from . import admin, security
 from .encode import encode_group
+from .fields import MAX_UPSTREAMS_SIZE
 from .metrics import make_registry
 from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
@@ -32,13 +33,11 @@ from .store import Store
 from .transport.grpc import EdsService, make_server
 from .transport.h2 import FILE_HEADROOM, ConnectionLimits, HttpLimits, http_runner, runner_port
 from .transport.rest import make_rest_app
-from .upstreams import MAX_FILE_SIZE
 from .xds.common import Limits
 
 if TYPE_CHECKING:
     from .sources.kubernetes import KubernetesSource
     from .sources.registrations_etcd import EtcdRegistrationSource
-    from .workers import WorkerPool
 
 log = logging.getLogger("eds_server")
 
@@ -46,7 +45,7 @@ log = logging.getLogger("eds_server")
 @dataclass
 class Settings:
     upstreams: str | None = None
-    max_upstreams_size: int = MAX_FILE_SIZE
+    max_upstreams_size: int = MAX_UPSTREAMS_SIZE
     docker: DockerOptions | None = None  # None: no Docker discovery
     swarm: DockerOptions | None = None  # None: no Swarm discovery (same engine options as Docker)
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
@@ -151,7 +150,7 @@ class App:
             http2=settings.http2,
         )
         self._http: list[web.AppRunner] = []
-        self.workers: WorkerPool | None = None  # set before start() by the owner of --workers N
+        self.workers: admin.WorkerAnswers | None = None  # set before start() by the owner of --workers N
         self._stop_sources = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.grpc_port: int | None = None

@@ -18,6 +18,10 @@ UINT32_MAX = 2**32 - 1
 MAX_METADATA_DEPTH = 20  # Envoy parses protobuf with a nesting limit; a Struct level is two messages
 HEALTH_NAMES = {h.name.lower(): h for h in Health}
 _DECIMAL = re.compile(r"0|[1-9][0-9]*")
+MAX_NAME_LENGTH = 1024  # a group's name, in the upstreams file and the registration API
+# --max-upstreams-size: ~80,000 one-line endpoints; parsing peaks ~65 MB per MB. Here, not in
+# upstreams.py, so the command line can show it without importing YAML.
+MAX_UPSTREAMS_SIZE = 4 * 1024 * 1024
 
 
 def show(value: Any) -> str:
@@ -114,6 +118,11 @@ def host_port(value: str) -> tuple[str, int]:
     return ip(host), port(port_text)
 
 
+def address_port(address: str, port: int) -> str:
+    """What `host_port` reads: `10.0.0.5:8080`, `[2001:db8::1]:8080`."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def _first_bad(value: Any) -> Any:
     """The first value a protobuf Struct cannot hold (or a non-finite number), or None."""
     if value is None or isinstance(value, bool):
@@ -176,3 +185,4 @@ ENDPOINT_CHECKS: dict[str, Callable[[Any], Any]] = {
     "hostname": text,
     "metadata": metadata,
 }
+ENDPOINT_KEYS = tuple(ENDPOINT_CHECKS)

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from .upstreams import Problem, UpstreamsError, compose
+from .yaml_nodes import NodeWalker, Problem, YamlError, compose
 
 MATCH_KEYS = ("san_uri", "san_dns", "node_id", "node_cluster")
 RULE_KEYS = ("match", "groups")
@@ -231,15 +231,7 @@ class Policy:
         return Access(_any_of(patterns), False, f"{who}; rules {','.join(map(str, matched))}")
 
 
-class _Walker:
-    def __init__(self, filename: str) -> None:
-        self.filename = filename
-        self.problems: list[Problem] = []
-
-    def problem(self, node: yaml.Node | None, path: str, message: str) -> None:
-        line = node.start_mark.line + 1 if node is not None else 1
-        self.problems.append(Problem(self.filename, line, path, message))
-
+class _Walker(NodeWalker):
     def mapping(self, node: yaml.Node, path: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node] | None:
         if not isinstance(node, yaml.MappingNode):
             self.problem(node, path, "must be a mapping")
@@ -277,7 +269,7 @@ def parse_authz(text: str, filename: str = "authz") -> Policy:
     w = _Walker(filename)
     try:
         root = compose(text, filename)
-    except UpstreamsError as e:
+    except YamlError as e:
         raise SecurityConfigError([str(p) for p in e.problems]) from None
     if root is None:
         raise SecurityConfigError([str(Problem(filename, 1, "", "empty file (write `rules: []` and a default)"))])
@@ -300,7 +292,7 @@ def parse_authz(text: str, filename: str = "authz") -> Policy:
             if rule is not None:
                 rules.append(rule)
     if w.problems:
-        raise SecurityConfigError([str(p) for p in sorted(w.problems, key=lambda p: p.line)])
+        raise SecurityConfigError([str(p) for p in w.sorted_problems()])
     return Policy(tuple(rules), default, filename)
 
 

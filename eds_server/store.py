@@ -10,8 +10,9 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from . import envoy_limits
 from .model import Group, merge_groups
@@ -319,6 +320,11 @@ class Store:
     def followed(self) -> Iterable[str]:
         """Every name some watcher follows."""
         return self._by_name.keys()
+
+    def subscriptions(self) -> Mapping[Watcher, Set[str]]:
+        """Each watcher that `follow`s, with the names it follows (read-only): once every stream is
+        gone, empty (nothing held for a stream that left)."""
+        return MappingProxyType(self._following)
 
     def _drop(self, name: str, watcher: Watcher) -> bool:
         """Stop telling `watcher` of `name`; True if nobody follows it any more."""

@@ -1,9 +1,8 @@
 """The upstreams file: YAML text -> validated groups, or every problem with its line and field.
 
 Parsing walks PyYAML's node graph rather than plain dicts so each problem can name its line, and
-so duplicate keys (which PyYAML would silently collapse) are caught. The graph is composed by
-libyaml's C loader when PyYAML has it (its nodes carry line marks too; ~20x faster than the pure
-Python one). A `Parser` remembers the groups and endpoints of its last parse by their source
+so duplicate keys (which PyYAML would silently collapse) are caught (yaml_nodes.py composes the
+graph). A `Parser` remembers the groups and endpoints of its last parse by their source
 text, so a re-read file re-validates only the groups, and within them the endpoints, whose text
 changed. Anchors and aliases are refused: nothing in the file needs them, and an alias lets a
 few hundred bytes expand into gigabytes. Reading is bounded too: regular files only, up to a size.
@@ -11,67 +10,28 @@ few hundred bytes expand into gigabytes. Reading is bounded too: regular files o
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import stat
 from bisect import bisect_right
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import yaml
 
-from . import envoy_limits, fields
+from . import envoy_limits, fields, yaml_nodes
+from .fields import ENDPOINT_KEYS, MAX_NAME_LENGTH, MAX_UPSTREAMS_SIZE
 from .model import Endpoint, Group, Locality, locality
+from .yaml_nodes import LOADER, NodeWalker, Problem, YamlError, did_you_mean
 
 T = TypeVar("T")
 
-ENDPOINT_KEYS = (
-    "address", "port", "weight", "health", "priority",
-    "region", "zone", "subzone", "hostname", "metadata",
-)  # fmt: skip
 LOCALITY_KEYS = ("region", "zone", "subzone", "weight")
 GROUP_KEYS = ("endpoints", "localities")
 TOP_KEYS = ("groups",)
 NUMBER_KEYS = ("port", "weight", "priority")  # whole numbers, written as YAML integers in decimal
-# Words people write for a group's endpoints, and for other keys, that difflib would not match
-_MEANT = {
-    "hosts": "endpoints", "addresses": "endpoints", "backends": "endpoints", "servers": "endpoints",
-    "members": "endpoints", "targets": "endpoints", "ip": "address", "host": "address", "addr": "address",
-}  # fmt: skip
 _DECIMAL = re.compile(r"0|[1-9][0-9]*")
-MAX_NAME_LENGTH = 1024
-MAX_FILE_SIZE = 4 * 1024 * 1024  # --max-upstreams-size: ~80,000 one-line endpoints; parsing peaks ~65 MB per MB
-
-# libyaml's loader when this PyYAML was built with it; the pure-Python one otherwise (same nodes)
-LIBYAML: bool = bool(getattr(yaml, "__with_libyaml__", False))
-_Loader: Any = yaml.CSafeLoader if LIBYAML else yaml.SafeLoader
 _DIRECTIVE = re.compile(r"^%", re.MULTILINE)  # %TAG can change what the same text means: no reuse
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    file: str
-    line: int  # 1-based
-    path: str  # e.g. groups.web.endpoints[1].port
-    message: str
-    column: int = 0  # 1-based, where it helps (YAML syntax errors); 0: not given
-
-    def __str__(self) -> str:
-        where = f"{self.path}: " if self.path else ""
-        line = f":{self.line}" if self.line else ""  # 0: about the whole file (e.g. it cannot be read)
-        column = f":{self.column}" if self.line and self.column else ""
-        return f"{self.file}{line}{column}: {where}{self.message}"
-
-
-def did_you_mean(key: str, allowed: tuple[str, ...]) -> str:
-    """`; did you mean `endpoints`?` for a near miss (or a usual other word) of one allowed key, else ''."""
-    meant = _MEANT.get(key.lower())
-    if meant not in allowed:
-        close = difflib.get_close_matches(key.lower(), allowed, n=1, cutoff=0.6)
-        meant = close[0] if close else None
-    return f"; did you mean `{meant}`?" if meant else ""
 
 
 class UpstreamsError(Exception):
@@ -86,13 +46,12 @@ class UpstreamsError(Exception):
 _TextKey = tuple[int, str]
 
 
-class _Walker:
+class _Walker(NodeWalker):
     def __init__(
         self, filename: str, text: str, groups: dict[Any, Group], endpoints: dict[_TextKey, Endpoint]
     ) -> None:
-        self.filename = filename
+        super().__init__(filename)
         self.text = text
-        self.problems: list[Problem] = []
         self._constructor = yaml.SafeLoader("")
         self.reuse = _DIRECTIVE.search(text) is None
         self.old_groups, self.old_endpoints = groups, endpoints  # from the last parse
@@ -102,10 +61,6 @@ class _Walker:
 
     def key(self, node: yaml.Node) -> _TextKey:
         return (node.start_mark.column, self.text[node.start_mark.index : node.end_mark.index])
-
-    def problem(self, node: yaml.Node | None, path: str, message: str) -> None:
-        line = node.start_mark.line + 1 if node is not None else 1
-        self.problems.append(Problem(self.filename, line, path, message))
 
     def value(self, node: yaml.Node) -> Any:
         """The node as a Python value; ValueError for whatever YAML cannot make of it (bad tags,
@@ -158,53 +113,6 @@ class _Walker:
         except ValueError as e:
             self.problem(node, path, str(e))
             return None
-
-
-def compose(text: str, filename: str) -> yaml.Node | None:
-    """The YAML node graph (None for an empty file); UpstreamsError, with the line, if not YAML
-    or if it uses anchors or aliases."""
-    if "&" in text or "*" in text:  # a cheap test first: these characters are rare in the file
-        _refuse_anchors(text, filename)  # before composing: an alias bomb is never built
-    try:
-        return yaml.compose(text, Loader=_Loader)
-    except RecursionError:
-        raise UpstreamsError([Problem(filename, 1, "", "not valid YAML: nested too deeply")]) from None
-    except yaml.YAMLError as e:
-        raise UpstreamsError([syntax_problem(e, filename)]) from None
-
-
-def syntax_problem(e: yaml.YAMLError, filename: str) -> Problem:
-    """PyYAML's error as one line with the line and column where it was found, and what was being
-    read when it started (`while scanning a quoted scalar` ... `found unexpected end of stream`)."""
-    mark = getattr(e, "problem_mark", None)
-    line = mark.line + 1 if mark is not None else 1
-    column = mark.column + 1 if mark is not None else 0
-    reason = getattr(e, "problem", None) or str(e).splitlines()[0]
-    context = getattr(e, "context", None)
-    context_mark = getattr(e, "context_mark", None)
-    if context and context_mark is not None and context_mark.line != (mark.line if mark is not None else -1):
-        context += f" (from line {context_mark.line + 1})"
-    return Problem(filename, line, "", f"not valid YAML: {reason}" + (f", {context}" if context else ""), column)
-
-
-def _refuse_anchors(text: str, filename: str) -> None:
-    """UpstreamsError at the first anchor or alias (libyaml's scanner: tokens, nothing expanded).
-    Text that does not scan is left for the composer to report."""
-    tokens = yaml.scan(text, Loader=_Loader)
-    while True:
-        try:
-            token = next(tokens, None)
-        except yaml.YAMLError:
-            return
-        if token is None:
-            return
-        if isinstance(token, yaml.AnchorToken | yaml.AliasToken):
-            what = "anchor" if isinstance(token, yaml.AnchorToken) else "alias"
-            raise UpstreamsError([Problem(
-                filename, token.start_mark.line + 1, "",
-                f"YAML {what} {token.value!r}: anchors and aliases are not allowed in the upstreams file "
-                "(write the values out)",
-            )])  # fmt: skip
 
 
 class Parser:
@@ -322,7 +230,7 @@ class _Index:
         if not (item.startswith("{") and item.endswith("}")) or _SPLICE_REFUSED.search(item):
             return None
         try:
-            node = yaml.compose(item, Loader=_Loader)
+            node = yaml.compose(item, Loader=LOADER)
         except (yaml.YAMLError, RecursionError):
             return None
         if not isinstance(node, yaml.MappingNode) or node.end_mark.index != len(item):
@@ -366,7 +274,10 @@ def parse(text: str, filename: str = "<upstreams>") -> dict[str, Group]:
 
 def _parse(w: _Walker, text: str, filename: str) -> tuple[dict[str, Group], dict[str, yaml.Node]]:
     """The groups, and each group's node (for the splice index)."""
-    root = compose(text, filename)
+    try:
+        root = yaml_nodes.compose(text, filename)
+    except YamlError as e:
+        raise UpstreamsError(e.problems) from None
     if root is None:
         raise UpstreamsError(
             [Problem(filename, 1, "", "file is empty (write `groups: {}` to serve no groups)")]
@@ -388,7 +299,7 @@ def _parse(w: _Walker, text: str, filename: str) -> tuple[dict[str, Group], dict
                         groups[name] = group
                         nodes[name] = node
     if w.problems:
-        raise UpstreamsError(sorted(w.problems, key=lambda p: p.line))
+        raise UpstreamsError(w.sorted_problems())
     return groups, nodes
 
 
@@ -448,10 +359,8 @@ def _group_spec(w: _Walker, name: str, node: yaml.Node, path: str) -> Group | No
                 if ep is None:
                     continue
                 if ep.key in seen:
-                    w.problem(
-                        item, ep_path,
-                        f"duplicate endpoint {_show(ep)} (also endpoints[{seen[ep.key]}])",
-                    )  # fmt: skip
+                    shown = fields.address_port(ep.address, ep.port)
+                    w.problem(item, ep_path, f"duplicate endpoint {shown} (also endpoints[{seen[ep.key]}])")
                     continue
                 seen[ep.key] = i
                 endpoints.append(ep)
@@ -461,10 +370,6 @@ def _group_spec(w: _Walker, name: str, node: yaml.Node, path: str) -> Group | No
     group = Group(name, tuple(endpoints), weights)
     _check_weight_sums(w, node, path, group)
     return group
-
-
-def _show(ep: Endpoint) -> str:
-    return f"[{ep.address}]:{ep.port}" if ":" in ep.address else f"{ep.address}:{ep.port}"
 
 
 def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
@@ -580,7 +485,7 @@ def parse_bytes(data: bytes, filename: str) -> dict[str, Group]:
     return parse(decode(data, filename), filename)
 
 
-def read(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
+def read(path: str, max_size: int = MAX_UPSTREAMS_SIZE) -> bytes:
     """The file's bytes: a regular file (symlinks followed) of at most `max_size` bytes.
 
     A FIFO would block the reader, a device such as /dev/zero never ends: both are refused after
@@ -616,7 +521,7 @@ def read(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
     return b"".join(chunks)
 
 
-def read_required(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
+def read_required(path: str, max_size: int = MAX_UPSTREAMS_SIZE) -> bytes:
     """`read`, with a missing file one Problem too (where the file must be there: a first load)."""
     try:
         return read(path, max_size)
@@ -624,6 +529,6 @@ def read_required(path: str, max_size: int = MAX_FILE_SIZE) -> bytes:
         raise UpstreamsError([Problem(path, 0, "", f"cannot read: {e.strerror or e}")]) from None
 
 
-def load(path: str, max_size: int = MAX_FILE_SIZE) -> dict[str, Group]:
+def load(path: str, max_size: int = MAX_UPSTREAMS_SIZE) -> dict[str, Group]:
     """Read and parse a file; an unreadable file is one Problem too."""
     return parse_bytes(read_required(path, max_size), path)

@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from . import gc_settings
 from .registration_api import RegistrationPolicy
 from .sources.relay import UpstreamOptions
+from .startup import refuse_security, setup_logging, start_app
 from .worker_process import (
     BOOTSTRAP,
     Steering,
@@ -519,7 +520,6 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     """The owner process: bind `--listen` for every worker, start them and the sources; drain on
     SIGTERM or SIGINT, reload on SIGHUP; exit 1 when a worker cannot start (MAX_FAILED_STARTS)."""
     from . import __version__, ports
-    from .cli import start_app
 
     began = time.monotonic()
     loop = asyncio.get_running_loop()
@@ -595,7 +595,6 @@ def _security_usable(settings: Settings) -> bool:
     """The workers' TLS and authorization files, checked before anything starts: a bad one stops the
     start with the file named, rather than every worker dying on it over and over."""
     from . import security
-    from .cli import refuse_security
     from .security import SecurityConfigError
 
     try:
@@ -616,8 +615,6 @@ def worker_main(argv: list[str]) -> int:
     dies), and when it finds its owner gone."""
     import uvloop
 
-    from .cli import setup_logging
-
     owner, directory, index, level, fmt, status, control, listen = argv
     setup_logging(level, fmt)
     for handler in logging.getLogger().handlers:
@@ -629,8 +626,6 @@ def worker_main(argv: list[str]) -> int:
 
 
 async def _work(settings: Settings, owner: int, directory: str, status: int, control: int) -> int:
-    from .cli import start_app
-
     app = await start_app(settings)
     if app is None:
         return 1

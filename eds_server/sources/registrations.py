@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import fields, upstreams
+from .. import fields
 from ..model import Endpoint, Group, endpoint_json
 from ..store import Store
 from .base import SourceStatus
@@ -47,7 +47,7 @@ MAX_ID_LENGTH = 256
 MAX_PENDING = 4096  # changes waiting for the disk; more are refused (503) rather than queued
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 TTL_KEY = "ttl"
-REGISTRATION_KEYS = (*upstreams.ENDPOINT_KEYS, TTL_KEY)
+REGISTRATION_KEYS = (*fields.ENDPOINT_KEYS, TTL_KEY)
 
 Key = tuple[str, str]  # (group, id)
 
@@ -70,8 +70,8 @@ class RegistrationStateError(Exception):
 def check_group(name: Any) -> str:
     """The upstreams file's rule for group names, and no control or format characters (newlines,
     NUL, bidi overrides): a name is written to logs and shown to operators."""
-    if not isinstance(name, str) or not name.strip() or name != name.strip() or len(name) > upstreams.MAX_NAME_LENGTH:
-        raise ValueError(f"group names must be 1-{upstreams.MAX_NAME_LENGTH} characters, no outer spaces")
+    if not isinstance(name, str) or not name.strip() or name != name.strip() or len(name) > fields.MAX_NAME_LENGTH:
+        raise ValueError(f"group names must be 1-{fields.MAX_NAME_LENGTH} characters, no outer spaces")
     if any(unicodedata.category(c)[0] == "C" for c in name):
         raise ValueError("group names may not hold control or format characters (newlines, NUL, bidi controls)")
     return name
@@ -94,7 +94,7 @@ def check_ttl(value: Any) -> float | None:
     return value
 
 
-def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = upstreams.ENDPOINT_KEYS) -> Endpoint:
+def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = fields.ENDPOINT_KEYS) -> Endpoint:
     """An endpoint from a JSON object with the upstreams file's keys and checks.
 
     Raises RegistrationError(422) naming the first bad field.
@@ -106,7 +106,7 @@ def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = upstreams
         if required not in spec:
             raise RegistrationError(422, "missing", required)
     values: dict[str, Any] = {}
-    for key in upstreams.ENDPOINT_KEYS:
+    for key in fields.ENDPOINT_KEYS:
         if key in spec:
             try:
                 values[key] = fields.ENDPOINT_CHECKS[key](spec[key])
@@ -239,9 +239,8 @@ def check_address(group_state: State, reg: Registration) -> None:
     ep = reg.endpoint
     other = group_state.by_address.get((reg.group, ep.address, ep.port))
     if other is not None and other != reg.id:
-        raise RegistrationError(
-            409, f"{upstreams._show(ep)} is already registered in group {reg.group!r} as {other!r}", "address"
-        )
+        shown = fields.address_port(ep.address, ep.port)
+        raise RegistrationError(409, f"{shown} is already registered in group {reg.group!r} as {other!r}", "address")
 
 
 def check_limits(state: State, reg: Registration, max_registrations: int, max_state_bytes: int) -> None:
@@ -548,7 +547,8 @@ class RegistrationSource:
             if (group, id) in state.regs:
                 raise bad(where, f"duplicate registration {group}/{id}")
             if (other := state.by_address.get((group, ep.address, ep.port))) is not None:
-                raise bad(where, f"{upstreams._show(ep)} is registered in {group!r} twice (also as {other!r})")
+                shown = fields.address_port(ep.address, ep.port)
+                raise bad(where, f"{shown} is registered in {group!r} twice (also as {other!r})")
             if ttl is None:
                 state.add(_make(group, id, ep, None, None, None))
                 continue

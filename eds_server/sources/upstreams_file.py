@@ -18,7 +18,7 @@ import os
 
 import watchfiles
 
-from .. import upstreams
+from .. import fields, upstreams
 from ..store import Store
 from .base import SourceStatus
 from .renames import Renames
@@ -42,7 +42,7 @@ class UpstreamsFileSource:
         *,
         debounce_ms: int = 50,
         poll_interval: float = 5.0,
-        max_size: int = upstreams.MAX_FILE_SIZE,
+        max_size: int = fields.MAX_UPSTREAMS_SIZE,
     ) -> None:
         self.path = path
         self.max_size = max_size

@@ -66,6 +66,16 @@ async def wait_for(
     raise _failure(what, timeout, last)
 
 
+async def loop_past(when: float) -> None:
+    """Until the event loop's clock has passed `when` (a `loop.time()`) and every callback timed for
+    then or earlier has run: the loop runs its timers in the order of their deadlines, this one
+    among them. For "a timer due by then did (or did not) fire", without guessing a margin."""
+    loop = asyncio.get_running_loop()
+    reached = asyncio.Event()
+    loop.call_at(when, reached.set)
+    await reached.wait()
+
+
 def wait_for_blocking(
     probe: Callable[[], T],
     check: Callable[[T], object] = bool,

@@ -211,9 +211,9 @@ async def test_streams_reset_right_after_a_response_leave_nothing_behind(harness
             await stream.send_message(first("web"))
             await recv(stream)
         # the context manager resets the stream, as a departing Envoy does
-    await wait_for(lambda: harness.service.open_streams == 0 and not harness.store._following)
+    await wait_for(lambda: harness.service.open_streams == 0 and not harness.store.subscriptions())
     assert harness.service.open_streams == 0
-    assert not harness.store._following and not harness.store._by_name
+    assert not harness.store.subscriptions() and not list(harness.store.followed())
     assert harness.service.counters.streams_opened == 50
 
 
@@ -383,15 +383,21 @@ async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harn
                 await recv(s)
 
     await one_round(50)  # warm up: the connection and caches exist from here on
-    await asyncio.sleep(0.2)
-    before = counts()
+    await wait_for(lambda: harness.service.open_streams == 0)
+    last: list[tuple[int, int, int]] = []
+
+    def settled() -> tuple[int, int, int] | None:
+        """The counts once two readings in a row agree (the streams' tasks have ended)."""
+        last.append(counts())
+        return last[-1] if len(last) > 1 and last[-1] == last[-2] else None
+
+    before = await wait_for(settled, what="the counts settled after the warm-up")
     for _ in range(5):  # 1,000 streams, 200 at a time
         await one_round(200)
     await wait_for(lambda: harness.service.open_streams == 0)
-    await asyncio.sleep(0.2)
-    after = counts()
-    assert after == before, (before, after)  # tasks, file descriptors, sessions
-    assert not harness.store._following
+    # tasks, file descriptors, sessions: back to what they were
+    await wait_for(counts, lambda now: now == before, what=f"tasks, fds, sessions back to {before}")
+    assert not harness.store.subscriptions()
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])

@@ -82,12 +82,6 @@ def test_version_and_help_import_none_of_the_server() -> None:
     assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr
 
 
-def test_the_help_texts_limit_is_the_servers() -> None:
-    from eds_server import cli, upstreams
-
-    assert cli.MAX_UPSTREAMS_SIZE == upstreams.MAX_FILE_SIZE
-
-
 @pytest.mark.parametrize("args", [["serve", "--upstream", "examples/upstreams.yaml"],
                                   ["serve", "--upstreams", "examples/upstreams.yaml", "--debounc", "1s"],
                                   ["check", "--auth", "authz.yaml"], ["demo", "--envoy", "envoy.yaml"]])  # fmt: skip
@@ -324,7 +318,7 @@ def test_json_log_timestamps_are_utc_with_milliseconds() -> None:
     import logging
     import re
 
-    from eds_server.cli import JsonFormatter
+    from eds_server.startup import JsonFormatter
 
     record = logging.LogRecord("eds_server", logging.INFO, "", 0, "hello", None, None)
     record.created = 1796194016.0625  # 2026-12-02T06:46:56.062Z

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from eds_server.observe import StreamLog
+from tests.support.waiting import loop_past, wait_for
 
 
 @dataclass
@@ -61,10 +62,7 @@ async def test_the_count_is_logged_a_window_after_the_first_line_left_out(caplog
     stream_log = StreamLog(lines=1, window=0.05)
     for i in range(3):
         stream_log.opened(View(i))
-    for _ in range(100):  # bounded: 5 s at most
-        if lines(caplog, "not logged one by one"):
-            break
-        await asyncio.sleep(0.05)
+    await wait_for(lambda: lines(caplog, "not logged one by one"), timeout=5, what="the count's line")
     assert lines(caplog, "not logged one by one")[0].startswith("2 streams opened and 0 closed")
 
 
@@ -75,7 +73,7 @@ async def test_a_count_logged_early_is_not_logged_again(caplog: pytest.LogCaptur
     stream_log.opened(View(1))
     stream_log.closed(View(1))  # left out: the timer is set
     stream_log.summarise()
-    await asyncio.sleep(0.2)  # past the window
+    await loop_past(asyncio.get_running_loop().time() + 0.05)  # past the window: the timer's turn is over
     assert lines(caplog, "not logged one by one") == [
         "0 streams opened and 1 closed were not logged one by one (over 1 stream lines in 0.05s); "
         "/v1/streams lists every stream"

@@ -118,7 +118,7 @@ def test_followers_hear_only_of_their_names() -> None:
     assert heard["x"][-1] == {"web", "api"} and heard["y"][-1] == {"api"} and len(heard["x"]) == 2
     store.unfollow(x)
     store.unfollow(y)
-    assert not store._by_name and not store._following
+    assert not list(store.followed()) and not store.subscriptions()
 
 
 # -- merge-time validation: what Envoy would reject is never what is served ------------------------

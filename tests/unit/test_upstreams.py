@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, note
 from hypothesis import strategies as st
 
-from eds_server import upstreams
+from eds_server import upstreams, yaml_nodes
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Health, Locality
 from eds_server.sources.upstreams_file import UpstreamsFileSource
@@ -178,7 +178,7 @@ def problems_of(fn: Callable[[], object]) -> list[str]:
 # -- anchors and aliases -------------------------------------------------------------------------
 def test_libyaml_is_used() -> None:
     """The C loader is ~20x faster; the pure-Python fallback gives the same results, slowly."""
-    assert upstreams.LIBYAML
+    assert yaml_nodes.LIBYAML
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,7 @@ async def test_an_owner_killed_at_any_moment_of_a_workers_start_leaves_no_proces
             if round_ % 2 == 1:  # a restart: kill a worker, then the owner while its successor starts
                 victim = next(iter(workers_of(owner)))
                 os.kill(victim, signal.SIGKILL)
-            await asyncio.sleep(rng.uniform(0.0, 2.5))
+            await asyncio.sleep(rng.uniform(0.0, 2.5))  # the kill comes at any moment of the start (not a wait)
             seen = workers_of(owner)
             directories.update(seen.values())
             outcomes[f"{len(seen)} workers up"] += 1
@@ -93,14 +93,19 @@ async def test_a_worker_that_cannot_start_stops_the_owner_with_the_reason(tmp_pa
     await server.start(wait_ready=False)
     assert server.proc is not None
     owner, killed = server.proc.pid, set()
-    deadline = time.monotonic() + 60
-    while server.proc.returncode is None and time.monotonic() < deadline:  # every worker 1 dies at once
+
+    def kill_worker_1() -> bool:
+        """Every worker 1 dies at once; True once the owner has given up."""
+        assert server.proc is not None
         for pid in workers_of(owner):
             with contextlib.suppress(OSError):
-                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[5] == b"1":
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if len(argv) > 5 and argv[5] == b"1":  # a killed worker not reaped yet has an empty one
                     os.kill(pid, signal.SIGKILL)
                     killed.add(pid)
-        await asyncio.sleep(0.01)
+        return server.proc.returncode is not None
+
+    await wait_for(kill_worker_1, timeout=60, interval=0.01, what="the owner ended")
     assert await asyncio.wait_for(server.proc.wait(), 30) == 1
     log = server.log_text()
     assert "not serving: worker 1 failed to start 3 times in a row (last: killed by signal 9)" in log

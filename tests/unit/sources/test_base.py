@@ -25,6 +25,7 @@ from eds_server.sources.base import (
     pause,
 )
 from eds_server.store import Store
+from tests.support.waiting import wait_for
 
 
 def test_debounce_publishes_once_a_delay_after_the_first_change() -> None:
@@ -186,11 +187,9 @@ async def test_heartbeat_ends_a_guarded_wait_when_the_peer_stops_answering() -> 
     beat = Heartbeat(probe, "the peer at 127.0.0.1:1", every=0.05, timeout=0.1)
     forever = asyncio.Event()
     task = asyncio.create_task(asyncio.wait_for(_guarded_wait(beat, forever), 10))
-    for _ in range(200):  # the quiet peer is probed, answers, and nothing ends
-        if len(answers) >= 3:
-            break
-        await asyncio.sleep(0.02)
-    assert len(answers) >= 3 and not task.done() and beat.hangs == 0
+    # the quiet peer is probed, answers, and nothing ends
+    await wait_for(lambda: len(answers), lambda n: n >= 3, timeout=4, what="three answered probes")
+    assert not task.done() and beat.hangs == 0
     frozen.set()
     with pytest.raises(Hung, match=r"the peer at 127.0.0.1:1 did not answer within 0.1 s"):
         await task
@@ -213,7 +212,7 @@ async def test_heartbeat_does_not_probe_a_peer_heard_from_and_lets_other_timeout
     async with beat.watching():
         for _ in range(10):  # events every 50 ms: the peer is alive, no probe needed
             beat.beat()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the pace of the events (nothing is waited for)
         assert probes == 0
         with pytest.raises(TimeoutError) as caught:  # a request's own timeout is not a hang
             async with asyncio.timeout(0.01):
@@ -233,18 +232,13 @@ async def test_heartbeat_tells_of_proper_replies_only() -> None:
 
     beat = Heartbeat(probe, "peer", every=0.02, timeout=0.5, replied=lambda: replies.append("ok"))
     async with beat.watching():
-        for _ in range(100):
-            if replies:
-                break
-            await asyncio.sleep(0.02)
-        assert replies
+        await wait_for(lambda: replies, timeout=2, what="a proper reply")
         failing = True
-        await asyncio.sleep(0.05)
+        # probes run one at a time: once one has started since, the last good one has replied
+        started = beat.probes
+        await wait_for(lambda: beat.probes, lambda n: n > started, timeout=2, what="a failing probe")
         before, probes = len(replies), beat.probes
-        for _ in range(100):
-            if beat.probes >= probes + 3:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: beat.probes, lambda n: n >= probes + 3, timeout=2, what="three more failing probes")
         assert len(replies) == before and beat.hangs == 0  # errors: no reply, and no hang either
 
 
@@ -263,9 +257,6 @@ async def test_heartbeat_does_not_blame_the_peer_for_our_own_busy_loop() -> None
 
     beat = Heartbeat(probe, "peer", every=0.05, timeout=0.1)
     async with beat.watching():
-        for _ in range(50):
-            if calls >= 2:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)
-    assert calls >= 2 and beat.hangs == 0
+        # asked again, answered, and probed on past that answer's deadline: not taken as a hang
+        await wait_for(lambda: calls, lambda n: n >= 3, timeout=2, what="probes after the blocked one")
+    assert beat.hangs == 0

@@ -24,6 +24,7 @@ from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, ConfigProblem
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 from tests.support.paths import DATA
+from tests.support.waiting import wait_for
 
 DATA = DATA / "kubernetes"
 
@@ -169,7 +170,7 @@ async def test_configuration_errors_are_named_in_one_line(tmp_path: Path, text: 
 
 
 async def test_a_configuration_error_is_said_once_as_such_not_blamed_on_the_api_server(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "kubeconfig"
     path.write_text(_kubeconfig(ca=str(tmp_path / "ca.crt")))
@@ -177,8 +178,16 @@ async def test_a_configuration_error_is_said_once_as_such_not_blamed_on_the_api_
     src = KubernetesSource(store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05), probe_every=0.05)
     stop = asyncio.Event()
     caplog.set_level(logging.INFO, "eds_server")
+    attempts = 0
+
+    async def counted(options: KubernetesOptions) -> Any:
+        nonlocal attempts
+        attempts += 1
+        return await make_client(options)
+
+    monkeypatch.setattr("eds_server.sources.kubernetes.make_client", counted)
     task = asyncio.create_task(src.run(stop))
-    await asyncio.sleep(1.0)  # many retries
+    await wait_for(lambda: attempts, lambda n: n >= 10, timeout=10, what="many attempts")
     stop.set()
     await asyncio.wait_for(task, 5)
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

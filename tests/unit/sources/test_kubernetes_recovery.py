@@ -30,6 +30,7 @@ from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 from tests.support.fake_kube_api import NS, FakeApiServer, endpoint_slice, kubeconfig, run_process, service
 from tests.support.hung_peer import HUNG_BOUND
+from tests.support.waiting import wait_for
 
 REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
 
@@ -53,13 +54,10 @@ def addresses(store: Store) -> set[str]:
 
 
 async def until(check: Callable[[], bool], timeout: float, what: str) -> float:
-    """Wait (bounded) for `check`; returns how long it took."""
+    """Wait (bounded) for `check`; returns how long it took (printed, never asserted on)."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    while not check():
-        if loop.time() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.02)
+    await wait_for(check, timeout=timeout, what=what)
     return loop.time() - start
 
 
@@ -90,7 +88,8 @@ async def test_changes_flow_again_as_soon_as_the_api_server_answers(
         async with following(config) as (store, source):
             await fake.stop()
             await until(lambda: not source.connected, 5, "the outage noticed")
-            await asyncio.sleep(1.0)  # away: the watches' reconnects refused, the probes too
+            # a window to count probes in (a rate, not a wait): the watches' reconnects refused, the probes too
+            await asyncio.sleep(1.0)
             assert addresses(store) == {"127.0.0.2"}  # fail static: the last state is served, marked stale
             assert store.is_stale("web")
             probes = source.probe.probes
@@ -122,7 +121,7 @@ async def test_a_rewritten_kubeconfig_is_used_at_once(
         await until(lambda: fake.refused >= 2, 10, "the old token refused (both watches)")
         assert "refused our credentials" in str(source.last_error) and not REPR.search(str(source.last_error))
         probes, loads = fake.readyz, source.loads
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # five probe intervals in which nothing may happen (not a wait for something)
         assert fake.readyz == probes  # refused, not away: nothing to probe for
         new = kubeconfig(tmp_path / "kubeconfig.new", fake.url, "token-b")
         new.replace(config)  # as kubectl and Secret volumes do
@@ -140,15 +139,19 @@ async def test_a_server_that_answers_probes_but_fails_requests_gets_the_full_bac
     """Seen away, then back: one early attempt. If that fails too while the probes keep answering,
     the next one waits its backoff (no retry a second against a struggling server)."""
     config = kubeconfig(tmp_path / "kubeconfig", fake.url, fake.token)
-    async with following(config) as (store, _):
+    async with following(config) as (store, source):
         await fake.stop()
-        await asyncio.sleep(0.5)
+        await until(lambda: source.watches_open == 0, 5, "the outage noticed by both watches")
+        # one probe at a time: a second one sent means the first was answered, "not there"
+        probes = source.probe.probes
+        await until(lambda: source.probe.probes >= probes + 2, 5, "the server probed while away")
         fake.failing = 503  # back, answering probes, failing every request
         await fake.start()
         await until(lambda: fake.failed >= 2, 1.5, "the early attempts")  # one per watch
         probes = fake.readyz
-        await asyncio.sleep(1.5)  # their next attempts are at least 2 s away
-        assert fake.failed == 2 and fake.readyz > probes  # still probing, no longer cutting short
+        # 15 probes (one every 0.1 s) and no new attempt: their next attempts are at least 2 s away
+        await until(lambda: fake.readyz >= probes + 15, 10, "15 more probes")
+        assert fake.failed == 2  # still probing, no longer cutting short
         assert addresses(store) == {"127.0.0.2"}
         fake.failing = 0
 
@@ -194,14 +197,15 @@ async def test_a_frozen_api_server_is_found_within_the_bound_and_followed_again_
         caplog.set_level(logging.INFO, "eds_server")
         try:
             await until(lambda: store.ready and source.connected and source.watches_open == 2, 20, "following")
-            await asyncio.sleep(1.5)  # quiet: the heartbeat probes, the server answers, nothing changes
+            # quiet: the heartbeat probes, the server answers, nothing changes
+            await until(lambda: source.heartbeat.probes >= 1, 5, "a heartbeat probe")
             assert source.connected and source.heartbeat.probes >= 1 and source.heartbeat.hangs == 0
             proc.send_signal(signal.SIGSTOP)
             try:
                 took = await until(lambda: not source.connected, HUNG_BOUND, "the frozen server noticed")
                 assert store.is_stale("web") and addresses(store) == {"127.0.0.2"}  # served, marked stale
                 assert "did not answer within 2 s" in str(source.last_error)
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(2.0)  # a window in which nothing may change: still stale while frozen
                 assert not source.connected
             finally:
                 proc.send_signal(signal.SIGCONT)

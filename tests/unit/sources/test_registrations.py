@@ -792,7 +792,7 @@ async def test_a_conflicting_write_is_audited_as_409(state: Path, caplog: pytest
 
 
 async def test_the_audit_line_has_fields_of_its_own_in_json_logs(state: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from eds_server.cli import JsonFormatter
+    from eds_server.startup import JsonFormatter
 
     state.parent.mkdir()
     caplog.set_level(logging.INFO, logger="eds_server.audit")

@@ -29,6 +29,7 @@ from eds_server.sources.swarm import (
 )
 from eds_server.store import Store
 from tests.support.paths import DATA
+from tests.support.waiting import wait_for
 
 DATA = DATA / "swarm"
 OPTS = DockerOptions()
@@ -216,7 +217,7 @@ async def test_unreachable_manager_stays_pending() -> None:
         src = SwarmSource(store, OPTS, host="unix:///nonexistent/docker.sock")
         stop = asyncio.Event()
         task = asyncio.create_task(src.run(stop))
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: src.last_error, timeout=5, what="the failed connection said")
         assert not store.ready and store.pending_sources == ("swarm",)  # nothing before a full listing
         assert src.last_error and not src.connected
         stop.set()

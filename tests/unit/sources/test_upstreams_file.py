@@ -42,8 +42,20 @@ async def following(path: Path) -> AsyncIterator[Running]:
     r = Running(path)
     r.source.load()
     stop = asyncio.Event()
+    watching = asyncio.Event()
+    reload = r.source.reload
+
+    async def noted_reload(*, whole: bool = False) -> bool:
+        try:
+            return await reload(whole=whole)
+        finally:
+            watching.set()
+
+    # the watcher is up once it has reloaded: it does at its first poll (0.3 s), if not sooner; the
+    # test starts right after that reload (none under way), its next poll 0.3 s away
+    setattr(r.source, "reload", noted_reload)  # noqa: B010 (a method, for this source only)
     task = asyncio.create_task(r.source.run(stop))
-    await asyncio.sleep(0.2)  # let the watcher start
+    await asyncio.wait_for(watching.wait(), 10)
     try:
         yield r
     finally:
@@ -84,8 +96,8 @@ async def test_bad_edit_keeps_last_good_state_then_recovers(running: Running) ->
 
 async def test_deleted_file_keeps_last_good_state(running: Running) -> None:
     os.unlink(running.source.path)
-    await asyncio.sleep(0.3)
-    assert running.ports() == [1] and "missing" in (running.source.last_error or "")
+    await wait_for(lambda: running.source.last_error, lambda e: "missing" in (e or ""), what="the file missed")
+    assert running.ports() == [1]
     Path(running.source.path).write_text(text(5))
     await running.wait_ports([5])
 
@@ -110,7 +122,7 @@ async def test_slow_in_place_write_is_not_applied_half_done(running: Running) ->
     with open(running.source.path, "w") as f:
         f.write("groups:\n  web:\n    endpoints:\n      - 127.0.0.1:2\n")  # valid on its own
         f.flush()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the writer's pause (nothing is waited for): the source must wait it out
         f.write("      - 127.0.0.1:3\n")
     await running.wait_ports([2, 3])
     assert [2] not in running.seen
