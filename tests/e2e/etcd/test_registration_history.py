@@ -146,9 +146,10 @@ class Rig:
             async with self.http.delete(url, headers=AUTH) as r:
                 await r.read()
                 return UNKNOWN if r.status >= 500 else r.status
-        except aiohttp.ClientConnectorError:
-            return None  # never connected: nothing was sent
         except (aiohttp.ClientError, OSError, TimeoutError):
+            # Not "never sent" even when the last error is a refused connection: aiohttp sends a PUT or
+            # DELETE (idempotent methods) a second time when the first connection drops, so a write a
+            # replica applied just before it was killed ends in "connection refused" on the retry.
             return None if isinstance(op, Get) else UNKNOWN
 
     async def client(self, n: int, until: float) -> None:
