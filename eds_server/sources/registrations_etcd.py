@@ -585,10 +585,10 @@ class EtcdRegistrationSource:
         return (self._entry(deleted[0]) if deleted else None) or old
 
     async def _read_now(self, path: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """A linearizable read that is not behind this replica's view. A member that was frozen
-        (SIGSTOP) has been seen, just after it resumed, to answer such a read from its own state
-        before it caught up (etcd 3.4): an answer from behind the view is asked again of the next
-        member, a few times, then refused."""
+        """A linearizable read that is not behind this replica's view: what the watch brought is
+        committed, so an answer from before it (a member restored from an older backup, a proxy
+        answering from a cache) cannot be the current state. It is asked again of the next member,
+        a few times, then refused."""
         for _ in range(STALE_READ_TRIES):  # bounded
             seen = self._revision
             reply = await self.client.call(path, body, deadline=deadline)
