@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,9 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "reset_churn": ((), "ENHANCE_YOUR_CALM"),
     "open_close_churn": ((), "ENHANCE_YOUR_CALM"),
     "data_after_end": ((), "ENHANCE_YOUR_CALM"),
-    "idle_streams": (("--request-timeout", "2s"), "REFUSED_STREAM"),
+    # streams without a request time out (charged to the address), and past its budget are refused:
+    # how far it gets in the attack's window depends on how fast the attacker runs
+    "idle_streams": (("--request-timeout", "2s"), "REFUSED_STREAM|no request within"),
     "idle_connections": (("--request-timeout", "2s"), "no stream opened"),
     "partial_messages": (("--request-timeout", "3s", "--partial-message-budget", str(32 << 20)), None),
     "big_health_message": (("--max-message-size", str(1 << 20), "--partial-message-budget", str(32 << 20)), None),
@@ -152,4 +155,4 @@ async def test_the_canary_keeps_flowing(tmp_path: Path, attack: str) -> None:
     log = result["log"]
     assert "Traceback" not in log and "Server error" not in log and "NotImplementedError" not in log, log[-3000:]
     if marker is not None:  # on a line naming the attacker
-        assert any(marker in line and src in line for line in log.splitlines()), log[-3000:]
+        assert any(re.search(marker, line) and src in line for line in log.splitlines()), log[-3000:]
