@@ -157,12 +157,13 @@ class Heartbeat:
     A peer frozen with SIGSTOP keeps its TCP connections open and its kernel keeps accepting: a watch
     or an event stream waiting for news waits forever, and a quiet peer looks the same. So, while
     some work is `guard`ed, once nothing was heard from the peer for `every` seconds (`beat` says
-    something was: an event, an answer) a cheap probe is sent; unanswered within `timeout`, every
+    something was: an event, an answer) a cheap probe is sent; unanswered within `timeout`, it is
+    sent again at once (one slow answer is a busy peer, not a hung one), and unanswered twice, every
     guarded block is ended with `Hung`. The source then does what it does for a dead peer: marks
     itself stale (its last state keeps being served) and reconnects. A hang is found within
-    `every + timeout` seconds of the peer's last sign of life (the bound the docs state: 5 s with the
-    defaults, and a loaded loop). Any answer counts, an error included: the question is only whether
-    the peer is there.
+    `every + 2 * timeout` seconds of the peer's last sign of life (the bound the docs state: 5 s with
+    the defaults). Any answer counts, an error included: the question is only whether the peer is
+    there.
     """
 
     def __init__(self, probe: Callable[[], Awaitable[object]], what: str, *, every: float = 1.0,
@@ -217,19 +218,25 @@ class Heartbeat:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Probe while anything is guarded and the peer is quiet, until `stop` (or cancelled)."""
         loop = asyncio.get_running_loop()
+        missed = 0  # probes running not answered in time
         while stop is None or not stop.is_set():
             quiet = loop.time() - self._heard
-            if quiet < self.every or not self._guarded:
+            if not missed and (quiet < self.every or not self._guarded):
                 await asyncio.sleep(max(0.05, self.every - quiet) if self._guarded else self.every)
                 continue
             answered = await self._answered()
             if answered is None:
                 continue
             if answered:
+                missed = 0
                 self.beat()
                 continue
+            missed += 1
+            if missed < 2:
+                continue  # asked again at once
+            missed = 0
             self.hangs += 1
-            self._why = f"{self.what} did not answer within {self.timeout:g} s (hung or cut off)"
+            self._why = f"{self.what} did not answer within {self.timeout:g} s, twice running (hung or cut off)"
             for scope in list(self._guarded):
                 if scope.when() is None:
                     scope.reschedule(loop.time())  # ends the block with TimeoutError, made Hung in guard()

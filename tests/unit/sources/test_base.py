@@ -196,6 +196,21 @@ async def test_heartbeat_ends_a_guarded_wait_when_the_peer_stops_answering() -> 
     assert beat.hangs == 1
 
 
+async def test_heartbeat_takes_one_slow_answer_for_a_busy_peer_not_a_hung_one() -> None:
+    calls = 0
+
+    async def probe() -> None:
+        nonlocal calls
+        calls += 1
+        if calls % 3 == 1:  # every third probe goes unanswered; the next one is answered
+            await asyncio.Event().wait()
+
+    beat = Heartbeat(probe, "peer", every=0.02, timeout=0.05)
+    async with beat.watching():
+        await wait_for(lambda: calls, lambda n: n >= 7, timeout=4, what="seven probes")
+    assert beat.hangs == 0
+
+
 async def _guarded_wait(beat: Heartbeat, forever: asyncio.Event) -> None:
     async with beat.watching():
         await forever.wait()
