@@ -259,7 +259,8 @@ class StreamLedger:
         """A frame we sent."""
         if ftype == _DATA:
             self._window_credit = min(self._window_credit + WINDOW_CREDIT_PER_DATA_FRAME, 100_000)
-        if ftype == _RST:
+        if ftype == _RST:  # ours (h2 refusing a stream past its cap, say): not the client's to pay for
+            self.awaiting.pop(sid, None)
             self._close(sid)
         elif ftype in (_DATA, _HEADERS) and flags & END_STREAM:
             self._end(sid, remote=False)
