@@ -167,7 +167,7 @@ async def test_a_ping_ack_with_another_payload_does_not_keep_a_connection_alive(
                 # a client that never reads answers "PING ACK" blindly, with a made-up payload
                 writer.write(PingFrame(0, flags=["ACK"], opaque_data=b"made-up!").serialize())
                 await writer.drain()
-                await asyncio.sleep(0.04)
+                await asyncio.sleep(0.04)  # the blind client's pace (the attack itself, not a wait)
                 if reader.at_eof() or writer.is_closing():
                     closed = True
                     break
