@@ -176,7 +176,7 @@ async def test_a_file_renamed_into_place_is_applied_without_waiting_for_a_writer
 ) -> None:
     from eds_server.sources import renames
 
-    if renames._LIBC is None or not hasattr(renames._LIBC, "inotify_init1"):
+    if not renames.AVAILABLE:
         pytest.skip("no inotify here: every edit takes the careful path")
     waits = running.source.writer_waits
     tmp = tmp_path / ".upstreams.yaml.tmp"
