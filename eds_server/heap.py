@@ -53,6 +53,11 @@ class HeapTrim:
     def available(self) -> bool:
         return self._trim is not None
 
+    @property
+    def trimming(self) -> bool:
+        """A trim runs in a worker thread now: the next one waits for it (and so does a test)."""
+        return self._running is not None and not self._running.done()
+
     def first_request_read(self) -> None:
         if self._trim is None:
             return
@@ -68,7 +73,7 @@ class HeapTrim:
         loop = asyncio.get_running_loop()
         now = loop.time()
         quiet_at = self._last + self.delay
-        running = self._running is not None and not self._running.done()
+        running = self.trimming
         if running or (quiet_at > now and now - self._first < self.most):
             self._timer = loop.call_at(now + self.delay if running else quiet_at, self._due)
             return  # still opening streams (or trimming): wait for the end

@@ -633,6 +633,10 @@ class Turns:
     def __init__(self) -> None:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
+    def __len__(self) -> int:
+        """Keys with a lock now: none once every holder and waiter has left (the memory bound)."""
+        return len(self._locks)
+
     @contextlib.asynccontextmanager
     async def take(self, key: str) -> AsyncIterator[None]:
         lock, users = self._locks.get(key, (None, 0))

@@ -38,6 +38,7 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
+AVAILABLE = _LIBC is not None and hasattr(_LIBC, "inotify_init1")  # else every edit takes the careful path
 
 
 def names(data: bytes) -> list[str]:
@@ -59,7 +60,7 @@ class Renames:
     def __init__(self, directory: str, renamed: Callable[[str], None]) -> None:
         self._fd = -1
         self._renamed = renamed
-        if _LIBC is None or not hasattr(_LIBC, "inotify_init1"):
+        if not AVAILABLE or _LIBC is None:
             return
         fd = _LIBC.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:

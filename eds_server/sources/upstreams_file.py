@@ -35,6 +35,8 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 class UpstreamsFileSource:
+    writer_waits = 0  # changes read again until their writer was done (a file renamed into place needs none)
+
     def __init__(
         self,
         path: str,
@@ -79,6 +81,7 @@ class UpstreamsFileSource:
     async def _read_settled(self, data: bytes) -> bytes:
         """The file's bytes once a writer has stopped changing them (a slow in-place write
         must not be applied half-written), from a first read of them."""
+        self.writer_waits += 1
         for _ in range(20):  # bounded: a file rewritten non-stop is taken as last read
             await asyncio.sleep(max(0.02, self.debounce_ms / 1000))
             again = await asyncio.to_thread(self._read)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.canary import Canary, CanaryReport, peak_rss_mb, upstreams_text
+from tests.support.canary import TOKEN, Canary, assert_canary_fine, peak_rss_mb, pin, upstreams_text
 from tests.support.hostile_clients import ANSWERED_WITHIN, FRAME_SIZE_ERROR, MALFORMED, PROTOCOL_ERROR
 from tests.support.paths import ROOT
 from tests.support.server_process import EdsServerProcess
@@ -28,9 +28,7 @@ from tests.support.server_process import EdsServerProcess
 HOSTILE = "tests.support.hostile_clients"  # run as a module of the repository: `python -m`, from ROOT
 BASELINE_SECONDS = 3.0
 ATTACK_SECONDS = 6.0
-TOKEN = "hostile-test-token-0123456789"
 RSS_CAP_MB = 250  # the server idles at ~50 MB; these attacks took it to 1.7 GB before the per-client limits
-DELAY_BOUND_S = 0.5  # the canary's median delay: ~3 ms here without an attack, at most ~16 ms with one
 
 # attack -> (extra server flags, what the server log must show)
 ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
@@ -67,13 +65,6 @@ NOT_ON_STOCK = {
     "big_health_message": "no message size limit before the body: grpclib reads every message whole",
     "malformed_headers": "no RFC 9113 header checks: grpclib sees the headers as they come",
 }
-
-
-def pin(pid: int, cpu: int) -> None:
-    """Server on one core, attacker on another (as the attacks were first measured), where there are two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) >= 2:
-        os.sched_setaffinity(pid, {cpus[cpu]})
 
 
 async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: str) -> dict[str, Any]:
@@ -114,13 +105,6 @@ async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: s
     result["_during"] = during
     result["_after"] = after
     return result
-
-
-def assert_canary_fine(r: CanaryReport, what: str) -> None:
-    assert r.changes >= 3, (what, r.summary())
-    assert r.updates >= 0.5 * r.changes, (what, r.summary())
-    assert r.delay(0.5) < DELAY_BOUND_S, (what, r.summary())
-    assert r.fresh_ok >= 3 and r.fresh_failed <= 1, (what, r.summary())
 
 
 def check_attacker(attack: str, seen: dict[str, Any]) -> None:

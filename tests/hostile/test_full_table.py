@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile.test_clients import TOKEN, assert_canary_fine, pin
-from tests.support.canary import GROUP, Canary, upstreams_text
+from tests.support.canary import GROUP, TOKEN, Canary, assert_canary_fine, pin, upstreams_text
 from tests.support.envoy_harness import EdsCluster, envoy_binary, envoy_bootstrap, envoy_fleet
 from tests.support.paths import ROOT
 from tests.support.server_process import EdsServerProcess

@@ -97,3 +97,79 @@ def test_every_path_the_docs_name_exists() -> None:
             elif name and not any(re.search(rf"(def|class) {name}\b", (ROOT / f).read_text()) for f in hits):
                 missing.append(f"{page.name}: {path}::{name}")
     assert not missing, missing
+
+
+# a dotted name in backquotes: `Class.attribute`, `module.name`, `support.waiting.wait_for`
+DOTTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
+FOREIGN = {"grpc", "Server._protocol_factory"}  # other libraries' names that share one of ours
+NOT_CODE = {"py", "md", "sh", "yaml", "yml", "json", "toml", "txt", "io", "service", "html", "png"}  # files, hosts
+
+
+def _defines(text: str, name: str) -> bool:
+    """A def, a class, an assignment or annotation (a field), at any depth, or `self.name =`."""
+    return bool(re.search(rf"^\s*(?:(?:async )?def|class) {name}\b|^\s*{name}\s*[:=]|self\.{name}\s*[:=]", text, re.M))
+
+
+def test_every_code_name_the_docs_cite_exists() -> None:
+    """`EdsService.framed`, `upstreams.parse_bytes`, `support.waiting.wait_for`: a class of ours or a
+    module of ours (found by the end of its path) must define the name after it. Names of other
+    libraries (`grpc.aio`, `yaml.CSafeLoader`) resolve to nothing of ours and are left alone."""
+    sources = [p for p in sorted((ROOT / "eds_server").rglob("*.py")) if "pb" not in p.relative_to(ROOT).parts]
+    sources += sorted((ROOT / "tests").rglob("*.py"))
+    texts = {p.relative_to(ROOT).as_posix(): p.read_text() for p in sources}
+    classes: dict[str, list[str]] = {}
+    for path, text in texts.items():
+        if path.startswith("eds_server/"):
+            for name in re.findall(r"^class (\w+)", text, re.M):
+                classes.setdefault(name, []).append(path)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
+    missing, checked = [], 0
+    for page in pages:
+        for dotted in set(DOTTED.findall(page.read_text())):
+            parts = dotted.split(".")
+            if dotted in FOREIGN or parts[0] in FOREIGN or parts[-1] in NOT_CODE:
+                continue
+            if parts[0] in classes:
+                where, name = classes[parts[0]], parts[1]
+            else:
+                where, name = [], ""
+                for cut in range(len(parts) - 1, 0, -1):  # the longest module path first
+                    suffix = "/".join(parts[:cut]) + ".py"
+                    where = [p for p in texts if p == suffix or p.endswith("/" + suffix)]
+                    if where:
+                        name = parts[cut]
+                        break
+            if not where:
+                continue  # not ours
+            checked += 1
+            if not any(_defines(texts[p], name) for p in where):
+                missing.append(f"{page.name}: {dotted}")
+    assert checked >= 5  # the check finds our names at all
+    assert not missing, missing
+
+
+def test_the_design_map_names_every_module() -> None:
+    """docs/design.md's map is where a newcomer learns what each module holds: a new module needs
+    its mention there, by its path below eds_server/ or its file name."""
+    package = ROOT / "eds_server"
+    text = (ROOT / "docs" / "design.md").read_text()
+    modules = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py") and "pb" not in p.relative_to(package).parts]
+    assert modules
+    assert not [m for m in modules if f"`{m}`" not in text and f"`{m.rsplit('/', 1)[-1]}`" not in text]
+
+
+NAMED_FOLDER = re.compile(r"`([A-Za-z0-9_][A-Za-z0-9_./\-]*/)`")
+
+
+def test_every_folder_the_docs_name_exists() -> None:
+    """`e2e/kubernetes/`, `transport/h2/`: a folder the docs send a reader to holds tracked files (in
+    full from the root, or as the end of a path, as the docs name them in context)."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
+    missing = []
+    for page in pages:
+        for folder in set(NAMED_FOLDER.findall(page.read_text())):
+            if not any(f.startswith(folder) or f"/{folder}" in f for f in files):
+                missing.append(f"{page.name}: {folder}")
+    assert not missing, missing

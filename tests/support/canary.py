@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,16 @@ BASE_PORT = 20000
 def upstreams_text(seq: int) -> str:
     return f"groups:\n  {GROUP}:\n    endpoints: [127.0.0.1:{BASE_PORT + seq % 40000}]\n"
 
+
+TOKEN = "hostile-test-token-0123456789"  # the admin token of the servers under attack
+DELAY_BOUND_S = 0.5  # the canary's median delay: ~3 ms here without an attack, at most ~16 ms with one
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Server on one core, attacker on another (as the attacks were first measured), where there are two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(pid, {cpus[cpu]})
 
 @dataclass
 class CanaryReport:
@@ -194,3 +205,11 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def assert_canary_fine(r: CanaryReport, what: str) -> None:
+    """The well-behaved client barely noticed: its changes arrived, soon, and new connections were served."""
+    assert r.changes >= 3, (what, r.summary())
+    assert r.updates >= 0.5 * r.changes, (what, r.summary())
+    assert r.delay(0.5) < DELAY_BOUND_S, (what, r.summary())
+    assert r.fresh_ok >= 3 and r.fresh_failed <= 1, (what, r.summary())

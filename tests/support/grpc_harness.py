@@ -34,6 +34,20 @@ def group(name: str, *ports: int) -> Group:
     return Group(name, tuple(Endpoint("127.0.0.1", p) for p in ports))
 
 
+
+async def fetch_web(port: int, host: str = "127.0.0.1") -> DiscoveryResponse:
+    """One well-behaved client's answer for "web" on its own connection: the server still serves."""
+    channel = Channel(host, port)
+    try:
+        async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as s:
+            await s.send_message(DiscoveryRequest(node=Node(id="n"), resource_names=["web"], type_url=EDS_TYPE_URL))
+            msg = await asyncio.wait_for(s.recv_message(), 5)
+            await s.cancel()
+            assert msg is not None
+            return msg
+    finally:
+        channel.close()
+
 class Harness:
     def __init__(self, store: Store, service: EdsService, channel: Channel, server: Any) -> None:
         self.store, self.service, self.channel, self.server = store, service, channel, server

@@ -3,6 +3,7 @@ and cutting received bytes into frames."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import NamedTuple
 
 SETTINGS_EMPTY = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -40,3 +41,27 @@ def split(buffer: bytes) -> tuple[list[Frame], bytes]:
         frames.append(Frame(buffer[pos + 3], buffer[pos + 4], sid, buffer[pos + 9 : after]))
         pos = after
     return frames, buffer[pos:]
+
+
+async def read_frames(
+    reader: asyncio.StreamReader, wait: float = 5.0, *, pong: asyncio.StreamWriter | None = None
+) -> list[tuple[int, bytes]]:
+    """(type, payload) of every frame until the server closes or `wait` passes (and at most 10,000
+    reads). With `pong`, each PING is answered on it, as a live client does."""
+    frames: list[tuple[int, bytes]] = []
+    buffer = b""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + wait
+    for _ in range(10_000):  # bounded
+        try:
+            chunk = await asyncio.wait_for(reader.read(65536), max(0.01, end - loop.time()))
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        got, buffer = split(buffer + chunk)
+        for f in got:
+            frames.append((f.type, f.payload))
+            if pong is not None and f.type == PING and not f.flags & ACK:
+                pong.write(frame(PING, ACK, 0, f.payload))
+    return frames

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -388,3 +389,49 @@ def test_the_fast_path_on_unverified_versions_refuses_in_one_line(tmp_path: Path
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "--http2 fast: installed h2 4.4.1" in out.stderr, out.stderr
+
+
+def test_the_command_lines_defaults_are_the_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI spells its defaults out (it imports only the standard library, for a fast --version
+    and --help) and the settings classes have their own, for the App built in code and in tests:
+    the two copies must say the same, or a server built in code is not the one operators run."""
+    from eds_server.app import Settings
+    from eds_server.transport.h2.http import HttpLimits
+    from eds_server.transport.h2.limits import ConnectionLimits
+    from eds_server.xds.common import Limits
+
+    for name in [n for n in os.environ if n.startswith("EDS_")]:
+        monkeypatch.delenv(name)
+    args = vars(build_parser().parse_args(["serve", "--upstreams", "x.yaml"]))
+    settings, connections, http, names = Settings(), ConnectionLimits(), HttpLimits(), Limits()
+    pairs = {  # flag's dest: (the settings object, its field)
+        "max_upstreams_size": (settings, "max_upstreams_size"),
+        "debounce": (settings, "debounce"),
+        "listen": (settings, "listen"),
+        "admin": (settings, "admin"),
+        "shutdown_timeout": (settings, "shutdown_grace"),
+        "max_streams_per_connection": (settings, "max_streams_per_connection"),
+        "keepalive_time": (settings, "keepalive_time"),
+        "keepalive_timeout": (settings, "keepalive_timeout"),
+        "max_message_size": (settings, "max_message_size"),
+        "max_streams": (settings, "max_streams"),
+        "send_timeout": (settings, "send_timeout"),
+        "reset_budget": (settings, "reset_budget"),
+        "http2": (settings, "http2"),
+        "max_registrations": (settings, "max_registrations"),
+        "max_names": (names, "max_names"),
+        "max_name_length": (names, "max_name_length"),
+        "max_connections": (connections, "max_connections"),
+        "max_connections_per_ip": (connections, "max_connections_per_ip"),
+        "stream_budget": (connections, "stream_budget"),
+        "control_frame_budget": (connections, "control_budget"),
+        "request_timeout": (connections, "request_timeout"),
+        "connection_idle_timeout": (connections, "idle_timeout"),
+        "partial_message_budget": (connections, "partial_message_budget"),
+        "tls_handshake_timeout": (connections, "tls_handshake_timeout"),
+        "http_max_connections": (http, "max_connections"),
+        "http_timeout": (http, "timeout"),
+    }
+    differ = {dest: (args[dest], getattr(obj, field)) for dest, (obj, field) in pairs.items()
+              if args[dest] != getattr(obj, field)}  # fmt: skip
+    assert not differ, differ

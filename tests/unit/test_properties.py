@@ -920,18 +920,23 @@ ERRORS = st.none() | st.tuples(st.integers(0, 16), ANY_TEXT)
 NODES = st.builds(base_pb2.Node, id=ANY_TEXT, cluster=ANY_TEXT, user_agent_name=ANY_TEXT)
 
 
-@st.composite
-def sotw_requests(draw: st.DrawFn) -> discovery_pb2.DiscoveryRequest:
-    req = discovery_pb2.DiscoveryRequest(
-        version_info=draw(ANY_TEXT), resource_names=draw(st.lists(ANY_TEXT, max_size=4)),
-        type_url=draw(ANY_TYPE), response_nonce=draw(ANY_TEXT),
-    )  # fmt: skip
+def _with_node_and_error(draw: st.DrawFn, req: Any) -> Any:
+    """What both kinds of request may carry: a Node (only the first must), a NACK's error."""
     if draw(st.booleans()):
         req.node.CopyFrom(draw(NODES))
     error = draw(ERRORS)
     if error is not None:
         req.error_detail.code, req.error_detail.message = error
     return req
+
+
+@st.composite
+def sotw_requests(draw: st.DrawFn) -> discovery_pb2.DiscoveryRequest:
+    req = discovery_pb2.DiscoveryRequest(
+        version_info=draw(ANY_TEXT), resource_names=draw(st.lists(ANY_TEXT, max_size=4)),
+        type_url=draw(ANY_TYPE), response_nonce=draw(ANY_TEXT),
+    )  # fmt: skip
+    return _with_node_and_error(draw, req)
 
 
 @st.composite
@@ -942,12 +947,7 @@ def delta_requests(draw: st.DrawFn) -> discovery_pb2.DeltaDiscoveryRequest:
         resource_names_unsubscribe=draw(st.lists(ANY_TEXT, max_size=4)),
         initial_resource_versions=draw(st.dictionaries(ANY_TEXT, ANY_TEXT, max_size=3)),
     )  # fmt: skip
-    if draw(st.booleans()):
-        req.node.CopyFrom(draw(NODES))
-    error = draw(ERRORS)
-    if error is not None:
-        req.error_detail.code, req.error_detail.message = error
-    return req
+    return _with_node_and_error(draw, req)
 
 
 def _check_common(req: Any, decoded: Any, node: memoryview | None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group, Locality
-from eds_server.store import Store
+from eds_server.store import EMPTY_CACHE_SIZE, Store
 
 
 def group(name: str, *ports: int) -> Group:
@@ -91,10 +91,16 @@ def test_unknown_name_gets_an_empty_assignment() -> None:
 
 def test_empty_assignments_for_unknown_names_are_cached_and_bounded() -> None:
     store, _ = make()
-    assert store.get("x") is store.get("x")
-    for i in range(5000):
+    x = store.get("x")
+    assert store.get("x") is x
+    first = store.get("n0")
+    for i in range(1, EMPTY_CACHE_SIZE - 1):  # with "x" and "n0": the cache full
         store.get(f"n{i}")
-    assert len(store._empty) <= 4096
+    assert store.get("x") is x  # everything still cached; "x" now the most recently asked for
+    store.get("n-more")  # one past the bound: the least recently asked for, "n0", goes
+    again = store.get("n0")
+    assert again is not first and again.body == first.body  # made afresh, alike
+    assert store.get("x") is x
 
 
 def test_followers_hear_only_of_their_names() -> None:

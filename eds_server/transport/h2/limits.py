@@ -64,7 +64,7 @@ class ConnectionLimits:
     idle_timeout: float = 300.0  # a connection holding no stream this long is closed (GOAWAY NO_ERROR)
     max_header_block: int = 64 * 1024  # bytes of one header block, HEADERS and CONTINUATION frames together
     tls_handshake_timeout: float = 5.0
-    partial_message_budget: int = 128 * 1024 * 1024  # bytes of messages being received, server-wide
+    partial_message_budget: int = 64 * 1024 * 1024  # bytes of messages being received, server-wide
     # descriptors kept out of the connection limit: the admin and REST ports (256 each by default),
     # the sources' connections, the upstreams reload and logs (FILE_HEADROOM)
     file_reserve: int = 2 * 256 + 88  # 2 * HttpLimits.max_connections + FILE_HEADROOM

@@ -492,7 +492,7 @@ async def test_in_cluster_token_is_read_again(
                     break
                 await asyncio.sleep(0.1)
             assert store.ready and source.connected
-            loaded_at = source._loaded_at
+            loads = source.loads
             # rotate: a new token in the file, then the old one revoked (its Secret deleted)
             token_file.write_text(await bound_token("token-b"))
             await asyncio.sleep(1.5)
@@ -517,7 +517,7 @@ async def test_in_cluster_token_is_read_again(
                 await asyncio.sleep(0.1)
             assert {ep.address for ep in store.resources()["web"].group.endpoints} == {pod_ip(3)}
             assert source.connected and source.last_error is None, source.last_error
-            assert source._loaded_at == loaded_at  # no 401 and reload: the hook read the new token
+            assert source.loads == loads  # no 401 and reload: the hook read the new token
             assert source.events > events_before
         finally:
             stop.set()

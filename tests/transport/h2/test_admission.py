@@ -15,11 +15,23 @@ from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 from eds_server.transport.h2.limits import ConnectionLimits, Gate
 from eds_server.xds.common import EDS_TYPE_URL
-from tests.support.grpc_harness import serving
-from tests.support.h2frames import DATA, END_HEADERS, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, frame, split
+from tests.support.grpc_harness import fetch_web, serving
+from tests.support.h2frames import (
+    DATA,
+    END_HEADERS,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    frame,
+    read_frames,
+    split,
+)
+from tests.support.hostile_clients import STREAM, headers
 from tests.support.waiting import wait_for
-from tests.transport.h2.test_limits import HEADERS as REQUEST_HEADERS
-from tests.transport.h2.test_limits import fetch_web
+
+REQUEST_HEADERS = headers(STREAM)
 
 
 class FakeConnection:
@@ -114,27 +126,6 @@ async def hold(port: int, ip: str, stream: bool) -> tuple[asyncio.StreamReader, 
     return reader, writer
 
 
-async def frames_until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                              wait: float) -> list[int]:  # fmt: skip
-    """The types of the frames received until the server closes, answering its PINGs meanwhile."""
-    types, buffer = [], b""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + wait
-    for _ in range(10_000):  # bounded
-        try:
-            chunk = await asyncio.wait_for(reader.read(65536), max(0.01, end - loop.time()))
-        except TimeoutError:
-            break
-        if not chunk:
-            break
-        got, buffer = split(buffer + chunk)
-        for f in got:
-            types.append(f.type)
-            if f.type == PING and not f.flags & 1:
-                writer.write(frame(PING, 1, 0, f.payload))  # alive: answers every PING
-    return types
-
-
 async def fetch_from(port: int, ip: str) -> DiscoveryResponse:
     """The response to a request for "web" on a connection from `ip` (raw HTTP/2: grpclib's client
     cannot choose its source address)."""
@@ -197,7 +188,7 @@ async def test_a_connection_that_holds_no_stream_is_closed_though_it_answers_pin
         reader, writer = await hold(port, "127.0.0.30", stream=True)
         # the stream is answered and ended by the client: then the connection holds none
         writer.write(frame(DATA, 1, 1, b""))
-        types = await frames_until_closed(reader, writer, wait=10)
+        types = [t for t, _ in await read_frames(reader, wait=10, pong=writer)]
         writer.close()
         assert GOAWAY in types and PING in types  # closed, PINGs answered all along
         assert server.gate.refused["idle"] == 1 and server.gate.refused["no_stream"] == 0

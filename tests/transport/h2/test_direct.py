@@ -141,7 +141,7 @@ async def test_a_frame_begun_before_the_stream_went_direct(handled: Callable[[st
         await client.send(opening + data(sid, grpc(first_request("a", "web"))) + second[:16])
         await client.response(sid, 1)  # the stream is direct by now
         await client.send(second[16:] + data(sid, grpc(tagged("t2"))))
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: len(handled("a")) >= 3, timeout=WAIT)  # t1 and t2 read before t3 is sent
         await client.send(data(sid, grpc(tagged("t3"))))
         await client.ping()
         await wait_for(lambda: len(handled("a")) >= 4, timeout=2.0)
@@ -407,7 +407,7 @@ async def test_a_header_block_among_direct_data_frames(writes: str, handled: Cal
             pieces = [stream[:at], stream[at:]]
         for piece in pieces:
             await client.send(piece)
-            await asyncio.sleep(0.02)  # read apart (most likely)
+            await wait_for(lambda: tagged("a1") in handled("a"), timeout=WAIT)  # read before the next piece is sent
         await client.response(b, 1)  # stream b opened and answered
         await client.ping()
         assert client.goaway is None

@@ -303,7 +303,7 @@ async def test_a_burst_of_new_streams_has_the_heap_trimmed(h: Harness) -> None:
         for s in (a, b, c):
             await s.send_message(first("web"))
             await recv(s)
-        await wait_for(lambda: trim.trims and trim._running is not None and trim._running.done(), interval=0.01)
+        await wait_for(lambda: trim.trims and not trim.trimming, interval=0.01)
     assert trim.trims == 1 and trim.opened == 0
 
 
@@ -317,14 +317,14 @@ async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
         pytest.skip("no malloc_trim in this C library")
     for _ in range(10):  # a burst: a stream every 20 ms, for 0.2 s
         trim.first_request_read()
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the burst's pace (the input, nothing is waited for)
     assert trim.trims == 0  # not during the burst
     await wait_for(lambda: trim.trims)
     assert trim.trims == 1
     steady = HeapTrim(after=2, delay=0.1, most=0.15)
     for _ in range(25):  # a stream every 20 ms for 0.5 s: never quiet, trimmed anyway
         steady.first_request_read()
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the trickle's pace (the input, nothing is waited for)
     assert steady.trims >= 1
     trim.stop()
     steady.stop()
@@ -340,7 +340,7 @@ async def test_a_long_burst_is_trimmed_again_when_it_ends() -> None:
         pytest.skip("no malloc_trim in this C library")
     for _ in range(50):  # a stream every 20 ms until the burst is trimmed (bounded: 1 s)
         trim.first_request_read()
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the burst's pace (the input; the loop ends on the condition)
         if trim.trims:
             break
     assert trim.trims == 1

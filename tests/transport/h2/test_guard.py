@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 from eds_server.ratelimit import Bucket
 from eds_server.transport.h2.guard import FrameGuard, Refusal
 from eds_server.transport.h2.limits import ConnectionLimits
-from tests.support.grpc_harness import serving
-from tests.support.h2frames import CONTINUATION, DATA, END_HEADERS, GOAWAY, HEADERS, PING, PREFACE, frame
-from tests.transport.h2.test_limits import HEADERS as REQUEST_HEADERS
-from tests.transport.h2.test_limits import fetch_web, read_frames
+from tests.support.grpc_harness import fetch_web, serving
+from tests.support.h2frames import CONTINUATION, DATA, END_HEADERS, GOAWAY, HEADERS, PING, PREFACE, frame, read_frames
+from tests.support.hostile_clients import STREAM, headers
 
 UNKNOWN = 0x42
-BLOCK = hpack.Encoder().encode(REQUEST_HEADERS)
+BLOCK = hpack.Encoder().encode(headers(STREAM))
 
 
 def guard(**kwargs: object) -> FrameGuard:

@@ -44,7 +44,7 @@ async def test_slowloris_headers_are_cut_off() -> None:
                 break
             with contextlib.suppress(RuntimeError, ConnectionError):
                 writer.write(b"x")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the slow client's pace (the attack itself, not a wait)
         assert await closed_within(reader) == b""
         writer.close()
 

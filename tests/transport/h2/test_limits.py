@@ -26,13 +26,12 @@ from eds_server.store import Store
 from eds_server.transport.grpc import EdsService
 from eds_server.transport.h2.fast import ConnectionLimits, GuardedH2Connection, PeerBudgets
 from eds_server.xds.common import EDS_TYPE_URL
-from tests.support.grpc_harness import serving
-from tests.support.h2frames import PREFACE, split
+from tests.support.grpc_harness import fetch_web, serving
+from tests.support.h2frames import PREFACE, read_frames
+from tests.support.hostile_clients import STREAM, headers
 from tests.support.waiting import wait_for
 
-STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
-HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
-           ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+HEADERS = headers(STREAM)
 
 
 def pair(limits: ConnectionLimits) -> tuple[h2.connection.H2Connection, GuardedH2Connection]:
@@ -99,36 +98,6 @@ def test_data_after_end_stream_counts_as_resets() -> None:
         server.receive_data(raw)
 
 
-async def fetch_web(port: int, host: str = "127.0.0.1") -> DiscoveryResponse:
-    channel = Channel(host, port)
-    try:
-        async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as s:
-            await s.send_message(DiscoveryRequest(node=Node(id="n"), resource_names=["web"], type_url=EDS_TYPE_URL))
-            msg = await asyncio.wait_for(s.recv_message(), 5)
-            await s.cancel()
-            assert msg is not None
-            return msg
-    finally:
-        channel.close()
-
-
-async def read_frames(reader: asyncio.StreamReader, wait: float = 5.0) -> list[tuple[int, bytes]]:
-    """(type, payload) of every frame until the server closes or `wait` passes."""
-    frames, buffer = [], b""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + wait
-    for _ in range(1000):  # bounded
-        try:
-            chunk = await asyncio.wait_for(reader.read(65536), max(0.01, end - loop.time()))
-        except TimeoutError:
-            break
-        if not chunk:
-            break
-        got, buffer = split(buffer + chunk)
-        frames += [(f.type, f.payload) for f in got]
-    return frames
-
-
 UNKNOWN = b"\x00\x00\x05\x42\x00\x00\x00\x00\x00hello"  # type 0x42, 5 bytes, stream 0
 
 
@@ -167,7 +136,7 @@ async def test_a_ping_ack_with_another_payload_does_not_keep_a_connection_alive(
                 # a client that never reads answers "PING ACK" blindly, with a made-up payload
                 writer.write(PingFrame(0, flags=["ACK"], opaque_data=b"made-up!").serialize())
                 await writer.drain()
-                await asyncio.sleep(0.04)
+                await asyncio.sleep(0.04)  # the blind client's pace (the attack itself, not a wait)
                 if reader.at_eof() or writer.is_closing():
                     closed = True
                     break

@@ -88,8 +88,8 @@ async def test_changes_flow_again_as_soon_as_the_api_server_answers(
         async with following(config) as (store, source):
             await fake.stop()
             await until(lambda: not source.connected, 5, "the outage noticed")
-            # a window to count probes in (a rate, not a wait): the watches' reconnects refused, the probes too
-            await asyncio.sleep(1.0)
+            # the watches' reconnects refused, the probes too
+            await asyncio.sleep(1.0)  # a window to count probes in (a rate, not a wait for something)
             assert addresses(store) == {"127.0.0.2"}  # fail static: the last state is served, marked stale
             assert store.is_stale("web")
             probes = source.probe.probes
