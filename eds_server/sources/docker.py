@@ -20,8 +20,7 @@ from typing import Any, cast
 import aiodocker
 
 from ..model import Group
-from ..store import Store
-from .base import Backoff, Debounce, Followed, Heartbeat, Hung, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Debounce, Feed, Followed, Heartbeat, Hung, Liveness, SourceStatus, WarnOnce
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
 log = logging.getLogger("eds_server.sources.docker")
@@ -64,7 +63,7 @@ class EngineFollower(Followed):
 
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         options: DockerOptions,
         *,
         host: str | None = None,
@@ -74,18 +73,17 @@ class EngineFollower(Followed):
         ping_timeout: float = 2.0,
         request_timeout: float = 10.0,
     ) -> None:
-        self.store = store
+        self.feed = feed
         self.options = options
         self.host = host
         self.debounce = debounce
         self.resync_interval = max(30.0, resync_interval)
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.request_timeout = request_timeout
-        self.liveness = Liveness(store, self.name, self.what)
+        self.liveness = Liveness(feed, self.name, self.what)
         self.heartbeat: Heartbeat | None = None  # the current connection's
         self.last_sync: float | None = None
         self.warnings = WarnOnce(log)  # per container or service
-        store.add_source(self.name)
 
     def status(self) -> SourceStatus:
         return self.liveness.status(connected=self.connected, **self._counts())
@@ -102,7 +100,7 @@ class EngineFollower(Followed):
     def _publish(self, warnings: Mapping[str, str | None], groups: Mapping[str, Group]) -> None:
         """Log each object's warning once (until it changes), and hand the store the whole state."""
         self.warnings.update(warnings)
-        changed = self.store.update(self.name, groups)
+        changed = self.feed.publish(self.name, groups)
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
 
@@ -174,8 +172,8 @@ def with_fix(reason: str) -> str:
 class DockerSource(EngineFollower):
     name = "docker"
 
-    def __init__(self, store: Store, options: DockerOptions, **kwargs: Any) -> None:
-        super().__init__(store, options, **kwargs)
+    def __init__(self, feed: Feed, options: DockerOptions, **kwargs: Any) -> None:
+        super().__init__(feed, options, **kwargs)
         self._inspects: dict[str, Mapping[str, Any]] = {}  # container id -> docker inspect
         self._draining: set[str] = set()
 

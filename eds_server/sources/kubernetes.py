@@ -38,10 +38,10 @@ from typing import Any
 import aiohttp
 
 from ..ratelimit import LogBudget
-from ..store import Store
 from .base import (
     Backoff,
     Comeback,
+    Feed,
     FileStamps,
     Followed,
     Heartbeat,
@@ -246,7 +246,7 @@ class KubernetesSource(Followed):
 
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         options: KubernetesOptions,
         *,
         debounce: float = 0.05,
@@ -256,7 +256,7 @@ class KubernetesSource(Followed):
         probe_timeout: float = 2.0,
         backoff: tuple[float, float] = (0.2, 30.0),  # first delay, cap
     ) -> None:
-        self.store = store
+        self.feed = feed
         self.options = options
         self.debounce = debounce
         self.request_timeout = request_timeout
@@ -265,7 +265,7 @@ class KubernetesSource(Followed):
         self.probe = SharedProbe(self._probe, fresh=probe_every / 2)
         self.heartbeat = Heartbeat(self._pulse, "the API server", every=probe_every, timeout=probe_timeout)
         self._answering = True  # the last probe's answer, to say once that the server is back
-        self.liveness = Liveness(store, self.name, "the API server")
+        self.liveness = Liveness(feed, self.name, "the API server")
         self.watches_open = 0
         self.events = 0  # watch events applied, for tests and benchmarks
         self.relists = 0
@@ -290,7 +290,6 @@ class KubernetesSource(Followed):
         self._reloads_said = LogBudget(log, most=1, window=300.0)
         self._stamps = FileStamps(config_files(options))  # the configuration's files as last loaded
         self.loads = 0  # configurations loaded (one more per rotation), for tests
-        store.add_source(self.name)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -383,7 +382,7 @@ class KubernetesSource(Followed):
         for entry in self._cache.values():
             warnings.update(entry.warnings)
         self.warnings.replace(warnings)
-        changed = self.store.update(self.name, groups_of(self._cache[k] for k in sorted(self._cache)))
+        changed = self.feed.publish(self.name, groups_of(self._cache[k] for k in sorted(self._cache)))
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
 

@@ -37,9 +37,8 @@ from typing import Any
 
 from ..model import Endpoint
 from ..ratelimit import LogBudget
-from ..store import Store
 from . import etcd_wire as wire
-from .base import Backoff, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Feed, Liveness, SourceStatus, WarnOnce
 from .etcd_client import EtcdClient, EtcdOptions, EtcdUnavailable
 from .registrations import (
     MAX_REGISTRATIONS,
@@ -108,7 +107,7 @@ def decode(key: tuple[str, str], value: bytes) -> tuple[Endpoint, float | None]:
 class EtcdRegistrationSource:
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         target: wire.EtcdTarget,
         options: EtcdOptions | None = None,
         *,
@@ -117,28 +116,27 @@ class EtcdRegistrationSource:
         name: str = SOURCE_NAME,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self.feed = feed
         self.target = target
         self.keys = wire.KeyLayout(target.prefix)
         self.client = EtcdClient(target, options or EtcdOptions())
         self.max_registrations = max_registrations
         self.max_state_bytes = max_state_bytes
         self.name = name
-        self.liveness = Liveness(store, name, f"etcd {target}")
+        self.liveness = Liveness(feed, name, f"etcd {target}")
         self._mono = monotonic
         self._state = State()
         self._kvs: dict[Key, wire.KeyValue] = {}  # each registration's key as the view holds it (lease, revision)
         self._renewed: dict[Key, float] = {}  # monotonic time this replica last saw it written or renewed
         self._revision = 0  # the view is etcd's as of this revision
         self._moved = asyncio.Event()  # set on every revision change of the view
-        self._delivered = Delivered(store, name)  # what the store has from us
+        self._delivered = Delivered(feed, name)  # what the store has from us
         self._skipped = WarnOnce(log)  # keys whose value is not a registration
         self._turns = Turns()
         self._relist = False  # list again rather than resume the watch
         self._following = asyncio.Event()  # set while the view follows etcd (live), for writes to wait on
         self._watching: asyncio.Task[None] | None = None
         self._stale_reads = LogBudget(log)
-        store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -430,7 +428,7 @@ class EtcdRegistrationSource:
         Writes to one group through this replica take turns (their transactions would fail each
         other's compare); a registration this view holds unchanged is confirmed in etcd (and its
         lease kept alive) rather than written again, and written if etcd holds something else."""
-        check_merged(self.store, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
+        check_merged(self.feed, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
         await self._usable()
         value = encode(group, id, endpoint, ttl)
         known = self._state.regs.get((group, id))

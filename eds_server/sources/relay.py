@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 from ..decode import DecodeError, decode_group
 from ..protowire import fields, length_delimited, string_field, text, varint
 from ..ratelimit import LogBudget
-from ..store import Relayed, Store
+from ..store import Relayed
 from ..xds.common import EDS_TYPE_URL
-from .base import Backoff, Heartbeat, Hung, Liveness, SourceStatus
+from .base import Backoff, Heartbeat, Hung, Liveness, RelayFeed, SourceStatus
 
 if TYPE_CHECKING:
     from grpclib.client import Channel, Stream
@@ -230,24 +230,21 @@ def _bytes(value: int | memoryview) -> memoryview:
 class RelaySource:
     """Follows an upstream eds-server's DeltaEndpoints; the only source of its store."""
 
-    def __init__(self, store: Store, options: UpstreamOptions, *, linger: float = LINGER,
+    def __init__(self, feed: RelayFeed, options: UpstreamOptions, *, linger: float = LINGER,
                  node_id: str | None = None) -> None:  # fmt: skip
-        self.store = store
+        self.feed = feed
         self.options = options
         self.name = f"upstream-eds:{options.target}"
         self.node_id = node_id or f"eds-server-relay/{socket.gethostname()}/{os.getpid()}"
         self.subs = Subscriptions(linger)
-        self.liveness = Liveness(store, self.name, f"upstream eds-server {options.target}")
+        self.liveness = Liveness(feed, self.name, f"upstream eds-server {options.target}")
         self.responses = 0  # answers taken from the upstream, for tests and status
         self.nacks = 0
         self.heartbeat: Heartbeat | None = None  # the current connection's
         self._subscribed = False  # the current connection's first request was sent
         self._refusals = LogBudget(log)  # a junk upstream sends thousands a second: a few lines a minute
         self._wake = asyncio.Event()
-        store.add_source(self.name)
-        store.withholds = True
-        store.interest = self._interest
-        self.subs.follow(store.followed(), (), time.monotonic())
+        self.subs.follow(feed.withhold(self._interest), (), time.monotonic())
 
     def _interest(self, added: tuple[str, ...], removed: tuple[str, ...]) -> None:
         self.subs.follow(added, removed, time.monotonic())
@@ -344,7 +341,7 @@ class RelaySource:
                 await stream.send_message(outbox.pop(0))
             gone = self.subs.expire(time.monotonic())
             if gone:
-                self.store.put_resources(self.name, {}, removed=gone)
+                self.feed.publish_resources(self.name, {}, removed=gone)
             subscribe, unsubscribe = self.subs.request()
             if subscribe or unsubscribe:
                 await stream.send_message(encode_request(self.node_id, subscribe=subscribe, unsubscribe=unsubscribe,
@@ -368,7 +365,7 @@ class RelaySource:
 
     def _held(self, names: Iterable[str]) -> dict[str, str]:
         """The versions held of `names`: told to the upstream, which sends only those that differ."""
-        held = self.store.resources()
+        held = self.feed.held()
         return {n: held[n].version for n in names if n in held}
 
     def _take(self, data: bytes) -> tuple[str, str | None]:
@@ -386,7 +383,7 @@ class RelaySource:
                      for name, version, body in received.resources}  # fmt: skip
         self.responses += 1
         wanted = self.subs.wanted
-        self.store.put_resources(self.name, {n: r for n, r in resources.items() if n in wanted},
+        self.feed.publish_resources(self.name, {n: r for n, r in resources.items() if n in wanted},
                                  removed=[n for n in received.removed if n in wanted])  # fmt: skip
         return received.nonce, None
 

@@ -24,8 +24,7 @@ from typing import Any
 import aiodocker
 
 from ..model import Endpoint, Group, Health, groups_from
-from ..store import Store
-from .base import Backoff, Debounce
+from .base import Backoff, Debounce, Feed
 from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
 from .docker import EngineFollower
 
@@ -250,14 +249,14 @@ class SwarmSource(EngineFollower):
 
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         options: DockerOptions,
         *,
         poll_interval: float = 1.0,
         poll_window: float = 30.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(store, options, **kwargs)
+        super().__init__(feed, options, **kwargs)
         self.poll_interval = max(0.2, poll_interval)
         self.poll_window = poll_window
         self._services: dict[str, Mapping[str, Any]] = {}  # service id -> inspect (opted in)

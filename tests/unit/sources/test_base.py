@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from eds_server.encode import encode_group
+from eds_server.sources.aggregator import Aggregator
 from eds_server.sources.base import (
     Backoff,
     Comeback,
@@ -60,8 +61,9 @@ def test_warn_once_per_object_until_its_warning_changes(caplog: pytest.LogCaptur
 
 def test_liveness_marks_the_store_stale_and_logs_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
     store = Store(encode_group)
-    store.add_source("etcd")
-    live = Liveness(store, "etcd", "etcd somewhere")
+    feed = Aggregator(store)
+    feed.declare(["etcd"])
+    live = Liveness(feed, "etcd", "etcd somewhere")
     with caplog.at_level(logging.INFO, "eds_server.sources"):
         live.lost("refused")
         live.lost("refused again")  # not logged again
@@ -81,9 +83,10 @@ def test_liveness_marks_the_store_stale_and_logs_once_per_change(caplog: pytest.
 
 def test_liveness_says_what_happened_and_when_it_tries_again(caplog: pytest.LogCaptureFixture) -> None:
     store = Store(encode_group)
-    store.add_source("kubernetes")
-    store.update("kubernetes", {})
-    live = Liveness(store, "kubernetes", "the API server")
+    feed = Aggregator(store)
+    feed.declare(["kubernetes"])
+    feed.publish("kubernetes", {})
+    live = Liveness(feed, "kubernetes", "the API server")
     live.live()
     with caplog.at_level(logging.WARNING, "eds_server.sources"):
         live.lost("Services: the API server closed the watch mid-stream: it went away", retry_in=0.25)

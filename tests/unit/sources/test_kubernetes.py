@@ -23,6 +23,7 @@ from eds_server.model import Health, Locality
 from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, ConfigProblem, KubernetesSource, make_client
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
+from tests.support.feeds import alone
 from tests.support.paths import DATA
 from tests.support.waiting import wait_for
 
@@ -36,7 +37,7 @@ def load(name: str) -> dict[str, Any]:
 
 def source(namespaces: tuple[str, ...] = ()) -> tuple[Store, KubernetesSource]:
     store = Store(encode_group)
-    return store, KubernetesSource(store, KubernetesOptions(namespaces=namespaces))
+    return store, alone(KubernetesSource, store, KubernetesOptions(namespaces=namespaces))
 
 
 def addresses(store: Store, group: str) -> dict[str, Health]:
@@ -118,7 +119,7 @@ def test_unchanged_events_do_not_remap() -> None:
 
 def test_node_regions() -> None:
     store = Store(encode_group)
-    src = KubernetesSource(store, KubernetesOptions(node_regions=True))
+    src = alone(KubernetesSource, store, KubernetesOptions(node_regions=True))
     assert (NODES, None) in src._scopes
     node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/region": "eu-west"}}}
     src.replace(SERVICES, None, [load("service")])
@@ -175,7 +176,8 @@ async def test_a_configuration_error_is_said_once_as_such_not_blamed_on_the_api_
     path = tmp_path / "kubeconfig"
     path.write_text(_kubeconfig(ca=str(tmp_path / "ca.crt")))
     store = Store(encode_group)
-    src = KubernetesSource(store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05), probe_every=0.05)
+    src = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05),
+                probe_every=0.05)  # fmt: skip
     stop = asyncio.Event()
     caplog.set_level(logging.INFO, "eds_server")
     attempts = 0
@@ -214,7 +216,7 @@ async def test_reloads_after_refused_credentials_are_said_now_and_then(
     """A 401 that lasts loads the configuration again every 10 s: said once, not every time."""
     path = tmp_path / "kubeconfig"
     path.write_text(_kubeconfig())
-    src = KubernetesSource(Store(encode_group), KubernetesOptions(kubeconfig=str(path)))
+    src = alone(KubernetesSource, Store(encode_group), KubernetesOptions(kubeconfig=str(path)))
     caplog.set_level(logging.INFO, "eds_server")
     try:
         for _ in range(5):
