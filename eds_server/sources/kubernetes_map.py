@@ -2,7 +2,7 @@
 
 No IO here, so every rule (annotations, port choice, endpoint conditions, address types) is
 unit-tested from recorded API objects. Annotations are parsed by the Docker label code
-(`containers._settings`), so `eds.group`, `eds.<key>` and `eds.<group>.<key>` mean the same in both.
+(`containers.group_settings`), so `eds.group`, `eds.<key>` and `eds.<group>.<key>` mean the same in both.
 
 Conditions (discovery.k8s.io/v1; a missing `ready`/`serving` means true, a missing `terminating` false):
 - not terminating and ready                 -> HEALTHY
@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import fields
 from ..model import Endpoint, Group, Health, groups_from, locality
-from .containers import Skip, _settings
+from .containers import Skip, group_settings
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 REGION_LABEL = "topology.kubernetes.io/region"
@@ -147,7 +147,7 @@ def service_endpoints(
     key = object_key(service)
     out = ServiceEndpoints(key)
     try:
-        groups, settings = _settings(
+        groups, settings = group_settings(
             annotations_of(service), prefix, keys=SETTING_KEYS, checks=_CHECKS, what="annotation"
         )
         ports = {g: port_name(service, settings[g].get("port"), prefix) for g in groups}

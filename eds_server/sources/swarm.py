@@ -25,7 +25,7 @@ import aiodocker
 
 from ..model import Endpoint, Group, Health, groups_from
 from .base import Backoff, Debounce, Feed
-from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
+from .containers import DockerOptions, Skip, group_settings, labelled_endpoint, opted_in
 from .docker import EngineFollower
 
 log = logging.getLogger("eds_server.sources.swarm")
@@ -219,7 +219,7 @@ def service_endpoints(
     if not opted_in(labels, options):
         return out
     try:
-        groups, settings = _settings(labels, options.label_prefix)
+        groups, settings = group_settings(labels, options.label_prefix)
         for task in sorted(tasks, key=lambda t: (t.get("Slot") or 0, str(t.get("NodeID")), str(t.get("ID")))):
             if task.get("ServiceID") not in (None, service.get("ID")):
                 continue
