@@ -108,15 +108,17 @@ class RelayFeed(Feed, Protocol):
 
 
 class Backoff:
-    """Full-jitter exponential backoff, capped."""
+    """Exponential backoff in seconds, capped and jittered: the `jitter` share of each delay is
+    random (a half by default, so that many followers of one peer do not come back together; 1: any
+    delay up to it, for retries that must get out of step with a rival's)."""
 
-    def __init__(self, initial: float = 0.2, cap: float = 5.0) -> None:
-        self.initial, self.cap, self.attempt = initial, cap, 0
+    def __init__(self, initial: float = 0.2, cap: float = 5.0, jitter: float = 0.5) -> None:
+        self.initial, self.cap, self.jitter, self.attempt = initial, cap, jitter, 0
 
     def next(self) -> float:
         delay = min(self.cap, self.initial * 2**self.attempt)
         self.attempt += 1
-        return random.uniform(delay / 2, delay)
+        return random.uniform(delay * (1 - self.jitter), delay)
 
     def reset(self) -> None:
         self.attempt = 0
@@ -192,6 +194,30 @@ async def pause(delay: float, stop: asyncio.Event, check: Callable[[], Awaitable
         if check is not None and await check():
             return True
     return False
+
+
+async def reconnect(stop: asyncio.Event, connect: Callable[[], Awaitable[str]], *, backoff: Backoff,
+                    why: Callable[[Exception], str], lost: Callable[[str, float], None],
+                    check: Callable[[], Awaitable[bool]] | None = None, every: float = 1.0) -> None:  # fmt: skip
+    """The reconnect loop of the followers of something remote, until `stop` is set.
+
+    `connect()` is one connection's life: it lists, follows, resets `backoff` once it follows again,
+    and returns why it ended (or raises: `why` puts the exception in words). Unless stopping meanwhile,
+    `lost(reason, delay)` says so (the source's Liveness marks it stale: its last state keeps being
+    served) and the next attempt comes after `delay` seconds of jittered backoff, or sooner if
+    `check`, asked every `every` seconds, says the peer is back."""
+    while not stop.is_set():
+        try:
+            reason = await connect()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # whatever it was, keep serving and try again
+            reason = why(e)
+        if stop.is_set():
+            return
+        delay = backoff.next()
+        lost(reason, delay)
+        await pause(delay, stop, check, every)
 
 
 class Hung(TimeoutError):

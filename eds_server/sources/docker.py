@@ -20,7 +20,7 @@ from typing import Any, cast
 import aiodocker
 
 from ..model import Group
-from .base import Backoff, Debounce, Feed, Followed, Heartbeat, Hung, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Debounce, Feed, Followed, Heartbeat, Hung, Liveness, SourceStatus, WarnOnce, reconnect
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
 log = logging.getLogger("eds_server.sources.docker")
@@ -122,7 +122,8 @@ class EngineFollower(Followed):
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the engine until `stop` is set, reconnecting for as long as it takes."""
         backoff = Backoff()
-        while not stop.is_set():
+
+        async def connect() -> str:
             docker: aiodocker.Docker | None = None
             try:
                 # DOCKER_HOST first, as the docker CLI does (aiodocker alone prefers the context).
@@ -132,23 +133,23 @@ class EngineFollower(Followed):
                                            every=self.ping_interval, timeout=self.ping_timeout)  # fmt: skip
                 async with self.heartbeat.watching():
                     await self._follow(docker, stop, backoff)
-            except Hung as e:
-                self._lost(str(e))
-            except AssertionError:  # aiodocker's way of saying it found no engine address
-                self._lost("no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock")
-            except aiodocker.DockerError as e:
-                self._lost(f"{e.status}: {e.message}")
-            except Exception as e:  # whatever it was, keep serving and try again
-                self._lost(f"{type(e).__name__}: {e}")
+                return "the engine ended the event stream"
             finally:
                 if docker is not None:
                     await _close(docker)
-            if not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
 
-    def _lost(self, reason: str) -> None:
-        self.liveness.lost(with_fix(reason))
+        await reconnect(stop, connect, backoff=backoff, why=_why,
+                        lost=lambda reason, _: self.liveness.lost(with_fix(reason)))  # fmt: skip
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, Hung):
+        return str(e)
+    if isinstance(e, AssertionError):  # aiodocker's way of saying it found no engine address
+        return "no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock"
+    if isinstance(e, aiodocker.DockerError):
+        return f"{e.status}: {e.message}"
+    return f"{type(e).__name__}: {e}"
 
 
 def _pinger(docker: aiodocker.Docker) -> Callable[[], Awaitable[object]]:

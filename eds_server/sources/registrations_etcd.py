@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Any
 from ..model import Endpoint
 from ..ratelimit import LogBudget
 from . import etcd_wire as wire
-from .base import Backoff, Feed, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Feed, Liveness, SourceStatus, WarnOnce, reconnect
 from .etcd_client import EtcdClient, EtcdOptions, EtcdUnavailable
 from .registrations import (
     MAX_REGISTRATIONS,
@@ -346,38 +345,38 @@ class EtcdRegistrationSource:
         """List, then watch, until `stop` is set; on any failure keep the view (stale) and retry."""
         backoff = Backoff(0.2, 2.0)
         stopping = asyncio.create_task(stop.wait())
+
+        async def connect() -> str:
+            if not self.liveness.loaded or self._relist:
+                await self._list()
+                self._relist = False
+            member = self.client.member
+            watching = self._watching = asyncio.create_task(self._watch_or_relist(member), name="etcd watch")
+            probing = asyncio.create_task(self._probe(stop, watching, member), name="etcd probe")
+            await asyncio.wait({watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            probing.cancel()
+            watching.cancel()
+            await asyncio.gather(probing, watching, return_exceptions=True)
+            backoff.reset()  # it listed and watched: the next attempt comes soon
+            if watching.cancelled():
+                return self.liveness.last_error or "no answer"
+            exc = watching.exception()
+            if isinstance(exc, wire.EtcdError) and exc.auth_expired:
+                self.client.forget_token()
+            return f"{type(exc).__name__}: {exc}" if exc is not None else "the watch ended"
+
+        def why(e: Exception) -> str:
+            if isinstance(e, EtcdUnavailable | wire.EtcdError):
+                return str(e)
+            log.error("registrations: following etcd failed", exc_info=e)  # e.g. a malformed answer
+            return f"{type(e).__name__}: {e}"
+
+        def lost(reason: str, _: float) -> None:
+            self._lost(reason)
+            self.client.move_off(self.client.watching)
+
         try:
-            while not stop.is_set():  # bounded by `stop`; each round waits a backoff
-                try:
-                    if not self.liveness.loaded or self._relist:
-                        await self._list()
-                        self._relist = False
-                    member = self.client.member
-                    watching = self._watching = asyncio.create_task(self._watch_or_relist(member), name="etcd watch")
-                    probing = asyncio.create_task(self._probe(stop, watching, member), name="etcd probe")
-                    await asyncio.wait({watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    probing.cancel()
-                    watching.cancel()
-                    await asyncio.gather(probing, watching, return_exceptions=True)
-                    if stop.is_set():
-                        break
-                    exc = watching.exception() if not watching.cancelled() else None
-                    reason = f"{type(exc).__name__}: {exc}" if exc is not None else "the watch ended"
-                    if watching.cancelled():
-                        reason = self.liveness.last_error or "no answer"
-                    self._lost(reason)
-                    if isinstance(exc, wire.EtcdError) and exc.auth_expired:
-                        self.client.forget_token()
-                except (EtcdUnavailable, wire.EtcdError) as e:
-                    self._lost(str(e))
-                except Exception as e:  # e.g. a malformed answer: keep serving, retry
-                    log.exception("registrations: following etcd failed")
-                    self._lost(f"{type(e).__name__}: {e}")
-                else:
-                    backoff.reset()
-                self.client.move_off(self.client.watching)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
+            await reconnect(stop, connect, backoff=backoff, why=why, lost=lost)
         finally:
             stopping.cancel()
             await self.client.close()
@@ -471,8 +470,9 @@ class EtcdRegistrationSource:
         view = GroupView(self._state, self._revision, self._kvs, fresh=False)
         lease = 0
         sent = False  # a transaction with `lease` went out and its answer was lost: it may yet be applied
+        rivals = Backoff(0.005, 0.1, jitter=1.0)  # after a lost compare: out of step with the other replica
         try:
-            for attempt in range(ATTEMPTS):  # bounded, and by the deadline
+            for _ in range(ATTEMPTS):  # bounded, and by the deadline
                 try:
                     self._checks(view.state, reg)
                 except RegistrationError:
@@ -506,7 +506,7 @@ class EtcdRegistrationSource:
                     await self._caught_up(wire.revision(reply))
                     return self._state.regs.get(key, reg), old is None
                 # another replica wrote to this group first: out of step with it, then look again
-                await asyncio.sleep(random.uniform(0, min(0.1, 0.005 * 2**attempt)))
+                await asyncio.sleep(rivals.next())
                 if loop.time() >= deadline:
                     break
                 view = await self._group_now(group, deadline)

@@ -37,7 +37,7 @@ from ..protowire import fields, length_delimited, string_field, text, varint
 from ..ratelimit import LogBudget
 from ..store import Relayed
 from ..xds.common import EDS_TYPE_URL
-from .base import Backoff, Heartbeat, Hung, Liveness, RelayFeed, SourceStatus
+from .base import Backoff, Heartbeat, Hung, Liveness, RelayFeed, SourceStatus, reconnect
 
 if TYPE_CHECKING:
     from grpclib.client import Channel, Stream
@@ -267,7 +267,8 @@ class RelaySource:
         config = keepalive_config(30.0, 10.0, server=False)
         o = self.options
         where: dict[str, Any] = {"path": o.path} if o.path is not None else {"host": o.host, "port": o.port}
-        while not stop.is_set():
+
+        async def connect() -> str:
             channel = Channel(**where, ssl=o.ssl_context(), codec=PassThroughCodec(), config=config)
             self._subscribed = False
             self.heartbeat = Heartbeat(_health_check(channel), f"the upstream eds-server {o.target}",
@@ -275,20 +276,12 @@ class RelaySource:
             try:
                 async with self.heartbeat.watching():
                     await self._follow(channel, stop, backoff)
-                reason = "the upstream ended the stream"
-            except asyncio.CancelledError:
-                raise
-            except (Hung, Junk) as e:
-                reason = str(e)
-            except Exception as e:  # every failure of the upstream is a reconnect
-                reason = _why(e)
+                return "the upstream ended the stream"
             finally:
                 channel.close()
-            if stop.is_set():
-                return
-            self.liveness.lost(reason)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff.next())
+
+        await reconnect(stop, connect, backoff=backoff, why=lambda e: str(e) if isinstance(e, Hung | Junk) else _why(e),
+                        lost=lambda reason, _: self.liveness.lost(reason))  # fmt: skip
 
     async def _follow(self, channel: Channel, stop: asyncio.Event, backoff: Backoff) -> None:
         from grpclib.const import Cardinality
