@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,18 +52,7 @@ from .base import (
     WarnOnce,
     pause,
 )
-from .kubernetes_map import (
-    REGION_LABEL,
-    KubernetesOptions,
-    ServiceEndpoints,
-    groups_of,
-    object_key,
-    opted_in,
-    service_endpoints,
-    slice_service,
-    trim_service,
-    trim_slice,
-)
+from .kubernetes_map import ClusterView, KubernetesOptions
 
 log = logging.getLogger("eds_server.sources.kubernetes")
 
@@ -269,13 +258,8 @@ class KubernetesSource(Followed):
         self.watches_open = 0
         self.events = 0  # watch events applied, for tests and benchmarks
         self.relists = 0
-        self._services: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed, opted-in Service
-        self._slices: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed EndpointSlice
-        self._slices_of: dict[str, set[str]] = {}  # Service key -> its slices' keys
-        self._cache: dict[str, ServiceEndpoints] = {}  # Service key -> what it contributes
-        self._dirty: set[str] = set()  # Service keys to map again
+        self.view = ClusterView(options.annotation_prefix)  # the mapper: objects read -> groups
         self.warnings = WarnOnce(log)  # per Service
-        self._regions: dict[str, str] = {}  # node name -> region (with node_regions)
         self._scopes = [(kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))]
         if options.node_regions:
             self._scopes.append((NODES, None))
@@ -296,102 +280,29 @@ class KubernetesSource(Followed):
     def loaded(self) -> bool:
         return len(self._listed) == len(self._scopes)
 
-    def _in_scope(self, key: str, namespace: str | None) -> bool:
-        return namespace is None or key.startswith(namespace + "/")
-
-    def _set_service(self, obj: Mapping[str, Any] | None, key: str) -> None:
-        if obj is not None and opted_in(obj, self.options.annotation_prefix):
-            trimmed = trim_service(obj, self.options.annotation_prefix)
-            if self._services.get(key) != trimmed:
-                self._services[key] = trimmed
-                self._dirty.add(key)
-        elif self._services.pop(key, None) is not None:
-            self._dirty.add(key)
-
-    def _set_slice(self, obj: Mapping[str, Any] | None, key: str) -> None:
-        trimmed = trim_slice(obj) if obj is not None else None
-        old = self._slices.get(key)
-        if trimmed == old:
-            return  # a new resourceVersion of the same content (or nothing known of it)
-        if old is not None:
-            del self._slices[key]
-            owner = slice_service(old)
-            if owner is not None:
-                siblings = self._slices_of.get(owner, set())
-                siblings.discard(key)
-                if not siblings:
-                    self._slices_of.pop(owner, None)
-                self._dirty.add(owner)
-        owner = slice_service(trimmed) if trimmed is not None else None
-        if trimmed is not None and owner is not None:
-            self._slices[key] = trimmed
-            self._slices_of.setdefault(owner, set()).add(key)
-            self._dirty.add(owner)
-
-    def _set_node(self, obj: Mapping[str, Any] | None, key: str) -> None:
-        name = key.lstrip("/")
-        region = str(((((obj or {}).get("metadata") or {}).get("labels")) or {}).get(REGION_LABEL) or "")
-        if self._regions.get(name, "") == region:
-            return  # most Node updates are status heartbeats: nothing for us
-        if region:
-            self._regions[name] = region
-        else:
-            self._regions.pop(name, None)
-        self._dirty.update(self._services)  # rare: map every Service again
-
-    def _setter(self, kind: Kind) -> Callable[[Mapping[str, Any] | None, str], None]:
-        if kind.plural == SERVICES.plural:
-            return self._set_service
-        return self._set_slice if kind.plural == SLICES.plural else self._set_node
-
     def apply(self, kind: Kind, event_type: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED) for a Service, an EndpointSlice or a Node."""
-        key = object_key(obj)
-        gone = event_type == "DELETED"
-        self._setter(kind)(None if gone else obj, key)
+        self.view.apply(kind.plural, event_type, obj)
         self.events += 1
 
     def replace(self, kind: Kind, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
         """A full listing of one kind in one scope: what it lacks is gone."""
-        known: Iterable[str]
-        if kind.plural == SERVICES.plural:
-            known = self._services
-        elif kind.plural == SLICES.plural:
-            known = self._slices
-        else:
-            known = [f"/{n}" for n in self._regions]
-        setter = self._setter(kind)
-        listed = {object_key(o): o for o in items}
-        for key in [k for k in known if self._in_scope(k, namespace) and k not in listed]:
-            setter(None, key)
-        for key, obj in listed.items():
-            setter(obj, key)
+        self.view.replace(kind.plural, namespace, items)
 
     def publish(self) -> None:
-        """Map the Services that changed again, and hand the store the whole state."""
-        dirty, self._dirty = self._dirty, set()
-        prefix = self.options.annotation_prefix
-        for key in dirty:
-            svc = self._services.get(key)
-            if svc is None:
-                self._cache.pop(key, None)
-                continue
-            slices = [self._slices[k] for k in self._slices_of.get(key, ()) if k in self._slices]
-            self._cache[key] = service_endpoints(svc, slices, prefix, self._regions)
-        warnings: dict[str, str] = {}
-        for entry in self._cache.values():
-            warnings.update(entry.warnings)
+        """Map the Services that changed again, and publish the whole state."""
+        groups, warnings = self.view.groups()
         self.warnings.replace(warnings)
-        changed = self.feed.publish(self.name, groups_of(self._cache[k] for k in sorted(self._cache)))
+        changed = self.feed.publish(self.name, groups)
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
 
     def status(self) -> SourceStatus:
         return self.liveness.status(
             connected=self.connected,
-            services=len(self._services),
-            endpointslices=len(self._slices),
-            node_regions=len(self._regions) if self.options.node_regions else None,
+            services=len(self.view.services),
+            endpointslices=len(self.view.slices),
+            node_regions=len(self.view.regions) if self.options.node_regions else None,
             watches=self.watches_open,
             relists=self.relists,
             events=self.events,
@@ -490,7 +401,7 @@ class KubernetesSource(Followed):
                 self.publish()
 
     def _touch(self) -> None:
-        if self._dirty:
+        if self.view.dirty:
             self._changed.set()
 
     def _failed(self, scope: tuple[Kind, str | None] | None, reason: str, retry_in: float | None = None,
@@ -511,7 +422,7 @@ class KubernetesSource(Followed):
         if not self._down:
             self._said, self._nature = False, None
         if not self._down and self.loaded and not self.connected:
-            self.liveness.live(f"{len(self._services)} annotated Services, {len(self._slices)} EndpointSlices")
+            self.liveness.live(f"{len(self.view.services)} annotated Services, {len(self.view.slices)} EndpointSlices")
 
     async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
         """List, then watch from the list's version; on 410 list again; on errors back off, until

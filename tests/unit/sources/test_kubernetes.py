@@ -99,10 +99,10 @@ def test_relist_of_one_namespace_keeps_the_others() -> None:
     src.replace(SLICES, "shop", [load("slice-ipv4")])
     src.replace(SLICES, "other", [other_slice])
     src.publish()
-    assert len(src._slices) == 2
+    assert len(src.view.slices) == 2
     src.replace(SLICES, "shop", [])
     src.publish()
-    assert list(src._slices) == ["other/web-x7k2p"]
+    assert list(src.view.slices) == ["other/web-x7k2p"]
     assert set(addresses(store, "web")) == {"127.0.0.2", "127.0.0.3", "127.0.0.6"}
 
 
@@ -114,7 +114,7 @@ def test_unchanged_events_do_not_remap() -> None:
     resent = load("slice-ipv4")
     resent["metadata"]["resourceVersion"] = "2000"  # a new version with the same content
     src.apply(SLICES, "MODIFIED", resent)
-    assert not src._dirty
+    assert not src.view.dirty
 
 
 def test_node_regions() -> None:
@@ -130,7 +130,7 @@ def test_node_regions() -> None:
     assert localities["127.0.0.2"] == Locality("eu-west", "zone-a")  # on node-a
     assert localities["127.0.0.6"] == Locality()  # no nodeName
     src.apply(NODES, "MODIFIED", {**node, "status": {"conditions": []}})  # a heartbeat: nothing to do
-    assert not src._dirty
+    assert not src.view.dirty
     src.replace(NODES, None, [])  # node-a gone: its region with it
     src.publish()
     assert store.resources()["web"].group.endpoints[0].locality == Locality("", "zone-a")
