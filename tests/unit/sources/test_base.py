@@ -24,6 +24,7 @@ from eds_server.sources.base import (
     SourceStatus,
     WarnOnce,
     pause,
+    reconnect,
 )
 from eds_server.store import Store
 from tests.support.waiting import wait_for
@@ -278,3 +279,48 @@ async def test_heartbeat_does_not_blame_the_peer_for_our_own_busy_loop() -> None
         # asked again, answered, and probed on past that answer's deadline: not taken as a hang
         await wait_for(lambda: calls, lambda n: n >= 3, timeout=2, what="probes after the blocked one")
     assert beat.hangs == 0
+
+
+async def test_one_reconnect_loop_says_why_each_connection_ended_and_waits_a_growing_backoff() -> None:
+    stop = asyncio.Event()
+    attempts: list[int] = []
+    lost: list[tuple[str, float]] = []
+    backoff = Backoff(0.001, 0.004)
+
+    async def connect() -> str:
+        attempts.append(len(attempts))
+        if len(attempts) == 1:
+            raise ConnectionRefusedError("refused")
+        if len(attempts) == 3:
+            backoff.reset()  # it followed again
+        if len(attempts) == 4:
+            stop.set()
+        return "ended"
+
+    await asyncio.wait_for(
+        reconnect(stop, connect, backoff=backoff, why=lambda e: f"{type(e).__name__}: {e}",
+                  lost=lambda reason, delay: lost.append((reason, delay))),
+        10,
+    )  # fmt: skip
+    assert len(attempts) == 4  # the fourth ended while stopping: not reported, no wait
+    assert [r for r, _ in lost] == ["ConnectionRefusedError: refused", "ended", "ended"]
+    assert 0.0005 <= lost[0][1] <= 0.001 and 0.001 <= lost[1][1] <= 0.002 and lost[2][1] <= 0.001  # reset
+
+
+async def test_a_reconnect_loop_stops_during_its_wait() -> None:
+    stop = asyncio.Event()
+    lost: list[str] = []
+
+    async def connect() -> str:
+        return "ended"
+
+    task = asyncio.create_task(reconnect(stop, connect, backoff=Backoff(3600, 3600), why=str,
+                                         lost=lambda reason, _: (lost.append(reason), stop.set())))  # fmt: skip
+    await asyncio.wait_for(task, 10)  # not an hour: stop ends the wait
+    assert lost == ["ended"]
+
+
+def test_backoff_jitter_share() -> None:
+    full = Backoff(0.1, 0.1, jitter=1.0)
+    none = Backoff(0.1, 0.1, jitter=0.0)
+    assert all(0 <= full.next() <= 0.1 for _ in range(50)) and none.next() == 0.1
