@@ -1,4 +1,4 @@
-"""Assembly: sources feed the store, the store feeds the gRPC service; admin looks on."""
+"""Assembly: sources feed the aggregator (in MERGE_ORDER), it the store, the store the gRPC service; admin looks on."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class EngineFollower(Followed):
         return await asyncio.wait_for(coro, self.request_timeout)
 
     def _publish(self, warnings: Mapping[str, str | None], groups: Mapping[str, Group]) -> None:
-        """Log each object's warning once (until it changes), and hand the store the whole state."""
+        """Log each object's warning once (until it changes), and publish the whole state."""
         self.warnings.update(warnings)
         changed = self.feed.publish(self.name, groups)
         if changed:
@@ -108,7 +108,7 @@ class EngineFollower(Followed):
         raise NotImplementedError
 
     def publish(self) -> None:
-        """Hand the store the groups as they stand."""
+        """Publish the groups as they stand."""
         raise NotImplementedError
 
     async def relist(self, docker: aiodocker.Docker) -> None:
@@ -183,7 +183,7 @@ class DockerSource(EngineFollower):
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Hand the store the whole current state (it works out what changed)."""
+        """Publish the whole current state (the store works out what changed)."""
         per_container = {
             cid: container_endpoints(self._inspects[cid], self.options, draining=cid in self._draining)
             for cid in sorted(self._inspects)

@@ -270,7 +270,7 @@ class SwarmSource(EngineFollower):
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Hand the store the whole current state (it works out what changed)."""
+        """Publish the whole current state (the store works out what changed)."""
         per_service = {
             sid: service_endpoints(self._services[sid], self._tasks.get(sid, []), self.options, self._nodes,
                                    self._local_node)
