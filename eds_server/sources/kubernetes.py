@@ -230,6 +230,37 @@ def went_away(e: BaseException) -> bool | None:
     return None if isinstance(e, aiohttp.ClientError | TimeoutError | OSError) else False
 
 
+Scope = tuple[Kind, str | None]  # a kind, in one namespace (None: all)
+
+
+class Outage:
+    """Which scopes are failing and why: said once per outage, and again when its nature changes
+    while it lasts (the API server back but refusing the credentials is news to act on, not more of
+    the same)."""
+
+    def __init__(self, liveness: Liveness) -> None:
+        self.liveness = liveness
+        self.down: dict[Scope, str] = {}  # scopes failing now, and why
+        self._said = False  # whether this outage was logged
+        self._nature: int | None = None  # and its kind: None away, else the status the server refused us with
+
+    def failed(self, scope: Scope, reason: str, retry_in: float, error: BaseException) -> None:
+        self.down[scope] = reason
+        # the API server away (whichever way) is one thing; each status it refuses us with is another
+        nature = None if went_away(error) is not False else int(getattr(error, "status", 0))
+        again = self._said and nature != self._nature
+        self._said = True
+        self._nature = nature
+        self.liveness.lost(reason, retry_in, again=again)
+
+    def recovered(self, scope: Scope) -> bool:
+        """`scope` follows again; True when no scope is failing any more."""
+        self.down.pop(scope, None)
+        if not self.down:
+            self._said, self._nature = False, None
+        return not self.down
+
+
 class KubernetesSource(Followed):
     name = "kubernetes"
 
@@ -263,10 +294,8 @@ class KubernetesSource(Followed):
         self._scopes = [(kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))]
         if options.node_regions:
             self._scopes.append((NODES, None))
-        self._listed: set[tuple[Kind, str | None]] = set()  # scopes listed at least once
-        self._down: dict[tuple[Kind, str | None], str] = {}  # scopes currently failing, and why
-        self._said = False  # whether this outage was logged
-        self._nature: int | None = None  # and its kind: None away, else the status the server refused us with
+        self._listed: set[Scope] = set()  # scopes listed at least once
+        self.outage = Outage(self.liveness)  # the scopes failing now, said once per outage
         self._changed = asyncio.Event()
         self._api: Any = None
         self._loaded_at = 0.0
@@ -404,24 +433,11 @@ class KubernetesSource(Followed):
         if self.view.dirty:
             self._changed.set()
 
-    def _failed(self, scope: tuple[Kind, str | None] | None, reason: str, retry_in: float | None = None,
-                error: BaseException | None = None) -> None:  # fmt: skip
-        """Logged once per outage, and again when its nature changes while it lasts (the API server
-        back but refusing the credentials is news to act on, not more of the same)."""
-        if scope is not None:
-            self._down[scope] = reason
-        # the API server away (whichever way) is one thing; each status it refuses us with is another
-        nature = None if error is None or went_away(error) is not False else int(getattr(error, "status", 0))
-        again = self._said and nature != self._nature
-        self._said = True
-        self._nature = nature
-        self.liveness.lost(reason, retry_in, again=again)
+    def _failed(self, scope: Scope, reason: str, retry_in: float, error: BaseException) -> None:
+        self.outage.failed(scope, reason, retry_in, error)
 
-    def _recovered(self, scope: tuple[Kind, str | None]) -> None:
-        self._down.pop(scope, None)
-        if not self._down:
-            self._said, self._nature = False, None
-        if not self._down and self.loaded and not self.connected:
+    def _recovered(self, scope: Scope) -> None:
+        if self.outage.recovered(scope) and self.loaded and not self.connected:
             self.liveness.live(f"{len(self.view.services)} annotated Services, {len(self.view.slices)} EndpointSlices")
 
     async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
