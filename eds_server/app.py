@@ -1,4 +1,4 @@
-"""Assembly: sources feed the store, the store feeds the gRPC service; admin looks on."""
+"""Assembly: sources feed the aggregator (in MERGE_ORDER), it the store, the store the gRPC service; admin looks on."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .fields import MAX_UPSTREAMS_SIZE
 from .metrics import make_registry
 from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
+from .sources.aggregator import Aggregator
 from .sources.base import Source
 from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
     from .sources.registrations_etcd import EtcdRegistrationSource
 
 log = logging.getLogger("eds_server")
+
+# The merge order of the sources, by kind: on a duplicate address in a group the first source's
+# endpoint wins (docs/fail-static.md). Started, listed (/v1/sources, the status page, metrics) and
+# merged in this order, whatever order they are built in. A relay is its server's only source.
+MERGE_ORDER: tuple[str, ...] = ("file", "docker", "swarm", "kubernetes", "registrations", "relay")
 
 
 @dataclass
@@ -93,23 +99,22 @@ class App:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.store = Store(encode_group)
-        debounce_ms = round(settings.debounce * 1000)
-        # The merge order, also the store's: on a duplicate address in a group the first source wins
-        # (docs/fail-static.md). Each source declares itself to the store as it is made.
+        self.aggregator = Aggregator(self.store)  # the sources' only way to the store
+        feed = self.aggregator
         self.file_source = (
             UpstreamsFileSource(
-                settings.upstreams, self.store, debounce_ms=max(1, debounce_ms), max_size=settings.max_upstreams_size
+                feed, settings.upstreams, debounce=settings.debounce, max_size=settings.max_upstreams_size
             )
             if settings.upstreams
             else None
         )
         self.docker_source = (
-            DockerSource(self.store, settings.docker, host=settings.docker_host, debounce=settings.debounce)
+            DockerSource(feed, settings.docker, host=settings.docker_host, debounce=settings.debounce)
             if settings.docker is not None
             else None
         )
         self.swarm_source = (
-            SwarmSource(self.store, settings.swarm, host=settings.docker_host, debounce=settings.debounce)
+            SwarmSource(feed, settings.swarm, host=settings.docker_host, debounce=settings.debounce)
             if settings.swarm is not None
             else None
         )
@@ -117,23 +122,24 @@ class App:
         if settings.kubernetes is not None:
             from .sources.kubernetes import KubernetesSource
 
-            self.kubernetes_source = KubernetesSource(self.store, settings.kubernetes, debounce=settings.debounce)
+            self.kubernetes_source = KubernetesSource(feed, settings.kubernetes, debounce=settings.debounce)
         self.registrations: RegistrationSource | EtcdRegistrationSource | None = None
         if is_etcd(settings.state):
             from .sources.registrations_etcd import EtcdRegistrationSource
 
             assert settings.state is not None
-            self.registrations = EtcdRegistrationSource(self.store, parse_target(settings.state), settings.etcd,
+            self.registrations = EtcdRegistrationSource(feed, parse_target(settings.state), settings.etcd,
                                                         max_registrations=settings.max_registrations)  # fmt: skip
         elif settings.state or settings.admin_token or settings.registration_policy.scoped_tokens:
-            self.registrations = RegistrationSource(self.store, settings.state,
+            self.registrations = RegistrationSource(feed, settings.state,
                                                     max_registrations=settings.max_registrations)  # fmt: skip
-        self.relay = RelaySource(self.store, settings.upstream_eds) if settings.upstream_eds is not None else None
-        candidates: list[Source | None] = [
-            self.file_source, self.docker_source, self.swarm_source, self.kubernetes_source, self.registrations,
-            self.relay,
-        ]  # fmt: skip
-        self.sources: list[Source] = [s for s in candidates if s is not None]
+        self.relay = RelaySource(feed, settings.upstream_eds) if settings.upstream_eds is not None else None
+        by_kind: dict[str, Source | None] = {
+            "file": self.file_source, "docker": self.docker_source, "swarm": self.swarm_source,
+            "kubernetes": self.kubernetes_source, "registrations": self.registrations, "relay": self.relay,
+        }  # fmt: skip
+        self.sources: list[Source] = [s for s in (by_kind[kind] for kind in MERGE_ORDER) if s is not None]
+        self.aggregator.declare([s.name for s in self.sources])
         self.service = EdsService(
             self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams
         )
@@ -343,7 +349,7 @@ class App:
             if not t.cancelled() and t.exception() is not None:
                 log.error("%s stopped: %r", what, t.exception(), exc_info=t.exception())
                 if source is not None:
-                    self.store.mark_stale(source, True)
+                    self.aggregator.mark_stale(source, True)
 
         task.add_done_callback(done)
         self._tasks.append(task)

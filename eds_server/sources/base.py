@@ -1,8 +1,10 @@
 """What every source is to the rest of the server, and the pieces more than one of them needs.
 
-A source delivers whole states of its groups to the store and says how it is doing through
+A source publishes whole states of its groups to a `Feed` (the App's `Aggregator`, which alone
+holds the store and declares the sources to it in one merge order) and says how it is doing through
 `status()`; the App, the status page, `/v1/sources`, `/readyz` and the metrics know sources by that
-alone. The followers of something remote (Docker, Swarm, Kubernetes, etcd) share the rest: a
+alone. A source never sees the store: what it may ask and tell is the `Feed` below. The followers
+of something remote (Docker, Swarm, Kubernetes, etcd, an upstream eds-server) share the rest: a
 jittered backoff between attempts, one log line per change of health rather than per attempt, and
 marking their groups stale while the last known state is served without being followed.
 """
@@ -16,9 +18,12 @@ import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..store import Store
+from ..model import Group
+
+if TYPE_CHECKING:
+    from ..store import Resource
 
 log = logging.getLogger("eds_server.sources")
 
@@ -53,22 +58,67 @@ class Source(Protocol):
         """What must hold before serving at all (e.g. a valid upstreams file); raising refuses to start."""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Follow what it reads until `stop` is set, delivering to the store; never raises for a fault
+        """Follow what it reads until `stop` is set, publishing to its feed; never raises for a fault
         of what it follows (that is `status().last_error`)."""
 
     def status(self) -> SourceStatus: ...
 
 
-class Backoff:
-    """Full-jitter exponential backoff, capped."""
+class Feed(Protocol):
+    """What a source may tell the server, and ask of it, by its own name: the aggregator's side
+    that sources see (Traefik's providers get a channel the same way). The merge order is not
+    the feed's to choose: the App declares every source in one list (`app.MERGE_ORDER`)."""
 
-    def __init__(self, initial: float = 0.2, cap: float = 5.0) -> None:
-        self.initial, self.cap, self.attempt = initial, cap, 0
+    def publish(self, source: str, groups: Mapping[str, Group]) -> frozenset[str]:
+        """Everything `source` provides now (a whole state); the names whose assignment changed."""
+        ...
+
+    def mark_stale(self, source: str, stale: bool) -> None:
+        """`source` lost (or regained) what it follows; its last state keeps being served."""
+
+    def loaded(self, source: str) -> bool:
+        """`source` delivered its first state."""
+        ...
+
+    @property
+    def serving(self) -> bool:
+        """Envoy is answered (every source loaded, or the startup timeout passed)."""
+        ...
+
+    def problems_with(self, source: str, name: str, part: Group | None) -> list[str]:
+        """What Envoy would reject in group `name` if `source` gave `part` (None: nothing) for it."""
+        ...
+
+
+class RelayFeed(Feed, Protocol):
+    """A relay's feed: it is the only source of its server, passes its upstream's encoded
+    resources on as they are, and asks its upstream only for the names someone follows."""
+
+    def publish_resources(self, source: str, resources: Mapping[str, Resource], removed: Iterable[str] = ()) -> None:
+        """Resources as the upstream encoded them; a removed name is withheld again (Envoy keeps what it has)."""
+
+    def held(self) -> Mapping[str, Resource]:
+        """Every resource served now."""
+        ...
+
+    def withhold(self, interest: Callable[[tuple[str, ...], tuple[str, ...]], None]) -> Iterable[str]:
+        """Answer nothing for a name not received yet, and call `interest(added, removed)` when the
+        followed names change; returns the names followed now."""
+        ...
+
+
+class Backoff:
+    """Exponential backoff in seconds, capped and jittered: the `jitter` share of each delay is
+    random (a half by default, so that many followers of one peer do not come back together; 1: any
+    delay up to it, for retries that must get out of step with a rival's)."""
+
+    def __init__(self, initial: float = 0.2, cap: float = 5.0, jitter: float = 0.5) -> None:
+        self.initial, self.cap, self.jitter, self.attempt = initial, cap, jitter, 0
 
     def next(self) -> float:
         delay = min(self.cap, self.initial * 2**self.attempt)
         self.attempt += 1
-        return random.uniform(delay / 2, delay)
+        return random.uniform(delay * (1 - self.jitter), delay)
 
     def reset(self) -> None:
         self.attempt = 0
@@ -144,6 +194,30 @@ async def pause(delay: float, stop: asyncio.Event, check: Callable[[], Awaitable
         if check is not None and await check():
             return True
     return False
+
+
+async def reconnect(stop: asyncio.Event, connect: Callable[[], Awaitable[str]], *, backoff: Backoff,
+                    why: Callable[[Exception], str], lost: Callable[[str, float], None],
+                    check: Callable[[], Awaitable[bool]] | None = None, every: float = 1.0) -> None:  # fmt: skip
+    """The reconnect loop of the followers of something remote, until `stop` is set.
+
+    `connect()` is one connection's life: it lists, follows, resets `backoff` once it follows again,
+    and returns why it ended (or raises: `why` puts the exception in words). Unless stopping meanwhile,
+    `lost(reason, delay)` says so (the source's Liveness marks it stale: its last state keeps being
+    served) and the next attempt comes after `delay` seconds of jittered backoff, or sooner if
+    `check`, asked every `every` seconds, says the peer is back."""
+    while not stop.is_set():
+        try:
+            reason = await connect()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # whatever it was, keep serving and try again
+            reason = why(e)
+        if stop.is_set():
+            return
+        delay = backoff.next()
+        lost(reason, delay)
+        await pause(delay, stop, check, every)
 
 
 class Hung(TimeoutError):
@@ -334,24 +408,24 @@ class WarnOnce:
 
 
 class Liveness:
-    """A remote source's health: live or not, why not, told to the store (stale marking) and logged
+    """A remote source's health: live or not, why not, told to the feed (stale marking) and logged
     once per change rather than once per retry."""
 
-    def __init__(self, store: Store, name: str, what: str) -> None:
-        self.store, self.name, self.what = store, name, what
+    def __init__(self, feed: Feed, name: str, what: str) -> None:
+        self.feed, self.name, self.what = feed, name, what
         self.live_now = False
         self.last_error: str | None = None
 
     @property
     def loaded(self) -> bool:
-        """It delivered its first state to the store."""
-        return self.name not in self.store.pending_sources
+        """It delivered its first state."""
+        return self.feed.loaded(self.name)
 
     def live(self, detail: str = "") -> None:
         if not self.live_now:
             log.info("%s: following %s%s", self.name, self.what, f": {detail}" if detail else "")
         self.live_now, self.last_error = True, None
-        self.store.mark_stale(self.name, False)
+        self.feed.mark_stale(self.name, False)
 
     def lost(self, reason: str, retry_in: float | None = None, again: bool = False, then: str | None = None) -> None:
         """`reason` is what happened, in words; with `retry_in` it is said as it is, followed by when
@@ -361,7 +435,7 @@ class Liveness:
         if self.live_now or self.last_error is None or again:
             meanwhile = (
                 "serving the last known endpoints (stale)" if self.loaded
-                else "not loaded yet: serving without it (--startup-timeout passed)" if self.store.ready
+                else "not loaded yet: serving without it (--startup-timeout passed)" if self.feed.serving
                 else "not loaded yet: nothing is answered to Envoy until it is (Envoy keeps what it has)"
             )  # fmt: skip
             if then is not None:
@@ -373,7 +447,7 @@ class Liveness:
                             " and retrying" if self.loaded else "; retrying")  # fmt: skip
         self.live_now = False
         self.last_error = reason
-        self.store.mark_stale(self.name, True)
+        self.feed.mark_stale(self.name, True)
 
     def refused(self, reason: str) -> None:
         """Input refused while connected (the last good state stays): said as `last_error` on the

@@ -74,7 +74,7 @@ def _checked(label: str, setting: str, value: str, checks: Mapping[str, Any], wh
         raise Skip(f"{what} {label}: {e}") from None
 
 
-def _settings(
+def group_settings(
     labels: Mapping[str, str],
     prefix: str,
     *,
@@ -197,7 +197,7 @@ def container_endpoints(
         return out
     health = health_of(inspect, draining)
     try:
-        groups, settings = _settings(labels, options.label_prefix)
+        groups, settings = group_settings(labels, options.label_prefix)
         if health is None:
             return out
         for group in groups:

@@ -20,8 +20,7 @@ from typing import Any, cast
 import aiodocker
 
 from ..model import Group
-from ..store import Store
-from .base import Backoff, Debounce, Followed, Heartbeat, Hung, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Debounce, Feed, Followed, Heartbeat, Hung, Liveness, SourceStatus, WarnOnce, reconnect
 from .containers import DockerOptions, container_endpoints, groups_of, opted_in
 
 log = logging.getLogger("eds_server.sources.docker")
@@ -64,7 +63,7 @@ class EngineFollower(Followed):
 
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         options: DockerOptions,
         *,
         host: str | None = None,
@@ -74,18 +73,17 @@ class EngineFollower(Followed):
         ping_timeout: float = 2.0,
         request_timeout: float = 10.0,
     ) -> None:
-        self.store = store
+        self.feed = feed
         self.options = options
         self.host = host
         self.debounce = debounce
         self.resync_interval = max(30.0, resync_interval)
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.request_timeout = request_timeout
-        self.liveness = Liveness(store, self.name, self.what)
+        self.liveness = Liveness(feed, self.name, self.what)
         self.heartbeat: Heartbeat | None = None  # the current connection's
         self.last_sync: float | None = None
         self.warnings = WarnOnce(log)  # per container or service
-        store.add_source(self.name)
 
     def status(self) -> SourceStatus:
         return self.liveness.status(connected=self.connected, **self._counts())
@@ -100,9 +98,9 @@ class EngineFollower(Followed):
         return await asyncio.wait_for(coro, self.request_timeout)
 
     def _publish(self, warnings: Mapping[str, str | None], groups: Mapping[str, Group]) -> None:
-        """Log each object's warning once (until it changes), and hand the store the whole state."""
+        """Log each object's warning once (until it changes), and publish the whole state."""
         self.warnings.update(warnings)
-        changed = self.store.update(self.name, groups)
+        changed = self.feed.publish(self.name, groups)
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
 
@@ -110,7 +108,7 @@ class EngineFollower(Followed):
         raise NotImplementedError
 
     def publish(self) -> None:
-        """Hand the store the groups as they stand."""
+        """Publish the groups as they stand."""
         raise NotImplementedError
 
     async def relist(self, docker: aiodocker.Docker) -> None:
@@ -124,7 +122,8 @@ class EngineFollower(Followed):
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the engine until `stop` is set, reconnecting for as long as it takes."""
         backoff = Backoff()
-        while not stop.is_set():
+
+        async def connect() -> str:
             docker: aiodocker.Docker | None = None
             try:
                 # DOCKER_HOST first, as the docker CLI does (aiodocker alone prefers the context).
@@ -134,23 +133,23 @@ class EngineFollower(Followed):
                                            every=self.ping_interval, timeout=self.ping_timeout)  # fmt: skip
                 async with self.heartbeat.watching():
                     await self._follow(docker, stop, backoff)
-            except Hung as e:
-                self._lost(str(e))
-            except AssertionError:  # aiodocker's way of saying it found no engine address
-                self._lost("no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock")
-            except aiodocker.DockerError as e:
-                self._lost(f"{e.status}: {e.message}")
-            except Exception as e:  # whatever it was, keep serving and try again
-                self._lost(f"{type(e).__name__}: {e}")
+                return "the engine ended the event stream"
             finally:
                 if docker is not None:
                     await _close(docker)
-            if not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
 
-    def _lost(self, reason: str) -> None:
-        self.liveness.lost(with_fix(reason))
+        await reconnect(stop, connect, backoff=backoff, why=_why,
+                        lost=lambda reason, _: self.liveness.lost(with_fix(reason)))  # fmt: skip
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, Hung):
+        return str(e)
+    if isinstance(e, AssertionError):  # aiodocker's way of saying it found no engine address
+        return "no engine: set DOCKER_HOST or --docker-host, or mount /var/run/docker.sock"
+    if isinstance(e, aiodocker.DockerError):
+        return f"{e.status}: {e.message}"
+    return f"{type(e).__name__}: {e}"
 
 
 def _pinger(docker: aiodocker.Docker) -> Callable[[], Awaitable[object]]:
@@ -174,8 +173,8 @@ def with_fix(reason: str) -> str:
 class DockerSource(EngineFollower):
     name = "docker"
 
-    def __init__(self, store: Store, options: DockerOptions, **kwargs: Any) -> None:
-        super().__init__(store, options, **kwargs)
+    def __init__(self, feed: Feed, options: DockerOptions, **kwargs: Any) -> None:
+        super().__init__(feed, options, **kwargs)
         self._inspects: dict[str, Mapping[str, Any]] = {}  # container id -> docker inspect
         self._draining: set[str] = set()
 
@@ -184,7 +183,7 @@ class DockerSource(EngineFollower):
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Hand the store the whole current state (it works out what changed)."""
+        """Publish the whole current state (the store works out what changed)."""
         per_container = {
             cid: container_endpoints(self._inspects[cid], self.options, draining=cid in self._draining)
             for cid in sorted(self._inspects)

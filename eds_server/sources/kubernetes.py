@@ -31,17 +31,17 @@ import json
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from ..ratelimit import LogBudget
-from ..store import Store
 from .base import (
     Backoff,
     Comeback,
+    Feed,
     FileStamps,
     Followed,
     Heartbeat,
@@ -52,18 +52,7 @@ from .base import (
     WarnOnce,
     pause,
 )
-from .kubernetes_map import (
-    REGION_LABEL,
-    KubernetesOptions,
-    ServiceEndpoints,
-    groups_of,
-    object_key,
-    opted_in,
-    service_endpoints,
-    slice_service,
-    trim_service,
-    trim_slice,
-)
+from .kubernetes_map import ClusterView, KubernetesOptions
 
 log = logging.getLogger("eds_server.sources.kubernetes")
 
@@ -241,12 +230,43 @@ def went_away(e: BaseException) -> bool | None:
     return None if isinstance(e, aiohttp.ClientError | TimeoutError | OSError) else False
 
 
+Scope = tuple[Kind, str | None]  # a kind, in one namespace (None: all)
+
+
+class Outage:
+    """Which scopes are failing and why: said once per outage, and again when its nature changes
+    while it lasts (the API server back but refusing the credentials is news to act on, not more of
+    the same)."""
+
+    def __init__(self, liveness: Liveness) -> None:
+        self.liveness = liveness
+        self.down: dict[Scope, str] = {}  # scopes failing now, and why
+        self._said = False  # whether this outage was logged
+        self._nature: int | None = None  # and its kind: None away, else the status the server refused us with
+
+    def failed(self, scope: Scope, reason: str, retry_in: float, error: BaseException) -> None:
+        self.down[scope] = reason
+        # the API server away (whichever way) is one thing; each status it refuses us with is another
+        nature = None if went_away(error) is not False else int(getattr(error, "status", 0))
+        again = self._said and nature != self._nature
+        self._said = True
+        self._nature = nature
+        self.liveness.lost(reason, retry_in, again=again)
+
+    def recovered(self, scope: Scope) -> bool:
+        """`scope` follows again; True when no scope is failing any more."""
+        self.down.pop(scope, None)
+        if not self.down:
+            self._said, self._nature = False, None
+        return not self.down
+
+
 class KubernetesSource(Followed):
     name = "kubernetes"
 
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         options: KubernetesOptions,
         *,
         debounce: float = 0.05,
@@ -256,7 +276,7 @@ class KubernetesSource(Followed):
         probe_timeout: float = 2.0,
         backoff: tuple[float, float] = (0.2, 30.0),  # first delay, cap
     ) -> None:
-        self.store = store
+        self.feed = feed
         self.options = options
         self.debounce = debounce
         self.request_timeout = request_timeout
@@ -265,24 +285,17 @@ class KubernetesSource(Followed):
         self.probe = SharedProbe(self._probe, fresh=probe_every / 2)
         self.heartbeat = Heartbeat(self._pulse, "the API server", every=probe_every, timeout=probe_timeout)
         self._answering = True  # the last probe's answer, to say once that the server is back
-        self.liveness = Liveness(store, self.name, "the API server")
+        self.liveness = Liveness(feed, self.name, "the API server")
         self.watches_open = 0
         self.events = 0  # watch events applied, for tests and benchmarks
         self.relists = 0
-        self._services: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed, opted-in Service
-        self._slices: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed EndpointSlice
-        self._slices_of: dict[str, set[str]] = {}  # Service key -> its slices' keys
-        self._cache: dict[str, ServiceEndpoints] = {}  # Service key -> what it contributes
-        self._dirty: set[str] = set()  # Service keys to map again
+        self.view = ClusterView(options.annotation_prefix)  # the mapper: objects read -> groups
         self.warnings = WarnOnce(log)  # per Service
-        self._regions: dict[str, str] = {}  # node name -> region (with node_regions)
         self._scopes = [(kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))]
         if options.node_regions:
             self._scopes.append((NODES, None))
-        self._listed: set[tuple[Kind, str | None]] = set()  # scopes listed at least once
-        self._down: dict[tuple[Kind, str | None], str] = {}  # scopes currently failing, and why
-        self._said = False  # whether this outage was logged
-        self._nature: int | None = None  # and its kind: None away, else the status the server refused us with
+        self._listed: set[Scope] = set()  # scopes listed at least once
+        self.outage = Outage(self.liveness)  # the scopes failing now, said once per outage
         self._changed = asyncio.Event()
         self._api: Any = None
         self._loaded_at = 0.0
@@ -290,109 +303,35 @@ class KubernetesSource(Followed):
         self._reloads_said = LogBudget(log, most=1, window=300.0)
         self._stamps = FileStamps(config_files(options))  # the configuration's files as last loaded
         self.loads = 0  # configurations loaded (one more per rotation), for tests
-        store.add_source(self.name)
 
     # -- state ---------------------------------------------------------------------------------
     @property
     def loaded(self) -> bool:
         return len(self._listed) == len(self._scopes)
 
-    def _in_scope(self, key: str, namespace: str | None) -> bool:
-        return namespace is None or key.startswith(namespace + "/")
-
-    def _set_service(self, obj: Mapping[str, Any] | None, key: str) -> None:
-        if obj is not None and opted_in(obj, self.options.annotation_prefix):
-            trimmed = trim_service(obj, self.options.annotation_prefix)
-            if self._services.get(key) != trimmed:
-                self._services[key] = trimmed
-                self._dirty.add(key)
-        elif self._services.pop(key, None) is not None:
-            self._dirty.add(key)
-
-    def _set_slice(self, obj: Mapping[str, Any] | None, key: str) -> None:
-        trimmed = trim_slice(obj) if obj is not None else None
-        old = self._slices.get(key)
-        if trimmed == old:
-            return  # a new resourceVersion of the same content (or nothing known of it)
-        if old is not None:
-            del self._slices[key]
-            owner = slice_service(old)
-            if owner is not None:
-                siblings = self._slices_of.get(owner, set())
-                siblings.discard(key)
-                if not siblings:
-                    self._slices_of.pop(owner, None)
-                self._dirty.add(owner)
-        owner = slice_service(trimmed) if trimmed is not None else None
-        if trimmed is not None and owner is not None:
-            self._slices[key] = trimmed
-            self._slices_of.setdefault(owner, set()).add(key)
-            self._dirty.add(owner)
-
-    def _set_node(self, obj: Mapping[str, Any] | None, key: str) -> None:
-        name = key.lstrip("/")
-        region = str(((((obj or {}).get("metadata") or {}).get("labels")) or {}).get(REGION_LABEL) or "")
-        if self._regions.get(name, "") == region:
-            return  # most Node updates are status heartbeats: nothing for us
-        if region:
-            self._regions[name] = region
-        else:
-            self._regions.pop(name, None)
-        self._dirty.update(self._services)  # rare: map every Service again
-
-    def _setter(self, kind: Kind) -> Callable[[Mapping[str, Any] | None, str], None]:
-        if kind.plural == SERVICES.plural:
-            return self._set_service
-        return self._set_slice if kind.plural == SLICES.plural else self._set_node
-
     def apply(self, kind: Kind, event_type: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED) for a Service, an EndpointSlice or a Node."""
-        key = object_key(obj)
-        gone = event_type == "DELETED"
-        self._setter(kind)(None if gone else obj, key)
+        self.view.apply(kind.plural, event_type, obj)
         self.events += 1
 
     def replace(self, kind: Kind, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
         """A full listing of one kind in one scope: what it lacks is gone."""
-        known: Iterable[str]
-        if kind.plural == SERVICES.plural:
-            known = self._services
-        elif kind.plural == SLICES.plural:
-            known = self._slices
-        else:
-            known = [f"/{n}" for n in self._regions]
-        setter = self._setter(kind)
-        listed = {object_key(o): o for o in items}
-        for key in [k for k in known if self._in_scope(k, namespace) and k not in listed]:
-            setter(None, key)
-        for key, obj in listed.items():
-            setter(obj, key)
+        self.view.replace(kind.plural, namespace, items)
 
     def publish(self) -> None:
-        """Map the Services that changed again, and hand the store the whole state."""
-        dirty, self._dirty = self._dirty, set()
-        prefix = self.options.annotation_prefix
-        for key in dirty:
-            svc = self._services.get(key)
-            if svc is None:
-                self._cache.pop(key, None)
-                continue
-            slices = [self._slices[k] for k in self._slices_of.get(key, ()) if k in self._slices]
-            self._cache[key] = service_endpoints(svc, slices, prefix, self._regions)
-        warnings: dict[str, str] = {}
-        for entry in self._cache.values():
-            warnings.update(entry.warnings)
+        """Map the Services that changed again, and publish the whole state."""
+        groups, warnings = self.view.groups()
         self.warnings.replace(warnings)
-        changed = self.store.update(self.name, groups_of(self._cache[k] for k in sorted(self._cache)))
+        changed = self.feed.publish(self.name, groups)
         if changed:
             log.info("%s: groups changed: %s", self.name, ", ".join(sorted(changed)))
 
     def status(self) -> SourceStatus:
         return self.liveness.status(
             connected=self.connected,
-            services=len(self._services),
-            endpointslices=len(self._slices),
-            node_regions=len(self._regions) if self.options.node_regions else None,
+            services=len(self.view.services),
+            endpointslices=len(self.view.slices),
+            node_regions=len(self.view.regions) if self.options.node_regions else None,
             watches=self.watches_open,
             relists=self.relists,
             events=self.events,
@@ -491,28 +430,15 @@ class KubernetesSource(Followed):
                 self.publish()
 
     def _touch(self) -> None:
-        if self._dirty:
+        if self.view.dirty:
             self._changed.set()
 
-    def _failed(self, scope: tuple[Kind, str | None] | None, reason: str, retry_in: float | None = None,
-                error: BaseException | None = None) -> None:  # fmt: skip
-        """Logged once per outage, and again when its nature changes while it lasts (the API server
-        back but refusing the credentials is news to act on, not more of the same)."""
-        if scope is not None:
-            self._down[scope] = reason
-        # the API server away (whichever way) is one thing; each status it refuses us with is another
-        nature = None if error is None or went_away(error) is not False else int(getattr(error, "status", 0))
-        again = self._said and nature != self._nature
-        self._said = True
-        self._nature = nature
-        self.liveness.lost(reason, retry_in, again=again)
+    def _failed(self, scope: Scope, reason: str, retry_in: float, error: BaseException) -> None:
+        self.outage.failed(scope, reason, retry_in, error)
 
-    def _recovered(self, scope: tuple[Kind, str | None]) -> None:
-        self._down.pop(scope, None)
-        if not self._down:
-            self._said, self._nature = False, None
-        if not self._down and self.loaded and not self.connected:
-            self.liveness.live(f"{len(self._services)} annotated Services, {len(self._slices)} EndpointSlices")
+    def _recovered(self, scope: Scope) -> None:
+        if self.outage.recovered(scope) and self.loaded and not self.connected:
+            self.liveness.live(f"{len(self.view.services)} annotated Services, {len(self.view.slices)} EndpointSlices")
 
     async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
         """List, then watch from the list's version; on 410 list again; on errors back off, until

@@ -2,7 +2,7 @@
 
 No IO here, so every rule (annotations, port choice, endpoint conditions, address types) is
 unit-tested from recorded API objects. Annotations are parsed by the Docker label code
-(`containers._settings`), so `eds.group`, `eds.<key>` and `eds.<group>.<key>` mean the same in both.
+(`containers.group_settings`), so `eds.group`, `eds.<key>` and `eds.<group>.<key>` mean the same in both.
 
 Conditions (discovery.k8s.io/v1; a missing `ready`/`serving` means true, a missing `terminating` false):
 - not terminating and ready                 -> HEALTHY
@@ -14,13 +14,13 @@ Conditions (discovery.k8s.io/v1; a missing `ready`/`serving` means true, a missi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fields
 from ..model import Endpoint, Group, Health, groups_from, locality
-from .containers import Skip, _settings
+from .containers import Skip, group_settings
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 REGION_LABEL = "topology.kubernetes.io/region"
@@ -147,7 +147,7 @@ def service_endpoints(
     key = object_key(service)
     out = ServiceEndpoints(key)
     try:
-        groups, settings = _settings(
+        groups, settings = group_settings(
             annotations_of(service), prefix, keys=SETTING_KEYS, checks=_CHECKS, what="annotation"
         )
         ports = {g: port_name(service, settings[g].get("port"), prefix) for g in groups}
@@ -212,3 +212,100 @@ def trim_service(service: Mapping[str, Any], prefix: str) -> dict[str, Any]:
         "spec": {"ports": [{"name": p.get("name"), "port": p.get("port")}
                            for p in (service.get("spec") or {}).get("ports") or []]},
     }  # fmt: skip
+
+
+class ClusterView:
+    """What the watches have read of the cluster, and the groups it maps to: the mapper's half of
+    the Kubernetes source, with no IO (the watcher, `kubernetes.KubernetesSource`, lists and
+    watches and hands every object here). Kinds are named by their plural: "services",
+    "endpointslices", "nodes". Only the Services an object touched are mapped again."""
+
+    def __init__(self, annotation_prefix: str) -> None:
+        self.prefix = annotation_prefix
+        self.services: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed, opted-in Service
+        self.slices: dict[str, dict[str, Any]] = {}  # namespace/name -> trimmed EndpointSlice
+        self.regions: dict[str, str] = {}  # node name -> region (with node regions)
+        self.dirty: set[str] = set()  # Service keys to map again
+        self._slices_of: dict[str, set[str]] = {}  # Service key -> its slices' keys
+        self._mapped: dict[str, ServiceEndpoints] = {}  # Service key -> what it contributes
+
+    def _set_service(self, obj: Mapping[str, Any] | None, key: str) -> None:
+        if obj is not None and opted_in(obj, self.prefix):
+            trimmed = trim_service(obj, self.prefix)
+            if self.services.get(key) != trimmed:
+                self.services[key] = trimmed
+                self.dirty.add(key)
+        elif self.services.pop(key, None) is not None:
+            self.dirty.add(key)
+
+    def _set_slice(self, obj: Mapping[str, Any] | None, key: str) -> None:
+        trimmed = trim_slice(obj) if obj is not None else None
+        old = self.slices.get(key)
+        if trimmed == old:
+            return  # a new resourceVersion of the same content (or nothing known of it)
+        if old is not None:
+            del self.slices[key]
+            owner = slice_service(old)
+            if owner is not None:
+                siblings = self._slices_of.get(owner, set())
+                siblings.discard(key)
+                if not siblings:
+                    self._slices_of.pop(owner, None)
+                self.dirty.add(owner)
+        owner = slice_service(trimmed) if trimmed is not None else None
+        if trimmed is not None and owner is not None:
+            self.slices[key] = trimmed
+            self._slices_of.setdefault(owner, set()).add(key)
+            self.dirty.add(owner)
+
+    def _set_node(self, obj: Mapping[str, Any] | None, key: str) -> None:
+        name = key.lstrip("/")
+        region = str(((((obj or {}).get("metadata") or {}).get("labels")) or {}).get(REGION_LABEL) or "")
+        if self.regions.get(name, "") == region:
+            return  # most Node updates are status heartbeats: nothing for us
+        if region:
+            self.regions[name] = region
+        else:
+            self.regions.pop(name, None)
+        self.dirty.update(self.services)  # rare: map every Service again
+
+    def _setter(self, kind: str) -> Callable[[Mapping[str, Any] | None, str], None]:
+        if kind == "services":
+            return self._set_service
+        return self._set_slice if kind == "endpointslices" else self._set_node
+
+    def apply(self, kind: str, event_type: str, obj: Mapping[str, Any]) -> None:
+        """One watch event (ADDED, MODIFIED, DELETED)."""
+        self._setter(kind)(None if event_type == "DELETED" else obj, object_key(obj))
+
+    def replace(self, kind: str, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
+        """A full listing of one kind in one namespace (None: all): what it lacks is gone."""
+        known: Iterable[str]
+        if kind == "services":
+            known = self.services
+        elif kind == "endpointslices":
+            known = self.slices
+        else:
+            known = [f"/{n}" for n in self.regions]
+        setter = self._setter(kind)
+        listed = {object_key(o): o for o in items}
+        in_scope = [k for k in known if namespace is None or k.startswith(namespace + "/")]
+        for key in [k for k in in_scope if k not in listed]:
+            setter(None, key)
+        for key, obj in listed.items():
+            setter(obj, key)
+
+    def groups(self) -> tuple[dict[str, Group], dict[str, str]]:
+        """Map the Services that changed again: every group, and the warnings per object."""
+        dirty, self.dirty = self.dirty, set()
+        for key in dirty:
+            svc = self.services.get(key)
+            if svc is None:
+                self._mapped.pop(key, None)
+                continue
+            slices = [self.slices[k] for k in self._slices_of.get(key, ()) if k in self.slices]
+            self._mapped[key] = service_endpoints(svc, slices, self.prefix, self.regions)
+        warnings: dict[str, str] = {}
+        for entry in self._mapped.values():
+            warnings.update(entry.warnings)
+        return groups_of(self._mapped[k] for k in sorted(self._mapped)), warnings

@@ -32,8 +32,7 @@ from typing import Any, Protocol
 
 from .. import fields
 from ..model import Endpoint, Group, endpoint_json
-from ..store import Store
-from .base import SourceStatus
+from .base import Feed, SourceStatus
 from .state_lock import StateLock, StateLockError
 
 log = logging.getLogger("eds_server.sources.registrations")
@@ -269,7 +268,7 @@ def check_weights(group_state: State, reg: Registration) -> None:
         )
 
 
-def check_merged(store: Store, source: str, group: str, members: Mapping[str, Endpoint], id: str,
+def check_merged(feed: Feed, source: str, group: str, members: Mapping[str, Endpoint], id: str,
                  endpoint: Endpoint) -> None:  # fmt: skip
     """Refuse what would make the group, merged with the other sources, one Envoy rejects. (The
     store checks again on every change: this is for a clear answer to the caller.)"""
@@ -277,9 +276,9 @@ def check_merged(store: Store, source: str, group: str, members: Mapping[str, En
     def part(members: Mapping[str, Endpoint]) -> Group | None:
         return Group(group, tuple(members.values())) if members else None
 
-    if members.get(id) == endpoint or store.problems_with(source, group, part(members)):
+    if members.get(id) == endpoint or feed.problems_with(source, group, part(members)):
         return  # no change, or already refused for reasons of the other sources
-    problems = store.problems_with(source, group, part({**members, id: endpoint}))
+    problems = feed.problems_with(source, group, part({**members, id: endpoint}))
     if problems:
         raise RegistrationError(
             409, f"group {group!r} merged with the other sources would be rejected by Envoy: {problems[0]}",
@@ -291,8 +290,8 @@ class Delivered:
     """The groups a registration store hands the store, rebuilt only for the groups a change touched
     (the others' Group objects are reused, so the store re-encodes only those)."""
 
-    def __init__(self, store: Store, name: str) -> None:
-        self.store, self.name = store, name
+    def __init__(self, feed: Feed, name: str) -> None:
+        self.feed, self.name = feed, name
         self.members: dict[str, dict[str, Endpoint]] = {}  # group -> id -> endpoint
         self.groups: dict[str, Group] = {}
 
@@ -316,7 +315,7 @@ class Delivered:
                 self.members.pop(group, None)
                 self.groups.pop(group, None)
         if groups or initial:
-            changed = self.store.update(self.name, dict(self.groups))
+            changed = self.feed.publish(self.name, dict(self.groups))
             if changed:
                 log.info("registrations: groups changed: %s", ", ".join(sorted(changed)))
 
@@ -393,7 +392,7 @@ def write_atomically(path: str, data: bytes) -> None:
 class RegistrationSource:
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         state_path: str | None,
         *,
         max_registrations: int = MAX_REGISTRATIONS,
@@ -402,7 +401,7 @@ class RegistrationSource:
         monotonic: Callable[[], float] = time.monotonic,
         name: str = SOURCE_NAME,
     ) -> None:
-        self.store = store
+        self.feed = feed
         self.state_path = state_path
         self.max_registrations = max_registrations
         self.max_state_bytes = max_state_bytes
@@ -412,14 +411,13 @@ class RegistrationSource:
         self._clock = clock
         self._mono = monotonic
         self._state = State()  # committed: on disk and in the store
-        self._delivered = Delivered(store, name)  # what the store has from us
+        self._delivered = Delivered(feed, name)  # what the store has from us
         self._queue: list[tuple[_Op, asyncio.Future[_Outcome]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._dirty = False  # the file still holds entries that have expired since
         self._loaded = False
         self._lock = StateLock(state_path) if state_path is not None else None
-        store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
     def registrations(self, group: str | None = None) -> list[Registration]:
@@ -574,7 +572,7 @@ class RegistrationSource:
         return out.registration, out.created
 
     def _check_merged(self, group: str, id: str, endpoint: Endpoint) -> None:
-        check_merged(self.store, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
+        check_merged(self.feed, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
 
     async def delete(self, group: str, id: str) -> Registration:
         out = await self._submit(_Delete(group, id))

@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -37,9 +36,8 @@ from typing import Any
 
 from ..model import Endpoint
 from ..ratelimit import LogBudget
-from ..store import Store
 from . import etcd_wire as wire
-from .base import Backoff, Liveness, SourceStatus, WarnOnce
+from .base import Backoff, Feed, Liveness, SourceStatus, WarnOnce, reconnect
 from .etcd_client import EtcdClient, EtcdOptions, EtcdUnavailable
 from .registrations import (
     MAX_REGISTRATIONS,
@@ -108,7 +106,7 @@ def decode(key: tuple[str, str], value: bytes) -> tuple[Endpoint, float | None]:
 class EtcdRegistrationSource:
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         target: wire.EtcdTarget,
         options: EtcdOptions | None = None,
         *,
@@ -117,28 +115,27 @@ class EtcdRegistrationSource:
         name: str = SOURCE_NAME,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self.feed = feed
         self.target = target
         self.keys = wire.KeyLayout(target.prefix)
         self.client = EtcdClient(target, options or EtcdOptions())
         self.max_registrations = max_registrations
         self.max_state_bytes = max_state_bytes
         self.name = name
-        self.liveness = Liveness(store, name, f"etcd {target}")
+        self.liveness = Liveness(feed, name, f"etcd {target}")
         self._mono = monotonic
         self._state = State()
         self._kvs: dict[Key, wire.KeyValue] = {}  # each registration's key as the view holds it (lease, revision)
         self._renewed: dict[Key, float] = {}  # monotonic time this replica last saw it written or renewed
         self._revision = 0  # the view is etcd's as of this revision
         self._moved = asyncio.Event()  # set on every revision change of the view
-        self._delivered = Delivered(store, name)  # what the store has from us
+        self._delivered = Delivered(feed, name)  # what the store has from us
         self._skipped = WarnOnce(log)  # keys whose value is not a registration
         self._turns = Turns()
         self._relist = False  # list again rather than resume the watch
         self._following = asyncio.Event()  # set while the view follows etcd (live), for writes to wait on
         self._watching: asyncio.Task[None] | None = None
         self._stale_reads = LogBudget(log)
-        store.add_source(name)
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -348,38 +345,38 @@ class EtcdRegistrationSource:
         """List, then watch, until `stop` is set; on any failure keep the view (stale) and retry."""
         backoff = Backoff(0.2, 2.0)
         stopping = asyncio.create_task(stop.wait())
+
+        async def connect() -> str:
+            if not self.liveness.loaded or self._relist:
+                await self._list()
+                self._relist = False
+            member = self.client.member
+            watching = self._watching = asyncio.create_task(self._watch_or_relist(member), name="etcd watch")
+            probing = asyncio.create_task(self._probe(stop, watching, member), name="etcd probe")
+            await asyncio.wait({watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            probing.cancel()
+            watching.cancel()
+            await asyncio.gather(probing, watching, return_exceptions=True)
+            backoff.reset()  # it listed and watched: the next attempt comes soon
+            if watching.cancelled():
+                return self.liveness.last_error or "no answer"
+            exc = watching.exception()
+            if isinstance(exc, wire.EtcdError) and exc.auth_expired:
+                self.client.forget_token()
+            return f"{type(exc).__name__}: {exc}" if exc is not None else "the watch ended"
+
+        def why(e: Exception) -> str:
+            if isinstance(e, EtcdUnavailable | wire.EtcdError):
+                return str(e)
+            log.error("registrations: following etcd failed", exc_info=e)  # e.g. a malformed answer
+            return f"{type(e).__name__}: {e}"
+
+        def lost(reason: str, _: float) -> None:
+            self._lost(reason)
+            self.client.move_off(self.client.watching)
+
         try:
-            while not stop.is_set():  # bounded by `stop`; each round waits a backoff
-                try:
-                    if not self.liveness.loaded or self._relist:
-                        await self._list()
-                        self._relist = False
-                    member = self.client.member
-                    watching = self._watching = asyncio.create_task(self._watch_or_relist(member), name="etcd watch")
-                    probing = asyncio.create_task(self._probe(stop, watching, member), name="etcd probe")
-                    await asyncio.wait({watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    probing.cancel()
-                    watching.cancel()
-                    await asyncio.gather(probing, watching, return_exceptions=True)
-                    if stop.is_set():
-                        break
-                    exc = watching.exception() if not watching.cancelled() else None
-                    reason = f"{type(exc).__name__}: {exc}" if exc is not None else "the watch ended"
-                    if watching.cancelled():
-                        reason = self.liveness.last_error or "no answer"
-                    self._lost(reason)
-                    if isinstance(exc, wire.EtcdError) and exc.auth_expired:
-                        self.client.forget_token()
-                except (EtcdUnavailable, wire.EtcdError) as e:
-                    self._lost(str(e))
-                except Exception as e:  # e.g. a malformed answer: keep serving, retry
-                    log.exception("registrations: following etcd failed")
-                    self._lost(f"{type(e).__name__}: {e}")
-                else:
-                    backoff.reset()
-                self.client.move_off(self.client.watching)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
+            await reconnect(stop, connect, backoff=backoff, why=why, lost=lost)
         finally:
             stopping.cancel()
             await self.client.close()
@@ -430,7 +427,7 @@ class EtcdRegistrationSource:
         Writes to one group through this replica take turns (their transactions would fail each
         other's compare); a registration this view holds unchanged is confirmed in etcd (and its
         lease kept alive) rather than written again, and written if etcd holds something else."""
-        check_merged(self.store, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
+        check_merged(self.feed, self.name, group, self._delivered.members.get(group, {}), id, endpoint)
         await self._usable()
         value = encode(group, id, endpoint, ttl)
         known = self._state.regs.get((group, id))
@@ -473,8 +470,9 @@ class EtcdRegistrationSource:
         view = GroupView(self._state, self._revision, self._kvs, fresh=False)
         lease = 0
         sent = False  # a transaction with `lease` went out and its answer was lost: it may yet be applied
+        rivals = Backoff(0.005, 0.1, jitter=1.0)  # after a lost compare: out of step with the other replica
         try:
-            for attempt in range(ATTEMPTS):  # bounded, and by the deadline
+            for _ in range(ATTEMPTS):  # bounded, and by the deadline
                 try:
                     self._checks(view.state, reg)
                 except RegistrationError:
@@ -508,7 +506,7 @@ class EtcdRegistrationSource:
                     await self._caught_up(wire.revision(reply))
                     return self._state.regs.get(key, reg), old is None
                 # another replica wrote to this group first: out of step with it, then look again
-                await asyncio.sleep(random.uniform(0, min(0.1, 0.005 * 2**attempt)))
+                await asyncio.sleep(rivals.next())
                 if loop.time() >= deadline:
                     break
                 view = await self._group_now(group, deadline)

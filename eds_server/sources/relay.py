@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 from ..decode import DecodeError, decode_group
 from ..protowire import fields, length_delimited, string_field, text, varint
 from ..ratelimit import LogBudget
-from ..store import Relayed, Store
+from ..store import Relayed
 from ..xds.common import EDS_TYPE_URL
-from .base import Backoff, Heartbeat, Hung, Liveness, SourceStatus
+from .base import Backoff, Heartbeat, Hung, Liveness, RelayFeed, SourceStatus, reconnect
 
 if TYPE_CHECKING:
     from grpclib.client import Channel, Stream
@@ -230,24 +230,21 @@ def _bytes(value: int | memoryview) -> memoryview:
 class RelaySource:
     """Follows an upstream eds-server's DeltaEndpoints; the only source of its store."""
 
-    def __init__(self, store: Store, options: UpstreamOptions, *, linger: float = LINGER,
+    def __init__(self, feed: RelayFeed, options: UpstreamOptions, *, linger: float = LINGER,
                  node_id: str | None = None) -> None:  # fmt: skip
-        self.store = store
+        self.feed = feed
         self.options = options
         self.name = f"upstream-eds:{options.target}"
         self.node_id = node_id or f"eds-server-relay/{socket.gethostname()}/{os.getpid()}"
         self.subs = Subscriptions(linger)
-        self.liveness = Liveness(store, self.name, f"upstream eds-server {options.target}")
+        self.liveness = Liveness(feed, self.name, f"upstream eds-server {options.target}")
         self.responses = 0  # answers taken from the upstream, for tests and status
         self.nacks = 0
         self.heartbeat: Heartbeat | None = None  # the current connection's
         self._subscribed = False  # the current connection's first request was sent
         self._refusals = LogBudget(log)  # a junk upstream sends thousands a second: a few lines a minute
         self._wake = asyncio.Event()
-        store.add_source(self.name)
-        store.withholds = True
-        store.interest = self._interest
-        self.subs.follow(store.followed(), (), time.monotonic())
+        self.subs.follow(feed.withhold(self._interest), (), time.monotonic())
 
     def _interest(self, added: tuple[str, ...], removed: tuple[str, ...]) -> None:
         self.subs.follow(added, removed, time.monotonic())
@@ -270,7 +267,8 @@ class RelaySource:
         config = keepalive_config(30.0, 10.0, server=False)
         o = self.options
         where: dict[str, Any] = {"path": o.path} if o.path is not None else {"host": o.host, "port": o.port}
-        while not stop.is_set():
+
+        async def connect() -> str:
             channel = Channel(**where, ssl=o.ssl_context(), codec=PassThroughCodec(), config=config)
             self._subscribed = False
             self.heartbeat = Heartbeat(_health_check(channel), f"the upstream eds-server {o.target}",
@@ -278,20 +276,12 @@ class RelaySource:
             try:
                 async with self.heartbeat.watching():
                     await self._follow(channel, stop, backoff)
-                reason = "the upstream ended the stream"
-            except asyncio.CancelledError:
-                raise
-            except (Hung, Junk) as e:
-                reason = str(e)
-            except Exception as e:  # every failure of the upstream is a reconnect
-                reason = _why(e)
+                return "the upstream ended the stream"
             finally:
                 channel.close()
-            if stop.is_set():
-                return
-            self.liveness.lost(reason)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff.next())
+
+        await reconnect(stop, connect, backoff=backoff, why=lambda e: str(e) if isinstance(e, Hung | Junk) else _why(e),
+                        lost=lambda reason, _: self.liveness.lost(reason))  # fmt: skip
 
     async def _follow(self, channel: Channel, stop: asyncio.Event, backoff: Backoff) -> None:
         from grpclib.const import Cardinality
@@ -344,7 +334,7 @@ class RelaySource:
                 await stream.send_message(outbox.pop(0))
             gone = self.subs.expire(time.monotonic())
             if gone:
-                self.store.put_resources(self.name, {}, removed=gone)
+                self.feed.publish_resources(self.name, {}, removed=gone)
             subscribe, unsubscribe = self.subs.request()
             if subscribe or unsubscribe:
                 await stream.send_message(encode_request(self.node_id, subscribe=subscribe, unsubscribe=unsubscribe,
@@ -368,7 +358,7 @@ class RelaySource:
 
     def _held(self, names: Iterable[str]) -> dict[str, str]:
         """The versions held of `names`: told to the upstream, which sends only those that differ."""
-        held = self.store.resources()
+        held = self.feed.held()
         return {n: held[n].version for n in names if n in held}
 
     def _take(self, data: bytes) -> tuple[str, str | None]:
@@ -386,7 +376,7 @@ class RelaySource:
                      for name, version, body in received.resources}  # fmt: skip
         self.responses += 1
         wanted = self.subs.wanted
-        self.store.put_resources(self.name, {n: r for n, r in resources.items() if n in wanted},
+        self.feed.publish_resources(self.name, {n: r for n, r in resources.items() if n in wanted},
                                  removed=[n for n in received.removed if n in wanted])  # fmt: skip
         return received.nonce, None
 

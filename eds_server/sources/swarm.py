@@ -24,9 +24,8 @@ from typing import Any
 import aiodocker
 
 from ..model import Endpoint, Group, Health, groups_from
-from ..store import Store
-from .base import Backoff, Debounce
-from .containers import DockerOptions, Skip, _settings, labelled_endpoint, opted_in
+from .base import Backoff, Debounce, Feed
+from .containers import DockerOptions, Skip, group_settings, labelled_endpoint, opted_in
 from .docker import EngineFollower
 
 log = logging.getLogger("eds_server.sources.swarm")
@@ -220,7 +219,7 @@ def service_endpoints(
     if not opted_in(labels, options):
         return out
     try:
-        groups, settings = _settings(labels, options.label_prefix)
+        groups, settings = group_settings(labels, options.label_prefix)
         for task in sorted(tasks, key=lambda t: (t.get("Slot") or 0, str(t.get("NodeID")), str(t.get("ID")))):
             if task.get("ServiceID") not in (None, service.get("ID")):
                 continue
@@ -250,14 +249,14 @@ class SwarmSource(EngineFollower):
 
     def __init__(
         self,
-        store: Store,
+        feed: Feed,
         options: DockerOptions,
         *,
         poll_interval: float = 1.0,
         poll_window: float = 30.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(store, options, **kwargs)
+        super().__init__(feed, options, **kwargs)
         self.poll_interval = max(0.2, poll_interval)
         self.poll_window = poll_window
         self._services: dict[str, Mapping[str, Any]] = {}  # service id -> inspect (opted in)
@@ -271,7 +270,7 @@ class SwarmSource(EngineFollower):
 
     # -- state ---------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Hand the store the whole current state (it works out what changed)."""
+        """Publish the whole current state (the store works out what changed)."""
         per_service = {
             sid: service_endpoints(self._services[sid], self._tasks.get(sid, []), self.options, self._nodes,
                                    self._local_node)

@@ -19,8 +19,7 @@ import os
 import watchfiles
 
 from .. import fields, upstreams
-from ..store import Store
-from .base import SourceStatus
+from .base import Feed, SourceStatus
 from .renames import Renames
 
 log = logging.getLogger("eds_server.sources.file")
@@ -39,10 +38,10 @@ class UpstreamsFileSource:
 
     def __init__(
         self,
+        feed: Feed,
         path: str,
-        store: Store,
         *,
-        debounce_ms: int = 50,
+        debounce: float = 0.05,
         poll_interval: float = 5.0,
         max_size: int = fields.MAX_UPSTREAMS_SIZE,
     ) -> None:
@@ -50,18 +49,17 @@ class UpstreamsFileSource:
         self.max_size = max_size
         self._parser = upstreams.Parser()  # remembers the last version: unchanged groups are reused
         self.name = f"file:{path}"
-        self.store = store
-        self.debounce_ms = debounce_ms
+        self.feed = feed
+        self.debounce = debounce  # seconds, as every source's
         self.poll_interval = poll_interval
         self.last_error: str | None = None
         self._last_bytes: bytes | None = None
         self._reloading = asyncio.Lock()  # one parse at a time: the parser keeps the last version
         self._renames_pending: set[asyncio.Task[bool]] = set()
-        store.add_source(self.name)
 
     def status(self) -> SourceStatus:
         """Live while it watches the file; an invalid version is `last_error`, the last good one served."""
-        return SourceStatus(self.name, self.name not in self.store.pending_sources, True, self.last_error)
+        return SourceStatus(self.name, self.feed.loaded(self.name), True, self.last_error)
 
     async def start(self) -> None:
         self.load()
@@ -75,7 +73,7 @@ class UpstreamsFileSource:
         data = upstreams.read_required(self.path, self.max_size)
         groups = self._parser.parse_bytes(data, self.path)
         self._last_bytes = data
-        self.store.update(self.name, groups)
+        self.feed.publish(self.name, groups)
         log.info("loaded %s: %d groups", self.path, len(groups))
 
     async def _read_settled(self, data: bytes) -> bytes:
@@ -83,7 +81,7 @@ class UpstreamsFileSource:
         must not be applied half-written), from a first read of them."""
         self.writer_waits += 1
         for _ in range(20):  # bounded: a file rewritten non-stop is taken as last read
-            await asyncio.sleep(max(0.02, self.debounce_ms / 1000))
+            await asyncio.sleep(max(0.02, self.debounce))
             again = await asyncio.to_thread(self._read)
             if again == data:
                 break
@@ -129,7 +127,7 @@ class UpstreamsFileSource:
             return False
         self._last_bytes = data
         self.last_error = None
-        changed = self.store.update(self.name, groups)
+        changed = self.feed.publish(self.name, groups)
         log.info(
             "reloaded %s: %d groups, changed: %s",
             self.path, len(groups), ", ".join(sorted(changed)) or "none",
@@ -160,7 +158,7 @@ class UpstreamsFileSource:
                     directory,
                     watch_filter=None,  # reloads are cheap and compare bytes first
                     stop_event=stop,
-                    debounce=self.debounce_ms,
+                    debounce=max(1, round(self.debounce * 1000)),  # watchfiles counts milliseconds
                     step=20,
                     recursive=False,
                     rust_timeout=round(self.poll_interval * 1000),

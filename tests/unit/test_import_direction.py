@@ -167,3 +167,16 @@ def test_the_known_exceptions_are_still_there() -> None:
 def test_every_module_has_a_layer() -> None:
     for name in MODULES:
         layer(name)
+
+
+def test_sources_reach_the_store_only_through_the_aggregator() -> None:
+    """Sources are providers: each publishes to a Feed (docs/design.md). Only the aggregator, which
+    the App owns, names the Store; a source may name the store's plain types (Resource, Relayed)."""
+    naming = sorted(
+        name for name in MODULES
+        if name.startswith("sources.") and name != "sources.aggregator"
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("store")
+        and any(a.name == "Store" for a in node.names)
+    )  # fmt: skip
+    assert not naming, f"sources that import the Store itself: {naming}"

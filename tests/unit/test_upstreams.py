@@ -28,6 +28,7 @@ from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Health, Locality
 from eds_server.sources.upstreams_file import UpstreamsFileSource
 from eds_server.store import Store
+from tests.support.feeds import alone
 from tests.support.strategies import examples, gen_files, render
 from tests.support.upstreams_files import BOMB, DOCUMENTED
 
@@ -249,7 +250,7 @@ def test_check_gives_the_servers_verdict(tmp_path: Path, kind: str) -> None:
     checked = subprocess.run(
         [sys.executable, "-m", "eds_server", "check", str(path), *limit], capture_output=True, text=True, timeout=60
     )
-    source = UpstreamsFileSource(str(path), Store(encode_group), max_size=len(VALID) + 100)
+    source = alone(UpstreamsFileSource, Store(encode_group), str(path), max_size=len(VALID) + 100)
     try:
         in_thread(source.load)
         server_problems = None

@@ -18,6 +18,7 @@ from eds_server.sources.containers import DockerOptions
 from eds_server.sources.docker import DockerSource
 from eds_server.store import Store
 from tests.support.docker_engine import DockerEngine, arun_backend
+from tests.support.feeds import alone
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
@@ -69,7 +70,7 @@ class Proxy:
 async def following(docker_cleanup: DockerEngine) -> AsyncIterator[tuple[DockerEngine, Proxy, DockerSource, Store]]:
     async with Proxy(str(docker_cleanup.socket_path)) as proxy:
         store = Store(encode_group)
-        source = DockerSource(store, DockerOptions(), host=f"tcp://127.0.0.1:{proxy.port}",
+        source = alone(DockerSource, store, DockerOptions(), host=f"tcp://127.0.0.1:{proxy.port}",
                               ping_interval=0.5, request_timeout=1.0)  # fmt: skip
         stop = asyncio.Event()
         task = asyncio.create_task(source.run(stop))

@@ -20,6 +20,7 @@ from eds_server.sources.swarm import SwarmSource
 from eds_server.store import Store
 from tests.support.docker_engine import DockerEngine, backend_script
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.feeds import alone
 from tests.support.hung_peer import HUNG_BOUND
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
@@ -57,7 +58,7 @@ class Harness:
 @contextlib.asynccontextmanager
 async def _harness(engine: DockerEngine) -> AsyncIterator[Harness]:
     store = Store(encode_group)
-    source = SwarmSource(store, OPTS, host=engine.host, resync_interval=30.0, ping_interval=1.0,
+    source = alone(SwarmSource, store, OPTS, host=engine.host, resync_interval=30.0, ping_interval=1.0,
                          request_timeout=5.0)  # fmt: skip
     stop = asyncio.Event()
     task = asyncio.create_task(source.run(stop))

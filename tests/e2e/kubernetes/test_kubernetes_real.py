@@ -29,6 +29,7 @@ import yaml
 from tests.support.backends import Backend, serve_backend
 from tests.support.connect_proxy import ConnectProxy, http11_proxy_socket, loopback_for, pod_ip
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap
+from tests.support.feeds import alone
 from tests.support.hung_peer import frozen_is_said, wait_source
 from tests.support.kube_apiserver import KubeApi, KubeCluster, kube
 from tests.support.paths import ROOT
@@ -483,7 +484,7 @@ async def test_in_cluster_token_is_read_again(
         monkeypatch.delenv("KUBECONFIG", raising=False)
 
         store = Store(encode_group)
-        source = KubernetesSource(store, KubernetesOptions(namespaces=(ns,)), watch_timeout=(1, 1))
+        source = alone(KubernetesSource, store, KubernetesOptions(namespaces=(ns,)), watch_timeout=(1, 1))
         stop = asyncio.Event()
         task = asyncio.create_task(source.run(stop))
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from eds_server.encode import encode_group
+from eds_server.sources.aggregator import Aggregator
 from eds_server.sources.base import (
     Backoff,
     Comeback,
@@ -23,6 +24,7 @@ from eds_server.sources.base import (
     SourceStatus,
     WarnOnce,
     pause,
+    reconnect,
 )
 from eds_server.store import Store
 from tests.support.waiting import wait_for
@@ -60,8 +62,9 @@ def test_warn_once_per_object_until_its_warning_changes(caplog: pytest.LogCaptur
 
 def test_liveness_marks_the_store_stale_and_logs_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
     store = Store(encode_group)
-    store.add_source("etcd")
-    live = Liveness(store, "etcd", "etcd somewhere")
+    feed = Aggregator(store)
+    feed.declare(["etcd"])
+    live = Liveness(feed, "etcd", "etcd somewhere")
     with caplog.at_level(logging.INFO, "eds_server.sources"):
         live.lost("refused")
         live.lost("refused again")  # not logged again
@@ -81,9 +84,10 @@ def test_liveness_marks_the_store_stale_and_logs_once_per_change(caplog: pytest.
 
 def test_liveness_says_what_happened_and_when_it_tries_again(caplog: pytest.LogCaptureFixture) -> None:
     store = Store(encode_group)
-    store.add_source("kubernetes")
-    store.update("kubernetes", {})
-    live = Liveness(store, "kubernetes", "the API server")
+    feed = Aggregator(store)
+    feed.declare(["kubernetes"])
+    feed.publish("kubernetes", {})
+    live = Liveness(feed, "kubernetes", "the API server")
     live.live()
     with caplog.at_level(logging.WARNING, "eds_server.sources"):
         live.lost("Services: the API server closed the watch mid-stream: it went away", retry_in=0.25)
@@ -275,3 +279,48 @@ async def test_heartbeat_does_not_blame_the_peer_for_our_own_busy_loop() -> None
         # asked again, answered, and probed on past that answer's deadline: not taken as a hang
         await wait_for(lambda: calls, lambda n: n >= 3, timeout=2, what="probes after the blocked one")
     assert beat.hangs == 0
+
+
+async def test_one_reconnect_loop_says_why_each_connection_ended_and_waits_a_growing_backoff() -> None:
+    stop = asyncio.Event()
+    attempts: list[int] = []
+    lost: list[tuple[str, float]] = []
+    backoff = Backoff(0.001, 0.004)
+
+    async def connect() -> str:
+        attempts.append(len(attempts))
+        if len(attempts) == 1:
+            raise ConnectionRefusedError("refused")
+        if len(attempts) == 3:
+            backoff.reset()  # it followed again
+        if len(attempts) == 4:
+            stop.set()
+        return "ended"
+
+    await asyncio.wait_for(
+        reconnect(stop, connect, backoff=backoff, why=lambda e: f"{type(e).__name__}: {e}",
+                  lost=lambda reason, delay: lost.append((reason, delay))),
+        10,
+    )  # fmt: skip
+    assert len(attempts) == 4  # the fourth ended while stopping: not reported, no wait
+    assert [r for r, _ in lost] == ["ConnectionRefusedError: refused", "ended", "ended"]
+    assert 0.0005 <= lost[0][1] <= 0.001 and 0.001 <= lost[1][1] <= 0.002 and lost[2][1] <= 0.001  # reset
+
+
+async def test_a_reconnect_loop_stops_during_its_wait() -> None:
+    stop = asyncio.Event()
+    lost: list[str] = []
+
+    async def connect() -> str:
+        return "ended"
+
+    task = asyncio.create_task(reconnect(stop, connect, backoff=Backoff(3600, 3600), why=str,
+                                         lost=lambda reason, _: (lost.append(reason), stop.set())))  # fmt: skip
+    await asyncio.wait_for(task, 10)  # not an hour: stop ends the wait
+    assert lost == ["ended"]
+
+
+def test_backoff_jitter_share() -> None:
+    full = Backoff(0.1, 0.1, jitter=1.0)
+    none = Backoff(0.1, 0.1, jitter=0.0)
+    assert all(0 <= full.next() <= 0.1 for _ in range(50)) and none.next() == 0.1

@@ -14,6 +14,7 @@ from eds_server.model import Health
 from eds_server.sources.containers import DockerOptions, container_endpoints
 from eds_server.sources.docker import DockerSource
 from eds_server.store import Store
+from tests.support.feeds import alone
 from tests.support.paths import DATA
 
 DATA = DATA / "docker"
@@ -99,7 +100,7 @@ def events() -> list[dict[str, Any]]:
 
 async def test_replayed_event_stream() -> None:
     store = Store(encode_group)
-    source = DockerSource(store, DockerOptions())
+    source = alone(DockerSource, store, DockerOptions())
     engine = FakeEngine()
     seen: list[tuple[str, str]] = []
     for ev in events():

@@ -23,6 +23,7 @@ from eds_server.model import Health, Locality
 from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, ConfigProblem, KubernetesSource, make_client
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
+from tests.support.feeds import alone
 from tests.support.paths import DATA
 from tests.support.waiting import wait_for
 
@@ -36,7 +37,7 @@ def load(name: str) -> dict[str, Any]:
 
 def source(namespaces: tuple[str, ...] = ()) -> tuple[Store, KubernetesSource]:
     store = Store(encode_group)
-    return store, KubernetesSource(store, KubernetesOptions(namespaces=namespaces))
+    return store, alone(KubernetesSource, store, KubernetesOptions(namespaces=namespaces))
 
 
 def addresses(store: Store, group: str) -> dict[str, Health]:
@@ -98,10 +99,10 @@ def test_relist_of_one_namespace_keeps_the_others() -> None:
     src.replace(SLICES, "shop", [load("slice-ipv4")])
     src.replace(SLICES, "other", [other_slice])
     src.publish()
-    assert len(src._slices) == 2
+    assert len(src.view.slices) == 2
     src.replace(SLICES, "shop", [])
     src.publish()
-    assert list(src._slices) == ["other/web-x7k2p"]
+    assert list(src.view.slices) == ["other/web-x7k2p"]
     assert set(addresses(store, "web")) == {"127.0.0.2", "127.0.0.3", "127.0.0.6"}
 
 
@@ -113,12 +114,12 @@ def test_unchanged_events_do_not_remap() -> None:
     resent = load("slice-ipv4")
     resent["metadata"]["resourceVersion"] = "2000"  # a new version with the same content
     src.apply(SLICES, "MODIFIED", resent)
-    assert not src._dirty
+    assert not src.view.dirty
 
 
 def test_node_regions() -> None:
     store = Store(encode_group)
-    src = KubernetesSource(store, KubernetesOptions(node_regions=True))
+    src = alone(KubernetesSource, store, KubernetesOptions(node_regions=True))
     assert (NODES, None) in src._scopes
     node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/region": "eu-west"}}}
     src.replace(SERVICES, None, [load("service")])
@@ -129,7 +130,7 @@ def test_node_regions() -> None:
     assert localities["127.0.0.2"] == Locality("eu-west", "zone-a")  # on node-a
     assert localities["127.0.0.6"] == Locality()  # no nodeName
     src.apply(NODES, "MODIFIED", {**node, "status": {"conditions": []}})  # a heartbeat: nothing to do
-    assert not src._dirty
+    assert not src.view.dirty
     src.replace(NODES, None, [])  # node-a gone: its region with it
     src.publish()
     assert store.resources()["web"].group.endpoints[0].locality == Locality("", "zone-a")
@@ -175,7 +176,8 @@ async def test_a_configuration_error_is_said_once_as_such_not_blamed_on_the_api_
     path = tmp_path / "kubeconfig"
     path.write_text(_kubeconfig(ca=str(tmp_path / "ca.crt")))
     store = Store(encode_group)
-    src = KubernetesSource(store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05), probe_every=0.05)
+    src = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05),
+                probe_every=0.05)  # fmt: skip
     stop = asyncio.Event()
     caplog.set_level(logging.INFO, "eds_server")
     attempts = 0
@@ -214,7 +216,7 @@ async def test_reloads_after_refused_credentials_are_said_now_and_then(
     """A 401 that lasts loads the configuration again every 10 s: said once, not every time."""
     path = tmp_path / "kubeconfig"
     path.write_text(_kubeconfig())
-    src = KubernetesSource(Store(encode_group), KubernetesOptions(kubeconfig=str(path)))
+    src = alone(KubernetesSource, Store(encode_group), KubernetesOptions(kubeconfig=str(path)))
     caplog.set_level(logging.INFO, "eds_server")
     try:
         for _ in range(5):

@@ -10,6 +10,7 @@ import pytest
 
 from eds_server.model import Health, Locality
 from eds_server.sources.kubernetes_map import (
+    ClusterView,
     groups_of,
     health_of,
     opted_in,
@@ -189,3 +190,21 @@ def test_recorded_from_kube_apiserver_1_36() -> None:
     }
     assert {ep.locality for ep in web.values()} == {Locality(zone="zone-a")}
     assert [slice_service(s) for s in slices] == ["shop/web"]
+
+
+def test_the_cluster_view_maps_objects_to_groups_without_an_api_server() -> None:
+    """The mapper alone: listings and events in, groups and warnings out; only touched Services are mapped again."""
+    view = ClusterView("eds")
+    view.replace("services", None, [load("service")])
+    view.replace("endpointslices", None, [load("slice-ipv4")])
+    groups, warnings = view.groups()
+    assert sorted(ep.address for ep in groups["web"].endpoints) == ["127.0.0.2", "127.0.0.3", "127.0.0.6"]
+    assert warnings == {} and not view.dirty
+    assert view.groups()[0] == groups  # nothing touched: the same groups, nothing mapped again
+    view.apply("endpointslices", "DELETED", load("slice-ipv4"))
+    assert view.dirty == set(view.services)  # the one Service it belonged to
+    assert "web" not in view.groups()[0]  # no endpoints left: no group (Envoy is then sent an empty one)
+    view.apply("endpointslices", "ADDED", load("slice-ipv4"))
+    assert len(view.groups()[0]["web"].endpoints) == 3
+    view.replace("services", None, [])  # the Service is gone from a relisting: so is its group
+    assert "web" not in view.groups()[0]

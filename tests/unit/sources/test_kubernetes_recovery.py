@@ -29,6 +29,7 @@ from eds_server.sources.kubernetes import (
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 from tests.support.fake_kube_api import NS, FakeApiServer, endpoint_slice, kubeconfig, run_process, service
+from tests.support.feeds import alone
 from tests.support.hung_peer import HUNG_BOUND
 from tests.support.waiting import wait_for
 
@@ -66,7 +67,7 @@ async def following(config: Path) -> AsyncIterator[tuple[Store, KubernetesSource
     """A source whose every backoff is at least 2 s (first delay 4 s, jittered down to half), probing
     every 0.1 s: what arrives within 1.5 s of the server's return did not wait the backoff out."""
     store = Store(encode_group)
-    source = KubernetesSource(store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)),
+    source = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)),
                               probe_every=0.1, probe_timeout=0.5, backoff=(4.0, 30.0))  # fmt: skip
     stop = asyncio.Event()
     task = asyncio.create_task(source.run(stop))
@@ -191,7 +192,7 @@ async def test_a_frozen_api_server_is_found_within_the_bound_and_followed_again_
     try:
         config = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}", "token-a")
         store = Store(encode_group)
-        source = KubernetesSource(store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)))
+        source = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)))
         stop = asyncio.Event()
         task = asyncio.create_task(source.run(stop))
         caplog.set_level(logging.INFO, "eds_server")

@@ -25,6 +25,7 @@ from eds_server.model import Endpoint, Group
 from eds_server.registration_api import add_routes
 from eds_server.sources.registrations import RegistrationSource, RegistrationStateError
 from eds_server.store import Store
+from tests.support.feeds import alone
 from tests.support.waiting import wait_for
 
 TOKEN = "s3cret-token-0123456789"
@@ -85,7 +86,7 @@ async def serving(
     **source_options: Any,
 ) -> AsyncIterator[Server]:
     store = store if store is not None else Store(encode_group)
-    source = RegistrationSource(store, None if state is None else str(state), **source_options)
+    source = alone(RegistrationSource, store, None if state is None else str(state), **source_options)
     source.load()
     stop = asyncio.Event()
     task = asyncio.create_task(source.run(stop))
@@ -457,14 +458,14 @@ async def test_expired_while_down_is_dropped_at_load(state: Path) -> None:
         await server.put("web", "short", ep(1, ttl=5))
         await server.put("web", "long", ep(2, ttl=500))
         await server.put("web", "forever", ep(3))
-    later = RegistrationSource(Store(encode_group), str(state), clock=lambda: time.time() + 100)
+    later = alone(RegistrationSource, Store(encode_group), str(state), clock=lambda: time.time() + 100)
     later.load()
     assert sorted(r.id for r in later.registrations()) == ["forever", "long"]
     remaining = later.expires_in(later.get("web", "long"))  # type: ignore[arg-type]
     assert remaining is not None and 390 < remaining <= 400
     assert [r["id"] for r in json.loads(state.read_text())["registrations"]] == ["long", "forever"]
     # a wall clock set back extends nothing past the ttl
-    earlier = RegistrationSource(Store(encode_group), str(state), clock=lambda: time.time() - 10_000)
+    earlier = alone(RegistrationSource, Store(encode_group), str(state), clock=lambda: time.time() - 10_000)
     earlier.load()
     remaining = earlier.expires_in(earlier.get("web", "long"))  # type: ignore[arg-type]
     assert remaining is not None and remaining <= 500
@@ -483,7 +484,7 @@ async def test_a_restart_keeps_registrations_and_versions(state: Path) -> None:
         regs = sorted((r.group, r.id, r.endpoint, r.ttl) for r in server.source.registrations())
     assert set(versions) == {"web", "api"}
     store = Store(encode_group)
-    again = RegistrationSource(store, str(state))
+    again = alone(RegistrationSource, store, str(state))
     assert not store.ready
     again.load()
     assert store.ready
@@ -496,7 +497,7 @@ async def test_a_restart_keeps_registrations_and_versions(state: Path) -> None:
 async def test_first_start_writes_an_empty_state_file(state: Path) -> None:
     state.parent.mkdir()
     store = Store(encode_group)
-    RegistrationSource(store, str(state)).load()
+    alone(RegistrationSource, store, str(state)).load()
     assert json.loads(state.read_text()) == {"version": 1, "registrations": []}
     assert store.ready and store.resources() == {}
 
@@ -520,7 +521,7 @@ async def test_a_bad_state_file_stops_the_start(state: Path, content: bytes, exp
     state.parent.mkdir()
     state.write_bytes(content)
     store = Store(encode_group)
-    source = RegistrationSource(store, str(state))
+    source = alone(RegistrationSource, store, str(state))
     with pytest.raises(RegistrationStateError) as e:
         source.load()
     assert str(state) in str(e.value) and expected in str(e.value)
@@ -531,7 +532,7 @@ async def test_a_bad_state_file_stops_the_start(state: Path, content: bytes, exp
 async def test_an_unwritable_state_directory_stops_the_start(tmp_path: Path) -> None:
     path = tmp_path / "missing-dir" / "state.json"
     with pytest.raises(RegistrationStateError, match=re.escape("missing-dir/state.json: cannot write")):
-        RegistrationSource(Store(encode_group), str(path)).load()
+        alone(RegistrationSource, Store(encode_group), str(path)).load()
 
 
 async def test_without_a_state_file_registrations_live_in_memory() -> None:
@@ -717,12 +718,15 @@ def test_the_state_file_is_written_through_a_fresh_temp_file(tmp_path: Path) -> 
 
 def test_a_second_process_on_the_same_state_file_is_refused_naming_the_holder(state: Path) -> None:
     state.parent.mkdir()
-    holder = RegistrationSource(Store(encode_group), str(state))
+    holder = alone(RegistrationSource, Store(encode_group), str(state))
     holder.load()
     code = (
         "import sys; from eds_server.store import Store; from eds_server.encode import encode_group\n"
         "from eds_server.sources.registrations import RegistrationSource, RegistrationStateError\n"
-        "try:\n    RegistrationSource(Store(encode_group), sys.argv[1]).load()\n"
+        "from eds_server.sources.aggregator import Aggregator\n"
+        "feed = Aggregator(Store(encode_group)); source = RegistrationSource(feed, sys.argv[1])\n"
+        "feed.declare([source.name])\n"
+        "try:\n    source.load()\n"
         "except RegistrationStateError as e:\n    print(e); sys.exit(3)\n"
     )
     refused = subprocess.run([sys.executable, "-c", code, str(state)], capture_output=True, text=True, timeout=30)

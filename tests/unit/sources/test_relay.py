@@ -22,6 +22,7 @@ from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL
 from eds_server.xds.delta import DeltaRequest, DeltaStream
 from eds_server.xds.sotw import Request, SotwStream
+from tests.support.feeds import alone
 from tests.support.strategies import model_endpoints
 
 EXAMPLES = settings(max_examples=200, deadline=None, database=None)
@@ -158,7 +159,7 @@ def test_junk_is_nacked_never_loaded_and_said_once_then_rate_limited(caplog: pyt
     store stays unloaded (not ready), the reason is the source's last_error, and a flood of them
     logs a few lines, not one each."""
     store = Store(encode_group)
-    relay = RelaySource(store, UpstreamOptions("127.0.0.1", 1))
+    relay = alone(RelaySource, store, UpstreamOptions("127.0.0.1", 1))
     body = encode_group(Group("web", (Endpoint("10.0.0.1", 80),)))
     unasked = wire.delta_discovery_response("sys", [Resource("web", "v1", body, Group("web"))], "1")
     with caplog.at_level(logging.WARNING, "eds_server.sources.relay"):

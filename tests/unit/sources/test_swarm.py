@@ -28,6 +28,7 @@ from eds_server.sources.swarm import (
     task_transitional,
 )
 from eds_server.store import Store
+from tests.support.feeds import alone
 from tests.support.paths import DATA
 from tests.support.waiting import wait_for
 
@@ -214,7 +215,7 @@ def test_groups_merge_services() -> None:
 async def test_unreachable_manager_stays_pending() -> None:
     if True:
         store = Store(encode_group)
-        src = SwarmSource(store, OPTS, host="unix:///nonexistent/docker.sock")
+        src = alone(SwarmSource, store, OPTS, host="unix:///nonexistent/docker.sock")
         stop = asyncio.Event()
         task = asyncio.create_task(src.run(stop))
         await wait_for(lambda: src.last_error, timeout=5, what="the failed connection said")

@@ -15,6 +15,7 @@ from eds_server import upstreams
 from eds_server.encode import encode_group
 from eds_server.sources.upstreams_file import UpstreamsFileSource
 from eds_server.store import Store
+from tests.support.feeds import alone
 from tests.support.waiting import wait_for
 
 
@@ -25,7 +26,7 @@ def text(*ports: int) -> str:
 class Running:
     def __init__(self, path: Path) -> None:
         self.store = Store(encode_group)
-        self.source = UpstreamsFileSource(str(path), self.store, debounce_ms=50, poll_interval=0.3)
+        self.source = alone(UpstreamsFileSource, self.store, str(path), debounce=0.05, poll_interval=0.3)
         self.seen: list[list[int]] = []
         self.store.watch(lambda _: self.seen.append(self.ports()))
 
@@ -144,7 +145,7 @@ async def test_replaced_directory_is_watched_anew(tmp_path: Path) -> None:
 def test_first_load_refuses_a_bad_file(tmp_path: Path) -> None:
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups:\n  web:\n    endpoints: [1.2.3.4:0]\n")
-    source = UpstreamsFileSource(str(path), Store(encode_group))
+    source = alone(UpstreamsFileSource, Store(encode_group), str(path))
     with pytest.raises(upstreams.UpstreamsError) as e:
         source.load()
     assert str(e.value.problems[0]).startswith(f"{path}:3: groups.web.endpoints[0]")
