@@ -3,11 +3,12 @@
 An Envoy stream sends one small request (an ACK) per response, and through h2 and grpclib each one
 costs a frame object and its repr, h2's stream and flow-control state machines, an event, a queue
 put and get, a task switch and two buffered reads: most of the CPU of a fan-out. Once a stream's
-first request has been read the usual way, fast.py's protocol hands the stream's plain DATA frames
-(no END_STREAM, no padding) to a `DirectReader`, which cuts them into gRPC messages and gives each
-to the session at once, inside data_received. Everything else (HEADERS, RST_STREAM, END_STREAM,
-padded DATA) makes the stream fall back to h2 and grpclib first, with any partly received message
-put back in front of grpclib's buffer, so nothing is lost or reordered.
+first request has been read the usual way, the fast path's protocol (fast_protocol.py) hands the
+stream's plain DATA frames (no END_STREAM, no padding) to a `DirectReader`, which cuts them into
+gRPC messages and gives each to the session at once, inside data_received. Everything else
+(HEADERS, RST_STREAM, END_STREAM, padded DATA) makes the stream fall back to h2 and grpclib first,
+with any partly received message put back in front of grpclib's buffer, so nothing is lost or
+reordered.
 
 The limits of the usual path hold here too: the message size limit (from the length prefix), the
 partial-message budget, and the time a started message has to finish. Flow control: h2 never sees
@@ -20,14 +21,16 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from grpclib import GRPCError
 from grpclib.const import Status
 from grpclib.protocol import AckedData
 
+from .limits import PartialBudget
+
 if TYPE_CHECKING:
-    from .fast import GuardedH2Connection, MessageReader
+    from .fast_connection import GuardedH2Connection
 
 
 _PREFIX = struct.Struct(">BL")  # a gRPC message's compressed flag and length
@@ -38,6 +41,17 @@ def window_update(stream_id: int, increment: int) -> bytes:
     return b"\x00\x00\x04\x08\x00" + stream_id.to_bytes(4, "big") + increment.to_bytes(4, "big")
 
 
+class ReadLimits(Protocol):
+    """The limits a stream's messages are read within (fast_reader.MessageReader's)."""
+
+    @property
+    def max_size(self) -> int: ...
+    @property
+    def timeout(self) -> float | None: ...
+    @property
+    def budget(self) -> PartialBudget | None: ...
+
+
 class DirectReader:
     """One stream's request messages, cut from the DATA frames the protocol hands over."""
 
@@ -45,7 +59,7 @@ class DirectReader:
                  "messages", "on_message", "raw", "stream_id", "unacked")  # fmt: skip
 
     def __init__(
-        self, raw: Any, on_message: Callable[[bytes], None], limits: MessageReader, grant_at: int
+        self, raw: Any, on_message: Callable[[bytes], None], limits: ReadLimits, grant_at: int
     ) -> None:  # fmt: skip
         self.raw = raw  # grpclib's protocol.Stream
         self.h2: GuardedH2Connection = raw._h2_connection
