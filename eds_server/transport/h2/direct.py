@@ -31,6 +31,7 @@ from .limits import PartialBudget
 
 if TYPE_CHECKING:
     from .fast_connection import GuardedH2Connection
+    from .fast_writer import FlushingConnection
 
 
 _PREFIX = struct.Struct(">BL")  # a gRPC message's compressed flag and length
@@ -55,14 +56,15 @@ class ReadLimits(Protocol):
 class DirectReader:
     """One stream's request messages, cut from the DATA frames the protocol hands over."""
 
-    __slots__ = ("_buf", "_deadline", "_need", "_taken", "done", "grant_at", "h2", "limits",
+    __slots__ = ("_buf", "_deadline", "_need", "_taken", "connection", "done", "grant_at", "h2", "limits",
                  "messages", "on_message", "raw", "stream_id", "unacked")  # fmt: skip
 
     def __init__(
         self, raw: Any, on_message: Callable[[bytes], None], limits: ReadLimits, grant_at: int
     ) -> None:  # fmt: skip
         self.raw = raw  # grpclib's protocol.Stream
-        self.h2: GuardedH2Connection = raw._h2_connection
+        self.connection: FlushingConnection = raw.connection
+        self.h2: GuardedH2Connection = self.connection.h2
         self.stream_id: int = raw.id
         self.on_message = on_message
         self.limits = limits
@@ -79,7 +81,7 @@ class DirectReader:
         """A DATA frame's payload (no padding): every message it completes goes to on_message."""
         self.unacked += len(payload)
         if self.unacked >= self.grant_at:
-            self.h2._data_to_send += window_update(self.stream_id, self.unacked)
+            self.connection.queue(window_update(self.stream_id, self.unacked))
             self.unacked = 0
         if self._buf:
             # A message begun: appended in place until it is whole, so a message that arrives in
@@ -155,7 +157,7 @@ class DirectReader:
         if self.h2.direct.get(self.stream_id) is self:
             del self.h2.direct[self.stream_id]
         if self.unacked:  # the stream may go on (a padded frame, say): its window is not lost
-            self.h2._data_to_send += window_update(self.stream_id, self.unacked)
+            self.connection.queue(window_update(self.stream_id, self.unacked))
             self.unacked = 0
         self._release()
 

@@ -43,7 +43,7 @@ class PingCheckingProcessor(EventsProcessor):
     (a client that never reads cannot fake being alive)."""
 
     def process_ping_ack_received(self, event: PingAckReceived) -> None:
-        h2 = cast(GuardedH2Connection, self.connection._connection)
+        h2 = cast(FlushingConnection, self.connection).h2
         if h2.ping_payload is not None and event.ping_data == h2.ping_payload:
             self.connection.ping_ack_process()
 
@@ -57,6 +57,8 @@ class FastProtocol(H2Protocol):
 
     gate: Gate
     flusher: Flusher
+    connection: FlushingConnection
+    h2: GuardedH2Connection
     open: set[FastProtocol] | None = None  # the server's open connections, this one among them
     _guard: FrameGuard
     _peer_budgets: PeerBudgets | None = None
@@ -78,7 +80,7 @@ class FastProtocol(H2Protocol):
             self.gate.shed(refusal.reason, self._peer, refusal.detail)
             self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1], "Frame guard")
             return
-        h2 = cast(GuardedH2Connection, self.connection._connection)
+        h2 = self.h2
         if h2.direct or self._held:
             self._split(h2, data)
         elif self._feed(h2, data):
@@ -88,7 +90,7 @@ class FastProtocol(H2Protocol):
         """GOAWAY NO_ERROR and close: the client opens a new connection for its next streams."""
         if self._dead or self._peer_budgets is None:
             return
-        h2 = self.connection._connection
+        h2 = self.h2
         h2.close_connection(error_code=ErrorCodes.NO_ERROR, additional_data=why.encode()[:200])
         self.connection.flush()
         self._close(why)
@@ -98,7 +100,7 @@ class FastProtocol(H2Protocol):
         if self._dead:
             return
         self.gate.shed("calm", self._peer, f"GOAWAY ENHANCE_YOUR_CALM: {why}")
-        h2 = self.connection._connection
+        h2 = self.h2
         h2.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM, additional_data=why.encode()[:200])
         self.connection.flush()
         self._close("Over a budget")
@@ -168,7 +170,7 @@ class FastProtocol(H2Protocol):
         self._sweep = None
         if self._dead:
             return
-        h2 = cast(GuardedH2Connection, self.connection._connection)
+        h2 = self.h2
         timeout = self.gate.limits.request_timeout
         now = asyncio.get_running_loop().time()
         expired = []
@@ -268,7 +270,7 @@ class FastProtocol(H2Protocol):
         if pos < end:
             self._held = bytearray(view[pos:])
         if self._direct_unacked >= self.config.http2_connection_window_size // 2:
-            h2._data_to_send += window_update(0, self._direct_unacked)
+            self.connection.queue(window_update(0, self._direct_unacked))
             self._direct_unacked = 0
         self.connection.flush()
 
@@ -287,7 +289,7 @@ class FastProtocol(H2Protocol):
         self._deadline = None
         if self.connection.is_closing() or self._dead:
             return
-        h2 = cast(GuardedH2Connection, self.connection._connection)
+        h2 = self.h2
         limits = self.gate.limits
         opened = h2.highest_inbound_stream_id
         if not self._saw_request:
@@ -302,14 +304,14 @@ class FastProtocol(H2Protocol):
         self._goaway(ErrorCodes.NO_ERROR, why, "Idle connection")
 
     def _goaway(self, code: ErrorCodes, why: str, reason: str) -> None:
-        h2 = self.connection._connection
+        h2 = self.h2
         h2.close_connection(error_code=code, additional_data=why.encode()[:200])
         self.connection.flush()
         self._close(reason)
 
     def busy(self) -> bool:
         """Whether it holds a stream (for the gate's choice of who gives way)."""
-        return bool(self._peer_budgets is not None and self.connection._connection.open_inbound_streams)
+        return bool(self._peer_budgets is not None and self.h2.open_inbound_streams)
 
     def give_way(self, why: str) -> None:
         """Closed by the gate to make room for another connection (its slot is released already)."""
@@ -366,6 +368,7 @@ class FastProtocol(H2Protocol):
             h2_conn.update_settings(
                 {SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
             )
+        self.h2 = h2_conn
         self.connection = FlushingConnection(h2_conn, cast(asyncio.Transport, transport), config=self.config,
                                       flusher=self.flusher)  # fmt: skip
         self.connection.flush()
@@ -378,7 +381,7 @@ class FastProtocol(H2Protocol):
             self.open.discard(self)
         if self._peer_budgets is None:
             return
-        h2 = cast(GuardedH2Connection, self.connection._connection)
+        h2 = self.h2
         for reader in list(h2.direct.values()):
             reader.fall_back()  # grpclib ends the stream its own way
         h2.forget()

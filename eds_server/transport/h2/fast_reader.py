@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Status
+from grpclib.encoding.base import CodecBase
 
+from .base import PassThroughCodec
 from .direct import DirectReader
-from .fast_connection import GuardedH2Connection
+from .fast_writer import guarded_h2
 from .limits import PartialBudget
+
+_PASS_THROUGH = PassThroughCodec()
 
 
 @dataclass
@@ -28,20 +32,22 @@ class MessageReader:
     max_size: int = 4 * 1024 * 1024
     timeout: float | None = None  # first message of a stream; every message's body
     budget: PartialBudget | None = None
+    codec: CodecBase = field(default_factory=PassThroughCodec)  # the server's: requests decoded as its handlers'
 
     async def read(self, stream: grpclib.server.Stream[Any, Any], message_type: Any, first: bool = False) -> Any:
         return await recv_limited(
-            stream, message_type, self.max_size, timeout=self.timeout, budget=self.budget, first=first
-        )
+            stream, message_type, self.max_size, timeout=self.timeout, budget=self.budget, first=first,
+            codec=self.codec,
+        )  # fmt: skip
 
     async def direct(self, stream: grpclib.server.Stream[Any, Any], on_message: Callable[[bytes], None]) -> None:
         """Give the stream's further messages to `on_message` as their DATA frames arrive (direct.py),
         until the stream needs grpclib again (returns: read on with `read`); raises what ended it.
         Returns at once where that cannot be done (not our h2 connection, data already buffered)."""
         raw = stream._stream
-        h2 = raw._h2_connection
+        h2 = guarded_h2(raw)
         buffer = raw.buffer
-        if not isinstance(h2, GuardedH2Connection) or raw.id is None or raw.id in h2.direct:
+        if h2 is None or raw.id is None or raw.id in h2.direct:
             return
         if buffer._eof or buffer._acked_size or not buffer._unacked.empty() or raw.id not in h2.streams:
             return
@@ -58,6 +64,7 @@ class MessageReader:
 async def recv_limited(
     stream: grpclib.server.Stream[Any, Any], message_type: Any, max_size: int, *,
     timeout: float | None = None, budget: PartialBudget | None = None, first: bool = False,
+    codec: CodecBase | None = None,
 ) -> Any | None:  # fmt: skip
     """grpclib's recv_message, but refusing an oversize message from its length prefix, and with
     deadlines: for the first message of a stream to start, and for any message's body to arrive.
@@ -72,8 +79,8 @@ async def recv_limited(
                 async with asyncio.timeout(timeout):
                     header = await raw.recv_data(5)
             except TimeoutError:
-                h2 = raw._h2_connection
-                if isinstance(h2, GuardedH2Connection) and raw.id is not None:
+                h2 = guarded_h2(raw)
+                if h2 is not None and raw.id is not None:
                     h2.timed_out(raw.id, timeout, defer=True)
                 raise GRPCError(Status.DEADLINE_EXCEEDED, f"no request within {timeout:g}s") from None
         else:
@@ -85,8 +92,8 @@ async def recv_limited(
         size = int.from_bytes(header[1:5], "big")
         if size > max_size:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {max_size})")
-        h2 = raw._h2_connection
-        peer = h2.peer if isinstance(h2, GuardedH2Connection) else None
+        h2 = guarded_h2(raw)
+        peer = h2.peer if h2 is not None else None
         if budget is not None and not budget.take(size, peer):
             raise GRPCError(Status.RESOURCE_EXHAUSTED, "server busy receiving other messages, retry later")
         try:
@@ -101,4 +108,4 @@ async def recv_limited(
         raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
     if len(data) != size:  # ended right after the length prefix: b"", not an empty request
         raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message")
-    return stream._codec.decode(data, message_type)
+    return (codec or _PASS_THROUGH).decode(data, message_type)

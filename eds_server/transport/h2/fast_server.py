@@ -31,10 +31,18 @@ from grpclib.protocol import H2Protocol
 from h2.exceptions import H2Error
 
 from .base import Framed
-from .fast_connection import GuardedH2Connection, short_frame_reprs
+from .fast_connection import short_frame_reprs
 from .fast_protocol import FastProtocol
 from .fast_reader import MessageReader
-from .fast_writer import Flusher, ResponseHeaders, StatusInTrailers, queue_initial_headers, queue_message, send_frames
+from .fast_writer import (
+    Flusher,
+    ResponseHeaders,
+    StatusInTrailers,
+    guarded_h2,
+    queue_initial_headers,
+    queue_message,
+    send_frames,
+)
 from .limits import ConnectionLimits, Gate, fit_to_file_limit
 
 __all__ = ["FastIO", "MessageReader", "Server", "limited_handler", "short_frame_reprs"]
@@ -96,19 +104,20 @@ class Server(grpclib.server.Server):
             raise RuntimeError("Server is already started")
         fit_to_file_limit(self.gate.limits)
         ssl = ssl or self.ssl
+        loop = asyncio.get_running_loop()
         if path is not None:  # a Unix socket: the workers' link to their owner
-            self._server = await self._loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
+            self._server = await loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
         elif sock is not None:  # a listening socket handed over by the owner of --workers N
-            self._server = await self._loop.create_server(
+            self._server = await loop.create_server(
                 self._protocol_factory, sock=sock, backlog=backlog, ssl=ssl,
                 ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None,
             )  # fmt: skip
         else:
-            self._server = await self._loop.create_server(
+            self._server = await loop.create_server(
                 self._protocol_factory, host, cast(int, port), backlog=backlog, ssl=ssl, flags=socket.AI_PASSIVE,
                 ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None, **kwargs,
             )  # fmt: skip
-        self._server_closed_fut = self._loop.create_future()
+        self._server_closed_fut = loop.create_future()
 
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
@@ -159,8 +168,8 @@ def charge_refusal(stream: Stream) -> None:
     """A stream refused at the stream limits: charged to its IP as a stream without a request, so a
     client that keeps opening streams past the limits ends in GOAWAY instead of costing a handler each."""
     raw = stream._stream
-    h2 = raw._h2_connection
-    if isinstance(h2, GuardedH2Connection) and raw.id is not None:
+    h2 = guarded_h2(raw)
+    if h2 is not None and raw.id is not None:
         h2.no_request(raw.id, "refused at the stream limits", defer=True)
 
 

@@ -16,7 +16,7 @@ from grpclib import GRPCError
 from grpclib.events import SendInitialMetadata
 from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import Connection
-from h2.connection import ConnectionInputs, ConnectionState, H2Connection
+from h2.connection import ConnectionInputs, ConnectionState
 from h2.exceptions import StreamClosedError
 from h2.stream import StreamInputs, StreamState
 
@@ -71,7 +71,8 @@ def queue_initial_headers(stream: grpclib.server.Stream[Any, Any], headers: Resp
     same inputs its send_headers gives them. h2 encoding, validating and framing them cost a tenth
     of the CPU of connecting a stream. False (nothing done) where grpclib's own way must run."""
     raw = stream._stream
-    h2 = raw._h2_connection
+    connection = cast(FlushingConnection, raw.connection)  # every connection of the fast server's
+    h2 = connection.h2
     sid = raw.id
     if stream._dispatch._listeners.get(SendInitialMetadata) or sid not in h2.streams:
         return False
@@ -87,8 +88,12 @@ def queue_initial_headers(stream: grpclib.server.Stream[Any, Any], headers: Resp
     h2.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
     h2_stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
     h2_stream.request_method = None  # as h2 sets it from a response's headers
-    h2._data_to_send += len(block).to_bytes(3, "big") + b"\x01\x04" + sid.to_bytes(4, "big") + block
-    cast(GuardedH2Connection, h2).note_headers(sid)
+    pending = connection.queued.pending
+    queued = h2.data_to_send()
+    if queued:
+        pending.append(queued)  # queued before: written before
+    pending.append(len(block).to_bytes(3, "big") + b"\x01\x04" + sid.to_bytes(4, "big") + block)
+    h2.note_headers(sid)
     raw.connection.headers_send_process()
     stream._send_initial_metadata_done = True
     return True
@@ -108,7 +113,8 @@ def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> b
     grpclib and h2 private API (pinned in constraints.txt; tests/transport/test_grpc.py and the Envoy tests
     read these frames with h2 and with Envoy)."""
     raw = stream._stream
-    h2 = raw._h2_connection
+    connection = cast(FlushingConnection, raw.connection)  # every connection of the fast server's
+    h2 = connection.h2
     sid = raw.id
     assert sid is not None
     h2_stream = h2.streams.get(sid)
@@ -124,17 +130,24 @@ def queue_message(stream: grpclib.server.Stream[Any, Any], message: Framed) -> b
         return False
     heads, payloads = message.frames(h2.max_outbound_frame_size)
     tail = sid.to_bytes(4, "big")
-    pending = cast(QueuedTransport, raw._transport).pending  # the fast server's connections are FlushingConnections
-    if h2._data_to_send:
-        pending.append(h2.data_to_send())  # queued before: written before
+    pending = connection.queued.pending
+    queued = h2.data_to_send()
+    if queued:
+        pending.append(queued)  # queued before: written before
     for head, payload in zip(heads, payloads, strict=True):
         pending.append(head + tail)
         pending.append(payload)
     h2.outbound_flow_control_window -= size
     h2_stream.outbound_flow_control_window -= size
-    cast(GuardedH2Connection, h2).note_data_frames(sid, len(heads))
+    h2.note_data_frames(sid, len(heads))
     stream._send_message_done = True
     return True
+
+
+def guarded_h2(raw: Any) -> GuardedH2Connection | None:
+    """The h2 connection below a grpclib protocol stream, if the fast server's (None otherwise)."""
+    connection = raw.connection
+    return connection.h2 if isinstance(connection, FlushingConnection) else None
 
 
 class QueuedTransport:
@@ -169,32 +182,48 @@ class QueuedTransport:
 
 
 class FlushingConnection(Connection):
-    """grpclib's Connection on a `QueuedTransport`, whose queued frames its flush writes too."""
+    """grpclib's Connection on a `QueuedTransport`, whose queued frames its flush writes too.
+    Holds its h2 connection and transport under names of its own, so the fast path reaches them
+    through the public `Stream.connection` rather than grpclib's private attributes."""
 
-    def __init__(self, h2: H2Connection, transport: asyncio.Transport, *, config: Any, flusher: Flusher) -> None:
-        super().__init__(h2, cast(asyncio.Transport, QueuedTransport(transport)), config=config)
+    def __init__(
+        self, h2: GuardedH2Connection, transport: asyncio.Transport, *, config: Any, flusher: Flusher
+    ) -> None:  # fmt: skip
+        self.h2 = h2
+        self.queued = QueuedTransport(transport)
+        super().__init__(h2, cast(asyncio.Transport, self.queued), config=config)
         self._flusher = flusher
+
+    def queue(self, frame: bytes) -> None:
+        """A frame built outside h2 (a WINDOW_UPDATE for DATA read past it), written with the
+        connection's next write, this turn of the loop at the latest."""
+        self.queued.pending.append(frame)
+        self._flusher.later(self)
 
     def ack(self, stream_id: int, size: int) -> None:
         """grpclib writes the WINDOW_UPDATEs for every read at once: one write per stream as 10,000
         connect (a tenth of their CPU). Here they join the connection's next write, this turn of the loop."""
         if size:
-            self._connection.acknowledge_received_data(size, stream_id)
-            if self._connection._data_to_send:
+            h2 = self.h2
+            h2.acknowledge_received_data(size, stream_id)
+            data = h2.data_to_send()
+            if data:
+                self.queued.pending.append(data)
                 self._flusher.later(self)
 
     def flush(self) -> None:
-        transport = cast(QueuedTransport, self._transport)
-        data = self._connection.data_to_send()
+        queued = self.queued
+        data = self.h2.data_to_send()
         if data:
-            transport.pending.append(data)
-        transport.flush()
+            queued.pending.append(data)
+        queued.flush()
 
 
 def _write(stream: grpclib.server.Stream[Any, Any], data: memoryview, pos: int, window: int) -> int:
     """Queue as much of `data[pos:]` as `window` allows as DATA frames, write them at once."""
     raw = stream._stream
-    h2 = raw._h2_connection
+    connection = cast(FlushingConnection, raw.connection)
+    h2 = connection.h2
     assert raw.id is not None  # the client opened the stream
     end = len(data)
     while pos < end and window > 0:
@@ -202,8 +231,8 @@ def _write(stream: grpclib.server.Stream[Any, Any], data: memoryview, pos: int, 
         h2.send_data(raw.id, data[pos : pos + n])
         pos += n
         window -= n
-    raw._transport.write(h2.data_to_send())
-    raw.connection.data_send_process()  # resets grpclib's keepalive bookkeeping
+    connection.queued.write(h2.data_to_send())
+    connection.data_send_process()  # resets grpclib's keepalive bookkeeping
     return pos
 
 
@@ -221,7 +250,7 @@ async def send_frames(stream: grpclib.server.Stream[Any, Any], message: Framed) 
     pos = 0
     while pos < len(data):
         await raw.connection.write_ready.wait()
-        window = raw._h2_connection.local_flow_control_window(raw.id)
+        window = cast(FlushingConnection, raw.connection).h2.local_flow_control_window(raw.id)
         if window <= 0:
             raw.window_updated.clear()
             await raw.window_updated.wait()
@@ -259,7 +288,7 @@ class Flusher:
         pending, self._unflushed = self._unflushed, {}
         self._queued = 0
         for connection in pending:
-            if connection._transport.is_closing():
+            if connection.is_closing():
                 continue
             try:  # one connection's failure must not hold up the others' frames, nor reach the caller
                 connection.flush()
