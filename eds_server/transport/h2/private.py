@@ -1,0 +1,143 @@
+"""Every private name of grpclib, h2, hpack, hyperframe and aiohttp this package touches: where,
+why, and what it buys. A touch stays only if its gain is measured (a figure) or it is what a
+protection needs (the test that fails without it); one whose gain could not be measured was
+replaced by the public API. tests/transport/h2/test_private.py reads the package's source and
+fails on a touch missing here, and on an entry no longer touched, so the table stays true.
+
+Figures marked "bench" come from `bench/private_touches.py` (with the touch against without it,
+medians of interleaved rounds in one process; `--callgrind` for instruction counts); those
+marked "changelog" were measured side by side when the piece was added (CHANGELOG.md, 0.1.0:
+the 1,000 streams x 1,000 endpoints fan-out with the Node sent once, CPU per change) and not
+again since. All hold for the versions compat.py verified only; elsewhere the stock path runs.
+
+Replaced by public API, for no measurable gain (kept here so they stay out):
+grpclib's `_set_nodelay` (the socket's own setsockopt), `Stream._codec` (the reader's codec),
+`Stream._h2_connection`, `Stream._transport` and `Connection._connection` (the public
+`Stream.connection`, which is the fast path's FlushingConnection, holds both), `Server._loop`
+(the running loop); h2's `H2Connection._data_to_send` (the public `data_to_send()`, whose frames
+are queued on our own transport: +0.14 us per queued message, bench data_to_send, 0.4% of the
+36.8 us a stream costs per change on that shape, under the fan-out bench's +-10% noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Touch:
+    library: str  # the distribution whose private names these are
+    names: tuple[str, ...]
+    where: tuple[str, ...]  # modules of this package (transport/h2/<name>.py)
+    why: str
+    figure: str
+
+
+WRITER = "the fan-out writer (one encoding per change, queued and written once per connection)"
+
+TOUCHES: tuple[Touch, ...] = (
+    Touch(
+        "grpclib", ("_stream",), ("fast_reader", "fast_server", "fast_writer"),
+        "grpclib's server Stream keeps its protocol stream (id, connection, buffer, recv_data, "
+        "window_updated) private; the reader and the writer work on it",
+        f"changelog: {WRITER} 1.20x; reading with a size limit from the length prefix and deadlines "
+        "(tests/transport/h2/test_limits.py fails without it: grpclib buffers any announced length)",
+    ),
+    Touch(
+        "grpclib", ("_send_initial_metadata_done", "_send_message_done", "_send_trailing_metadata_done"),
+        ("fast_server", "fast_writer"),
+        "the writer sends headers, messages and trailers itself; grpclib's own later calls (its "
+        "trailers, its checks on end) read these flags",
+        f"changelog: {WRITER} 1.20x; trailers without RST_STREAM: tests/transport/test_grpc.py",
+    ),
+    Touch(
+        "grpclib", ("_content_type",), ("fast_writer",),
+        "the response's content-type, for the HEADERS block built once per server (ResponseHeaders)",
+        "docstring of queue_initial_headers: h2 encoding, validating and framing the headers cost a "
+        "tenth of the CPU of connecting a stream; 20,000 writes for 10,000 new streams became one "
+        "per connection and batch",
+    ),
+    Touch(
+        "grpclib", ("_dispatch", "_listeners"), ("fast_writer",),
+        "the headers are queued past grpclib only when nothing listens for SendInitialMetadata "
+        "(otherwise grpclib's own send runs, and its event)",
+        "a check that keeps queue_initial_headers (above) correct: no figure of its own",
+    ),
+    Touch(
+        "grpclib", ("_eof", "_acked_size", "_unacked", "_acked"), ("direct", "fast_reader"),
+        "the direct read path starts only on an empty stream buffer, and puts a message begun back "
+        "in front of it when the stream falls back to grpclib",
+        "changelog: ACKs read from their DATA frames 2.00x (the ACK read path was about 40% of the "
+        "fan-out, docs/performance.md)",
+    ),
+    Touch(
+        "grpclib", ("_protocol_factory",), ("fast_server", "stock"),
+        "the only hook that puts a protocol of ours under grpclib's server: the fast protocol, and "
+        "the stock path's guard below grpclib",
+        "protection, no speed figure: tests/transport/h2/test_attacks.py, test_guard.py and "
+        "tests/hostile/test_clients.py fail without the guard and the budgets",
+    ),
+    Touch(
+        "grpclib", ("_server", "_server_closed_fut"), ("fast_server",),
+        "start() as grpclib's, plus a TLS handshake timeout and a listening socket handed over by "
+        "--workers N; the port, and closing the listener alone",
+        "protection: TLS handshakes bounded (tests/transport/h2/test_limits.py)",
+    ),
+    Touch(
+        "grpclib", ("_mapping",), ("fast_server",),
+        "the method table, wrapped so an unknown method is answered and logged once (unknown.py)",
+        "behaviour, no speed figure: tests/e2e/envoy/test_unknown_method.py",
+    ),
+    Touch(
+        "grpclib",
+        (
+            "_keepalive_time",
+            "_keepalive_timeout",
+            "_keepalive_permit_without_calls",
+            "_http2_max_pings_without_data",
+            "_http2_min_sent_ping_interval_without_data",
+        ),
+        ("base",),
+        "grpclib's Configuration takes its keepalive settings as private keyword arguments; named "
+        "in keepalive_config only (the relay's client and the server take it from there)",
+        "behaviour: a dead peer is found (keepalive), no public way to set it",
+    ),
+    Touch(
+        "h2", ("_receive_frame", "_prepare_for_sending"), ("fast_connection",),
+        "every frame received charged to the connection's and the IP's budgets before h2 reads it; "
+        "h2's own RST_STREAM answers charged like a client's",
+        "protection, no speed figure: tests/hostile/test_clients.py and "
+        "tests/transport/h2/test_limits.py fail without it",
+    ),
+    Touch(
+        "h2", ("_open_streams", "_closed_streams"), ("fast_connection",),
+        "open streams counted from the streams touched since the last count, not by walking every "
+        "stream on each new one (quadratic)",
+        "bench open_streams: 2,000 streams opened on one connection, 2.21x the CPU without it "
+        "(265.6 against 588.1 us per stream), growing with the streams",
+    ),
+    Touch(
+        "h2", ("_data", "_preamble_len", "_headers_buffer"), ("fast_protocol", "fast_reader"),
+        "the direct read path cuts frames itself only while h2's frame buffer is empty, and never "
+        "inside a header block",
+        "changelog: ACKs read from their DATA frames 2.00x (as the grpclib buffer touches above)",
+    ),
+    Touch(
+        "hyperframe", ("_raw_data_repr",), ("fast_connection",),
+        "h2 builds repr(frame) of every frame received, and hyperframe's hex-encodes a DATA frame's "
+        "whole payload to show 20 digits of it",
+        "bench repr: 60 KB first requests read by h2, 1.30x the CPU without it (351.9 against "
+        "458.8 us per request)",
+    ),
+    Touch(
+        "aiohttp", ("_loop", "_kwargs"), ("http",),
+        "the aiohttp ports' protocol factory: each connection's handler built as aiohttp's web.Server "
+        "builds it, under a connection cap and a deadline for the request's headers",
+        "protection, no speed figure: tests/transport/h2/test_http.py",
+    ),
+)
+
+
+def by_name() -> dict[str, Touch]:
+    """Each private name, and its entry."""
+    return {name: touch for touch in TOUCHES for name in touch.names}
