@@ -15,8 +15,9 @@ grpclib's `_set_nodelay` (the socket's own setsockopt), `Stream._codec` (the rea
 `Stream._h2_connection`, `Stream._transport` and `Connection._connection` (the public
 `Stream.connection`, which is the fast path's FlushingConnection, holds both), `Server._loop`
 (the running loop); h2's `H2Connection._data_to_send` (the public `data_to_send()`, whose frames
-are queued on our own transport: +0.14 us per queued message, bench data_to_send, 0.4% of the
-36.8 us a stream costs per change on that shape, under the fan-out bench's +-10% noise).
+are queued on our own transport: bench data_to_send, +0.10-0.14 us (+1,811 instructions,
+callgrind) per queued message, 0.3-0.4% of the 36.8 us a stream costs per change on that shape,
+far under the fan-out bench's +-10% between rounds).
 """
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ TOUCHES: tuple[Touch, ...] = (
         "grpclib", ("_stream",), ("fast_reader", "fast_server", "fast_writer"),
         "grpclib's server Stream keeps its protocol stream (id, connection, buffer, recv_data, "
         "window_updated) private; the reader and the writer work on it",
-        f"changelog: {WRITER} 1.20x; reading with a size limit from the length prefix and deadlines "
-        "(tests/transport/h2/test_limits.py fails without it: grpclib buffers any announced length)",
+        f"changelog: {WRITER} 1.20x; protection: a message refused from its length prefix "
+        "(grpclib buffers any announced length): tests/transport/test_grpc.py "
+        "test_oversize_length_prefix_is_refused_before_the_body",
     ),
     Touch(
         "grpclib", ("_send_initial_metadata_done", "_send_message_done", "_send_trailing_metadata_done"),
         ("fast_server", "fast_writer"),
         "the writer sends headers, messages and trailers itself; grpclib's own later calls (its "
         "trailers, its checks on end) read these flags",
-        f"changelog: {WRITER} 1.20x; trailers without RST_STREAM: tests/transport/test_grpc.py",
+        f"changelog: {WRITER} 1.20x; error trailers with no RST_STREAM after them: "
+        "tests/transport/test_xds_edge_cases.py test_grpclib_clients_read_the_status_not_a_reset",
     ),
     Touch(
         "grpclib", ("_content_type",), ("fast_writer",),
@@ -67,8 +70,8 @@ TOUCHES: tuple[Touch, ...] = (
         "grpclib", ("_eof", "_acked_size", "_unacked", "_acked"), ("direct", "fast_reader"),
         "the direct read path starts only on an empty stream buffer, and puts a message begun back "
         "in front of it when the stream falls back to grpclib",
-        "changelog: ACKs read from their DATA frames 2.00x (the ACK read path was about 40% of the "
-        "fan-out, docs/performance.md)",
+        "changelog: ACKs read from their DATA frames 2.00x; tests/transport/h2/test_direct.py "
+        "checks the path is taken",
     ),
     Touch(
         "grpclib", ("_protocol_factory",), ("fast_server", "stock"),
@@ -81,7 +84,8 @@ TOUCHES: tuple[Touch, ...] = (
         "grpclib", ("_server", "_server_closed_fut"), ("fast_server",),
         "start() as grpclib's, plus a TLS handshake timeout and a listening socket handed over by "
         "--workers N; the port, and closing the listener alone",
-        "protection: TLS handshakes bounded (tests/transport/h2/test_limits.py)",
+        "protection: TLS handshakes bounded (tests/transport/h2/test_limits.py "
+        "test_an_unfinished_tls_handshake_is_dropped)",
     ),
     Touch(
         "grpclib", ("_mapping",), ("fast_server",),
@@ -113,8 +117,11 @@ TOUCHES: tuple[Touch, ...] = (
         "h2", ("_open_streams", "_closed_streams"), ("fast_connection",),
         "open streams counted from the streams touched since the last count, not by walking every "
         "stream on each new one (quadratic)",
-        "bench open_streams: 2,000 streams opened on one connection, 2.21x the CPU without it "
-        "(265.6 against 588.1 us per stream), growing with the streams",
+        "bench open_streams: 2,000 streams opened on one connection cost 2.51-2.74x the CPU without "
+        "it (59-70 against 163-176 us per stream, two runs); callgrind, streams 1,000 to 2,000: "
+        "486k against 2.70M instructions per stream (5.56x), growing with the streams; 10,000 "
+        "streams: h2 looks ~5e7 times, ours at most 3e4 (tests/transport/h2/test_limits.py "
+        "test_ten_thousand_streams_cost_linear_work)",
     ),
     Touch(
         "h2", ("_data", "_preamble_len", "_headers_buffer"), ("fast_protocol", "fast_reader"),
@@ -126,8 +133,8 @@ TOUCHES: tuple[Touch, ...] = (
         "hyperframe", ("_raw_data_repr",), ("fast_connection",),
         "h2 builds repr(frame) of every frame received, and hyperframe's hex-encodes a DATA frame's "
         "whole payload to show 20 digits of it",
-        "bench repr: 60 KB first requests read by h2, 1.30x the CPU without it (351.9 against "
-        "458.8 us per request)",
+        "bench repr: a 60 KB first request read by h2 costs 1.49x the instructions without it "
+        "(callgrind: 2.01M against 3.00M per request; time 1.30-1.46x, two runs)",
     ),
     Touch(
         "aiohttp", ("_loop", "_kwargs"), ("http",),
