@@ -11,6 +11,12 @@ Cases (NAME):
 - open_streams: a connection opening 2,000 streams one after another (HEADERS built by hand, no
   request yet), h2's `_open_streams` against GuardedH2Connection's, which looks at touched streams
   only (the cost per stream grows with the streams: --callgrind-ops 2000 gives streams 1,000-2,000);
+- headers: 2,000 new streams answered their first response, HEADERS built once and queued with
+  the first DATA against grpclib's own send_initial_metadata (the process's CPU, server and client);
+- direct: 20 changes fanned out to 1,000 streams and ACKed (per change), ACKs read straight from
+  their DATA frames (direct.py) against through h2 and grpclib;
+- queue: the same fan-out, responses queued as shared frames and written once per connection and
+  batch (fast_writer.queue_message) against each stream's own send;
 - data_to_send: taking h2's output before queueing a message when it holds none (every message
   of a fan-out): a test of h2's private `_data_to_send` first against the public `data_to_send()`.
 
@@ -27,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -130,7 +137,128 @@ def data_to_send_case(variant: str, n: int) -> Callable[[], None]:
     return run
 
 
-CASES = {
+def headers_case(variant: str, n: int) -> Callable[[], None]:
+    """n new streams on 4 connections, each answered its first response: the fast path's HEADERS
+    built once and queued with the first DATA (queue_initial_headers: grpclib's `_content_type`,
+    `_dispatch._listeners`, `_send_initial_metadata_done`) against grpclib's own send_initial_metadata.
+    Server and raw client (bench/loadgen.py) in this process: the client's share is the same in both."""
+    import asyncio
+
+    import loadgen
+
+    from eds_server.encode import encode_group
+    from eds_server.model import Endpoint, Group
+    from eds_server.store import Store
+    from eds_server.transport import grpc
+    from eds_server.transport.h2 import fast_server
+
+    def run() -> None:
+        async def main() -> None:
+            store = Store(encode_group)
+            store.add_source("bench")
+            store.update("bench", {"web": Group("web", (Endpoint("127.0.0.1", 8080),))})
+            service = grpc.EdsService(store, send_timeout=5)
+            server = grpc.make_server(service, max_streams_per_connection=n, keepalive_time=30, keepalive_timeout=10,
+                                      max_message_size=1 << 20, limits=BIG_LIMITS, http2="fast")  # fmt: skip
+            await server.start("127.0.0.1", 0)
+            queue = fast_server.queue_initial_headers
+            if variant != "touch":
+                fast_server.queue_initial_headers = lambda stream, headers: False  # type: ignore[assignment]
+            generator = loadgen.Generator(2_000)
+            try:
+                await generator.open(server.port, [["web"] * (n // 4)] * 4, node_every=False)
+                done = await generator.wait({}, 60, {"web": 1})
+                assert done["ok"], done
+            finally:
+                fast_server.queue_initial_headers = queue
+                generator.close()
+                service.stop()
+                server.close()
+                await server.wait_closed()
+
+        asyncio.run(main())
+
+    return run
+
+
+def direct_case(variant: str, n: int) -> Callable[[], float]:
+    """n changes fanned out to 1,000 streams on 4 connections, each response ACKed: an established
+    stream's ACKs read straight from its DATA frames (direct.py: grpclib's Buffer `_eof`,
+    `_acked_size`, `_unacked`, `_acked`; h2's FrameBuffer `_data`, `_preamble_len`, `_headers_buffer`)
+    against read through h2 and grpclib. Returns the CPU of the changes alone."""
+    return _fanout(variant, n, "direct")
+
+
+def queue_case(variant: str, n: int) -> Callable[[], float]:
+    """As direct, but each response queued as shared frames and written once per connection and
+    batch (fast_writer.queue_message: grpclib's `_stream`, `_send_message_done`) against sent by
+    each stream's own send (send_frames, one socket write per stream)."""
+    return _fanout(variant, n, "queue")
+
+
+def _fanout(variant: str, n: int, touch: str) -> Callable[[], float]:
+    import asyncio
+
+    import loadgen
+
+    from eds_server.encode import encode_group
+    from eds_server.model import Endpoint, Group
+    from eds_server.store import Store
+    from eds_server.transport import grpc
+    from eds_server.transport.h2 import fast_reader, fast_server
+
+    streams = 1_000
+
+    def group(i: int) -> Group:
+        return Group("web", tuple(Endpoint("127.0.0.1", 1000 + p) for p in range(i % 7, i % 7 + 20)))
+
+    def run() -> float:
+        async def main() -> float:
+            store = Store(encode_group)
+            store.add_source("bench")
+            store.update("bench", {"web": group(0)})
+            service = grpc.EdsService(store, send_timeout=5)
+            server = grpc.make_server(service, max_streams_per_connection=streams, keepalive_time=30,
+                                      keepalive_timeout=10, max_message_size=1 << 20, limits=BIG_LIMITS,
+                                      http2="fast")  # fmt: skip
+            await server.start("127.0.0.1", 0)
+            direct, queue = fast_reader.MessageReader.direct, fast_server.queue_message
+            if variant != "touch" and touch == "direct":
+
+                async def never(self: object, stream: object, on_message: object) -> None:
+                    return None
+
+                fast_reader.MessageReader.direct = never  # type: ignore[assignment,method-assign]
+            elif variant != "touch":
+                fast_server.queue_message = lambda stream, message: False  # type: ignore[assignment]
+            generator = loadgen.Generator(2_000)
+            try:
+                await generator.open(server.port, [["web"] * (streams // 4)] * 4, node_every=False)
+                assert (await generator.wait({}, 60, {"web": 1}))["ok"]
+                start = time.process_time()
+                for i in range(1, n + 1):
+                    store.update("bench", {"web": group(i)})
+                    done = await generator.wait({}, 60, {"web": i + 1})
+                    assert done["ok"], done
+                spent = time.process_time() - start
+            finally:
+                fast_reader.MessageReader.direct = direct  # type: ignore[method-assign]
+                fast_server.queue_message = queue
+                generator.close()
+                service.stop()
+                server.close()
+                await server.wait_closed()
+            return spent
+
+        return asyncio.run(main())
+
+    return run
+
+
+CASES: dict[str, tuple[Callable[[str, int], Callable[[], Any]], int]] = {
+    "direct": (direct_case, 20),
+    "queue": (queue_case, 20),
+    "headers": (headers_case, 2_000),
     "repr": (repr_case, 200),
     "open_streams": (open_streams_case, 2_000),
     "data_to_send": (data_to_send_case, 200_000),
@@ -145,8 +273,8 @@ def timed(name: str, rounds: int) -> tuple[float, float]:
         for variant in ("touch", "public"):
             run = make(variant, n)
             start = time.process_time()
-            run()
-            times[variant].append((time.process_time() - start) / n)
+            spent = run()  # the case's own measure, where it has one (not its setup)
+            times[variant].append((spent if spent is not None else time.process_time() - start) / n)
             getattr(run, "restore", lambda: None)()
     return statistics.median(times["touch"]), statistics.median(times["public"])
 
