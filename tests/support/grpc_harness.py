@@ -23,7 +23,7 @@ from eds_server.pb.google.rpc import Status as RpcStatus
 from eds_server.store import Store
 from eds_server.transport.grpc import EdsService, make_server
 from eds_server.transport.h2 import ConnectionLimits
-from eds_server.transport.h2.fast import Server
+from eds_server.transport.h2.fast_server import Server
 from eds_server.xds.common import EDS_TYPE_URL
 
 STREAM = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"

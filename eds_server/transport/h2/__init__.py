@@ -9,7 +9,9 @@ response, end with a status), and knows its port and what it refused.
 - limits.py: what a client may take, and what each limit charges (pure), connection admission;
 - guard.py: the frame guard both paths read through (frame headers only, sans-IO);
 - headers.py: RFC 9113 request header checks (pure);
-- fast.py, direct.py: the fast gRPC path; http.py: connection limits for the aiohttp ports;
+- fast_server.py (and fast_connection.py, fast_protocol.py, fast_reader.py, direct.py,
+  fast_writer.py): the fast gRPC path; http.py: connection limits for the aiohttp ports;
+- private.py: every internal of those libraries the package touches, where, why, and its figure;
 - stock.py: the public-API gRPC path, below the guard.
 """
 
@@ -71,7 +73,7 @@ def build_server(
     `enter`/`leave` and are read within the message limits where the path can. `mapping` wraps
     the path-to-handler table (unknown methods), on the fast path only."""
     if compat.fast_path(mode):
-        from .fast import MessageReader, Server, limited_handler, short_frame_reprs
+        from .fast_server import MessageReader, Server, limited_handler, short_frame_reprs
 
         short_frame_reprs()
         reader = MessageReader(

@@ -1,6 +1,7 @@
 """What the gRPC services see of a stream and of the server, whichever HTTP/2 path runs below:
-the fast path (fast.py: grpclib, h2 and hyperframe internals, for the versions compat.py verified)
-or the stock path (stock.py: grpclib's public API only). Only public API of other libraries here.
+the fast path (fast_server.py: grpclib, h2 and hyperframe internals, for the versions compat.py
+verified) or the stock path (stock.py: grpclib's public API only). Only public API of other
+libraries here, but grpclib's keepalive keywords (keepalive_config; private.py lists them).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which HTTP/2 path runs: the fast path (fast.py, direct.py, http.py: other libraries' internals)
+"""Which HTTP/2 path runs: the fast path (fast_*.py, direct.py, http.py: other libraries' internals)
 only on the exact versions of those libraries its tests ran against; otherwise the stock path
 (stock.py: grpclib's and aiohttp's public API), with one warning saying what that costs.
 

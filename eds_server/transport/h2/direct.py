@@ -3,11 +3,12 @@
 An Envoy stream sends one small request (an ACK) per response, and through h2 and grpclib each one
 costs a frame object and its repr, h2's stream and flow-control state machines, an event, a queue
 put and get, a task switch and two buffered reads: most of the CPU of a fan-out. Once a stream's
-first request has been read the usual way, fast.py's protocol hands the stream's plain DATA frames
-(no END_STREAM, no padding) to a `DirectReader`, which cuts them into gRPC messages and gives each
-to the session at once, inside data_received. Everything else (HEADERS, RST_STREAM, END_STREAM,
-padded DATA) makes the stream fall back to h2 and grpclib first, with any partly received message
-put back in front of grpclib's buffer, so nothing is lost or reordered.
+first request has been read the usual way, the fast path's protocol (fast_protocol.py) hands the
+stream's plain DATA frames (no END_STREAM, no padding) to a `DirectReader`, which cuts them into
+gRPC messages and gives each to the session at once, inside data_received. Everything else
+(HEADERS, RST_STREAM, END_STREAM, padded DATA) makes the stream fall back to h2 and grpclib first,
+with any partly received message put back in front of grpclib's buffer, so nothing is lost or
+reordered.
 
 The limits of the usual path hold here too: the message size limit (from the length prefix), the
 partial-message budget, and the time a started message has to finish. Flow control: h2 never sees
@@ -20,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from grpclib import GRPCError
 from grpclib.const import Status
 from grpclib.protocol import AckedData
 
+from .limits import PartialBudget
+
 if TYPE_CHECKING:
-    from .fast import GuardedH2Connection, MessageReader
+    from .fast_connection import GuardedH2Connection
+    from .fast_writer import FlushingConnection
 
 
 _PREFIX = struct.Struct(">BL")  # a gRPC message's compressed flag and length
@@ -38,17 +42,29 @@ def window_update(stream_id: int, increment: int) -> bytes:
     return b"\x00\x00\x04\x08\x00" + stream_id.to_bytes(4, "big") + increment.to_bytes(4, "big")
 
 
+class ReadLimits(Protocol):
+    """The limits a stream's messages are read within (fast_reader.MessageReader's)."""
+
+    @property
+    def max_size(self) -> int: ...
+    @property
+    def timeout(self) -> float | None: ...
+    @property
+    def budget(self) -> PartialBudget | None: ...
+
+
 class DirectReader:
     """One stream's request messages, cut from the DATA frames the protocol hands over."""
 
-    __slots__ = ("_buf", "_deadline", "_need", "_taken", "done", "grant_at", "h2", "limits",
+    __slots__ = ("_buf", "_deadline", "_need", "_taken", "connection", "done", "grant_at", "h2", "limits",
                  "messages", "on_message", "raw", "stream_id", "unacked")  # fmt: skip
 
     def __init__(
-        self, raw: Any, on_message: Callable[[bytes], None], limits: MessageReader, grant_at: int
+        self, raw: Any, on_message: Callable[[bytes], None], limits: ReadLimits, grant_at: int
     ) -> None:  # fmt: skip
         self.raw = raw  # grpclib's protocol.Stream
-        self.h2: GuardedH2Connection = raw._h2_connection
+        self.connection: FlushingConnection = raw.connection
+        self.h2: GuardedH2Connection = self.connection.h2
         self.stream_id: int = raw.id
         self.on_message = on_message
         self.limits = limits
@@ -65,7 +81,7 @@ class DirectReader:
         """A DATA frame's payload (no padding): every message it completes goes to on_message."""
         self.unacked += len(payload)
         if self.unacked >= self.grant_at:
-            self.h2._data_to_send += window_update(self.stream_id, self.unacked)
+            self.connection.queue(window_update(self.stream_id, self.unacked))
             self.unacked = 0
         if self._buf:
             # A message begun: appended in place until it is whole, so a message that arrives in
@@ -141,7 +157,7 @@ class DirectReader:
         if self.h2.direct.get(self.stream_id) is self:
             del self.h2.direct[self.stream_id]
         if self.unacked:  # the stream may go on (a padded frame, say): its window is not lost
-            self.h2._data_to_send += window_update(self.stream_id, self.unacked)
+            self.connection.queue(window_update(self.stream_id, self.unacked))
             self.unacked = 0
         self._release()
 

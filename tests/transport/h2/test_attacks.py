@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from eds_server.transport.grpc import EdsService
-from eds_server.transport.h2.fast import ConnectionLimits, Server
+from eds_server.transport.h2.fast_server import Server
+from eds_server.transport.h2.limits import ConnectionLimits
 from tests.support.grpc_harness import serving
 from tests.support.h2_client import (
     SOURCE,

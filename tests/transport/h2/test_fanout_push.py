@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import types
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,7 +19,9 @@ import hyperframe
 import pytest
 
 from eds_server.model import Endpoint, Group
-from eds_server.transport.h2 import fast as http2
+from eds_server.transport.h2 import fast_writer
+from eds_server.transport.h2.base import Framed
+from eds_server.transport.h2.fast_connection import GuardedH2Connection
 from tests.support.grpc_harness import SOURCE, Harness, cla_of, first, recv, reply
 from tests.support.waiting import wait_for
 
@@ -90,16 +91,16 @@ async def test_a_message_larger_than_the_window_still_arrives_whole(h: Harness) 
 
 
 async def test_pushed_frames_pay_for_the_clients_window_updates(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fast.py lets a client send WINDOW_UPDATEs only as paid for by DATA frames we sent: frames
+    """fast_connection.py lets a client send WINDOW_UPDATEs only as paid for by DATA frames we sent: frames
     built by the fan-out path must count, or an Envoy taking big responses gets GOAWAY."""
     noted: list[int] = []
-    original = http2.GuardedH2Connection.note_data_frames
+    original = GuardedH2Connection.note_data_frames
 
-    def note(self: http2.GuardedH2Connection, stream_id: int, frames: int) -> None:
+    def note(self: GuardedH2Connection, stream_id: int, frames: int) -> None:
         noted.append(frames)
         original(self, stream_id, frames)
 
-    monkeypatch.setattr(http2.GuardedH2Connection, "note_data_frames", note)
+    monkeypatch.setattr(GuardedH2Connection, "note_data_frames", note)
     h.store.update(SOURCE, {"web": big_group("web", 1)})
     async with h.stream() as s:
         await s.send_message(first("web"))
@@ -119,20 +120,20 @@ async def test_connecting_streams_costs_at_most_one_write_each(h: Harness, monke
     """A stream's response HEADERS go out with its first response, in its connection's next write
     (grpclib wrote the headers on their own, then the response: two writes per stream at least)."""
     writes = 0
-    write, flush = http2._Transport.write, http2._Transport.flush
+    write, flush = fast_writer.QueuedTransport.write, fast_writer.QueuedTransport.flush
 
-    def counted_write(self: http2._Transport, data: bytes) -> None:
+    def counted_write(self: fast_writer.QueuedTransport, data: bytes) -> None:
         nonlocal writes
         writes += bool(data and not self.pending)  # else the flush below writes it
         write(self, data)
 
-    def counted_flush(self: http2._Transport) -> None:
+    def counted_flush(self: fast_writer.QueuedTransport) -> None:
         nonlocal writes
         writes += bool(self.pending)
         flush(self)
 
-    monkeypatch.setattr(http2._Transport, "write", counted_write)
-    monkeypatch.setattr(http2._Transport, "flush", counted_flush)
+    monkeypatch.setattr(fast_writer.QueuedTransport, "write", counted_write)
+    monkeypatch.setattr(fast_writer.QueuedTransport, "flush", counted_flush)
     h.store.update(SOURCE, {"web": big_group("web", 10)})
     n, answered, done = 40, 0, asyncio.Event()
 
@@ -155,7 +156,8 @@ async def test_a_big_fan_out_is_written_in_batches_each_connection_once_a_batch(
     flushed: list[object] = []
 
     class Conn:
-        _transport = types.SimpleNamespace(is_closing=lambda: False)
+        def is_closing(self) -> bool:
+            return False
 
         def flush(self) -> None:
             flushed.append(self)
@@ -163,7 +165,7 @@ async def test_a_big_fan_out_is_written_in_batches_each_connection_once_a_batch(
         def data_send_process(self) -> None:
             pass
 
-    flusher = http2.Flusher(every=4)
+    flusher = fast_writer.Flusher(every=4)
     conns = [Conn(), Conn()]
     for i in range(10):
         flusher.later(conns[i % 2])  # type: ignore[arg-type]
@@ -176,7 +178,8 @@ async def test_one_connection_failing_to_write_holds_up_no_other() -> None:
     flushed: list[str] = []
 
     class Conn:
-        _transport = types.SimpleNamespace(is_closing=lambda: False)
+        def is_closing(self) -> bool:
+            return False
 
         def __init__(self, name: str) -> None:
             self.name = name
@@ -189,7 +192,7 @@ async def test_one_connection_failing_to_write_holds_up_no_other() -> None:
         def data_send_process(self) -> None:
             pass
 
-    flusher = http2.Flusher(every=2)
+    flusher = fast_writer.Flusher(every=2)
     flusher.later(Conn("broken"))  # type: ignore[arg-type]
     flusher.later(Conn("fine"))  # type: ignore[arg-type]  # the batch is written here: nothing raised
     assert flushed == ["fine"]
@@ -200,18 +203,17 @@ def test_the_response_headers_block_leaves_the_dynamic_tables_alone() -> None:
     dynamic table, so the connection's own encoder stays in step with it."""
     decoder = hpack.Decoder()
     for content_type in ("application/grpc", "application/grpc+proto"):
-        block = http2._STATUS_200 + http2._hpack_literal(http2._CONTENT_TYPE, content_type.encode())
+        block = fast_writer.ResponseHeaders().block(content_type)
         assert decoder.decode(block) == [(":status", "200"), ("content-type", content_type)]
     assert decoder.header_table.dynamic_entries == deque()
 
 
 def test_private_api_the_fan_out_relies_on() -> None:
-    """transport/h2/fast.py's queue_message builds DATA frames and shrinks h2's windows itself, and
+    """transport/h2/fast_writer.py's queue_message builds DATA frames and shrinks h2's windows itself, and
     direct.py reads DATA frames past h2 and grpclib: a new h2, hyperframe or grpclib must be
     checked against them before it is taken."""
     assert (h2.__version__, hyperframe.__version__) == ("4.4.1", "6.1.0")
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
-    assert isinstance(conn._data_to_send, bytearray)
     assert isinstance(conn.outbound_flow_control_window, int)
     # queue_message checks states instead of telling the state machines: SEND_DATA must change nothing there
     conn_sm, stream_sm = h2.connection.H2ConnectionStateMachine, h2.stream
@@ -236,8 +238,8 @@ def test_private_api_the_fan_out_relies_on() -> None:
     )
     assert {"state_machine", "_prepare_for_sending"} <= set(h2.connection.H2Connection.send_headers.__code__.co_names)
     assert hpack.Encoder().header_table.resized is False
-    # fast.py's connection flush writes through its _Transport
-    assert grpclib.protocol.Connection.flush.__code__.co_names == ("_connection", "data_to_send", "_transport", "write")
+    # fast_writer.py's FlushingConnection: grpclib's streams write through the transport it was given
+    assert "_transport" in grpclib.protocol.Connection.create_stream.__code__.co_names
 
 
 def test_push_latency_histogram_reads_as_prometheus_clients() -> None:
@@ -265,7 +267,7 @@ async def test_a_change_is_encoded_once_for_all_its_streams(h: Harness, monkeypa
 
     built: list[int] = []
 
-    class Counted(http2.Framed):
+    class Counted(Framed):
         def __init__(self, payload: bytes) -> None:
             built.append(len(payload))
             super().__init__(payload)

@@ -24,7 +24,8 @@ from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, Discovery
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.store import Store
 from eds_server.transport.grpc import EdsService
-from eds_server.transport.h2.fast import ConnectionLimits, GuardedH2Connection, PeerBudgets
+from eds_server.transport.h2.fast_connection import GuardedH2Connection
+from eds_server.transport.h2.limits import ConnectionLimits, PeerBudgets
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import fetch_web, serving
 from tests.support.h2frames import PREFACE, read_frames

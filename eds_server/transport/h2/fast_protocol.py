@@ -1,0 +1,395 @@
+"""The fast path's protocol: one client connection, below grpclib. Every byte is read first
+through the frame guard (guard.py: a frame longer than allowed refused from its header, a header
+block's total size bounded, its CONTINUATION frames charged as control frames); then through h2
+(fast_connection.GuardedH2Connection charges each frame to the budgets), except an established
+stream's plain DATA frames, which go straight to its DirectReader (direct.py). Malformed request
+headers are answered RST_STREAM PROTOCOL_ERROR (headers.py) before grpclib sees them; a stream
+that sends no request is held here, not given a handler, until it does or its time runs out; a
+connection that opens no stream in time, or holds none for an idle timeout, is closed; unknown
+frame types are ignored (RFC 9113 section 4.1). Touches grpclib and h2 internals (private.py lists
+each, and why), on the versions compat.py verified only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any, cast
+
+from grpclib.const import Status
+from grpclib.protocol import EventsProcessor, H2Protocol
+from h2.errors import ErrorCodes
+from h2.events import DataReceived, PingAckReceived, RequestReceived, StreamEnded, StreamReset, TrailersReceived
+from h2.exceptions import ProtocolError as H2ProtocolError
+from h2.settings import SettingCodes, Settings
+
+from ...observe import clip
+from .direct import window_update
+from .fast_connection import Calm, GuardedH2Connection
+from .fast_writer import Flusher, FlushingConnection
+from .guard import FrameGuard
+from .headers import request_problem, trailers_problem
+from .limits import Gate, PeerBudgets
+
+MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16 KiB to 16 MiB)
+CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
+
+_FRAME_HEADER = struct.Struct(">HBBBL")  # length (16 + 8 bits), type, flags, stream id (and its reserved bit)
+
+
+class PingCheckingProcessor(EventsProcessor):
+    """grpclib's events processor; a PING ACK answers our keepalive only if it echoes its payload
+    (a client that never reads cannot fake being alive)."""
+
+    def process_ping_ack_received(self, event: PingAckReceived) -> None:
+        h2 = cast(FlushingConnection, self.connection).h2
+        if h2.ping_payload is not None and event.ping_data == h2.ping_payload:
+            self.connection.ping_ack_process()
+
+
+class FastProtocol(H2Protocol):
+    """grpclib's protocol, with our settings from the start and the gate's limits enforced.
+
+    `connection_made` follows grpclib 0.4.9's own (used only with the versions compat.py
+    verified); only the local settings, the h2 connection class and the processor differ.
+    """
+
+    gate: Gate
+    flusher: Flusher
+    connection: FlushingConnection
+    h2: GuardedH2Connection
+    open: set[FastProtocol] | None = None  # the server's open connections, this one among them
+    _guard: FrameGuard
+    _peer_budgets: PeerBudgets | None = None
+    _transport: asyncio.Transport | None = None
+    _deadline: asyncio.TimerHandle | None = None
+    _saw_request = False
+    _opened_at_check = 0  # the highest stream id at the last idle check
+    _dead = False  # closing after a protocol error or a refusal: input is ignored
+    _sweep: asyncio.TimerHandle | None = None  # for streams held without a request
+
+    _held: bytes | bytearray = b""  # the start of a frame not yet complete, while frames are split here
+    _direct_unacked = 0  # bytes of DATA read directly, not yet granted back to the client
+
+    def data_received(self, data: bytes) -> None:
+        if self._peer_budgets is None or self._dead:
+            return  # refused or closing
+        _, refusal = self._guard.feed(data)
+        if refusal is not None:  # nothing of it reaches h2: the connection ends here
+            self.gate.shed(refusal.reason, self._peer, refusal.detail)
+            self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1], "Frame guard")
+            return
+        h2 = self.h2
+        if h2.direct or self._held:
+            self._split(h2, data)
+        elif self._feed(h2, data):
+            self.connection.flush()
+
+    def leave(self, why: str) -> None:
+        """GOAWAY NO_ERROR and close: the client opens a new connection for its next streams."""
+        if self._dead or self._peer_budgets is None:
+            return
+        h2 = self.h2
+        h2.close_connection(error_code=ErrorCodes.NO_ERROR, additional_data=why.encode()[:200])
+        self.connection.flush()
+        self._close(why)
+
+    def _calm(self, why: str) -> None:
+        """GOAWAY ENHANCE_YOUR_CALM, from outside a frame (a stream timed out)."""
+        if self._dead:
+            return
+        self.gate.shed("calm", self._peer, f"GOAWAY ENHANCE_YOUR_CALM: {why}")
+        h2 = self.h2
+        h2.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM, additional_data=why.encode()[:200])
+        self.connection.flush()
+        self._close("Over a budget")
+
+    def _feed(self, h2: GuardedH2Connection, data: bytes | bytearray | memoryview) -> bool:
+        """Through h2, and its events to grpclib; False once the connection is being closed."""
+        try:
+            events = self.connection.feed(data)  # type: ignore[arg-type]  # h2 takes any buffer
+        except H2ProtocolError as e:
+            self.connection.flush()  # the GOAWAY h2 queued
+            if isinstance(e, Calm):
+                self.gate.shed("calm", self._peer, f"GOAWAY ENHANCE_YOUR_CALM: {e}")
+            else:
+                self.gate.shed("protocol_error", self._peer, f"GOAWAY {e.error_code.name}: {clip(str(e))}")
+            self._close("Protocol error")
+            return False
+        self.connection.flush()
+        processors = getattr(self.processor, "processors", {})
+        held = h2.held
+        for event in events:
+            kind = type(event)
+            if kind is RequestReceived:
+                self._saw_request = True
+                request = cast(RequestReceived, event)
+                sid = request.stream_id
+                if h2.refused and sid in h2.refused:
+                    h2.refused.discard(sid)
+                    self._refuse(h2, sid, ErrorCodes.REFUSED_STREAM, "pending_streams",
+                                 f"{h2.peer.pending} of its streams await a request")  # fmt: skip
+                    continue
+                problem = request_problem(request.headers)  # type: ignore[arg-type]  # str: header_encoding
+                if problem is not None:
+                    self._refuse(h2, sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", problem)
+                    h2.no_request(sid)
+                    if self._dead:
+                        return False
+                    continue
+                if sid in h2.awaiting:  # no DATA yet: grpclib hears of it when its request begins
+                    if not held:
+                        self._sweep_later()
+                    held[sid] = (request, asyncio.get_running_loop().time())
+                    continue
+            elif held and (kind is DataReceived or kind is StreamEnded):
+                begun = held.pop(cast(DataReceived, event).stream_id, None)
+                if begun is not None:
+                    self.processor.process(begun[0])
+            elif held and kind is StreamReset:
+                if held.pop(cast(StreamReset, event).stream_id, None) is not None:
+                    continue  # grpclib never knew it
+            elif kind is TrailersReceived:
+                trailers = cast(TrailersReceived, event)
+                problem = trailers_problem(trailers.headers)  # type: ignore[arg-type]
+                if problem is not None:
+                    self._refuse(h2, trailers.stream_id, ErrorCodes.PROTOCOL_ERROR, "bad_headers", problem)
+                    continue
+            if kind in processors:  # unknown frame types and the like are ignored
+                self.processor.process(event)
+        return True
+
+    def _sweep_later(self) -> None:
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._sweep_held)
+
+    def _sweep_held(self) -> None:
+        """Streams held without a request past the request timeout are answered DEADLINE_EXCEEDED
+        (trailers only, as a handler would) and charged as streams without a request."""
+        self._sweep = None
+        if self._dead:
+            return
+        h2 = self.h2
+        timeout = self.gate.limits.request_timeout
+        now = asyncio.get_running_loop().time()
+        expired = []
+        for sid, (_, since) in h2.held.items():  # in opening order: the oldest first
+            if now - since < timeout:
+                break
+            expired.append(sid)
+        if expired:  # one line for them all: a connection of 1,000 idle streams is one event
+            h2.on_shed("no_request", f"DEADLINE_EXCEEDED on {len(expired)} streams ({expired[0]}...): "
+                                     f"no request within {timeout:g}s", len(expired))  # fmt: skip
+        for sid in expired:
+            del h2.held[sid]
+            stream = h2.streams.get(sid)
+            if stream is not None and not stream.closed:
+                trailers = [(":status", "200"), ("content-type", "application/grpc"),
+                            ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)),
+                            ("grpc-message", f"no request within {timeout:g}s")]  # fmt: skip
+                h2.send_headers(sid, trailers, end_stream=True)
+            h2.no_request(sid)
+            if self._dead:
+                return
+        self.connection.flush()
+        if h2.held:
+            oldest = next(iter(h2.held.values()))[1]
+            self._sweep = asyncio.get_running_loop().call_at(oldest + timeout, self._sweep_held)
+
+    def _refuse(self, h2: GuardedH2Connection, sid: int, code: ErrorCodes, reason: str, why: str) -> None:
+        """End one stream with RST_STREAM `code`, before any handler sees it."""
+        self.gate.shed(reason, self._peer, f"RST_STREAM {code.name} on stream {sid}: {why}")
+        stream = h2.streams.get(sid)
+        if stream is not None and not stream.closed:  # the client may have reset it already
+            h2.reset_stream(sid, code)
+
+    def _split(self, h2: GuardedH2Connection, data: bytes) -> None:
+        """Cut the input into frames: plain DATA frames of direct streams go to their DirectReader,
+        runs of every other frame to h2, in order. Any other frame on a direct stream that changes
+        its state (HEADERS, RST_STREAM, DATA with END_STREAM or padding) hands the stream back to
+        h2 before h2 reads it. h2 gets whole frames only, so its own buffer stays empty between
+        calls; until it is (the preface, a frame begun before the first stream went direct),
+        everything goes through h2."""
+        incoming = h2.incoming_buffer
+        held = self._held
+        if held:
+            if len(held) >= 9 and len(held) + len(data) < 9 + int.from_bytes(held[:3], "big"):
+                # a frame still incomplete: appended, not copied again (held is a bytearray)
+                cast(bytearray, held).extend(data)
+                return
+            buf: bytes | bytearray = held + data
+        else:
+            buf = data
+        self._held = b""
+        if incoming._preamble_len or incoming._data:
+            if self._feed(h2, buf):
+                self.connection.flush()
+            return
+        view = memoryview(buf)
+        direct = h2.direct
+        in_headers = bool(incoming._headers_buffer)  # a header block continues: nothing else may come between
+        pos = run = 0
+        end = len(buf)
+        while end - pos >= 9:
+            high, low, ftype, flags, sid = _FRAME_HEADER.unpack_from(buf, pos)
+            length = high << 8 | low  # within the frame size limit: the guard saw this header first
+            after = pos + 9 + length
+            if after > end:
+                break
+            if ftype == 0:  # DATA
+                reader = direct.get(sid & 0x7FFFFFFF) if direct else None
+                if reader is not None:
+                    if flags == 0 and not length and not in_headers and h2.control.take():
+                        # an empty DATA frame: nothing, for the price of a control frame (grpclib
+                        # would take it for the end of the stream); over budget, h2 says so
+                        if run < pos and not self._feed(h2, view[run:pos]):
+                            return
+                        run = after
+                    elif flags == 0 and length and not in_headers:
+                        if run < pos and not self._feed(h2, view[run:pos]):
+                            return
+                        self._direct_unacked += length
+                        self._active()
+                        reader.take(view[pos + 9 : after])
+                        run = after
+                    else:
+                        reader.fall_back()
+            elif ftype == 1 or ftype == 3:  # HEADERS (trailers), RST_STREAM
+                if direct:
+                    reader = direct.get(sid & 0x7FFFFFFF)
+                    if reader is not None:
+                        reader.fall_back()
+                if ftype == 1:
+                    in_headers = not flags & 0x4  # END_HEADERS
+            elif ftype == 5 or ftype == 9:  # PUSH_PROMISE, CONTINUATION
+                in_headers = not flags & 0x4
+            pos = after
+        if run < pos and not self._feed(h2, view[run:pos]):
+            return
+        if pos < end:
+            self._held = bytearray(view[pos:])
+        if self._direct_unacked >= self.config.http2_connection_window_size // 2:
+            self.connection.queue(window_update(0, self._direct_unacked))
+            self._direct_unacked = 0
+        self.connection.flush()
+
+    def _close(self, reason: str) -> None:
+        self._dead = True
+        transport = self._transport
+        self.processor.close(reason)
+        if transport is not None:  # a client that does not read would keep it forever
+            asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
+
+    def _check_idle(self) -> None:
+        """Close a connection that opened no stream within the request timeout, or has held none
+        since the last check (an idle timeout ago): a client that answers our PINGs but asks for
+        nothing keeps no slot (grpc-go's MaxConnectionIdle). Checked at that interval, so an idle
+        connection goes between one and two idle timeouts after its last stream."""
+        self._deadline = None
+        if self.connection.is_closing() or self._dead:
+            return
+        h2 = self.h2
+        limits = self.gate.limits
+        opened = h2.highest_inbound_stream_id
+        if not self._saw_request:
+            reason, why = "no_stream", f"no stream opened in {limits.request_timeout:g}s"
+        elif opened == self._opened_at_check and not h2.open_inbound_streams:
+            reason, why = "idle", f"no stream held for {limits.idle_timeout:g}s"
+        else:
+            self._opened_at_check = opened
+            self._deadline = asyncio.get_running_loop().call_later(limits.idle_timeout, self._check_idle)
+            return
+        self.gate.shed(reason, self._peer, f"closing (GOAWAY NO_ERROR): {why}")
+        self._goaway(ErrorCodes.NO_ERROR, why, "Idle connection")
+
+    def _goaway(self, code: ErrorCodes, why: str, reason: str) -> None:
+        h2 = self.h2
+        h2.close_connection(error_code=code, additional_data=why.encode()[:200])
+        self.connection.flush()
+        self._close(reason)
+
+    def busy(self) -> bool:
+        """Whether it holds a stream (for the gate's choice of who gives way)."""
+        return bool(self._peer_budgets is not None and self.h2.open_inbound_streams)
+
+    def give_way(self, why: str) -> None:
+        """Closed by the gate to make room for another connection (its slot is released already)."""
+        if not self._dead:
+            self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
+
+    def _shed(self, reason: str, detail: str, count: int) -> None:
+        self.gate.shed(reason, self._peer, detail, count)
+
+    def _active(self) -> None:
+        budgets = self._peer_budgets
+        if budgets is not None:
+            budgets.touch(self)
+
+    @property
+    def _peer(self) -> str:
+        addr = self._transport.get_extra_info("peername") if self._transport else None
+        return f"{addr[0]}:{addr[1]}" if addr else "?"
+
+    def connection_made(self, transport: Any) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        addr = transport.get_extra_info("peername")
+        admitted = self.gate.admit(str(addr[0]) if addr else "?", self)
+        self._peer_budgets = admitted
+        if self.open is not None:
+            self.open.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as grpclib's own protocol does
+        h2_conn = GuardedH2Connection(self.h2_config, admitted, self.gate.limits)
+        h2_conn.on_calm = self._calm
+        h2_conn.on_active = self._active
+        h2_conn.on_shed = self._shed
+        self._guard = FrameGuard(max_frame_size=MAX_INBOUND_FRAME, max_header_block=self.gate.limits.max_header_block,
+                                 control=h2_conn.control)  # fmt: skip
+        # Set before the first SETTINGS frame, so the limit holds before Envoy's ACK arrives too.
+        h2_conn.local_settings = Settings(
+            client=False,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: self.gate.limits.max_streams,
+                SettingCodes.MAX_HEADER_LIST_SIZE: self.gate.limits.max_header_block,
+                # an Envoy's first request (its Node, often 60 KB) comes as one DATA frame, not four:
+                # a quarter of the frames for h2 to parse, account and turn into events per stream
+                SettingCodes.MAX_FRAME_SIZE: MAX_INBOUND_FRAME,
+            },
+        )
+        h2_conn.max_inbound_frame_size = h2_conn.incoming_buffer.max_frame_size = MAX_INBOUND_FRAME
+        h2_conn.initiate_connection()
+        initial = h2_conn.local_settings.initial_window_size
+        conn_delta = self.config.http2_connection_window_size - initial
+        if conn_delta:
+            h2_conn.increment_flow_control_window(conn_delta)
+        if self.config.http2_stream_window_size != initial:
+            h2_conn.update_settings(
+                {SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
+            )
+        self.h2 = h2_conn
+        self.connection = FlushingConnection(h2_conn, cast(asyncio.Transport, transport), config=self.config,
+                                      flusher=self.flusher)  # fmt: skip
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = PingCheckingProcessor(self.handler, self.connection)
+        self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._check_idle)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.open is not None:
+            self.open.discard(self)
+        if self._peer_budgets is None:
+            return
+        h2 = self.h2
+        for reader in list(h2.direct.values()):
+            reader.fall_back()  # grpclib ends the stream its own way
+        h2.forget()
+        self.gate.release(self._peer_budgets, self)
+        self._peer_budgets = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
+        super().connection_lost(exc)
+

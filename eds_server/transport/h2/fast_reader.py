@@ -1,0 +1,111 @@
+"""The fast path's reader: a stream's request messages read with limits (an oversize length
+prefix refused before any of the body is read, the body due within the request timeout, partly
+received bodies sharing one server-wide byte budget), and an established stream's messages taken
+straight from its DATA frames (direct.py). Touches grpclib internals (private.py lists each, and
+why), on the versions compat.py verified only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpclib.server
+from grpclib import GRPCError
+from grpclib.const import Status
+from grpclib.encoding.base import CodecBase
+
+from .base import PassThroughCodec
+from .direct import DirectReader
+from .fast_writer import guarded_h2
+from .limits import PartialBudget
+
+_PASS_THROUGH = PassThroughCodec()
+
+
+@dataclass
+class MessageReader:
+    """How request messages are read: size limit, deadlines, the shared partial-message budget."""
+
+    max_size: int = 4 * 1024 * 1024
+    timeout: float | None = None  # first message of a stream; every message's body
+    budget: PartialBudget | None = None
+    codec: CodecBase = field(default_factory=PassThroughCodec)  # the server's: requests decoded as its handlers'
+
+    async def read(self, stream: grpclib.server.Stream[Any, Any], message_type: Any, first: bool = False) -> Any:
+        return await recv_limited(
+            stream, message_type, self.max_size, timeout=self.timeout, budget=self.budget, first=first,
+            codec=self.codec,
+        )  # fmt: skip
+
+    async def direct(self, stream: grpclib.server.Stream[Any, Any], on_message: Callable[[bytes], None]) -> None:
+        """Give the stream's further messages to `on_message` as their DATA frames arrive (direct.py),
+        until the stream needs grpclib again (returns: read on with `read`); raises what ended it.
+        Returns at once where that cannot be done (not our h2 connection, data already buffered)."""
+        raw = stream._stream
+        h2 = guarded_h2(raw)
+        buffer = raw.buffer
+        if h2 is None or raw.id is None or raw.id in h2.direct:
+            return
+        if buffer._eof or buffer._acked_size or not buffer._unacked.empty() or raw.id not in h2.streams:
+            return
+        if h2.incoming_buffer._data:  # h2 holds a frame begun, maybe this stream's: it must read it
+            return
+        reader = DirectReader(raw, on_message, self, grant_at=max(1, h2.local_settings.initial_window_size // 2))
+        h2.direct[raw.id] = reader
+        try:
+            await reader.done
+        finally:
+            reader.leave()  # if cancelled: the call is over
+
+
+async def recv_limited(
+    stream: grpclib.server.Stream[Any, Any], message_type: Any, max_size: int, *,
+    timeout: float | None = None, budget: PartialBudget | None = None, first: bool = False,
+    codec: CodecBase | None = None,
+) -> Any | None:  # fmt: skip
+    """grpclib's recv_message, but refusing an oversize message from its length prefix, and with
+    deadlines: for the first message of a stream to start, and for any message's body to arrive.
+
+    grpclib would buffer (and acknowledge to the sender) whatever length a client announces, and
+    wait for it forever.
+    """
+    raw = stream._stream
+    try:
+        if first and timeout is not None:
+            try:
+                async with asyncio.timeout(timeout):
+                    header = await raw.recv_data(5)
+            except TimeoutError:
+                h2 = guarded_h2(raw)
+                if h2 is not None and raw.id is not None:
+                    h2.timed_out(raw.id, timeout, defer=True)
+                raise GRPCError(Status.DEADLINE_EXCEEDED, f"no request within {timeout:g}s") from None
+        else:
+            header = await raw.recv_data(5)
+        if not header:
+            return None
+        if header[0]:
+            raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+        size = int.from_bytes(header[1:5], "big")
+        if size > max_size:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {max_size})")
+        h2 = guarded_h2(raw)
+        peer = h2.peer if h2 is not None else None
+        if budget is not None and not budget.take(size, peer):
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, "server busy receiving other messages, retry later")
+        try:
+            async with asyncio.timeout(timeout):
+                data = await raw.recv_data(size)
+        except TimeoutError:
+            raise GRPCError(Status.DEADLINE_EXCEEDED, f"message not complete within {timeout:g}s") from None
+        finally:
+            if budget is not None:
+                budget.give(size, peer)
+    except AssertionError:  # grpclib's way of saying the stream ended inside a message
+        raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
+    if len(data) != size:  # ended right after the length prefix: b"", not an empty request
+        raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message")
+    return (codec or _PASS_THROUGH).decode(data, message_type)
