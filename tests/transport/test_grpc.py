@@ -27,7 +27,7 @@ from eds_server.store import Store
 from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import SOURCE, STREAM, Harness, cla_of, first, group, no_message, recv, reply
-from tests.support.h2frames import PING, PREFACE, split
+from tests.support.h2frames import GOAWAY, PING, PREFACE, frame, split
 from tests.support.waiting import wait_for
 
 
@@ -452,3 +452,28 @@ async def test_length_prefix_then_end_of_stream_is_an_error(harness: Harness) ->
             stream._end_done = True  # what grpclib's own end() would have recorded
             await asyncio.wait_for(stream.recv_message(), 5)
     assert e.value.status == Status.INVALID_ARGUMENT
+
+
+async def test_a_client_goaway_read_with_a_ping_ends_that_connection_cleanly(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Envoy sends GOAWAY when it drains a connection. One read holding a PING (which h2 answers) and
+    the GOAWAY (on which grpclib closes the connection) wrote the answer to a connection already
+    closed: an AttributeError logged as a fatal transport error. The others' streams go on."""
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as canary:
+        await canary.send_message(first("web"))
+        resp = await recv(canary)
+        await canary.send_message(reply(resp, "web"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
+        try:
+            goaway = frame(GOAWAY, 0, 0, bytes(8))  # last stream 0, NO_ERROR
+            writer.write(PREFACE + frame(PING, 0, 0, bytes(8)) + goaway)
+            for _ in range(100):  # bounded: the server closes the connection
+                if not await asyncio.wait_for(reader.read(65536), 5):
+                    break
+        finally:
+            writer.close()
+        harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+        assert len(cla_of(await recv(canary)).endpoints[0].lb_endpoints) == 2
+    assert "Traceback" not in caplog.text and "Fatal error" not in caplog.text, caplog.text[-3000:]
