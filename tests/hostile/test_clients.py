@@ -65,7 +65,6 @@ STOCK_MARKERS: dict[str, str | None] = {"idle_streams": None}
 NOT_ON_STOCK = {
     "partial_messages": "no partial-message budget: grpclib reads every message whole",
     "big_health_message": "no message size limit before the body: grpclib reads every message whole",
-    "malformed_headers": "no RFC 9113 header checks: grpclib sees the headers as they come",
 }
 
 

@@ -9,6 +9,7 @@ response, end with a status), and knows its port and what it refused.
 - limits.py: what a client may take, and what each limit charges (pure), connection admission;
 - guard.py: the frame guard both paths read through (frame headers only, sans-IO);
 - headers.py: RFC 9113 request header checks (pure);
+- header_blocks.py: header blocks decoded and re-encoded below h2, for the stock path's checks;
 - fast.py, direct.py: the fast gRPC path; http.py: connection limits for the aiohttp ports;
 - stock.py: the public-API gRPC path, below the guard.
 """

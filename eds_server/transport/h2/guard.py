@@ -43,6 +43,8 @@ from .limits import PeerBudgets
 PREFACE_LENGTH = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": the client's, before its first frame
 END_HEADERS = 0x4
 _CONTINUATION = ContinuationFrame.type
+_HELD_CONTINUED = 0x100  # (in _held_flags, past the frame flags) a CONTINUATION frame is held
+MAX_DROPPED_STREAMS = 1024  # streams refused below the library whose later frames are left out
 _BLOCK_STARTS = (HeadersFrame.type, PushPromiseFrame.type)
 
 
@@ -59,13 +61,15 @@ class Refusal:
 class FrameGuard:
     """Frame headers of one connection's input, followed across reads of any size."""
 
-    __slots__ = ("_block", "_dropping", "_head", "_left", "_preface", "control", "drop_unknown",
-                 "max_frame_size", "max_header_block", "on_frame", "refusal")  # fmt: skip
+    __slots__ = ("_block", "_dropping", "_first", "_head", "_held", "_held_flags", "_held_sid", "_left",
+                 "_preface", "_rest", "control", "drop_unknown", "dropped", "max_frame_size", "max_header_block",
+                 "on_block", "on_frame", "refusal")  # fmt: skip
 
     def __init__(
         self, *, max_frame_size: int, max_header_block: int, control: Bucket | None = None,
         server: bool = True, drop_unknown: bool = False,
         on_frame: Callable[[int, int, int, int], Refusal | None] | None = None,
+        on_block: Callable[[int, int, bytes, bytes], tuple[bytes, Refusal | None]] | None = None,
     ) -> None:  # fmt: skip
         self.max_frame_size = max_frame_size
         self.max_header_block = max_header_block
@@ -78,6 +82,15 @@ class FrameGuard:
         self._left = 0  # bytes of the current frame's payload still to come
         self._dropping = False  # the current frame is left out
         self._block = -1  # bytes of the header block begun, -1 outside one
+        # (on_block) header blocks are held, not passed: each whole block goes to on_block (stream
+        # id, HEADERS flags, HEADERS payload, CONTINUATION payloads), whose bytes are passed instead
+        self.on_block = on_block
+        self.dropped: dict[int, None] = {}  # (on_block) streams whose other frames are left out
+        self._held = False  # the current frame is part of a held header block
+        self._held_sid = -1  # the held block's stream, -1 outside one
+        self._held_flags = 0
+        self._first = bytearray()  # the held block's HEADERS payload
+        self._rest = bytearray()  # and its CONTINUATION payloads
 
     def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes | bytearray | memoryview, Refusal | None]:
         """What to pass on of `data` (`data` itself unless frames are left out, or a frame header
@@ -88,9 +101,9 @@ class FrameGuard:
         view = memoryview(data)
         end = len(data)
         pos = 0
-        out: list[bytes | memoryview] | None = [] if self.drop_unknown else None
+        out: list[bytes | memoryview] | None = [] if self.drop_unknown or self.on_block else None
         changed = False  # something left out, held back, or sent from an earlier read
-        mark = 0  # (drop_unknown) the start of what is passed on and not yet in `out`
+        mark = 0  # (out) the start of what is passed on and not yet in `out`
         if self._preface:
             pos = min(self._preface, end)
             self._preface -= pos
@@ -100,8 +113,14 @@ class FrameGuard:
                 if self._dropping and out is not None:
                     out.append(view[mark:pos])
                     mark, changed = pos + n, True
+                    if self._held:
+                        (self._rest if self._first_done else self._first).extend(view[pos : pos + n])
                 pos += n
                 self._left -= n
+                if not self._left and self._held:
+                    refusal = self._held_frame_done(out)  # type: ignore[arg-type]  # a list when held
+                    if refusal is not None:
+                        return b"", refusal
                 continue
             start = pos
             need = 9 - len(self._head)
@@ -118,17 +137,27 @@ class FrameGuard:
             length = int.from_bytes(header[:3], "big")
             ftype = header[3]
             refusal = self._check(length, ftype, header[4])
+            sid = -1
             if refusal is None and self.on_frame is not None and ftype in FRAMES:
-                refusal = self.on_frame(ftype, header[4], int.from_bytes(header[5:9], "big") & 0x7FFFFFFF, length)
+                sid = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+                refusal = self.on_frame(ftype, header[4], sid, length)
+            if refusal is None and self.on_block is not None:
+                if sid < 0:
+                    sid = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+                refusal = self._hold(ftype, header[4], sid)
             if refusal is not None:
                 self.refusal = refusal
                 return b"", refusal
             self._left = length
             if out is not None:
-                self._dropping = ftype not in FRAMES
+                self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped)
                 if self._dropping:
                     out.append(view[mark:start])
                     mark, changed = pos, True
+                    if self._held and not length:
+                        refusal = self._held_frame_done(out)
+                        if refusal is not None:
+                            return b"", refusal
                 elif held:
                     out.append(view[mark:start])
                     out.append(held)
@@ -139,9 +168,64 @@ class FrameGuard:
         return b"".join(out), None
 
     @property
+    def _first_done(self) -> bool:
+        return self._held_flags & _HELD_CONTINUED != 0
+
+    def _hold(self, ftype: int, flags: int, sid: int) -> Refusal | None:
+        """(on_block) Whether this frame is part of a held header block, or breaks one."""
+        self._held = False
+        if self._held_sid >= 0:
+            if ftype != _CONTINUATION or sid != self._held_sid:
+                return _protocol_error(f"frame of type {ftype:#x} on stream {sid} inside a header block")
+            self._held = True
+            self._held_flags |= _HELD_CONTINUED
+            self._held_flags = (self._held_flags & ~END_HEADERS) | (flags & END_HEADERS)
+            return None
+        if ftype == _CONTINUATION:
+            return _protocol_error(f"CONTINUATION on stream {sid} outside a header block")
+        if ftype == PushPromiseFrame.type:
+            return _protocol_error("PUSH_PROMISE from a client")
+        if ftype == HeadersFrame.type:
+            if not sid:
+                return _protocol_error("HEADERS on stream 0")
+            self._held = True
+            self._held_sid = sid
+            self._held_flags = flags
+            self._first.clear()
+            self._rest.clear()
+        return None
+
+    def _held_frame_done(self, out: list[bytes | memoryview]) -> Refusal | None:
+        """A held frame's payload is in: at the block's end, on_block's bytes are passed in its place."""
+        self._held = False
+        if not self._held_flags & END_HEADERS:
+            return None
+        assert self.on_block is not None
+        sid, flags = self._held_sid, self._held_flags & ~_HELD_CONTINUED
+        first, rest = bytes(self._first), bytes(self._rest)
+        self._held_sid = -1
+        self._first.clear()
+        self._rest.clear()
+        passed, refusal = self.on_block(sid, flags, first, rest)
+        if refusal is not None:
+            self.refusal = refusal
+            return refusal
+        if passed:
+            out.append(passed)
+        return None
+
+    def drop_stream(self, sid: int) -> None:
+        """(on_block) Leave out the stream's later frames (but its header blocks, which go to
+        on_block: HPACK state): it was refused below the library, which never heard of it."""
+        dropped = self.dropped
+        dropped[sid] = None
+        if len(dropped) > MAX_DROPPED_STREAMS:  # the oldest: a client long past its reset
+            del dropped[next(iter(dropped))]
+
+    @property
     def between_frames(self) -> bool:
         """Whether a frame may be put in the input here: none is begun, and no header block."""
-        return not (self._left or self._head or self._preface) and self._block < 0
+        return not (self._left or self._head or self._preface) and self._block < 0 and self._held_sid < 0
 
     def _check(self, length: int, ftype: int, flags: int) -> Refusal | None:
         if length > self.max_frame_size:
@@ -215,14 +299,14 @@ class StreamLedger:
             if flags & END_STREAM:
                 self._remote_ended.add(sid)
                 return self._wasted()
-            self.awaiting[sid] = self.clock()
+            self._await(sid)
             return None
         if ftype == _DATA:
             if sid and (sid in self._remote_ended or (sid <= self.highest and sid not in self.open)):
                 # DATA on a stream the client ended or that is closed: h2 answers it with its own
                 # RST_STREAM, charged here, before h2 sees it, like a client's reset
                 return None if peer.resets.take() else _over("stream resets (DATA on a closed stream)")
-            if self.awaiting and self.awaiting.pop(sid, None) is not None and not length and flags & END_STREAM:
+            if self.awaiting and self._answered(sid) and not length and flags & END_STREAM:
                 self._end(sid, remote=True)
                 return self._wasted()
             if flags & END_STREAM:
@@ -232,7 +316,7 @@ class StreamLedger:
             what = "empty DATA"
         elif ftype == _RST:
             self._close(sid)
-            if self.awaiting.pop(sid, None) is not None and self._wasted() is not None:
+            if self._answered(sid) and self._wasted() is not None:
                 return _over("streams without a request")
             return None if peer.resets.take() else _over("stream resets")
         elif ftype == _WINDOW_UPDATE:
@@ -260,7 +344,7 @@ class StreamLedger:
         if ftype == _DATA:
             self._window_credit = min(self._window_credit + WINDOW_CREDIT_PER_DATA_FRAME, 100_000)
         if ftype == _RST:  # ours (h2 refusing a stream past its cap, say): not the client's to pay for
-            self.awaiting.pop(sid, None)
+            self._answered(sid)
             self._close(sid)
         elif ftype in (_DATA, _HEADERS) and flags & END_STREAM:
             self._end(sid, remote=False)
@@ -276,9 +360,37 @@ class StreamLedger:
                 break
             out.append(sid)
         for sid in out:
-            del self.awaiting[sid]
+            self._answered(sid)
             self._close(sid)
         return out
+
+    def refuse(self, sid: int) -> Refusal | None:
+        """A stream refused below the library (which never hears of it): closed here, and charged
+        as a stream without a request."""
+        awaited = self._answered(sid)  # else it ended with its HEADERS: charged then
+        self._close(sid)
+        return self._wasted() if awaited else None
+
+    def reset(self, sid: int) -> None:
+        """A stream reset below the library (its trailers refused): closed here, not charged."""
+        self._answered(sid)
+        self._close(sid)
+
+    def forget(self) -> None:
+        """The connection is gone: its streams no longer await a request."""
+        self.peer.pending -= len(self.awaiting)
+        self.awaiting.clear()
+
+    def _await(self, sid: int) -> None:
+        self.awaiting[sid] = self.clock()
+        self.peer.pending += 1
+
+    def _answered(self, sid: int) -> bool:
+        """The stream no longer awaits its first request: whether it did."""
+        if self.awaiting.pop(sid, None) is None:
+            return False
+        self.peer.pending -= 1
+        return True
 
     def charge_expired(self) -> Refusal | None:
         return self._wasted()
@@ -297,6 +409,10 @@ class StreamLedger:
         self.open.discard(sid)
         self._remote_ended.discard(sid)
         self._local_ended.discard(sid)
+
+
+def _protocol_error(what: str) -> Refusal:
+    return Refusal(ErrorCodes.PROTOCOL_ERROR, "protocol_error", f"GOAWAY PROTOCOL_ERROR: {what}")
 
 
 def _over(what: str) -> Refusal:

@@ -9,7 +9,9 @@ name this path touches; checked when the server is built). Connection admission 
 and the idle timeout (limits.py), the frame guard (guard.py: frame and header block sizes,
 CONTINUATION and unknown frames, the latter left out), the stream, reset and control-frame budgets
 from frame headers (guard.StreamLedger), and the first-request deadline (a stream with no request
-in time is reset both ways). docs/limits.md lists what holds on each path.
+in time is reset both ways); the RFC 9113 header checks and the bound on streams awaiting a request,
+on header blocks held whole by the guard and passed to h2 re-encoded (header_blocks.py), so a refused
+stream never reaches h2. docs/limits.md lists what holds on each path.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .guard import FrameGuard, Refusal, StreamLedger
+from .guard import END_STREAM, FrameGuard, Refusal, StreamLedger
+from .header_blocks import BlockError, HeaderRelay, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PeerBudgets, fit_to_file_limit
 
 log = logging.getLogger("eds_server.grpc")
 STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
+MAX_HEADER_LIST = 1 << 16  # bytes of a decoded header list: h2's own limit (its decoder's default)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
 
 Stream = grpclib.server.Stream[Any, Any]
@@ -73,17 +77,31 @@ class StockIO:
 
 
 class _Tap:
-    """The transport as grpclib sees it: every write's frame headers go to the ledger first."""
+    """The transport as grpclib sees it: every write's frame headers go to the ledger first; and
+    frames of ours (resets) put in between grpclib's, only where a frame of theirs ends."""
 
-    __slots__ = ("_outbound", "_transport")
+    __slots__ = ("_outbound", "_pending", "_transport")
 
     def __init__(self, transport: asyncio.Transport, outbound: FrameGuard) -> None:
         self._transport = transport
         self._outbound = outbound
+        self._pending: list[bytes] = []
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._outbound.feed(data)
         self._transport.write(data)
+        if self._pending and self._outbound.between_frames:
+            self._transport.write(b"".join(self._pending))
+            self._pending.clear()
+
+    def inject(self, frame: bytes) -> None:
+        """A frame of ours to the client, below h2 (which never hears of it)."""
+        if self._transport.is_closing():
+            return
+        if self._outbound.between_frames:
+            self._transport.write(frame)
+        else:
+            self._pending.append(frame)
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
@@ -128,13 +146,19 @@ class GuardedProtocol(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         control = Bucket(limits.control_budget, BUDGET_WINDOW)
         self._ledger = StreamLedger(self.peer, control, loop.time)
+        self._relay = HeaderRelay(STOCK_MAX_FRAME, MAX_HEADER_LIST)
+        self._opens = False  # the header block being received opens a stream
         self._guard = FrameGuard(max_frame_size=STOCK_MAX_FRAME, max_header_block=limits.max_header_block,
-                                 control=control, drop_unknown=True, on_frame=self._received)  # fmt: skip
+                                 control=control, drop_unknown=True, on_frame=self._received,
+                                 on_block=self._block)  # fmt: skip
         outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
-        self.inner.connection_made(cast(asyncio.Transport, _Tap(self._transport, outbound)))
+        self._tap = _Tap(self._transport, outbound)
+        self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
 
     def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
+        if ftype == 1:
+            self._opens = sid > self._ledger.highest
         refusal = self._ledger.received(ftype, flags, sid, length)
         if refusal is None and self.peer is not None and ((length and ftype == 0) or ftype == 1):
             self.peer.touch(self)  # a request, or a stream opened: the last of its address to give way
@@ -143,6 +167,41 @@ class GuardedProtocol(asyncio.Protocol):
     def _sent(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         self._ledger.sent(ftype, flags, sid, length)
         return None
+
+    def _block(self, sid: int, flags: int, first: bytes, rest: bytes) -> tuple[bytes, Refusal | None]:
+        """A whole header block from the client: decoded, checked (RFC 9113 section 8, and the
+        bound on the address's streams awaiting a request), and passed to h2 encoded anew, or
+        refused below it (h2 and grpclib never hear of a refused stream)."""
+        try:
+            fields = self._relay.fields(first, flags, rest)
+        except BlockError as e:
+            return b"", Refusal(ErrorCodes[e.code], e.reason, str(e))
+        if sid in self._guard.dropped:
+            return b"", None  # a stream refused already: decoded only to keep HPACK in step
+        opens, self._opens = self._opens, False
+        if opens and sid % 2:  # an even stream id is h2's to refuse (a connection error)
+            why = problem(fields, request=True)
+            if why is not None:
+                return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
+            peer, most = self.peer, self.gate.limits.pending_streams
+            if peer is not None and peer.pending > most:
+                why = f"{peer.pending - 1} of its streams await a request (limit {most})"
+                return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)
+        elif not opens:
+            why = problem(fields, request=False)
+            if why is not None:  # trailers: the stream is reset both ways
+                self.gate.shed("bad_headers", self._peer_name, f"RST_STREAM PROTOCOL_ERROR on stream {sid}: {why}")
+                self._tap.inject(RstStreamFrame(sid, error_code=ErrorCodes.PROTOCOL_ERROR).serialize())
+                self._ledger.reset(sid)
+                return RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize(), None
+        return self._relay.frames(sid, fields, bool(flags & END_STREAM)), None
+
+    def _refuse_stream(self, sid: int, code: ErrorCodes, reason: str, why: str) -> tuple[bytes, Refusal | None]:
+        """A new stream refused with RST_STREAM `code`, below h2, and charged as one without a request."""
+        self.gate.shed(reason, self._peer_name, f"RST_STREAM {code.name} on stream {sid}: {why}")
+        self._tap.inject(RstStreamFrame(sid, error_code=code).serialize())
+        self._guard.drop_stream(sid)
+        return b"", self._ledger.refuse(sid)
 
     def _refuse(self, refusal: Refusal) -> None:
         if not self._dead:
@@ -177,8 +236,7 @@ class GuardedProtocol(asyncio.Protocol):
             for sid in expired:
                 reset = RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize()
                 self.inner.data_received(reset)
-                if self._transport is not None and not self._transport.is_closing():
-                    self._transport.write(reset)
+                self._tap.inject(reset)
                 refusal = ledger.charge_expired()
                 if refusal is not None:
                     self._refuse(refusal)
@@ -227,6 +285,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.peer is not None:
+            self._ledger.forget()
             self.gate.release(self.peer, self)
         if self._timer is not None:
             self._timer.cancel()

@@ -1,0 +1,104 @@
+"""A stream's request refused on its own, whichever HTTP/2 path serves (`make test-stock` runs
+these on the stock one, where the guard below grpclib decides): malformed request headers and
+trailers (RFC 9113 section 8) answered RST_STREAM PROTOCOL_ERROR, and an address's streams awaiting
+their first request bounded (RST_STREAM REFUSED_STREAM). Each refusal is counted by reason, the
+connection goes on (its HPACK state in step: the client's encoder indexes every block), and a
+canary keeps getting its changes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from eds_server.transport.h2.limits import ConnectionLimits
+from tests.support.grpc_harness import serving
+from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc
+from tests.support.h2frames import END_HEADERS, HEADERS, frame
+from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, headers
+
+REFUSED_STREAM = 7
+END_STREAM = 1
+
+
+def no_server_errors(caplog: pytest.LogCaptureFixture) -> None:
+    assert "Traceback" not in caplog.text and "Server error" not in caplog.text, caplog.text[-3000:]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-3000:]
+
+
+async def open_canary(client: Client) -> int:
+    """A well-behaved client's stream, its first response ACKed: the next change is sent to it."""
+    sid = await client.request(first_request("canary", "web"))
+    await client.send(data(sid, grpc(ack(await client.response(sid, 1), "web"))))
+    await client.ping()
+    return sid
+
+
+@pytest.mark.parametrize("case", [*MALFORMED, "non-ASCII value"])
+async def test_a_malformed_request_is_refused_alone(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """RST_STREAM PROTOCOL_ERROR (or GOAWAY PROTOCOL_ERROR: h2's own check on the fast path), never
+    a handler, never unanswered; a valid request on the same connection is then served."""
+    caplog.set_level(logging.INFO)
+    fields = MALFORMED.get(case) or [*headers("/x"), ("x-name", "caf\u00e9")]
+    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as canary:
+        if server.fast and case == "non-ASCII value":
+            pytest.skip("the fast path hands h2 the block, whose ASCII decoding raises (a traceback)")
+        canary_sid = await open_canary(canary)
+        async with client_of(port) as client:
+            sid = client.conn.next_id
+            client.conn.next_id += 2
+            await client.send(frame(HEADERS, END_HEADERS, sid, client.conn.encoder.encode(fields)))
+            answered = await client.until(lambda: sid in client.resets or client.goaway is not None)
+            assert answered, f"{case}: no RST_STREAM or GOAWAY (trailers: {client.trailers.get(sid)})"
+            if sid in client.resets:
+                assert client.resets[sid] == PROTOCOL_ERROR, client.resets
+                assert server.refused["bad_headers"] == 1, server.refused
+                other = await client.request(first_request("b", "web"))  # HPACK still in step
+                await client.response(other, 1)
+            else:
+                assert client.goaway == PROTOCOL_ERROR, client.goaway
+            assert sid not in client.trailers and not client.messages.get(sid)
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+async def test_malformed_trailers_reset_the_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """Trailers holding a pseudo-header: the stream is reset (PROTOCOL_ERROR), the connection serves on."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (server, _, port), client_of(port) as client:
+        sid = await client.request(first_request("a", "web"))
+        await client.response(sid, 1)
+        block = client.conn.encoder.encode([(":path", "/x"), ("x-after", "1")])
+        await client.send(frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
+        assert await client.until(lambda: sid in client.resets), (client.resets, client.trailers)
+        assert client.resets[sid] == PROTOCOL_ERROR
+        assert server.refused["bad_headers"] == 1
+        other = await client.request(first_request("b", "web"))
+        await client.response(other, 1)
+    no_server_errors(caplog)
+
+
+async def test_streams_awaiting_a_request_are_bounded_per_address(caplog: pytest.LogCaptureFixture) -> None:
+    """Past `pending_streams` of an address's streams awaiting their first request, a new one is
+    refused (REFUSED_STREAM, counted); those awaiting are served once their requests come, and
+    then new streams are taken again."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits(pending_streams=4)) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port) as client:
+            opened = [client.new_stream() for _ in range(6)]
+            await client.send(b"".join(opening for _, opening in opened))
+            refused = [sid for sid, _ in opened[4:]]
+            assert await client.until(lambda: all(s in client.resets for s in refused)), client.resets
+            assert [client.resets[s] for s in refused] == [REFUSED_STREAM] * 2
+            assert not any(s in client.resets for s, _ in opened[:4])
+            assert server.refused["pending_streams"] == 2, server.refused
+            for n, (sid, _) in enumerate(opened[:4]):
+                await client.send(data(sid, grpc(first_request(f"n{n}", "web"))))
+                await client.response(sid, 1)
+            fresh = await client.request(first_request("fresh", "web"))
+            await client.response(fresh, 1)
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
