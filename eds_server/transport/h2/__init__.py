@@ -84,7 +84,8 @@ def build_server(
     from .stock import StockServer, counted_handler
 
     others = {path: counted_handler(h, enter, leave) for path, h in counted.items()}
-    return StockServer([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits)
+    return StockServer([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits,
+                       max_message_size=max_message_size)  # fmt: skip
 
 
 class _Mapping:

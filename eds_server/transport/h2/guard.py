@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from h2.errors import ErrorCodes
 from hyperframe.frame import (
@@ -38,10 +39,11 @@ from hyperframe.frame import (
 )
 
 from ...ratelimit import Bucket
-from .limits import PeerBudgets
+from .limits import PartialBudget, PeerBudgets
 
 PREFACE_LENGTH = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": the client's, before its first frame
 END_HEADERS = 0x4
+PADDED = 0x8
 _CONTINUATION = ContinuationFrame.type
 _HELD_CONTINUED = 0x100  # (in _held_flags, past the frame flags) a CONTINUATION frame is held
 MAX_DROPPED_STREAMS = 1024  # streams refused below the library whose later frames are left out
@@ -61,15 +63,17 @@ class Refusal:
 class FrameGuard:
     """Frame headers of one connection's input, followed across reads of any size."""
 
-    __slots__ = ("_block", "_dropping", "_first", "_head", "_held", "_held_flags", "_held_sid", "_left",
-                 "_preface", "_rest", "control", "drop_unknown", "dropped", "max_frame_size", "max_header_block",
-                 "on_block", "on_frame", "refusal")  # fmt: skip
+    __slots__ = ("_after", "_block", "_data_end", "_data_left", "_data_sid", "_dropping", "_first", "_head", "_held",
+                 "_held_flags", "_held_sid", "_left", "_pad", "_preface", "_rest", "control", "drop_unknown",
+                 "dropped", "dropped_data", "max_frame_size", "max_header_block", "on_block", "on_data", "on_frame",
+                 "refusal")  # fmt: skip
 
     def __init__(
         self, *, max_frame_size: int, max_header_block: int, control: Bucket | None = None,
         server: bool = True, drop_unknown: bool = False,
         on_frame: Callable[[int, int, int, int], Refusal | None] | None = None,
         on_block: Callable[[int, int, bytes, bytes], tuple[bytes, Refusal | None]] | None = None,
+        on_data: Callable[[int, memoryview, bool], bytes] | None = None,
     ) -> None:  # fmt: skip
         self.max_frame_size = max_frame_size
         self.max_header_block = max_header_block
@@ -91,6 +95,15 @@ class FrameGuard:
         self._held_flags = 0
         self._first = bytearray()  # the held block's HEADERS payload
         self._rest = bytearray()  # and its CONTINUATION payloads
+        # (on_data) the data of each DATA frame passed on, padding left out, as it arrives: (stream
+        # id, data, whether it ends the stream); what it answers is passed on after that frame
+        self.on_data = on_data
+        self.dropped_data = 0  # (on_block) bytes of DATA frames left out: flow control the library never saw
+        self._data_sid = 0  # the DATA frame being read, 0 outside one
+        self._data_end = False  # it has END_STREAM
+        self._pad = 0  # -1: its padding length is still to come
+        self._data_left = 0  # its data bytes still to come (then its padding)
+        self._after = b""  # to pass on once the current frame is
 
     def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes | bytearray | memoryview, Refusal | None]:
         """What to pass on of `data` (`data` itself unless frames are left out, or a frame header
@@ -101,7 +114,7 @@ class FrameGuard:
         view = memoryview(data)
         end = len(data)
         pos = 0
-        out: list[bytes | memoryview] | None = [] if self.drop_unknown or self.on_block else None
+        out: list[bytes | memoryview] | None = [] if self.drop_unknown or self.on_block or self.on_data else None
         changed = False  # something left out, held back, or sent from an earlier read
         mark = 0  # (out) the start of what is passed on and not yet in `out`
         if self._preface:
@@ -115,8 +128,14 @@ class FrameGuard:
                     mark, changed = pos + n, True
                     if self._held:
                         (self._rest if self._first_done else self._first).extend(view[pos : pos + n])
+                elif self._data_sid:
+                    self._data(view[pos : pos + n], n == self._left)
                 pos += n
                 self._left -= n
+                if not self._left and self._after and out is not None:
+                    out.append(view[mark:pos])
+                    out.append(self._after)
+                    mark, changed, self._after = pos, True, b""
                 if not self._left and self._held:
                     refusal = self._held_frame_done(out)  # type: ignore[arg-type]  # a list when held
                     if refusal is not None:
@@ -149,8 +168,20 @@ class FrameGuard:
                 self.refusal = refusal
                 return b"", refusal
             self._left = length
+            self._data_sid = 0
             if out is not None:
                 self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped)
+                if self._dropping and ftype == _DATA:
+                    self.dropped_data += length
+                elif ftype == _DATA and self.on_data is not None:
+                    self._data_sid, self._data_end = sid, bool(header[4] & END_STREAM)
+                    self._pad, self._data_left = (-1, 0) if header[4] & PADDED else (0, length)
+                    if not length:
+                        self._data(memoryview(b""), True)
+                        if self._after:
+                            out.append(view[mark:pos])
+                            out.append(self._after)
+                            mark, changed, self._after = pos, True, b""
                 if self._dropping:
                     out.append(view[mark:start])
                     mark, changed = pos, True
@@ -166,6 +197,20 @@ class FrameGuard:
             return data, None
         out.append(view[mark:end])
         return b"".join(out), None
+
+    def _data(self, chunk: memoryview, last: bool) -> None:
+        """(on_data) `chunk` of the current DATA frame's payload (`last`: the frame's end)."""
+        if self._pad < 0:
+            if not chunk:
+                return
+            self._pad = chunk[0]
+            self._data_left = max(0, self._left - 1 - self._pad)  # (_left: this chunk on) h2 refuses a bad length
+            chunk = chunk[1:]
+        n = min(self._data_left, len(chunk))
+        self._data_left -= n
+        if n or (last and self._data_end):
+            assert self.on_data is not None
+            self._after += self.on_data(self._data_sid, chunk[:n], last and self._data_end)
 
     @property
     def _first_done(self) -> bool:
@@ -409,6 +454,71 @@ class StreamLedger:
         self.open.discard(sid)
         self._remote_ended.discard(sid)
         self._local_ended.discard(sid)
+
+
+class MessageMeter:
+    """gRPC messages of one connection's streams, from the 5-byte length prefixes in their DATA:
+    a message over `max_size`, or one the partial-message budget cannot hold, is refused from its
+    prefix, before its body arrives; the budget is held until the body is in (or the stream ends)."""
+
+    __slots__ = ("budget", "max_size", "peer", "streams")
+
+    def __init__(self, max_size: int, budget: PartialBudget | None, peer: PeerBudgets | None) -> None:
+        self.max_size = max_size
+        self.budget = budget
+        self.peer = peer
+        self.streams: dict[int, list[Any]] = {}  # stream -> [prefix bytes so far, body bytes left, budget held]
+
+    def data(self, sid: int, chunk: memoryview, end: bool) -> tuple[str, str] | None:
+        """The stream's data as it arrives: (reason, why) to refuse it, or None."""
+        state = self.streams.get(sid)
+        if state is None:
+            if end and not chunk:
+                return None
+            state = self.streams[sid] = [b"", 0, 0]
+        pos, size = 0, len(chunk)
+        while pos < size:
+            if state[1]:
+                n = min(state[1], size - pos)
+                state[1] -= n
+                pos += n
+                if not state[1] and state[2]:
+                    self._give(state)
+                continue
+            prefix = state[0] + bytes(chunk[pos : pos + 5 - len(state[0])])
+            pos += len(prefix) - len(state[0])
+            if len(prefix) < 5:
+                state[0] = prefix
+                break
+            state[0] = b""
+            length = int.from_bytes(prefix[1:5], "big")
+            if length > self.max_size:
+                self.close(sid)
+                return "message_size", f"message of {length} bytes (limit {self.max_size})"
+            if length > 0 and self.budget is not None:
+                if not self.budget.take(length, self.peer):
+                    self.close(sid)
+                    return "partial_messages", "server busy receiving other messages, retry later"
+                state[2] = length
+            state[1] = length
+        if end:
+            self.close(sid)
+        return None
+
+    def close(self, sid: int) -> None:
+        """The stream is over: what its message held of the budget is given back."""
+        state = self.streams.pop(sid, None)
+        if state is not None and state[2]:
+            self._give(state)
+
+    def close_all(self) -> None:
+        for sid in list(self.streams):
+            self.close(sid)
+
+    def _give(self, state: list[Any]) -> None:
+        if self.budget is not None:
+            self.budget.give(state[2], self.peer)
+        state[2] = 0
 
 
 def _protocol_error(what: str) -> Refusal:

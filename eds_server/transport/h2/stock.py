@@ -29,18 +29,20 @@ import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Status
 from h2.errors import ErrorCodes
-from hyperframe.frame import GoAwayFrame, RstStreamFrame
+from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .guard import END_STREAM, FrameGuard, Refusal, StreamLedger
-from .header_blocks import BlockError, HeaderRelay, problem
-from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PeerBudgets, fit_to_file_limit
+from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, StreamLedger
+from .header_blocks import BlockError, HeaderRelay, literal_block, problem
+from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 
 log = logging.getLogger("eds_server.grpc")
 STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
+STOCK_MAX_STREAMS = 100  # h2's default SETTINGS_MAX_CONCURRENT_STREAMS, which grpclib's connections announce
 MAX_HEADER_LIST = 1 << 16  # bytes of a decoded header list: h2's own limit (its decoder's default)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
+_HEADERS, _RST, _SETTINGS = HeadersFrame.type, RstStreamFrame.type, SettingsFrame.type
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -115,9 +117,12 @@ class GuardedProtocol(asyncio.Protocol):
     """grpclib's protocol for one connection, below which the gRPC port's per-client limits hold
     (docs/limits.md lists the few that need h2's insides and do not)."""
 
-    def __init__(self, inner: asyncio.Protocol, gate: Gate) -> None:
+    def __init__(self, inner: asyncio.Protocol, gate: Gate, max_message_size: int = 0,
+                 budget: PartialBudget | None = None) -> None:  # fmt: skip
         self.inner = inner
         self.gate = gate
+        self.max_message_size = max_message_size or 1 << 32  # 0: no limit (4 bytes of length prefix)
+        self.budget = budget
         self.peer: PeerBudgets | None = None
         self._transport: asyncio.Transport | None = None
         self._dead = False
@@ -147,10 +152,14 @@ class GuardedProtocol(asyncio.Protocol):
         control = Bucket(limits.control_budget, BUDGET_WINDOW)
         self._ledger = StreamLedger(self.peer, control, loop.time)
         self._relay = HeaderRelay(STOCK_MAX_FRAME, MAX_HEADER_LIST)
+        self._meter = MessageMeter(self.max_message_size, self.budget, self.peer)
+        self._headers_sent: set[int] = set()  # streams whose response headers grpclib has sent
         self._opens = False  # the header block being received opens a stream
+        self._settings_acked = False  # the client has our SETTINGS (MAX_CONCURRENT_STREAMS)
+        self._over_cap = 0  # streams refused past that limit before it had them
         self._guard = FrameGuard(max_frame_size=STOCK_MAX_FRAME, max_header_block=limits.max_header_block,
                                  control=control, drop_unknown=True, on_frame=self._received,
-                                 on_block=self._block)  # fmt: skip
+                                 on_block=self._block, on_data=self._data)  # fmt: skip
         outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
         self._tap = _Tap(self._transport, outbound)
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
@@ -159,14 +168,44 @@ class GuardedProtocol(asyncio.Protocol):
     def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         if ftype == 1:
             self._opens = sid > self._ledger.highest
+        elif ftype == _SETTINGS and flags & 1:
+            self._settings_acked = True
         refusal = self._ledger.received(ftype, flags, sid, length)
+        if ftype == _RST:
+            self._meter.close(sid)
         if refusal is None and self.peer is not None and ((length and ftype == 0) or ftype == 1):
             self.peer.touch(self)  # a request, or a stream opened: the last of its address to give way
         return refusal
 
     def _sent(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         self._ledger.sent(ftype, flags, sid, length)
+        if ftype == _RST or (ftype == _HEADERS and flags & END_STREAM):
+            self._headers_sent.discard(sid)
+            if ftype == _RST:
+                self._meter.close(sid)
+        elif ftype == _HEADERS:
+            self._headers_sent.add(sid)
         return None
+
+    def _data(self, sid: int, chunk: memoryview, end: bool) -> bytes:
+        """A stream's request data as it arrives, below h2: a message over the size limit or the
+        partial-message budget is refused from its length prefix. The client gets the gRPC error
+        (RESOURCE_EXHAUSTED) and RST_STREAM NO_ERROR from here; h2 and grpclib a reset from the
+        client, after the frame they are being passed; the stream's later frames are left out."""
+        refused = self._meter.data(sid, chunk, end)
+        if refused is None:
+            return b""
+        reason, why = refused
+        self.gate.shed(reason, self._peer_name, f"RESOURCE_EXHAUSTED on stream {sid}: {why}")
+        status = [(b"grpc-status", b"%d" % Status.RESOURCE_EXHAUSTED.value), (b"grpc-message", why.encode())]
+        if sid not in self._headers_sent:  # trailers only
+            status = [(b":status", b"200"), (b"content-type", b"application/grpc"), *status]
+        self._headers_sent.discard(sid)
+        trailers = HeadersFrame(sid, literal_block(status), flags={"END_HEADERS", "END_STREAM"}).serialize()
+        self._tap.inject(trailers + RstStreamFrame(sid, error_code=ErrorCodes.NO_ERROR).serialize())
+        self._guard.drop_stream(sid)
+        self._ledger.reset(sid)
+        return RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize()
 
     def _block(self, sid: int, flags: int, first: bytes, rest: bytes) -> tuple[bytes, Refusal | None]:
         """A whole header block from the client: decoded, checked (RFC 9113 section 8, and the
@@ -180,6 +219,8 @@ class GuardedProtocol(asyncio.Protocol):
             return b"", None  # a stream refused already: decoded only to keep HPACK in step
         opens, self._opens = self._opens, False
         if opens and sid % 2:  # an even stream id is h2's to refuse (a connection error)
+            if len(self._ledger.open) > STOCK_MAX_STREAMS:  # h2 would refuse it (spared encoding it here)
+                return self._past_the_cap(sid)
             why = problem(fields, request=True)
             if why is not None:
                 return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
@@ -196,6 +237,22 @@ class GuardedProtocol(asyncio.Protocol):
                 return RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize(), None
         return self._relay.frames(sid, fields, bool(flags & END_STREAM)), None
 
+    def _past_the_cap(self, sid: int) -> tuple[bytes, Refusal | None]:
+        """A new stream past h2's limit of concurrent streams: refused here (REFUSED_STREAM), as h2
+        would. Envoy opens its streams before our SETTINGS come: such a stream is charged as a
+        reset (as h2's own refusals are), and more than the limit of them at once ends the
+        connection (as grpclib did); once the client has our SETTINGS, as a stream without a request."""
+        self._tap.inject(RstStreamFrame(sid, error_code=ErrorCodes.REFUSED_STREAM).serialize())
+        self._guard.drop_stream(sid)
+        if self._settings_acked:
+            return b"", self._ledger.refuse(sid)
+        self._ledger.reset(sid)
+        self._over_cap += 1
+        if self._over_cap > STOCK_MAX_STREAMS or (self.peer is not None and not self.peer.resets.take()):
+            why = f"{self._over_cap} streams past the limit of {STOCK_MAX_STREAMS} at once"
+            return b"", Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm", f"GOAWAY ENHANCE_YOUR_CALM: {why}")
+        return b"", None
+
     def _refuse_stream(self, sid: int, code: ErrorCodes, reason: str, why: str) -> tuple[bytes, Refusal | None]:
         """A new stream refused with RST_STREAM `code`, below h2, and charged as one without a request."""
         self.gate.shed(reason, self._peer_name, f"RST_STREAM {code.name} on stream {sid}: {why}")
@@ -211,10 +268,14 @@ class GuardedProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._dead:
             return
-        passed, refusal = self._guard.feed(data)
+        guard = self._guard
+        passed, refusal = guard.feed(data)
         if refusal is not None:
             self._refuse(refusal)
             return
+        if guard.dropped_data:  # frames h2 never saw still used the client's window: given back here
+            self._tap.inject(WindowUpdateFrame(0, window_increment=guard.dropped_data).serialize())
+            guard.dropped_data = 0
         if passed:
             self.inner.data_received(cast(bytes, passed))
 
@@ -286,6 +347,7 @@ class GuardedProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.peer is not None:
             self._ledger.forget()
+            self._meter.close_all()
             self.gate.release(self.peer, self)
         if self._timer is not None:
             self._timer.cancel()
@@ -298,9 +360,12 @@ class StockServer(grpclib.server.Server):
 
     fast = False
 
-    def __init__(self, handlers: list[Any], *, limits: ConnectionLimits, **kwargs: Any) -> None:
+    def __init__(self, handlers: list[Any], *, limits: ConnectionLimits, max_message_size: int = 0,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(handlers, **kwargs)
         self.limits = limits
+        self.max_message_size = max_message_size
+        self.budget = PartialBudget(limits.partial_message_budget, max_message_size)
         self.gate = Gate(limits)
         self.ssl: SSLContext | None = None
         self._sock: socket.socket | None = None
@@ -309,7 +374,7 @@ class StockServer(grpclib.server.Server):
                         "its per-client limits (docs/limits.md)")  # fmt: skip
 
     def _protocol_factory(self) -> Any:  # grpclib's own, below the guard
-        return GuardedProtocol(super()._protocol_factory(), self.gate)
+        return GuardedProtocol(super()._protocol_factory(), self.gate, self.max_message_size, self.budget)
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StockIO:
         return StockIO(stream)

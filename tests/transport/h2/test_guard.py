@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eds_server.ratelimit import Bucket
-from eds_server.transport.h2.guard import FrameGuard, Refusal
+from eds_server.transport.h2.guard import FrameGuard, MessageMeter, Refusal
 from eds_server.transport.h2.header_blocks import HeaderRelay, problem
-from eds_server.transport.h2.limits import ConnectionLimits
+from eds_server.transport.h2.limits import ConnectionLimits, PartialBudget
 from tests.support.grpc_harness import serving
 from tests.support.h2frames import CONTINUATION, DATA, END_HEADERS, GOAWAY, HEADERS, PING, PREFACE, frame
 from tests.transport.h2.test_limits import HEADERS as REQUEST_HEADERS
@@ -229,3 +229,39 @@ def test_request_and_trailer_problems_include_non_ascii() -> None:
     assert problem(good[1:], request=True) is not None
     assert problem([(b"grpc-status", b"0")], request=False) is None
     assert problem([(b":path", b"/x")], request=False) is not None
+
+
+PADDED_DATA = [
+    frame(DATA, 0x8, 1, b"\x03" + b"\x00\x00\x00\x00\x07" + b"abcdefg" + b"\x00" * 3),  # padded, one message
+    frame(DATA, 0, 1, b"\x00\x00\x00"),  # a length prefix split across frames...
+    frame(DATA, 0x8 | 1, 1, b"\x00" + b"\x00\x02hi"),  # ...padded with nothing, ending the stream
+]
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(PREFACE) + sum(map(len, PADDED_DATA))), max_size=20))
+def test_data_is_seen_without_padding_and_messages_from_their_prefixes_in_any_split(cuts: list[int]) -> None:
+    seen: list[tuple[int, bytes, bool]] = []
+    budget = PartialBudget(1 << 20)
+    meter = MessageMeter(100, budget, None)
+
+    def on_data(sid: int, chunk: memoryview, end: bool) -> bytes:
+        seen.append((sid, bytes(chunk), end))
+        assert meter.data(sid, chunk, end) is None
+        return b""
+
+    out, refusal = feed_in(guard(on_data=on_data), PREFACE + b"".join(PADDED_DATA), cuts)
+    assert refusal is None and out == PREFACE + b"".join(PADDED_DATA)
+    assert b"".join(c for _, c, _ in seen) == b"\x00\x00\x00\x00\x07abcdefg" + b"\x00\x00\x00\x00\x02hi"
+    assert [e for *_, e in seen if e] == [True] and seen[-1][2]
+    assert budget.used == 0 and not meter.streams
+
+
+def test_a_message_is_refused_from_its_prefix_and_its_budget_given_back() -> None:
+    budget = PartialBudget(1 << 20, 1000)
+    meter = MessageMeter(1000, budget, None)
+    assert meter.data(1, memoryview(b"\x00\x00\x00\x03\xe8" + b"x" * 10), False) is None  # 1,000 announced
+    assert budget.used == 1000
+    refused = meter.data(3, memoryview(b"\x00\x00\x00\x03\xe9"), False)
+    assert refused == ("message_size", "message of 1001 bytes (limit 1000)")
+    meter.close(1)  # reset inside its message
+    assert budget.used == 0 and not meter.streams

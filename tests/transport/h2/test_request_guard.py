@@ -14,7 +14,7 @@ import pytest
 from eds_server.transport.h2.limits import ConnectionLimits
 from tests.support.grpc_harness import serving
 from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc
-from tests.support.h2frames import END_HEADERS, HEADERS, frame
+from tests.support.h2frames import END_HEADERS, HEADERS, RST_STREAM, frame
 from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, headers
 
 REFUSED_STREAM = 7
@@ -101,4 +101,60 @@ async def test_streams_awaiting_a_request_are_bounded_per_address(caplog: pytest
             await client.response(fresh, 1)
         service.store.update(SOURCE, group(2))
         await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+RESOURCE_EXHAUSTED = 8
+
+
+async def test_an_oversize_message_is_refused_from_its_length_prefix(caplog: pytest.LogCaptureFixture) -> None:
+    """A message announced over --max-message-size (1 MiB here) gets RESOURCE_EXHAUSTED before its
+    body comes; what the client goes on sending on that stream is given back to its connection
+    window (the server never waits on it), and the connection serves its next request."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.7") as client:
+            sid, opening = client.new_stream()
+            await client.send(opening + data(sid, b"\x00" + (1 << 30).to_bytes(4, "big")))
+            assert await client.until(lambda: client.status(sid) is not None or sid in client.resets)
+            assert client.status(sid) == RESOURCE_EXHAUSTED, (client.trailers, client.resets)
+            window = client.conn_window
+            for _ in range(8):  # what a client had in flight: 128 KiB more of the refused message
+                await client.send(data(sid, b"\x00" * 16_000))
+            await client.ping()
+            if not server.fast:  # the fast path keeps what came after the refusal out of the window
+                assert await client.until(lambda: client.conn_window >= window), (window, client.conn_window)
+            other = await client.request(first_request("b", "web"))
+            await client.response(other, 1)
+        if not server.fast:
+            assert server.refused["message_size"] == 1, server.refused
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+async def test_messages_being_received_are_bounded_per_address(caplog: pytest.LogCaptureFixture) -> None:
+    """The partial-message budget: an address holding a quarter of it (at least one message: 1 MiB
+    here) in messages announced and not yet received gets RESOURCE_EXHAUSTED for the next one; once
+    its held message's stream is reset, the budget is given back and it is served again. Others
+    (the canary) are served throughout."""
+    caplog.set_level(logging.INFO)
+    limits = ConnectionLimits(partial_message_budget=2 << 20)
+    async with serving(limits) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.8") as client:
+            held, opening = client.new_stream()
+            await client.send(opening + data(held, b"\x00" + (900_000).to_bytes(4, "big") + b"\x00" * 1000))
+            await client.ping()
+            sid, opening = client.new_stream()
+            await client.send(opening + data(sid, b"\x00" + (900_000).to_bytes(4, "big")))
+            assert await client.until(lambda: client.status(sid) is not None or sid in client.resets)
+            assert client.status(sid) == RESOURCE_EXHAUSTED, (client.trailers, client.resets)
+            assert server.refused["partial_messages"] == 1, server.refused
+            service.store.update(SOURCE, group(2))
+            await canary.response(canary_sid, 2)
+            await client.send(frame(RST_STREAM, 0, held, (8).to_bytes(4, "big")))  # CANCEL: given back
+            again = await client.request(first_request("c", "web"))
+            await client.response(again, 1)
     no_server_errors(caplog)
