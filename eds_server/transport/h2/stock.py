@@ -157,6 +157,7 @@ class GuardedProtocol(asyncio.Protocol):
         self._opens = False  # the header block being received opens a stream
         self._settings_acked = False  # the client has our SETTINGS (MAX_CONCURRENT_STREAMS)
         self._over_cap = 0  # streams refused past that limit before it had them
+        self._requested = False  # a stream has sent request data
         self._guard = FrameGuard(max_frame_size=STOCK_MAX_FRAME, max_header_block=limits.max_header_block,
                                  control=control, drop_unknown=True, on_frame=self._received,
                                  on_block=self._block, on_data=self._data)  # fmt: skip
@@ -173,6 +174,8 @@ class GuardedProtocol(asyncio.Protocol):
         refusal = self._ledger.received(ftype, flags, sid, length)
         if ftype == _RST:
             self._meter.close(sid)
+        if length and ftype == 0:
+            self._requested = True
         if refusal is None and self.peer is not None and ((length and ftype == 0) or ftype == 1):
             self.peer.touch(self)  # a request, or a stream opened: the last of its address to give way
         return refusal
@@ -239,16 +242,19 @@ class GuardedProtocol(asyncio.Protocol):
 
     def _past_the_cap(self, sid: int) -> tuple[bytes, Refusal | None]:
         """A new stream past h2's limit of concurrent streams: refused here (REFUSED_STREAM), as h2
-        would. Envoy opens its streams before our SETTINGS come: such a stream is charged as a
-        reset (as h2's own refusals are), and more than the limit of them at once ends the
-        connection (as grpclib did); once the client has our SETTINGS, as a stream without a request."""
+        would. Envoy opens its streams before our SETTINGS come, each with its request: such a
+        stream is charged as a reset (as h2's own refusals are); a connection that opens more than
+        twice the limit without sending one request is ended (grpclib gave up on it at the first);
+        once the client has our SETTINGS, it is charged as a stream without a request."""
         self._tap.inject(RstStreamFrame(sid, error_code=ErrorCodes.REFUSED_STREAM).serialize())
         self._guard.drop_stream(sid)
         if self._settings_acked:
             return b"", self._ledger.refuse(sid)
         self._ledger.reset(sid)
         self._over_cap += 1
-        if self._over_cap > STOCK_MAX_STREAMS or (self.peer is not None and not self.peer.resets.take()):
+        if (self._over_cap > STOCK_MAX_STREAMS and not self._requested) or (
+            self.peer is not None and not self.peer.resets.take()
+        ):
             why = f"{self._over_cap} streams past the limit of {STOCK_MAX_STREAMS} at once"
             return b"", Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm", f"GOAWAY ENHANCE_YOUR_CALM: {why}")
         return b"", None

@@ -14,10 +14,12 @@ import pytest
 from eds_server.transport.h2.limits import ConnectionLimits
 from tests.support.grpc_harness import serving
 from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc
-from tests.support.h2frames import END_HEADERS, HEADERS, RST_STREAM, frame
-from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, headers
+from tests.support.h2frames import END_HEADERS, GOAWAY, HEADERS, RST_STREAM, frame
+from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, Conn, headers
+from tests.transport.h2.test_limits import read_frames
 
 REFUSED_STREAM = 7
+ENHANCE_YOUR_CALM = 11
 END_STREAM = 1
 
 
@@ -158,3 +160,32 @@ async def test_messages_being_received_are_bounded_per_address(caplog: pytest.Lo
             again = await client.request(first_request("c", "web"))
             await client.response(again, 1)
     no_server_errors(caplog)
+
+
+@pytest.mark.parametrize("with_requests", [True, False])
+async def test_streams_past_the_limit_before_our_settings(with_requests: bool) -> None:
+    """Stock path: 300 streams opened at once, before the client reads our SETTINGS (limit 100).
+    Each with its request (as Envoy opens them): those past the limit are refused (REFUSED_STREAM),
+    the connection stays and its first 100 are served. Headers only: the connection is ended
+    (ENHANCE_YOUR_CALM) rather than read for streams nobody will use."""
+    async with serving(ConnectionLimits()) as (server, _, port):
+        if server.fast:
+            pytest.skip("the stock path's handling of h2's concurrent stream limit")
+        conn = await Conn.open(port, "127.0.0.11")
+        try:
+            opened = []
+            for n in range(300):
+                sid, opening = conn.open_stream()
+                opened.append(opening + (data(sid, grpc(first_request(f"n{n}", "web"))) if with_requests else b""))
+            await conn.send(b"".join(opened))
+            frames = await read_frames(conn.reader, wait=3.0)
+        finally:
+            conn.close()
+        resets = [int.from_bytes(p, "big") for t, p in frames if t == RST_STREAM]
+        goaway = [int.from_bytes(p[4:8], "big") for t, p in frames if t == GOAWAY]
+        if with_requests:
+            assert not goaway and resets.count(REFUSED_STREAM) == 200, (goaway, resets[:5], len(resets))
+            assert server.refused["calm"] == 0
+        else:
+            assert goaway == [ENHANCE_YOUR_CALM], goaway
+            assert server.refused["calm"] == 1
