@@ -11,7 +11,11 @@ refusal or nothing out), no other library's internals, so it sits below both pat
 - unknown frame types, when `drop_unknown`: charged as control frames and left out of what is
   passed on (RFC 9113 section 4.1: ignored), for a library that would fail on them;
 - `on_frame` sees every other frame's header: the stock path charges its budgets there
-  (StreamLedger, from the frames' headers both ways), the fast path inside h2 (fast.py).
+  (StreamLedger, from the frames' headers both ways), the fast path inside h2 (fast.py);
+- for a path that cannot refuse inside its library (stock), three more hooks: `on_block` gets
+  each header block whole (held, not passed: header_blocks.py re-encodes it), `on_data` each DATA
+  frame's data as it passes (MessageMeter: gRPC length prefixes), `on_small` each WINDOW_UPDATE's
+  and SETTINGS' payload (SendWindows: flow-control overflow).
 
 Frame types are hyperframe's public table (`hyperframe.frame.FRAMES`); the header itself is
 unpacked with struct: hyperframe's `Frame.parse_frame_header` builds a frame object per header,
@@ -63,10 +67,36 @@ class Refusal:
 class FrameGuard:
     """Frame headers of one connection's input, followed across reads of any size."""
 
-    __slots__ = ("_after", "_block", "_data_end", "_data_left", "_data_sid", "_dropping", "_first", "_head", "_held",
-                 "_held_flags", "_held_sid", "_left", "_pad", "_preface", "_rest", "control", "drop_unknown",
-                 "dropped", "dropped_data", "max_frame_size", "max_header_block", "on_block", "on_data", "on_frame",
-                 "refusal")  # fmt: skip
+    __slots__ = (
+        "_after",
+        "_block",
+        "_data_end",
+        "_data_left",
+        "_data_sid",
+        "_dropping",
+        "_first",
+        "_head",
+        "_held",
+        "_held_flags",
+        "_held_sid",
+        "_left",
+        "_pad",
+        "_preface",
+        "_rest",
+        "_small",
+        "_small_frame",
+        "control",
+        "drop_unknown",
+        "dropped",
+        "dropped_data",
+        "max_frame_size",
+        "max_header_block",
+        "on_block",
+        "on_data",
+        "on_frame",
+        "on_small",
+        "refusal",
+    )  # fmt: skip
 
     def __init__(
         self, *, max_frame_size: int, max_header_block: int, control: Bucket | None = None,
@@ -74,6 +104,7 @@ class FrameGuard:
         on_frame: Callable[[int, int, int, int], Refusal | None] | None = None,
         on_block: Callable[[int, int, bytes, bytes], tuple[bytes, Refusal | None]] | None = None,
         on_data: Callable[[int, memoryview, bool], bytes] | None = None,
+        on_small: Callable[[int, int, int, bytes], Refusal | None] | None = None,
     ) -> None:  # fmt: skip
         self.max_frame_size = max_frame_size
         self.max_header_block = max_header_block
@@ -104,6 +135,10 @@ class FrameGuard:
         self._pad = 0  # -1: its padding length is still to come
         self._data_left = 0  # its data bytes still to come (then its padding)
         self._after = b""  # to pass on once the current frame is
+        # (on_small) each WINDOW_UPDATE's and SETTINGS' (type, flags, stream id, payload), once read whole
+        self.on_small = on_small
+        self._small_frame: tuple[int, int, int] | None = None  # the one being read
+        self._small = bytearray()
 
     def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes | bytearray | memoryview, Refusal | None]:
         """What to pass on of `data` (`data` itself unless frames are left out, or a frame header
@@ -130,8 +165,14 @@ class FrameGuard:
                         (self._rest if self._first_done else self._first).extend(view[pos : pos + n])
                 elif self._data_sid:
                     self._data(view[pos : pos + n], n == self._left)
+                elif self._small_frame is not None:
+                    self._small += view[pos : pos + n]
                 pos += n
                 self._left -= n
+                if not self._left and self._small_frame is not None:
+                    refusal = self._small_done()
+                    if refusal is not None:
+                        return b"", refusal
                 if not self._left and self._after and out is not None:
                     out.append(view[mark:pos])
                     out.append(self._after)
@@ -169,6 +210,13 @@ class FrameGuard:
                 return b"", refusal
             self._left = length
             self._data_sid = 0
+            if self.on_small is not None and ftype in _SMALL and not (sid > 0 and sid in self.dropped):
+                self._small_frame = (ftype, header[4], int.from_bytes(header[5:9], "big") & 0x7FFFFFFF)
+                self._small.clear()
+                if not length:
+                    refusal = self._small_done()
+                    if refusal is not None:
+                        return b"", refusal
             if out is not None:
                 self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped)
                 if self._dropping and ftype == _DATA:
@@ -211,6 +259,14 @@ class FrameGuard:
         if n or (last and self._data_end):
             assert self.on_data is not None
             self._after += self.on_data(self._data_sid, chunk[:n], last and self._data_end)
+
+    def _small_done(self) -> Refusal | None:
+        assert self._small_frame is not None and self.on_small is not None
+        (ftype, flags, sid), self._small_frame = self._small_frame, None
+        refusal = self.on_small(ftype, flags, sid, bytes(self._small))
+        if refusal is not None:
+            self.refusal = refusal
+        return refusal
 
     @property
     def _first_done(self) -> bool:
@@ -302,6 +358,62 @@ class FrameGuard:
     def _calm(what: str) -> Refusal:
         return Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm",
                        f"GOAWAY ENHANCE_YOUR_CALM: over its budget of control frames ({what})")  # fmt: skip
+
+
+_SMALL = frozenset((SettingsFrame.type, WindowUpdateFrame.type))  # frames whose payload on_small reads
+MAX_WINDOW = 2**31 - 1  # RFC 9113 section 6.9.1: no flow-control window may exceed it
+
+
+class SendWindows:
+    """The flow-control windows a client has granted us (RFC 9113 section 6.9), from its
+    WINDOW_UPDATE and SETTINGS payloads and our DATA frames' headers: a window taken past 2^31-1
+    is a FLOW_CONTROL_ERROR, answered here (h2 raises, and grpclib swallows the error unanswered)."""
+
+    __slots__ = ("connection", "initial", "streams")
+
+    def __init__(self) -> None:
+        self.connection = 65_535
+        self.initial = 65_535
+        self.streams: dict[int, int] = {}  # open streams' windows, by stream (created on first use)
+
+    def received(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
+        if ftype == WindowUpdateFrame.type and len(payload) == 4:
+            increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+            if not sid:
+                self.connection += increment
+                if self.connection > MAX_WINDOW:
+                    return _flow_error(f"WINDOW_UPDATE of {increment} takes the connection window past 2^31-1")
+            else:
+                window = self.streams.get(sid, self.initial) + increment
+                if window > MAX_WINDOW:
+                    return _flow_error(f"WINDOW_UPDATE of {increment} takes stream {sid}'s window past 2^31-1")
+                self.streams[sid] = window
+        elif ftype == SettingsFrame.type and not flags & ACK:
+            for i in range(0, len(payload) - 5, 6):
+                if int.from_bytes(payload[i : i + 2], "big") != 4:  # SETTINGS_INITIAL_WINDOW_SIZE
+                    continue
+                value = int.from_bytes(payload[i + 2 : i + 6], "big")
+                if value > MAX_WINDOW:
+                    return _flow_error(f"SETTINGS_INITIAL_WINDOW_SIZE of {value}")
+                delta, self.initial = value - self.initial, value
+                for stream, window in self.streams.items():
+                    if window + delta > MAX_WINDOW:
+                        return _flow_error(f"SETTINGS_INITIAL_WINDOW_SIZE of {value} takes stream {stream}'s window "
+                                           "past 2^31-1")  # fmt: skip
+                    self.streams[stream] = window + delta
+        return None
+
+    def sent(self, sid: int, length: int) -> None:
+        """A DATA frame of ours."""
+        self.connection -= length
+        self.streams[sid] = self.streams.get(sid, self.initial) - length
+
+    def closed(self, sid: int) -> None:
+        self.streams.pop(sid, None)
+
+
+def _flow_error(what: str) -> Refusal:
+    return Refusal(ErrorCodes.FLOW_CONTROL_ERROR, "protocol_error", f"GOAWAY FLOW_CONTROL_ERROR: {what}")
 
 
 # frame types and flags (RFC 9113 section 6), from hyperframe's classes

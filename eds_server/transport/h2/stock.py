@@ -1,6 +1,6 @@
 """The stock path: grpclib's public API, for library versions the fast path was not tested with
 (compat.py). Slower: every change wakes each stream's task and is encoded into its own frames by
-h2, and messages are read whole by grpclib (no size limit before the body).
+h2, and messages are read whole by grpclib (their size limits are kept from below, see next).
 
 It is as guarded as the fast path where it counts, from below: each connection's protocol is
 grpclib's own, wrapped by GuardedProtocol, which sees every byte both ways before grpclib and h2
@@ -11,7 +11,9 @@ CONTINUATION and unknown frames, the latter left out), the stream, reset and con
 from frame headers (guard.StreamLedger), and the first-request deadline (a stream with no request
 in time is reset both ways); the RFC 9113 header checks and the bound on streams awaiting a request,
 on header blocks held whole by the guard and passed to h2 re-encoded (header_blocks.py), so a refused
-stream never reaches h2. docs/limits.md lists what holds on each path.
+stream never reaches h2; message sizes and the partial-message budget from the gRPC length
+prefixes in DATA (guard.MessageMeter); send windows taken past 2^31-1 (guard.SendWindows).
+docs/limits.md lists what holds on each path.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, StreamLedger
+from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 
@@ -160,7 +162,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._requested = False  # a stream has sent request data
         self._guard = FrameGuard(max_frame_size=STOCK_MAX_FRAME, max_header_block=limits.max_header_block,
                                  control=control, drop_unknown=True, on_frame=self._received,
-                                 on_block=self._block, on_data=self._data)  # fmt: skip
+                                 on_block=self._block, on_data=self._data, on_small=self._small)  # fmt: skip
+        self._windows = SendWindows()
         outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
         self._tap = _Tap(self._transport, outbound)
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
@@ -176,12 +179,24 @@ class GuardedProtocol(asyncio.Protocol):
             self._meter.close(sid)
         if length and ftype == 0:
             self._requested = True
+        if sid and sid not in self._ledger.open:
+            self._windows.closed(sid)
         if refusal is None and self.peer is not None and ((length and ftype == 0) or ftype == 1):
             self.peer.touch(self)  # a request, or a stream opened: the last of its address to give way
         return refusal
 
+    def _small(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
+        """A WINDOW_UPDATE's or SETTINGS' payload (a WINDOW_UPDATE on a closed stream is ignored, as h2 does)."""
+        if sid and sid not in self._ledger.open:
+            return None
+        return self._windows.received(ftype, flags, sid, payload)
+
     def _sent(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         self._ledger.sent(ftype, flags, sid, length)
+        if ftype == 0:
+            self._windows.sent(sid, length)
+        if sid and sid not in self._ledger.open:
+            self._windows.closed(sid)
         if ftype == _RST or (ftype == _HEADERS and flags & END_STREAM):
             self._headers_sent.discard(sid)
             if ftype == _RST:

@@ -11,11 +11,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eds_server.ratelimit import Bucket
-from eds_server.transport.h2.guard import FrameGuard, MessageMeter, Refusal
+from eds_server.transport.h2.guard import FrameGuard, MessageMeter, Refusal, SendWindows
 from eds_server.transport.h2.header_blocks import HeaderRelay, problem
 from eds_server.transport.h2.limits import ConnectionLimits, PartialBudget
 from tests.support.grpc_harness import serving
-from tests.support.h2frames import CONTINUATION, DATA, END_HEADERS, GOAWAY, HEADERS, PING, PREFACE, frame
+from tests.support.h2frames import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PREFACE,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+)
 from tests.transport.h2.test_limits import HEADERS as REQUEST_HEADERS
 from tests.transport.h2.test_limits import fetch_web, read_frames
 
@@ -265,3 +276,16 @@ def test_a_message_is_refused_from_its_prefix_and_its_budget_given_back() -> Non
     assert refused == ("message_size", "message of 1001 bytes (limit 1000)")
     meter.close(1)  # reset inside its message
     assert budget.used == 0 and not meter.streams
+
+
+def test_send_windows_follow_our_data_and_refuse_only_a_real_overflow() -> None:
+    windows = SendWindows()
+    update = (2**31 - 1 - 65_535).to_bytes(4, "big")
+    assert windows.received(WINDOW_UPDATE, 0, 0, update) is None  # exactly the maximum
+    assert windows.received(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big")) is not None
+    windows = SendWindows()
+    windows.sent(1, 65_535)  # stream 1's window and the connection's spent: room for the maximum
+    assert windows.received(WINDOW_UPDATE, 0, 1, (2**31 - 1).to_bytes(4, "big")) is None
+    assert windows.received(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big")) is None
+    refusal = windows.received(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (65_536).to_bytes(4, "big"))
+    assert refusal is not None and refusal.code == 3 and "stream 1" in refusal.detail

@@ -14,7 +14,7 @@ import pytest
 from eds_server.transport.h2.limits import ConnectionLimits
 from tests.support.grpc_harness import serving
 from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc
-from tests.support.h2frames import END_HEADERS, GOAWAY, HEADERS, RST_STREAM, frame
+from tests.support.h2frames import END_HEADERS, GOAWAY, HEADERS, RST_STREAM, SETTINGS, WINDOW_UPDATE, frame
 from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, Conn, headers
 from tests.transport.h2.test_limits import read_frames
 
@@ -189,3 +189,35 @@ async def test_streams_past_the_limit_before_our_settings(with_requests: bool) -
         else:
             assert goaway == [ENHANCE_YOUR_CALM], goaway
             assert server.refused["calm"] == 1
+
+
+FLOW_CONTROL_ERROR = 3
+
+
+@pytest.mark.parametrize("window", ["connection", "stream", "settings"])
+async def test_a_window_taken_past_its_maximum_is_a_flow_control_error(
+    window: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RFC 9113 section 6.9.1: a WINDOW_UPDATE (or a SETTINGS_INITIAL_WINDOW_SIZE change) taking a
+    send window past 2^31-1 is answered GOAWAY FLOW_CONTROL_ERROR (RST_STREAM for a stream's may
+    do too), never left unanswered; others are served on."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.12") as client:
+            sid = await client.request(first_request("a", "web"))
+            await client.response(sid, 1)
+            if window == "settings":  # the stream's window near the top (from 2^30 less what was sent), raised
+                raw = frame(WINDOW_UPDATE, 0, sid, (2**30 - 1).to_bytes(4, "big"))
+                raw += frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (2**30 + 10_000).to_bytes(4, "big"))
+            else:
+                raw = frame(WINDOW_UPDATE, 0, sid if window == "stream" else 0, (2**31 - 1).to_bytes(4, "big"))
+            await client.send(raw)
+            assert await client.until(lambda: client.goaway is not None or sid in client.resets)
+            assert client.goaway == FLOW_CONTROL_ERROR or client.resets.get(sid) == FLOW_CONTROL_ERROR, (
+                client.goaway, client.resets)  # fmt: skip
+        if not server.fast:  # answered by the guard, below h2
+            assert server.refused["protocol_error"] == 1, server.refused
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
