@@ -100,8 +100,8 @@ class Client:
         self.eof = False
 
     @classmethod
-    async def open(cls, port: int) -> Client:
-        client = cls(await Conn.open(port, "127.0.0.1"))
+    async def open(cls, port: int, src: str = "127.0.0.1") -> Client:
+        client = cls(await Conn.open(port, src))
         await client.send(frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + OUR_WINDOW.to_bytes(4, "big"))
                           + frame(WINDOW_UPDATE, 0, 0, OUR_WINDOW.to_bytes(4, "big")))  # fmt: skip
         # The server's SETTINGS are in and acknowledged: nothing the client answers later can land
@@ -224,8 +224,8 @@ class Client:
 
 
 @contextlib.asynccontextmanager
-async def client_of(port: int) -> AsyncIterator[Client]:
-    client = await Client.open(port)
+async def client_of(port: int, src: str = "127.0.0.1") -> AsyncIterator[Client]:
+    client = await Client.open(port, src)
     try:
         yield client
     finally:

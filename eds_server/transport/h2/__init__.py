@@ -10,8 +10,10 @@ response, end with a status), and knows its port and what it refused.
 - guard.py: the frame guard both paths read through (frame headers only, sans-IO);
 - headers.py: RFC 9113 request header checks (pure);
 - fast_server.py (and fast_connection.py, fast_protocol.py, fast_reader.py, direct.py,
-  fast_writer.py): the fast gRPC path; http.py: connection limits for the aiohttp ports;
+  fast_writer.py): the fast gRPC path; http.py: connection limits for the aiohttp ports
+  (http_cap.py: their connection cap on aiohttp's public API, for other aiohttp versions);
 - private.py: every internal of those libraries the package touches, where, why, and its figure;
+- header_blocks.py: header blocks decoded and re-encoded below h2, for the stock path's checks;
 - stock.py: the public-API gRPC path, below the guard.
 """
 
@@ -28,7 +30,7 @@ from aiohttp import web
 from grpclib.config import Configuration
 
 from . import compat
-from .base import Framed, PassThroughCodec, StreamIO, keepalive_config, timeout_middleware
+from .base import Framed, PassThroughCodec, StreamIO, keepalive_config
 from .limits import FILE_HEADROOM, REASONS, ConnectionLimits, HttpLimits, PartialBudget
 
 __all__ = ["FILE_HEADROOM", "REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec",
@@ -85,7 +87,8 @@ def build_server(
     from .stock import StockServer, counted_handler
 
     others = {path: counted_handler(h, enter, leave) for path, h in counted.items()}
-    return StockServer([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits)
+    return StockServer([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits,
+                       max_message_size=max_message_size)  # fmt: skip
 
 
 class _Mapping:
@@ -99,14 +102,15 @@ class _Mapping:
 
 
 def http_runner(app: web.Application, limits: HttpLimits, mode: str = "auto") -> web.AppRunner:
-    """An AppRunner for an aiohttp port with a request deadline, and on the fast path also a
-    connection cap and a deadline for each request's headers (http.py)."""
+    """An AppRunner for an aiohttp port with a request deadline and a connection cap, and on the
+    fast path also a deadline for each request's headers (http.py; else http_cap.py)."""
     if compat.fast_path(mode, {"aiohttp": compat.VERIFIED["aiohttp"]}):
         from .http import LimitedAppRunner
 
         return LimitedAppRunner(app, limits)
-    app.middlewares.insert(0, timeout_middleware(limits.timeout))
-    return web.AppRunner(app, access_log=None, keepalive_timeout=limits.timeout)
+    from .http_cap import CappedAppRunner
+
+    return CappedAppRunner(app, limits)
 
 
 def runner_port(runner: web.AppRunner) -> int:

@@ -11,7 +11,11 @@ refusal or nothing out), no other library's internals, so it sits below both pat
 - unknown frame types, when `drop_unknown`: charged as control frames and left out of what is
   passed on (RFC 9113 section 4.1: ignored), for a library that would fail on them;
 - `on_frame` sees every other frame's header: the stock path charges its budgets there
-  (StreamLedger, from the frames' headers both ways), the fast path inside h2 (fast.py).
+  (StreamLedger, from the frames' headers both ways), the fast path inside h2 (fast.py);
+- for a path that cannot refuse inside its library (stock), three more hooks: `on_block` gets
+  each header block whole (held, not passed: header_blocks.py re-encodes it), `on_data` each DATA
+  frame's data as it passes (MessageMeter: gRPC length prefixes), `on_small` each WINDOW_UPDATE's
+  and SETTINGS' payload (SendWindows: flow-control overflow).
 
 Frame types are hyperframe's public table (`hyperframe.frame.FRAMES`); the header itself is
 unpacked with struct: hyperframe's `Frame.parse_frame_header` builds a frame object per header,
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from h2.errors import ErrorCodes
 from hyperframe.frame import (
@@ -38,11 +43,14 @@ from hyperframe.frame import (
 )
 
 from ...ratelimit import Bucket
-from .limits import PeerBudgets
+from .limits import PartialBudget, PeerBudgets
 
 PREFACE_LENGTH = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": the client's, before its first frame
 END_HEADERS = 0x4
+PADDED = 0x8
 _CONTINUATION = ContinuationFrame.type
+_HELD_CONTINUED = 0x100  # (in _held_flags, past the frame flags) a CONTINUATION frame is held
+MAX_DROPPED_STREAMS = 1024  # streams refused below the library whose later frames are left out
 _BLOCK_STARTS = (HeadersFrame.type, PushPromiseFrame.type)
 
 
@@ -59,13 +67,44 @@ class Refusal:
 class FrameGuard:
     """Frame headers of one connection's input, followed across reads of any size."""
 
-    __slots__ = ("_block", "_dropping", "_head", "_left", "_preface", "control", "drop_unknown",
-                 "max_frame_size", "max_header_block", "on_frame", "refusal")  # fmt: skip
+    __slots__ = (
+        "_after",
+        "_block",
+        "_data_end",
+        "_data_left",
+        "_data_sid",
+        "_dropping",
+        "_first",
+        "_head",
+        "_held",
+        "_held_flags",
+        "_held_sid",
+        "_left",
+        "_pad",
+        "_preface",
+        "_rest",
+        "_small",
+        "_small_frame",
+        "control",
+        "drop_unknown",
+        "dropped",
+        "dropped_data",
+        "max_frame_size",
+        "max_header_block",
+        "on_block",
+        "on_data",
+        "on_frame",
+        "on_small",
+        "refusal",
+    )  # fmt: skip
 
     def __init__(
         self, *, max_frame_size: int, max_header_block: int, control: Bucket | None = None,
         server: bool = True, drop_unknown: bool = False,
         on_frame: Callable[[int, int, int, int], Refusal | None] | None = None,
+        on_block: Callable[[int, int, bytes, bytes], tuple[bytes, Refusal | None]] | None = None,
+        on_data: Callable[[int, memoryview, bool], bytes] | None = None,
+        on_small: Callable[[int, int, int, bytes], Refusal | None] | None = None,
     ) -> None:  # fmt: skip
         self.max_frame_size = max_frame_size
         self.max_header_block = max_header_block
@@ -78,6 +117,28 @@ class FrameGuard:
         self._left = 0  # bytes of the current frame's payload still to come
         self._dropping = False  # the current frame is left out
         self._block = -1  # bytes of the header block begun, -1 outside one
+        # (on_block) header blocks are held, not passed: each whole block goes to on_block (stream
+        # id, HEADERS flags, HEADERS payload, CONTINUATION payloads), whose bytes are passed instead
+        self.on_block = on_block
+        self.dropped: dict[int, None] = {}  # (on_block) streams whose other frames are left out
+        self._held = False  # the current frame is part of a held header block
+        self._held_sid = -1  # the held block's stream, -1 outside one
+        self._held_flags = 0
+        self._first = bytearray()  # the held block's HEADERS payload
+        self._rest = bytearray()  # and its CONTINUATION payloads
+        # (on_data) the data of each DATA frame passed on, padding left out, as it arrives: (stream
+        # id, data, whether it ends the stream); what it answers is passed on after that frame
+        self.on_data = on_data
+        self.dropped_data = 0  # (on_block) bytes of DATA frames left out: flow control the library never saw
+        self._data_sid = 0  # the DATA frame being read, 0 outside one
+        self._data_end = False  # it has END_STREAM
+        self._pad = 0  # -1: its padding length is still to come
+        self._data_left = 0  # its data bytes still to come (then its padding)
+        self._after = b""  # to pass on once the current frame is
+        # (on_small) each WINDOW_UPDATE's and SETTINGS' (type, flags, stream id, payload), once read whole
+        self.on_small = on_small
+        self._small_frame: tuple[int, int, int] | None = None  # the one being read
+        self._small = bytearray()
 
     def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes | bytearray | memoryview, Refusal | None]:
         """What to pass on of `data` (`data` itself unless frames are left out, or a frame header
@@ -88,9 +149,9 @@ class FrameGuard:
         view = memoryview(data)
         end = len(data)
         pos = 0
-        out: list[bytes | memoryview] | None = [] if self.drop_unknown else None
+        out: list[bytes | memoryview] | None = [] if self.drop_unknown or self.on_block or self.on_data else None
         changed = False  # something left out, held back, or sent from an earlier read
-        mark = 0  # (drop_unknown) the start of what is passed on and not yet in `out`
+        mark = 0  # (out) the start of what is passed on and not yet in `out`
         if self._preface:
             pos = min(self._preface, end)
             self._preface -= pos
@@ -100,8 +161,26 @@ class FrameGuard:
                 if self._dropping and out is not None:
                     out.append(view[mark:pos])
                     mark, changed = pos + n, True
+                    if self._held:
+                        (self._rest if self._first_done else self._first).extend(view[pos : pos + n])
+                elif self._data_sid:
+                    self._data(view[pos : pos + n], n == self._left)
+                elif self._small_frame is not None:
+                    self._small += view[pos : pos + n]
                 pos += n
                 self._left -= n
+                if not self._left and self._small_frame is not None:
+                    refusal = self._small_done()
+                    if refusal is not None:
+                        return b"", refusal
+                if not self._left and self._after and out is not None:
+                    out.append(view[mark:pos])
+                    out.append(self._after)
+                    mark, changed, self._after = pos, True, b""
+                if not self._left and self._held:
+                    refusal = self._held_frame_done(out)  # type: ignore[arg-type]  # a list when held
+                    if refusal is not None:
+                        return b"", refusal
                 continue
             start = pos
             need = 9 - len(self._head)
@@ -118,17 +197,46 @@ class FrameGuard:
             length = int.from_bytes(header[:3], "big")
             ftype = header[3]
             refusal = self._check(length, ftype, header[4])
+            sid = -1
             if refusal is None and self.on_frame is not None and ftype in FRAMES:
-                refusal = self.on_frame(ftype, header[4], int.from_bytes(header[5:9], "big") & 0x7FFFFFFF, length)
+                sid = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+                refusal = self.on_frame(ftype, header[4], sid, length)
+            if refusal is None and self.on_block is not None:
+                if sid < 0:
+                    sid = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+                refusal = self._hold(ftype, header[4], sid)
             if refusal is not None:
                 self.refusal = refusal
                 return b"", refusal
             self._left = length
+            self._data_sid = 0
+            if self.on_small is not None and ftype in _SMALL and not (sid > 0 and sid in self.dropped):
+                self._small_frame = (ftype, header[4], int.from_bytes(header[5:9], "big") & 0x7FFFFFFF)
+                self._small.clear()
+                if not length:
+                    refusal = self._small_done()
+                    if refusal is not None:
+                        return b"", refusal
             if out is not None:
-                self._dropping = ftype not in FRAMES
+                self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped)
+                if self._dropping and ftype == _DATA:
+                    self.dropped_data += length
+                elif ftype == _DATA and self.on_data is not None:
+                    self._data_sid, self._data_end = sid, bool(header[4] & END_STREAM)
+                    self._pad, self._data_left = (-1, 0) if header[4] & PADDED else (0, length)
+                    if not length:
+                        self._data(memoryview(b""), True)
+                        if self._after:
+                            out.append(view[mark:pos])
+                            out.append(self._after)
+                            mark, changed, self._after = pos, True, b""
                 if self._dropping:
                     out.append(view[mark:start])
                     mark, changed = pos, True
+                    if self._held and not length:
+                        refusal = self._held_frame_done(out)
+                        if refusal is not None:
+                            return b"", refusal
                 elif held:
                     out.append(view[mark:start])
                     out.append(held)
@@ -138,10 +246,87 @@ class FrameGuard:
         out.append(view[mark:end])
         return b"".join(out), None
 
+    def _data(self, chunk: memoryview, last: bool) -> None:
+        """(on_data) `chunk` of the current DATA frame's payload (`last`: the frame's end)."""
+        if self._pad < 0:
+            if not chunk:
+                return
+            self._pad = chunk[0]
+            self._data_left = max(0, self._left - 1 - self._pad)  # (_left: this chunk on) h2 refuses a bad length
+            chunk = chunk[1:]
+        n = min(self._data_left, len(chunk))
+        self._data_left -= n
+        if n or (last and self._data_end):
+            assert self.on_data is not None
+            self._after += self.on_data(self._data_sid, chunk[:n], last and self._data_end)
+
+    def _small_done(self) -> Refusal | None:
+        assert self._small_frame is not None and self.on_small is not None
+        (ftype, flags, sid), self._small_frame = self._small_frame, None
+        refusal = self.on_small(ftype, flags, sid, bytes(self._small))
+        if refusal is not None:
+            self.refusal = refusal
+        return refusal
+
+    @property
+    def _first_done(self) -> bool:
+        return self._held_flags & _HELD_CONTINUED != 0
+
+    def _hold(self, ftype: int, flags: int, sid: int) -> Refusal | None:
+        """(on_block) Whether this frame is part of a held header block, or breaks one."""
+        self._held = False
+        if self._held_sid >= 0:
+            if ftype != _CONTINUATION or sid != self._held_sid:
+                return _protocol_error(f"frame of type {ftype:#x} on stream {sid} inside a header block")
+            self._held = True
+            self._held_flags |= _HELD_CONTINUED
+            self._held_flags = (self._held_flags & ~END_HEADERS) | (flags & END_HEADERS)
+            return None
+        if ftype == _CONTINUATION:
+            return _protocol_error(f"CONTINUATION on stream {sid} outside a header block")
+        if ftype == PushPromiseFrame.type:
+            return _protocol_error("PUSH_PROMISE from a client")
+        if ftype == HeadersFrame.type:
+            if not sid:
+                return _protocol_error("HEADERS on stream 0")
+            self._held = True
+            self._held_sid = sid
+            self._held_flags = flags
+            self._first.clear()
+            self._rest.clear()
+        return None
+
+    def _held_frame_done(self, out: list[bytes | memoryview]) -> Refusal | None:
+        """A held frame's payload is in: at the block's end, on_block's bytes are passed in its place."""
+        self._held = False
+        if not self._held_flags & END_HEADERS:
+            return None
+        assert self.on_block is not None
+        sid, flags = self._held_sid, self._held_flags & ~_HELD_CONTINUED
+        first, rest = bytes(self._first), bytes(self._rest)
+        self._held_sid = -1
+        self._first.clear()
+        self._rest.clear()
+        passed, refusal = self.on_block(sid, flags, first, rest)
+        if refusal is not None:
+            self.refusal = refusal
+            return refusal
+        if passed:
+            out.append(passed)
+        return None
+
+    def drop_stream(self, sid: int) -> None:
+        """(on_block) Leave out the stream's later frames (but its header blocks, which go to
+        on_block: HPACK state): it was refused below the library, which never heard of it."""
+        dropped = self.dropped
+        dropped[sid] = None
+        if len(dropped) > MAX_DROPPED_STREAMS:  # the oldest: a client long past its reset
+            del dropped[next(iter(dropped))]
+
     @property
     def between_frames(self) -> bool:
         """Whether a frame may be put in the input here: none is begun, and no header block."""
-        return not (self._left or self._head or self._preface) and self._block < 0
+        return not (self._left or self._head or self._preface) and self._block < 0 and self._held_sid < 0
 
     def _check(self, length: int, ftype: int, flags: int) -> Refusal | None:
         if length > self.max_frame_size:
@@ -173,6 +358,62 @@ class FrameGuard:
     def _calm(what: str) -> Refusal:
         return Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm",
                        f"GOAWAY ENHANCE_YOUR_CALM: over its budget of control frames ({what})")  # fmt: skip
+
+
+_SMALL = frozenset((SettingsFrame.type, WindowUpdateFrame.type))  # frames whose payload on_small reads
+MAX_WINDOW = 2**31 - 1  # RFC 9113 section 6.9.1: no flow-control window may exceed it
+
+
+class SendWindows:
+    """The flow-control windows a client has granted us (RFC 9113 section 6.9), from its
+    WINDOW_UPDATE and SETTINGS payloads and our DATA frames' headers: a window taken past 2^31-1
+    is a FLOW_CONTROL_ERROR, answered here (h2 raises, and grpclib swallows the error unanswered)."""
+
+    __slots__ = ("connection", "initial", "streams")
+
+    def __init__(self) -> None:
+        self.connection = 65_535
+        self.initial = 65_535
+        self.streams: dict[int, int] = {}  # open streams' windows, by stream (created on first use)
+
+    def received(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
+        if ftype == WindowUpdateFrame.type and len(payload) == 4:
+            increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+            if not sid:
+                self.connection += increment
+                if self.connection > MAX_WINDOW:
+                    return _flow_error(f"WINDOW_UPDATE of {increment} takes the connection window past 2^31-1")
+            else:
+                window = self.streams.get(sid, self.initial) + increment
+                if window > MAX_WINDOW:
+                    return _flow_error(f"WINDOW_UPDATE of {increment} takes stream {sid}'s window past 2^31-1")
+                self.streams[sid] = window
+        elif ftype == SettingsFrame.type and not flags & ACK:
+            for i in range(0, len(payload) - 5, 6):
+                if int.from_bytes(payload[i : i + 2], "big") != 4:  # SETTINGS_INITIAL_WINDOW_SIZE
+                    continue
+                value = int.from_bytes(payload[i + 2 : i + 6], "big")
+                if value > MAX_WINDOW:
+                    return _flow_error(f"SETTINGS_INITIAL_WINDOW_SIZE of {value}")
+                delta, self.initial = value - self.initial, value
+                for stream, window in self.streams.items():
+                    if window + delta > MAX_WINDOW:
+                        return _flow_error(f"SETTINGS_INITIAL_WINDOW_SIZE of {value} takes stream {stream}'s window "
+                                           "past 2^31-1")  # fmt: skip
+                    self.streams[stream] = window + delta
+        return None
+
+    def sent(self, sid: int, length: int) -> None:
+        """A DATA frame of ours."""
+        self.connection -= length
+        self.streams[sid] = self.streams.get(sid, self.initial) - length
+
+    def closed(self, sid: int) -> None:
+        self.streams.pop(sid, None)
+
+
+def _flow_error(what: str) -> Refusal:
+    return Refusal(ErrorCodes.FLOW_CONTROL_ERROR, "protocol_error", f"GOAWAY FLOW_CONTROL_ERROR: {what}")
 
 
 # frame types and flags (RFC 9113 section 6), from hyperframe's classes
@@ -215,14 +456,14 @@ class StreamLedger:
             if flags & END_STREAM:
                 self._remote_ended.add(sid)
                 return self._wasted()
-            self.awaiting[sid] = self.clock()
+            self._await(sid)
             return None
         if ftype == _DATA:
             if sid and (sid in self._remote_ended or (sid <= self.highest and sid not in self.open)):
                 # DATA on a stream the client ended or that is closed: h2 answers it with its own
                 # RST_STREAM, charged here, before h2 sees it, like a client's reset
                 return None if peer.resets.take() else _over("stream resets (DATA on a closed stream)")
-            if self.awaiting and self.awaiting.pop(sid, None) is not None and not length and flags & END_STREAM:
+            if self.awaiting and self._answered(sid) and not length and flags & END_STREAM:
                 self._end(sid, remote=True)
                 return self._wasted()
             if flags & END_STREAM:
@@ -232,7 +473,7 @@ class StreamLedger:
             what = "empty DATA"
         elif ftype == _RST:
             self._close(sid)
-            if self.awaiting.pop(sid, None) is not None and self._wasted() is not None:
+            if self._answered(sid) and self._wasted() is not None:
                 return _over("streams without a request")
             return None if peer.resets.take() else _over("stream resets")
         elif ftype == _WINDOW_UPDATE:
@@ -260,7 +501,7 @@ class StreamLedger:
         if ftype == _DATA:
             self._window_credit = min(self._window_credit + WINDOW_CREDIT_PER_DATA_FRAME, 100_000)
         if ftype == _RST:  # ours (h2 refusing a stream past its cap, say): not the client's to pay for
-            self.awaiting.pop(sid, None)
+            self._answered(sid)
             self._close(sid)
         elif ftype in (_DATA, _HEADERS) and flags & END_STREAM:
             self._end(sid, remote=False)
@@ -276,9 +517,37 @@ class StreamLedger:
                 break
             out.append(sid)
         for sid in out:
-            del self.awaiting[sid]
+            self._answered(sid)
             self._close(sid)
         return out
+
+    def refuse(self, sid: int) -> Refusal | None:
+        """A stream refused below the library (which never hears of it): closed here, and charged
+        as a stream without a request."""
+        awaited = self._answered(sid)  # else it ended with its HEADERS: charged then
+        self._close(sid)
+        return self._wasted() if awaited else None
+
+    def reset(self, sid: int) -> None:
+        """A stream reset below the library (its trailers refused): closed here, not charged."""
+        self._answered(sid)
+        self._close(sid)
+
+    def forget(self) -> None:
+        """The connection is gone: its streams no longer await a request."""
+        self.peer.pending -= len(self.awaiting)
+        self.awaiting.clear()
+
+    def _await(self, sid: int) -> None:
+        self.awaiting[sid] = self.clock()
+        self.peer.pending += 1
+
+    def _answered(self, sid: int) -> bool:
+        """The stream no longer awaits its first request: whether it did."""
+        if self.awaiting.pop(sid, None) is None:
+            return False
+        self.peer.pending -= 1
+        return True
 
     def charge_expired(self) -> Refusal | None:
         return self._wasted()
@@ -297,6 +566,75 @@ class StreamLedger:
         self.open.discard(sid)
         self._remote_ended.discard(sid)
         self._local_ended.discard(sid)
+
+
+class MessageMeter:
+    """gRPC messages of one connection's streams, from the 5-byte length prefixes in their DATA:
+    a message over `max_size`, or one the partial-message budget cannot hold, is refused from its
+    prefix, before its body arrives; the budget is held until the body is in (or the stream ends)."""
+
+    __slots__ = ("budget", "max_size", "peer", "streams")
+
+    def __init__(self, max_size: int, budget: PartialBudget | None, peer: PeerBudgets | None) -> None:
+        self.max_size = max_size
+        self.budget = budget
+        self.peer = peer
+        self.streams: dict[int, list[Any]] = {}  # stream -> [prefix bytes so far, body bytes left, budget held]
+
+    def data(self, sid: int, chunk: memoryview, end: bool) -> tuple[str, str] | None:
+        """The stream's data as it arrives: (reason, why) to refuse it, or None."""
+        state = self.streams.get(sid)
+        if state is None:
+            if end and not chunk:
+                return None
+            state = self.streams[sid] = [b"", 0, 0]
+        pos, size = 0, len(chunk)
+        while pos < size:
+            if state[1]:
+                n = min(state[1], size - pos)
+                state[1] -= n
+                pos += n
+                if not state[1] and state[2]:
+                    self._give(state)
+                continue
+            prefix = state[0] + bytes(chunk[pos : pos + 5 - len(state[0])])
+            pos += len(prefix) - len(state[0])
+            if len(prefix) < 5:
+                state[0] = prefix
+                break
+            state[0] = b""
+            length = int.from_bytes(prefix[1:5], "big")
+            if length > self.max_size:
+                self.close(sid)
+                return "message_size", f"message of {length} bytes (limit {self.max_size})"
+            if length > 0 and self.budget is not None:
+                if not self.budget.take(length, self.peer):
+                    self.close(sid)
+                    return "partial_messages", "server busy receiving other messages, retry later"
+                state[2] = length
+            state[1] = length
+        if end:
+            self.close(sid)
+        return None
+
+    def close(self, sid: int) -> None:
+        """The stream is over: what its message held of the budget is given back."""
+        state = self.streams.pop(sid, None)
+        if state is not None and state[2]:
+            self._give(state)
+
+    def close_all(self) -> None:
+        for sid in list(self.streams):
+            self.close(sid)
+
+    def _give(self, state: list[Any]) -> None:
+        if self.budget is not None:
+            self.budget.give(state[2], self.peer)
+        state[2] = 0
+
+
+def _protocol_error(what: str) -> Refusal:
+    return Refusal(ErrorCodes.PROTOCOL_ERROR, "protocol_error", f"GOAWAY PROTOCOL_ERROR: {what}")
 
 
 def _over(what: str) -> Refusal:

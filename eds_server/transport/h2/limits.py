@@ -46,6 +46,7 @@ REASONS = (
     "bad_headers",  # a request whose headers break RFC 9113 section 8 (RST_STREAM PROTOCOL_ERROR)
     "protocol_error",  # any other HTTP/2 protocol error (GOAWAY)
     "partial_messages",  # a message refused: the partial-message budget is held by others
+    "message_size",  # a message over --max-message-size, refused from its length prefix (stock path)
 )
 
 

@@ -1,6 +1,6 @@
 """The stock path: grpclib's public API, for library versions the fast path was not tested with
 (compat.py). Slower: every change wakes each stream's task and is encoded into its own frames by
-h2, and messages are read whole by grpclib (no size limit before the body).
+h2, and messages are read whole by grpclib (their size limits are kept from below, see next).
 
 It is as guarded as the fast path where it counts, from below: each connection's protocol is
 grpclib's own, wrapped by GuardedProtocol, which sees every byte both ways before grpclib and h2
@@ -9,7 +9,11 @@ name this path touches; checked when the server is built). Connection admission 
 and the idle timeout (limits.py), the frame guard (guard.py: frame and header block sizes,
 CONTINUATION and unknown frames, the latter left out), the stream, reset and control-frame budgets
 from frame headers (guard.StreamLedger), and the first-request deadline (a stream with no request
-in time is reset both ways). docs/limits.md lists what holds on each path.
+in time is reset both ways); the RFC 9113 header checks and the bound on streams awaiting a request,
+on header blocks held whole by the guard and passed to h2 re-encoded (header_blocks.py), so a refused
+stream never reaches h2; message sizes and the partial-message budget from the gRPC length
+prefixes in DATA (guard.MessageMeter); send windows taken past 2^31-1 (guard.SendWindows).
+docs/limits.md lists what holds on each path.
 """
 
 from __future__ import annotations
@@ -27,16 +31,20 @@ import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Status
 from h2.errors import ErrorCodes
-from hyperframe.frame import GoAwayFrame, RstStreamFrame
+from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .guard import FrameGuard, Refusal, StreamLedger
-from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PeerBudgets, fit_to_file_limit
+from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger
+from .header_blocks import BlockError, HeaderRelay, literal_block, problem
+from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 
 log = logging.getLogger("eds_server.grpc")
 STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
+STOCK_MAX_STREAMS = 100  # h2's default SETTINGS_MAX_CONCURRENT_STREAMS, which grpclib's connections announce
+MAX_HEADER_LIST = 1 << 16  # bytes of a decoded header list: h2's own limit (its decoder's default)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
+_HEADERS, _RST, _SETTINGS = HeadersFrame.type, RstStreamFrame.type, SettingsFrame.type
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -73,17 +81,31 @@ class StockIO:
 
 
 class _Tap:
-    """The transport as grpclib sees it: every write's frame headers go to the ledger first."""
+    """The transport as grpclib sees it: every write's frame headers go to the ledger first; and
+    frames of ours (resets) put in between grpclib's, only where a frame of theirs ends."""
 
-    __slots__ = ("_outbound", "_transport")
+    __slots__ = ("_outbound", "_pending", "_transport")
 
     def __init__(self, transport: asyncio.Transport, outbound: FrameGuard) -> None:
         self._transport = transport
         self._outbound = outbound
+        self._pending: list[bytes] = []
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._outbound.feed(data)
         self._transport.write(data)
+        if self._pending and self._outbound.between_frames:
+            self._transport.write(b"".join(self._pending))
+            self._pending.clear()
+
+    def inject(self, frame: bytes) -> None:
+        """A frame of ours to the client, below h2 (which never hears of it)."""
+        if self._transport.is_closing():
+            return
+        if self._outbound.between_frames:
+            self._transport.write(frame)
+        else:
+            self._pending.append(frame)
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
@@ -97,9 +119,12 @@ class GuardedProtocol(asyncio.Protocol):
     """grpclib's protocol for one connection, below which the gRPC port's per-client limits hold
     (docs/limits.md lists the few that need h2's insides and do not)."""
 
-    def __init__(self, inner: asyncio.Protocol, gate: Gate) -> None:
+    def __init__(self, inner: asyncio.Protocol, gate: Gate, max_message_size: int = 0,
+                 budget: PartialBudget | None = None) -> None:  # fmt: skip
         self.inner = inner
         self.gate = gate
+        self.max_message_size = max_message_size or 1 << 32  # 0: no limit (4 bytes of length prefix)
+        self.budget = budget
         self.peer: PeerBudgets | None = None
         self._transport: asyncio.Transport | None = None
         self._dead = False
@@ -128,21 +153,133 @@ class GuardedProtocol(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         control = Bucket(limits.control_budget, BUDGET_WINDOW)
         self._ledger = StreamLedger(self.peer, control, loop.time)
+        self._relay = HeaderRelay(STOCK_MAX_FRAME, MAX_HEADER_LIST)
+        self._meter = MessageMeter(self.max_message_size, self.budget, self.peer)
+        self._headers_sent: set[int] = set()  # streams whose response headers grpclib has sent
+        self._opens = False  # the header block being received opens a stream
+        self._settings_acked = False  # the client has our SETTINGS (MAX_CONCURRENT_STREAMS)
+        self._over_cap = 0  # streams refused past that limit before it had them
+        self._requested = False  # a stream has sent request data
         self._guard = FrameGuard(max_frame_size=STOCK_MAX_FRAME, max_header_block=limits.max_header_block,
-                                 control=control, drop_unknown=True, on_frame=self._received)  # fmt: skip
+                                 control=control, drop_unknown=True, on_frame=self._received,
+                                 on_block=self._block, on_data=self._data, on_small=self._small)  # fmt: skip
+        self._windows = SendWindows()
         outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
-        self.inner.connection_made(cast(asyncio.Transport, _Tap(self._transport, outbound)))
+        self._tap = _Tap(self._transport, outbound)
+        self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
 
     def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
+        if ftype == 1:
+            self._opens = sid > self._ledger.highest
+        elif ftype == _SETTINGS and flags & 1:
+            self._settings_acked = True
         refusal = self._ledger.received(ftype, flags, sid, length)
+        if ftype == _RST:
+            self._meter.close(sid)
+        if length and ftype == 0:
+            self._requested = True
+        if sid and sid not in self._ledger.open:
+            self._windows.closed(sid)
         if refusal is None and self.peer is not None and ((length and ftype == 0) or ftype == 1):
             self.peer.touch(self)  # a request, or a stream opened: the last of its address to give way
         return refusal
 
+    def _small(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
+        """A WINDOW_UPDATE's or SETTINGS' payload (a WINDOW_UPDATE on a closed stream is ignored, as h2 does)."""
+        if sid and sid not in self._ledger.open:
+            return None
+        return self._windows.received(ftype, flags, sid, payload)
+
     def _sent(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         self._ledger.sent(ftype, flags, sid, length)
+        if ftype == 0:
+            self._windows.sent(sid, length)
+        if sid and sid not in self._ledger.open:
+            self._windows.closed(sid)
+        if ftype == _RST or (ftype == _HEADERS and flags & END_STREAM):
+            self._headers_sent.discard(sid)
+            if ftype == _RST:
+                self._meter.close(sid)
+        elif ftype == _HEADERS:
+            self._headers_sent.add(sid)
         return None
+
+    def _data(self, sid: int, chunk: memoryview, end: bool) -> bytes:
+        """A stream's request data as it arrives, below h2: a message over the size limit or the
+        partial-message budget is refused from its length prefix. The client gets the gRPC error
+        (RESOURCE_EXHAUSTED) and RST_STREAM NO_ERROR from here; h2 and grpclib a reset from the
+        client, after the frame they are being passed; the stream's later frames are left out."""
+        refused = self._meter.data(sid, chunk, end)
+        if refused is None:
+            return b""
+        reason, why = refused
+        self.gate.shed(reason, self._peer_name, f"RESOURCE_EXHAUSTED on stream {sid}: {why}")
+        status = [(b"grpc-status", b"%d" % Status.RESOURCE_EXHAUSTED.value), (b"grpc-message", why.encode())]
+        if sid not in self._headers_sent:  # trailers only
+            status = [(b":status", b"200"), (b"content-type", b"application/grpc"), *status]
+        self._headers_sent.discard(sid)
+        trailers = HeadersFrame(sid, literal_block(status), flags={"END_HEADERS", "END_STREAM"}).serialize()
+        self._tap.inject(trailers + RstStreamFrame(sid, error_code=ErrorCodes.NO_ERROR).serialize())
+        self._guard.drop_stream(sid)
+        self._ledger.reset(sid)
+        return RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize()
+
+    def _block(self, sid: int, flags: int, first: bytes, rest: bytes) -> tuple[bytes, Refusal | None]:
+        """A whole header block from the client: decoded, checked (RFC 9113 section 8, and the
+        bound on the address's streams awaiting a request), and passed to h2 encoded anew, or
+        refused below it (h2 and grpclib never hear of a refused stream)."""
+        try:
+            fields = self._relay.fields(first, flags, rest)
+        except BlockError as e:
+            return b"", Refusal(ErrorCodes[e.code], e.reason, str(e))
+        if sid in self._guard.dropped:
+            return b"", None  # a stream refused already: decoded only to keep HPACK in step
+        opens, self._opens = self._opens, False
+        if opens and sid % 2:  # an even stream id is h2's to refuse (a connection error)
+            if len(self._ledger.open) > STOCK_MAX_STREAMS:  # h2 would refuse it (spared encoding it here)
+                return self._past_the_cap(sid)
+            why = problem(fields, request=True)
+            if why is not None:
+                return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
+            peer, most = self.peer, self.gate.limits.pending_streams
+            if peer is not None and peer.pending > most:
+                why = f"{peer.pending - 1} of its streams await a request (limit {most})"
+                return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)
+        elif not opens:
+            why = problem(fields, request=False)
+            if why is not None:  # trailers: the stream is reset both ways
+                self.gate.shed("bad_headers", self._peer_name, f"RST_STREAM PROTOCOL_ERROR on stream {sid}: {why}")
+                self._tap.inject(RstStreamFrame(sid, error_code=ErrorCodes.PROTOCOL_ERROR).serialize())
+                self._ledger.reset(sid)
+                return RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize(), None
+        return self._relay.frames(sid, fields, bool(flags & END_STREAM)), None
+
+    def _past_the_cap(self, sid: int) -> tuple[bytes, Refusal | None]:
+        """A new stream past h2's limit of concurrent streams: refused here (REFUSED_STREAM), as h2
+        would. Envoy opens its streams before our SETTINGS come, each with its request: such a
+        stream is charged as a reset (as h2's own refusals are); a connection that opens more than
+        twice the limit without sending one request is ended (grpclib gave up on it at the first);
+        once the client has our SETTINGS, it is charged as a stream without a request."""
+        self._tap.inject(RstStreamFrame(sid, error_code=ErrorCodes.REFUSED_STREAM).serialize())
+        self._guard.drop_stream(sid)
+        if self._settings_acked:
+            return b"", self._ledger.refuse(sid)
+        self._ledger.reset(sid)
+        self._over_cap += 1
+        if (self._over_cap > STOCK_MAX_STREAMS and not self._requested) or (
+            self.peer is not None and not self.peer.resets.take()
+        ):
+            why = f"{self._over_cap} streams past the limit of {STOCK_MAX_STREAMS} at once"
+            return b"", Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm", f"GOAWAY ENHANCE_YOUR_CALM: {why}")
+        return b"", None
+
+    def _refuse_stream(self, sid: int, code: ErrorCodes, reason: str, why: str) -> tuple[bytes, Refusal | None]:
+        """A new stream refused with RST_STREAM `code`, below h2, and charged as one without a request."""
+        self.gate.shed(reason, self._peer_name, f"RST_STREAM {code.name} on stream {sid}: {why}")
+        self._tap.inject(RstStreamFrame(sid, error_code=code).serialize())
+        self._guard.drop_stream(sid)
+        return b"", self._ledger.refuse(sid)
 
     def _refuse(self, refusal: Refusal) -> None:
         if not self._dead:
@@ -152,10 +289,14 @@ class GuardedProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._dead:
             return
-        passed, refusal = self._guard.feed(data)
+        guard = self._guard
+        passed, refusal = guard.feed(data)
         if refusal is not None:
             self._refuse(refusal)
             return
+        if guard.dropped_data:  # frames h2 never saw still used the client's window: given back here
+            self._tap.inject(WindowUpdateFrame(0, window_increment=guard.dropped_data).serialize())
+            guard.dropped_data = 0
         if passed:
             self.inner.data_received(cast(bytes, passed))
 
@@ -177,8 +318,7 @@ class GuardedProtocol(asyncio.Protocol):
             for sid in expired:
                 reset = RstStreamFrame(sid, error_code=ErrorCodes.CANCEL).serialize()
                 self.inner.data_received(reset)
-                if self._transport is not None and not self._transport.is_closing():
-                    self._transport.write(reset)
+                self._tap.inject(reset)
                 refusal = ledger.charge_expired()
                 if refusal is not None:
                     self._refuse(refusal)
@@ -227,6 +367,8 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.peer is not None:
+            self._ledger.forget()
+            self._meter.close_all()
             self.gate.release(self.peer, self)
         if self._timer is not None:
             self._timer.cancel()
@@ -239,9 +381,12 @@ class StockServer(grpclib.server.Server):
 
     fast = False
 
-    def __init__(self, handlers: list[Any], *, limits: ConnectionLimits, **kwargs: Any) -> None:
+    def __init__(self, handlers: list[Any], *, limits: ConnectionLimits, max_message_size: int = 0,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(handlers, **kwargs)
         self.limits = limits
+        self.max_message_size = max_message_size
+        self.budget = PartialBudget(limits.partial_message_budget, max_message_size)
         self.gate = Gate(limits)
         self.ssl: SSLContext | None = None
         self._sock: socket.socket | None = None
@@ -250,7 +395,7 @@ class StockServer(grpclib.server.Server):
                         "its per-client limits (docs/limits.md)")  # fmt: skip
 
     def _protocol_factory(self) -> Any:  # grpclib's own, below the guard
-        return GuardedProtocol(super()._protocol_factory(), self.gate)
+        return GuardedProtocol(super()._protocol_factory(), self.gate, self.max_message_size, self.budget)
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StockIO:
         return StockIO(stream)

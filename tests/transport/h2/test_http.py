@@ -6,21 +6,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
+import pytest
 from aiohttp import web
 
 from eds_server.transport.h2.http import HttpLimits, LimitedAppRunner
+from eds_server.transport.h2.http_cap import CappedAppRunner
 from tests.support.waiting import wait_for
 
 
 @contextlib.asynccontextmanager
-async def serving(limits: HttpLimits) -> AsyncIterator[tuple[int, LimitedAppRunner]]:
+async def serving(
+    limits: HttpLimits, runner_class: type[LimitedAppRunner | CappedAppRunner] = LimitedAppRunner
+) -> AsyncIterator[tuple[int, Any]]:
     async def echo(request: web.Request) -> web.Response:
         return web.Response(body=await request.read())
 
     app = web.Application()
     app.router.add_route("*", "/", echo)
-    runner = LimitedAppRunner(app, limits)
+    runner = runner_class(app, limits)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -67,8 +72,10 @@ async def test_a_half_sent_body_gets_408() -> None:
         writer.close()
 
 
-async def test_connections_over_the_cap_get_503() -> None:
-    async with serving(HttpLimits(max_connections=2, timeout=5)) as (port, runner):
+@pytest.mark.parametrize("runner_class", [LimitedAppRunner, CappedAppRunner])
+async def test_connections_over_the_cap_get_503(runner_class: type[LimitedAppRunner | CappedAppRunner]) -> None:
+    """On the fast path (aiohttp's internals) and on other aiohttp versions (its public API only)."""
+    async with serving(HttpLimits(max_connections=2, timeout=5), runner_class) as (port, runner):
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         try:
             await wait_for(lambda: runner.port.open == 2, timeout=2.0)

@@ -1,0 +1,97 @@
+"""The connection cap of an aiohttp port, on aiohttp's public API only: for aiohttp versions the
+fast path (http.py) was not tested with. The runner's `server` (aiohttp's low-level web.Server, a
+protocol factory) is wrapped so each connection's protocol is counted; past the cap, a connection
+gets `503` and is closed at once, before aiohttp sees it. The deadlines for headers and idle
+keepalive stay http.py's (aiohttp's keepalive_timeout and the request deadline hold here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from aiohttp import web
+
+from .base import timeout_middleware
+from .limits import HttpLimits
+
+REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+
+
+class PortCount:
+    """One port's open connections, and those refused."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self.open = 0
+        self.refused = 0
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, counted against the port's cap."""
+
+    def __init__(self, inner: asyncio.Protocol, port: PortCount) -> None:
+        self.inner = inner
+        self.port = port
+        self.counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.port.open >= self.port.limits.max_connections:
+            self.port.refused += 1
+            tr = cast(asyncio.Transport, transport)
+            tr.write(REFUSED)
+            tr.close()
+            return
+        self.counted = True
+        self.port.open += 1
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.counted:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.counted else None
+
+    def pause_writing(self) -> None:
+        if self.counted:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.counted:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.counted:
+            self.counted = False
+            self.port.open -= 1
+            self.inner.connection_lost(exc)
+
+
+class _Factory:
+    """What a site calls for each connection: aiohttp's server, each protocol counted."""
+
+    def __init__(self, server: Any, port: PortCount) -> None:
+        self.server = server
+        self.port = port
+
+    def __call__(self) -> _Counted:
+        return _Counted(self.server(), self.port)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)
+
+
+class CappedAppRunner(web.AppRunner):
+    """An AppRunner whose sites hold at most `limits.max_connections` connections, with aiohttp's
+    keepalive timeout and a request deadline of `limits.timeout`."""
+
+    def __init__(self, app: web.Application, limits: HttpLimits) -> None:
+        app.middlewares.insert(0, timeout_middleware(limits.timeout))
+        super().__init__(app, access_log=None, keepalive_timeout=limits.timeout)
+        self.port = PortCount(limits)
+
+    @property
+    def server(self) -> Any:
+        server = super().server
+        return None if server is None else _Factory(server, self.port)

@@ -1,0 +1,222 @@
+"""A stream's request refused on its own, whichever HTTP/2 path serves (`make test-stock` runs
+these on the stock one, where the guard below grpclib decides): malformed request headers and
+trailers (RFC 9113 section 8) answered RST_STREAM PROTOCOL_ERROR, and an address's streams awaiting
+their first request bounded (RST_STREAM REFUSED_STREAM). Each refusal is counted by reason, the
+connection goes on (its HPACK state in step: the client's encoder indexes every block), and a
+canary keeps getting its changes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from eds_server.transport.h2.limits import ConnectionLimits
+from tests.support.grpc_harness import serving
+from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc
+from tests.support.h2frames import END_HEADERS, GOAWAY, HEADERS, RST_STREAM, SETTINGS, WINDOW_UPDATE, frame, read_frames
+from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, Conn, headers
+
+REFUSED_STREAM = 7
+ENHANCE_YOUR_CALM = 11
+END_STREAM = 1
+
+
+def no_server_errors(caplog: pytest.LogCaptureFixture) -> None:
+    assert "Traceback" not in caplog.text and "Server error" not in caplog.text, caplog.text[-3000:]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-3000:]
+
+
+async def open_canary(client: Client) -> int:
+    """A well-behaved client's stream, its first response ACKed: the next change is sent to it."""
+    sid = await client.request(first_request("canary", "web"))
+    await client.send(data(sid, grpc(ack(await client.response(sid, 1), "web"))))
+    await client.ping()
+    return sid
+
+
+@pytest.mark.parametrize("case", [*MALFORMED, "non-ASCII value"])
+async def test_a_malformed_request_is_refused_alone(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """RST_STREAM PROTOCOL_ERROR (or GOAWAY PROTOCOL_ERROR: h2's own check on the fast path), never
+    a handler, never unanswered; a valid request on the same connection is then served."""
+    caplog.set_level(logging.INFO)
+    fields = MALFORMED.get(case) or [*headers("/x"), ("x-name", "caf\u00e9")]
+    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as canary:
+        if server.fast and case == "non-ASCII value":
+            pytest.skip("the fast path hands h2 the block, whose ASCII decoding raises (a traceback)")
+        canary_sid = await open_canary(canary)
+        async with client_of(port) as client:
+            sid = client.conn.next_id
+            client.conn.next_id += 2
+            await client.send(frame(HEADERS, END_HEADERS, sid, client.conn.encoder.encode(fields)))
+            answered = await client.until(lambda: sid in client.resets or client.goaway is not None)
+            assert answered, f"{case}: no RST_STREAM or GOAWAY (trailers: {client.trailers.get(sid)})"
+            if sid in client.resets:
+                assert client.resets[sid] == PROTOCOL_ERROR, client.resets
+                assert server.refused["bad_headers"] == 1, server.refused
+                other = await client.request(first_request("b", "web"))  # HPACK still in step
+                await client.response(other, 1)
+            else:
+                assert client.goaway == PROTOCOL_ERROR, client.goaway
+            assert sid not in client.trailers and not client.messages.get(sid)
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+async def test_malformed_trailers_reset_the_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """Trailers holding a pseudo-header: the stream is reset (PROTOCOL_ERROR), the connection serves on."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (server, _, port), client_of(port) as client:
+        sid = await client.request(first_request("a", "web"))
+        await client.response(sid, 1)
+        block = client.conn.encoder.encode([(":path", "/x"), ("x-after", "1")])
+        await client.send(frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
+        assert await client.until(lambda: sid in client.resets), (client.resets, client.trailers)
+        assert client.resets[sid] == PROTOCOL_ERROR
+        assert server.refused["bad_headers"] == 1
+        other = await client.request(first_request("b", "web"))
+        await client.response(other, 1)
+    no_server_errors(caplog)
+
+
+async def test_streams_awaiting_a_request_are_bounded_per_address(caplog: pytest.LogCaptureFixture) -> None:
+    """Past `pending_streams` of an address's streams awaiting their first request, a new one is
+    refused (REFUSED_STREAM, counted); those awaiting are served once their requests come, and
+    then new streams are taken again."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits(pending_streams=4)) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port) as client:
+            opened = [client.new_stream() for _ in range(6)]
+            await client.send(b"".join(opening for _, opening in opened))
+            refused = [sid for sid, _ in opened[4:]]
+            assert await client.until(lambda: all(s in client.resets for s in refused)), client.resets
+            assert [client.resets[s] for s in refused] == [REFUSED_STREAM] * 2
+            assert not any(s in client.resets for s, _ in opened[:4])
+            assert server.refused["pending_streams"] == 2, server.refused
+            for n, (sid, _) in enumerate(opened[:4]):
+                await client.send(data(sid, grpc(first_request(f"n{n}", "web"))))
+                await client.response(sid, 1)
+            fresh = await client.request(first_request("fresh", "web"))
+            await client.response(fresh, 1)
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+RESOURCE_EXHAUSTED = 8
+
+
+async def test_an_oversize_message_is_refused_from_its_length_prefix(caplog: pytest.LogCaptureFixture) -> None:
+    """A message announced over --max-message-size (1 MiB here) gets RESOURCE_EXHAUSTED before its
+    body comes; what the client goes on sending on that stream is given back to its connection
+    window (the server never waits on it), and the connection serves its next request."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.7") as client:
+            sid, opening = client.new_stream()
+            await client.send(opening + data(sid, b"\x00" + (1 << 30).to_bytes(4, "big")))
+            assert await client.until(lambda: client.status(sid) is not None or sid in client.resets)
+            assert client.status(sid) == RESOURCE_EXHAUSTED, (client.trailers, client.resets)
+            window = client.conn_window
+            for _ in range(8):  # what a client had in flight: 128 KiB more of the refused message
+                await client.send(data(sid, b"\x00" * 16_000))
+            await client.ping()
+            if not server.fast:  # the fast path keeps what came after the refusal out of the window
+                assert await client.until(lambda: client.conn_window >= window), (window, client.conn_window)
+            other = await client.request(first_request("b", "web"))
+            await client.response(other, 1)
+        if not server.fast:
+            assert server.refused["message_size"] == 1, server.refused
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+async def test_messages_being_received_are_bounded_per_address(caplog: pytest.LogCaptureFixture) -> None:
+    """The partial-message budget: an address holding a quarter of it (at least one message: 1 MiB
+    here) in messages announced and not yet received gets RESOURCE_EXHAUSTED for the next one; once
+    its held message's stream is reset, the budget is given back and it is served again. Others
+    (the canary) are served throughout."""
+    caplog.set_level(logging.INFO)
+    limits = ConnectionLimits(partial_message_budget=2 << 20)
+    async with serving(limits) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.8") as client:
+            held, opening = client.new_stream()
+            await client.send(opening + data(held, b"\x00" + (900_000).to_bytes(4, "big") + b"\x00" * 1000))
+            await client.ping()
+            sid, opening = client.new_stream()
+            await client.send(opening + data(sid, b"\x00" + (900_000).to_bytes(4, "big")))
+            assert await client.until(lambda: client.status(sid) is not None or sid in client.resets)
+            assert client.status(sid) == RESOURCE_EXHAUSTED, (client.trailers, client.resets)
+            assert server.refused["partial_messages"] == 1, server.refused
+            service.store.update(SOURCE, group(2))
+            await canary.response(canary_sid, 2)
+            await client.send(frame(RST_STREAM, 0, held, (8).to_bytes(4, "big")))  # CANCEL: given back
+            again = await client.request(first_request("c", "web"))
+            await client.response(again, 1)
+    no_server_errors(caplog)
+
+
+@pytest.mark.parametrize("with_requests", [True, False])
+async def test_streams_past_the_limit_before_our_settings(with_requests: bool) -> None:
+    """Stock path: 300 streams opened at once, before the client reads our SETTINGS (limit 100).
+    Each with its request (as Envoy opens them): those past the limit are refused (REFUSED_STREAM),
+    the connection stays and its first 100 are served. Headers only: the connection is ended
+    (ENHANCE_YOUR_CALM) rather than read for streams nobody will use."""
+    async with serving(ConnectionLimits()) as (server, _, port):
+        if server.fast:
+            pytest.skip("the stock path's handling of h2's concurrent stream limit")
+        conn = await Conn.open(port, "127.0.0.11")
+        try:
+            opened = []
+            for n in range(300):
+                sid, opening = conn.open_stream()
+                opened.append(opening + (data(sid, grpc(first_request(f"n{n}", "web"))) if with_requests else b""))
+            await conn.send(b"".join(opened))
+            frames = await read_frames(conn.reader, wait=3.0)
+        finally:
+            conn.close()
+        resets = [int.from_bytes(p, "big") for t, p in frames if t == RST_STREAM]
+        goaway = [int.from_bytes(p[4:8], "big") for t, p in frames if t == GOAWAY]
+        if with_requests:
+            assert not goaway and resets.count(REFUSED_STREAM) == 200, (goaway, resets[:5], len(resets))
+            assert server.refused["calm"] == 0
+        else:
+            assert goaway == [ENHANCE_YOUR_CALM], goaway
+            assert server.refused["calm"] == 1
+
+
+FLOW_CONTROL_ERROR = 3
+
+
+@pytest.mark.parametrize("window", ["connection", "stream", "settings"])
+async def test_a_window_taken_past_its_maximum_is_a_flow_control_error(
+    window: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RFC 9113 section 6.9.1: a WINDOW_UPDATE (or a SETTINGS_INITIAL_WINDOW_SIZE change) taking a
+    send window past 2^31-1 is answered GOAWAY FLOW_CONTROL_ERROR (RST_STREAM for a stream's may
+    do too), never left unanswered; others are served on."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.12") as client:
+            sid = await client.request(first_request("a", "web"))
+            await client.response(sid, 1)
+            if window == "settings":  # the stream's window near the top (from 2^30 less what was sent), raised
+                raw = frame(WINDOW_UPDATE, 0, sid, (2**30 - 1).to_bytes(4, "big"))
+                raw += frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (2**30 + 10_000).to_bytes(4, "big"))
+            else:
+                raw = frame(WINDOW_UPDATE, 0, sid if window == "stream" else 0, (2**31 - 1).to_bytes(4, "big"))
+            await client.send(raw)
+            assert await client.until(lambda: client.goaway is not None or sid in client.resets)
+            assert client.goaway == FLOW_CONTROL_ERROR or client.resets.get(sid) == FLOW_CONTROL_ERROR, (
+                client.goaway, client.resets)  # fmt: skip
+        if not server.fast:  # answered by the guard, below h2
+            assert server.refused["protocol_error"] == 1, server.refused
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
