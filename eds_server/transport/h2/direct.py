@@ -112,6 +112,8 @@ class DirectReader:
             if compressed:
                 raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
             if size > self.limits.max_size:
+                if self.limits.budget is not None:
+                    self.limits.budget.too_big += 1
                 raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {self.limits.max_size})")
             if end - pos - 5 < size:
                 self._hold(size)

@@ -13,6 +13,7 @@ each, and why), on the versions compat.py verified only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from typing import Any, cast
@@ -95,6 +96,14 @@ class FastProtocol(H2Protocol):
         self.connection.flush()
         self._close(why)
 
+    def _protocol_error(self, h2: GuardedH2Connection, why: str) -> None:
+        """GOAWAY PROTOCOL_ERROR for what h2 failed on without a ProtocolError of its own."""
+        self.gate.shed("protocol_error", self._peer, f"GOAWAY PROTOCOL_ERROR: {why}")
+        with contextlib.suppress(H2ProtocolError):
+            h2.close_connection(error_code=ErrorCodes.PROTOCOL_ERROR, additional_data=why.encode())
+        self.connection.flush()
+        self._close("Protocol error")
+
     def _calm(self, why: str) -> None:
         """GOAWAY ENHANCE_YOUR_CALM, from outside a frame (a stream timed out)."""
         if self._dead:
@@ -116,6 +125,10 @@ class FastProtocol(H2Protocol):
             else:
                 self.gate.shed("protocol_error", self._peer, f"GOAWAY {e.error_code.name}: {clip(str(e))}")
             self._close("Protocol error")
+            return False
+        except UnicodeDecodeError:  # a header name or value that is not ASCII: h2 fails mid-block,
+            # so the HPACK state is lost and the connection must end (RFC 9113 4.3)
+            self._protocol_error(h2, "a header that is not ASCII")
             return False
         self.connection.flush()
         processors = getattr(self.processor, "processors", {})

@@ -91,6 +91,8 @@ async def recv_limited(
             raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
         size = int.from_bytes(header[1:5], "big")
         if size > max_size:
+            if budget is not None:
+                budget.too_big += 1
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"message of {size} bytes (limit {max_size})")
         h2 = guarded_h2(raw)
         peer = h2.peer if h2 is not None else None

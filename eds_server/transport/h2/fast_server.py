@@ -92,7 +92,9 @@ class Server(grpclib.server.Server):
     def refused(self) -> dict[str, int]:
         """What was refused, by reason (the label values of eds_refused_total)."""
         budget = self.reader.budget
-        return {**self.gate.refused, "partial_messages": budget.refused if budget else 0}
+        if budget is None:
+            return dict(self.gate.refused)
+        return {**self.gate.refused, "partial_messages": budget.refused, "message_size": budget.too_big}
 
     async def start(
         self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,

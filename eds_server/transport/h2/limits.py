@@ -46,7 +46,7 @@ REASONS = (
     "bad_headers",  # a request whose headers break RFC 9113 section 8 (RST_STREAM PROTOCOL_ERROR)
     "protocol_error",  # any other HTTP/2 protocol error (GOAWAY)
     "partial_messages",  # a message refused: the partial-message budget is held by others
-    "message_size",  # a message over --max-message-size, refused from its length prefix (stock path)
+    "message_size",  # a message over --max-message-size, refused from its length prefix
 )
 
 
@@ -251,6 +251,7 @@ class PartialBudget:
         self.per_ip = max(total // 4, max_message_size)
         self.used = 0
         self.refused = 0
+        self.too_big = 0  # messages refused over --max-message-size (the readers count them here too)
 
     def take(self, n: int, peer: PeerBudgets | None = None) -> bool:
         if peer is not None and peer.partial + n > self.per_ip:

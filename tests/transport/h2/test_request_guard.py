@@ -42,8 +42,6 @@ async def test_a_malformed_request_is_refused_alone(case: str, caplog: pytest.Lo
     caplog.set_level(logging.INFO)
     fields = MALFORMED.get(case) or [*headers("/x"), ("x-name", "caf\u00e9")]
     async with serving(ConnectionLimits()) as (server, service, port), client_of(port) as canary:
-        if server.fast and case == "non-ASCII value":
-            pytest.skip("the fast path hands h2 the block, whose ASCII decoding raises (a traceback)")
         canary_sid = await open_canary(canary)
         async with client_of(port) as client:
             sid = client.conn.next_id
@@ -128,8 +126,7 @@ async def test_an_oversize_message_is_refused_from_its_length_prefix(caplog: pyt
                 assert await client.until(lambda: client.conn_window >= window), (window, client.conn_window)
             other = await client.request(first_request("b", "web"))
             await client.response(other, 1)
-        if not server.fast:
-            assert server.refused["message_size"] == 1, server.refused
+        assert server.refused["message_size"] == 1, server.refused
         service.store.update(SOURCE, group(2))
         await canary.response(canary_sid, 2)
     no_server_errors(caplog)
