@@ -149,6 +149,9 @@ class App:
             ),
             http2=settings.http2,
         )
+        # an observer of the streams from the first one on (made before anything serves)
+        self.registry = make_registry(self.store, self.service.counters, self.service.observers, self.source_status,
+                                      lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
         self._http: list[web.AppRunner] = []
         self.workers: admin.WorkerAnswers | None = None  # set before start() by the owner of --workers N
         self._stop_sources = asyncio.Event()
@@ -189,12 +192,10 @@ class App:
             await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
-        registry = make_registry(self.store, self.service, self.source_status,
-                                 lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
         if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
-                self.service.describe_streams, registry,
+                self.service.describe_streams, self.registry,
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
                 self.workers, self._shed if self.settings.admin_unix is not None else None,
             )  # fmt: skip
@@ -205,7 +206,7 @@ class App:
                 self.admin_port = await self._serve_http(app, self.settings.admin, "admin", admin_ssl)
         if self.settings.metrics_listen is not None and self.settings.admin_unix is None:  # not a worker's
             app = admin.make_app(self.store, self.source_status, self.stats, self.service.describe_streams,
-                                 registry, workers=self.workers, read_only_probes=True)  # fmt: skip
+                                 self.registry, workers=self.workers, read_only_probes=True)  # fmt: skip
             self.metrics_port = await self._serve_http(
                 app, self.settings.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
             )
