@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from . import admin, security
-from .encode import encode_group
+from .encode import Encoders
 from .fields import MAX_UPSTREAMS_SIZE
 from .metrics import make_registry
 from .registration_api import RegistrationPolicy
@@ -92,7 +92,8 @@ class App:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = Store(encode_group)
+        self.encoders = Encoders()  # and their caches: this server's, handed to the store, gRPC and REST
+        self.store = Store(self.encoders.encode_group)
         debounce_ms = round(settings.debounce * 1000)
         # The merge order, also the store's: on a duplicate address in a group the first source wins
         # (docs/fail-static.md). Each source declares itself to the store as it is made.
@@ -135,7 +136,8 @@ class App:
         ]  # fmt: skip
         self.sources: list[Source] = [s for s in candidates if s is not None]
         self.service = EdsService(
-            self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams
+            self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams,
+            responses=self.encoders.responses,
         )
         self.grpc = make_server(
             self.service,
@@ -211,7 +213,7 @@ class App:
                 app, self.settings.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
             )
         if self.settings.rest_listen is not None:
-            app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)
+            app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size, self.encoders)
             self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
 
     def _security(self) -> SSLContext | None:

@@ -71,6 +71,7 @@ class EdsService:
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
     heap: HeapTrim = field(default_factory=HeapTrim)  # the first requests' Nodes leave free heap behind
+    responses: wire.Responses = field(default_factory=wire.Responses)  # the App's (encode.Encoders)
     _framed: tuple[StreamKind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
 
     def framed(self, kind: StreamKind, response: Any) -> Framed:
@@ -84,7 +85,7 @@ class EdsService:
                 held[0] is resources[0] if len(held) == 1 else all(a is b for a, b in zip(held, resources, strict=True))
             ):  # fmt: skip
                 return last[4]
-        framed = Framed(kind.encode(response))
+        framed = Framed(kind.encode(response, self.responses))
         self._framed = (kind, version, nonce, resources, framed)
         return framed
 
@@ -280,7 +281,7 @@ class EdsService:
             raise GRPCError(Status.UNAVAILABLE, f"not received from the upstream eds-server: {names_shown(missing)}")
         resources = [self.store.get(n) for n in names]
         version = response_version(resources) if resources else ""
-        await stream.send_message(wire.discovery_response(version, resources, ""))
+        await stream.send_message(self.responses.discovery_response(version, resources, ""))
 
 class SendState(enum.Enum):
     """Who sends a stream's next response. A response comes due when a change arrives (the store's
