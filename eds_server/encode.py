@@ -132,34 +132,38 @@ def encode_group(group: Group, field: Callable[[Endpoint], bytes] = lb_endpoint_
     return b"".join(out)
 
 
+def _endpoint_cache(size: int) -> Callable[[Endpoint], bytes]:
+    """`lb_endpoint_field`, and found by value for an equal endpoint encoded before (a source that
+    rebuilds its endpoints on every change) in a FIFO-bounded cache of its own. A closure, not a
+    method: called once per endpoint of every changed group."""
+    cache: dict[tuple[Any, ...], bytes] = {}
+
+    def lb_endpoint_field(ep: Endpoint) -> bytes:
+        if ep.wire is not None:
+            return ep.wire
+        key = (ep.address, ep.port, ep.weight, ep.health, ep.hostname,
+               json.dumps(ep.metadata, sort_keys=True) if ep.metadata else "")  # fmt: skip
+        cached = cache.get(key)
+        if cached is None:
+            if len(cache) >= size:
+                del cache[next(iter(cache))]  # the oldest
+            cached = cache[key] = length_delimited(2, _encode_lb_endpoint(ep))
+        object.__setattr__(ep, "wire", cached)
+        return cached
+
+    return lb_endpoint_field
+
+
 class Encoders:
     """The encoders one server serves with, and their caches: made by the App, handed to the
     store (`encode_group`), the gRPC service (`responses`) and the REST port (`resource_json`)."""
 
     def __init__(self, endpoint_cache_size: int = ENDPOINT_CACHE_SIZE) -> None:
-        # endpoint value -> its encoded `lb_endpoints` field, for equal endpoints made anew (a
-        # source that rebuilds its endpoints on every change); FIFO-bounded
-        self._endpoints: dict[tuple[Any, ...], bytes] = {}
-        self._endpoint_cache_size = endpoint_cache_size
+        self.lb_endpoint_field = _endpoint_cache(endpoint_cache_size)
         self.responses = Responses()  # DiscoveryResponse bytes from cached per-resource fields
         # resource -> its proto3-JSON `Any` (REST), built once per version: weak keys, so kept
         # exactly as long as the store holds that version
         self._json: weakref.WeakKeyDictionary[Resource, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-    def lb_endpoint_field(self, ep: Endpoint) -> bytes:
-        """As the module's, and found by value for an equal endpoint encoded before."""
-        if ep.wire is not None:
-            return ep.wire
-        key = (ep.address, ep.port, ep.weight, ep.health, ep.hostname,
-               json.dumps(ep.metadata, sort_keys=True) if ep.metadata else "")  # fmt: skip
-        cache = self._endpoints
-        cached = cache.get(key)
-        if cached is None:
-            if len(cache) >= self._endpoint_cache_size:
-                del cache[next(iter(cache))]  # the oldest
-            cached = cache[key] = length_delimited(2, _encode_lb_endpoint(ep))
-        object.__setattr__(ep, "wire", cached)
-        return cached
 
     def encode_group(self, group: Group) -> bytes:
         return encode_group(group, self.lb_endpoint_field)

@@ -62,7 +62,7 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
     (Phase.NEW, Step.FIRST_RESUMING): Phase.RESUMING,
     (Phase.NEW, Step.FIRST_EMPTY): Phase.OWES_EMPTY,
     (Phase.OWES_EMPTY, Step.REQUEST): Phase.OWES_EMPTY,
-    (Phase.OWES_EMPTY, Step.RESUBSCRIBE): Phase.OWES_EMPTY,  # still owed, if the new names are all held back
+    (Phase.OWES_EMPTY, Step.RESUBSCRIBE): Phase.OWES_EMPTY,  # an answer is still owed: the new names, or empty
     (Phase.OWES_EMPTY, Step.SEND): Phase.IN_FLIGHT,
     (Phase.RESUMING, Step.REQUEST): Phase.RESUMING,
     (Phase.RESUMING, Step.RESUBSCRIBE): Phase.IDLE,  # the version it named described other names
