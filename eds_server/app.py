@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from . import admin, security
-from .encode import encode_group
+from .encode import Encoders
 from .fields import MAX_UPSTREAMS_SIZE
 from .metrics import make_registry
 from .registration_api import RegistrationPolicy
@@ -98,7 +98,8 @@ class App:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = Store(encode_group)
+        self.encoders = Encoders()  # and their caches: this server's, handed to the store, gRPC and REST
+        self.store = Store(self.encoders.encode_group)
         self.aggregator = Aggregator(self.store)  # the sources' only way to the store
         feed = self.aggregator
         self.file_source = (
@@ -141,7 +142,8 @@ class App:
         self.sources: list[Source] = [s for s in (by_kind[kind] for kind in MERGE_ORDER) if s is not None]
         self.aggregator.declare([s.name for s in self.sources])
         self.service = EdsService(
-            self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams
+            self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams,
+            responses=self.encoders.responses,
         )
         self.grpc = make_server(
             self.service,
@@ -155,6 +157,9 @@ class App:
             ),
             http2=settings.http2,
         )
+        # an observer of the streams from the first one on (made before anything serves)
+        self.registry = make_registry(self.store, self.service.counters, self.service.observers, self.source_status,
+                                      lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
         self._http: list[web.AppRunner] = []
         self.workers: admin.WorkerAnswers | None = None  # set before start() by the owner of --workers N
         self._stop_sources = asyncio.Event()
@@ -195,12 +200,10 @@ class App:
             await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
-        registry = make_registry(self.store, self.service, self.source_status,
-                                 lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
         if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
-                self.service.describe_streams, registry,
+                self.service.describe_streams, self.registry,
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
                 self.workers, self._shed if self.settings.admin_unix is not None else None,
             )  # fmt: skip
@@ -211,12 +214,12 @@ class App:
                 self.admin_port = await self._serve_http(app, self.settings.admin, "admin", admin_ssl)
         if self.settings.metrics_listen is not None and self.settings.admin_unix is None:  # not a worker's
             app = admin.make_app(self.store, self.source_status, self.stats, self.service.describe_streams,
-                                 registry, workers=self.workers, read_only_probes=True)  # fmt: skip
+                                 self.registry, workers=self.workers, read_only_probes=True)  # fmt: skip
             self.metrics_port = await self._serve_http(
                 app, self.settings.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
             )
         if self.settings.rest_listen is not None:
-            app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size)
+            app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size, self.encoders)
             self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
 
     def _security(self) -> SSLContext | None:

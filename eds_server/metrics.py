@@ -20,10 +20,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from . import __version__
-from .observe import StreamObserver, StreamView
+from .observe import Counters, Observers, StreamObserver, StreamView
 from .serving_state import serving_state
 from .store import Resource, Store
-from .transport.grpc import EdsService
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -59,23 +58,35 @@ class LatencyHistogram(Collector, StreamObserver):
         )  # fmt: skip
 
 
+class OpenStreams(StreamObserver):
+    """eds_streams_open: streams the service took and has not closed, by transport ("sotw",
+    "delta"), whether or not their first request came. Told before the first stream starts."""
+
+    def __init__(self) -> None:
+        self.by_transport: dict[str, int] = {"sotw": 0, "delta": 0}
+
+    def started(self, s: StreamView) -> None:
+        self.by_transport[s.transport] = self.by_transport.get(s.transport, 0) + 1
+
+    def closed(self, s: StreamView) -> None:
+        self.by_transport[s.transport] -= 1
+
+
 class _StateCollector(Collector):
     def __init__(
-        self, store: Store, service: EdsService, sources: Callable[[], list[dict[str, Any]]],
-        transport: Callable[[], tuple[int, dict[str, int]]] | None,
+        self, store: Store, counters: Counters, open_streams: OpenStreams,
+        sources: Callable[[], list[dict[str, Any]]], transport: Callable[[], tuple[int, dict[str, int]]] | None,
     ) -> None:  # fmt: skip
-        self.store, self.service, self.sources, self.transport = store, service, sources, transport
+        self.store, self.counters, self.open_streams = store, counters, open_streams
+        self.sources, self.transport = sources, transport
 
     def collect(self) -> Iterator[Metric]:
-        c = self.service.counters
+        c = self.counters
         build = GaugeMetricFamily("eds_build_info", "The running eds-server's version", labels=["version"])
         build.add_metric([__version__], 1)
         yield build
         open_streams = GaugeMetricFamily("eds_streams_open", "Open xDS streams", labels=["transport"])
-        by_kind: dict[str, int] = {"sotw": 0, "delta": 0}
-        for session in self.service.sessions:
-            by_kind[session.kind.name] = by_kind.get(session.kind.name, 0) + 1
-        for kind, n in sorted(by_kind.items()):
+        for kind, n in sorted(self.open_streams.by_transport.items()):
             open_streams.add_metric([kind], n)
         yield open_streams
         for name, value, doc in (
@@ -135,18 +146,22 @@ class _StateCollector(Collector):
 
 
 def make_registry(
-    store: Store, service: EdsService, sources: Callable[[], list[dict[str, Any]]],
+    store: Store, counters: Counters, observers: Observers, sources: Callable[[], list[dict[str, Any]]],
     transport: Callable[[], tuple[int, dict[str, int]]] | None = None,
 ) -> CollectorRegistry:
-    """A registry of its own (not the process-global one), wired into the service's latency hook;
-    `transport` gives the gRPC port's open connections and refusals by reason. The process's memory,
-    CPU and open files (`process_*`) and the garbage collector (`python_gc_*`) are on it too, as every
-    Prometheus user expects: prometheus_client's own collectors, which read /proc when scraped."""
+    """A registry of its own (not the process-global one). What it counts of the streams it learns
+    as one more of their `observers` (call it before the first stream starts), and from `counters`,
+    the observer the service counts with; `transport` gives the gRPC port's open connections and
+    refusals by reason. The process's memory, CPU and open files (`process_*`) and the garbage
+    collector (`python_gc_*`) are on it too, as every Prometheus user expects: prometheus_client's
+    own collectors, which read /proc when scraped."""
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # each registers itself (GCCollector only where it can: CPython)
     GCCollector(registry=registry)
-    registry.register(_StateCollector(store, service, sources, transport))
+    open_streams = OpenStreams()
+    observers.add(open_streams)
+    registry.register(_StateCollector(store, counters, open_streams, sources, transport))
     latency = LatencyHistogram()
     registry.register(latency)
-    service.observers.add(latency)
+    observers.add(latency)
     return registry

@@ -42,6 +42,10 @@ class StreamView(Protocol):
 class StreamObserver:
     """Every event with nothing done: an observer overrides what it watches."""
 
+    def started(self, s: StreamView) -> None:
+        """The service took the stream (within its limits); its first request is still to come.
+        Every started stream is `closed` once."""
+
     def opened(self, s: StreamView) -> None:
         """The stream's first request was read (its node is known)."""
 
@@ -75,6 +79,10 @@ class Observers(StreamObserver):
 
     def add(self, observer: StreamObserver) -> None:
         self.observers.append(observer)
+
+    def started(self, s: StreamView) -> None:
+        for o in self.observers:
+            o.started(s)
 
     def opened(self, s: StreamView) -> None:
         for o in self.observers:
@@ -126,6 +134,9 @@ class Counters(StreamObserver):
     responses: int = 0
     acks: int = 0
     nacks: int = 0
+
+    def started(self, s: StreamView) -> None:
+        self.streams_opened += 1
 
     def request(self, s: StreamView) -> None:
         self.requests += 1

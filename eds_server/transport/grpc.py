@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import heapq
+import enum
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,6 +39,7 @@ from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server, ke
 from .h2.limits import LogLimit
 from .h2.stock import StockIO
 from .reflection import ReflectionService
+from .stream_table import AddressTable, StreamRegistry
 from .unknown import UnknownMethods
 
 log = logging.getLogger("eds_server.grpc")
@@ -59,19 +60,18 @@ class EdsService:
     limits: Limits = field(default_factory=Limits)
     send_timeout: float = 30.0
     max_streams: int = 100_000  # open streams in total, across connections (health and reflection too)
-    other_streams: int = 0  # open health and reflection streams
     open_io: Callable[[grpclib.server.Stream[Any, Any]], StreamIO] = StockIO  # set by make_server
     counters: Counters = field(default_factory=Counters)
     stream_log: StreamLog = field(default_factory=StreamLog)
     observers: Observers = field(default_factory=Observers)  # told of every stream event: add() more
-    sessions: set[_Session] = field(default_factory=set)
+    sessions: StreamRegistry[_Session] = field(default_factory=StreamRegistry)  # the open xDS streams
+    addresses: AddressTable = field(default_factory=AddressTable)  # open streams of each client IP
     authorize: Authorize | None = None  # None: every client may read every name
-    _stopping: bool = False
+    stopping: bool = False  # stop() was called: no more streams, and no more changes sent
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
-    _by_ip: dict[str, int] = field(default_factory=dict)  # open streams of each client IP
-    _others_by_ip: dict[str, int] = field(default_factory=dict)  # of which health, reflection, fetch
     nonces: Nonces = field(default_factory=Nonces)  # shared by every stream: see Nonces
     heap: HeapTrim = field(default_factory=HeapTrim)  # the first requests' Nodes leave free heap behind
+    responses: wire.Responses = field(default_factory=wire.Responses)  # the App's (encode.Encoders)
     _framed: tuple[StreamKind, str, str, tuple[Resource, ...], Framed] | None = None  # the last response encoded
 
     def framed(self, kind: StreamKind, response: Any) -> Framed:
@@ -85,7 +85,7 @@ class EdsService:
                 held[0] is resources[0] if len(held) == 1 else all(a is b for a, b in zip(held, resources, strict=True))
             ):  # fmt: skip
                 return last[4]
-        framed = Framed(kind.encode(response))
+        framed = Framed(kind.encode(response, self.responses))
         self._framed = (kind, version, nonce, resources, framed)
         return framed
 
@@ -116,12 +116,12 @@ class EdsService:
     def stop(self, end_streams: bool = True) -> None:
         """Take no more changes, and end every open stream cleanly (status OK; Envoy keeps its
         endpoints and reconnects), or leave that to `end_streams_by`."""
-        self._stopping = True
+        self.stopping = True
         self.heap.stop()
         self._unwatch()
         if end_streams:
             for session in self.sessions:
-                session.wake.set()
+                session.end()
 
     async def end_streams_by(self, deadline: float, batch: int = 256, patience: float = 0.25) -> None:
         """End open streams cleanly, `batch` at a time, until `deadline` (the loop's clock). Thousands
@@ -136,7 +136,7 @@ class EdsService:
                 return
             woken = waiting[i : i + batch]
             for session in woken:
-                session.wake.set()
+                session.end()
             until = min(deadline, now + patience)
             while loop.time() < until and any(s in self.sessions for s in woken):
                 await asyncio.sleep(0.005)
@@ -150,9 +150,7 @@ class EdsService:
         if it has fewer than `one_under`. Their streams end cleanly (status OK: Envoy keeps its
         endpoints and reopens them), then the connection gets GOAWAY, so the streams come back on a
         new connection."""
-        by_peer: dict[str, list[_Session]] = {}
-        for session in self.sessions:
-            by_peer.setdefault(session.peer, []).append(session)
+        by_peer = self.sessions.by_peer()
         chosen: list[str] = []
         total = 0
         for peer, sessions in sorted(by_peer.items(), key=lambda item: len(item[1])):
@@ -166,8 +164,7 @@ class EdsService:
                 chosen, total = [peer], len(sessions)
         leaving = [s for peer in chosen for s in by_peer[peer]]
         for session in leaving:
-            session.leaving = True
-            session.wake.set()
+            session.end()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while any(s in self.sessions for s in leaving) and loop.time() < deadline:
@@ -184,9 +181,10 @@ class EdsService:
         """Whether one more stream of any service from `ip` fits (if not, counted as refused): the
         total limit, and half of it per client IP, so one client cannot take every stream while
         another has none."""
-        total = len(self.sessions) + self.other_streams
-        if total >= self.max_streams or 2 * self._by_ip.get(ip, 0) >= self.max_streams:
-            self._refused(ip, f"{total} streams open, {self._by_ip.get(ip, 0)} of them from {ip}")
+        total = len(self.sessions) + self.addresses.others_total
+        held = self.addresses.held(ip)
+        if total >= self.max_streams or 2 * held >= self.max_streams:
+            self._refused(ip, f"{total} streams open, {held} of them from {ip}")
             return False
         return True
 
@@ -198,46 +196,26 @@ class EdsService:
     def _full(self) -> GRPCError:
         return GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
 
-    def _count(self, ip: str, n: int, table: dict[str, int] | None = None) -> None:
-        table = self._by_ip if table is None else table
-        held = table.get(ip, 0) + n
-        if held:
-            table[ip] = held
-        else:
-            del table[ip]
-
     def enter_stream(self, stream: grpclib.server.Stream[Any, Any]) -> bool:
         """Count one more open health, reflection or fetch stream; False at the limits, which for
         these services include a hundredth of --max-streams per client IP (a health Watch costs a
         task, and nothing legitimate holds thousands from one address)."""
         ip = _ip(stream)
-        if 100 * self._others_by_ip.get(ip, 0) >= self.max_streams:
-            self._refused(ip, f"{self._others_by_ip[ip]} health, reflection and fetch streams from it")
+        others = self.addresses.others(ip)
+        if 100 * others >= self.max_streams:
+            self._refused(ip, f"{others} health, reflection and fetch streams from it")
             return False
         if not self._room(ip):
             return False
-        self.other_streams += 1
-        self._count(ip, 1)
-        self._count(ip, 1, self._others_by_ip)
+        self.addresses.add(ip, 1, other=True)
         return True
 
     def leave_stream(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        self.other_streams -= 1
-        ip = _ip(stream)
-        self._count(ip, -1)
-        self._count(ip, -1, self._others_by_ip)
+        self.addresses.add(_ip(stream), -1, other=True)
 
     def describe_streams(self, after: int = 0, limit: int = 100) -> dict[str, Any]:
-        """One page of /v1/streams: the `limit` oldest streams opened after stream `after`.
-
-        Bounded however many streams and names there are (each stream shows at most
-        xds.session.STREAM_NAMES_SHOWN names), so answering never holds up the event loop for long.
-        """
-        page = heapq.nsmallest(limit + 1, (s for s in self.sessions if s.id > after), key=lambda s: s.id)
-        more = len(page) > limit
-        page = page[:limit]
-        return {"streams": [s.describe() for s in page], "total": len(self.sessions),
-                "next_after": page[-1].id if more else None}  # fmt: skip
+        """One page of /v1/streams (see StreamRegistry.describe)."""
+        return self.sessions.describe(after, limit)
 
     async def stream_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         io = self.open_io(stream)
@@ -250,21 +228,20 @@ class EdsService:
             await self._serve(_Session(self, stream, io, DELTA))
 
     async def _serve(self, session: _Session) -> None:
-        if self._stopping:
+        if self.stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
         ip = _ip(session.stream)
         if not self._room(ip):
             session.io.refused()
             raise self._full()
         self.sessions.add(session)
-        self._count(ip, 1)
-        self.counters.streams_opened += 1
-        session.id = self.counters.streams_opened
+        self.addresses.add(ip, 1)
+        self.observers.started(session)
         try:
             await session.run()
         finally:
             self.sessions.discard(session)
-            self._count(ip, -1)
+            self.addresses.add(ip, -1)
             self.store.unfollow(session.on_change)
             self.observers.closed(session)
 
@@ -304,11 +281,33 @@ class EdsService:
             raise GRPCError(Status.UNAVAILABLE, f"not received from the upstream eds-server: {names_shown(missing)}")
         resources = [self.store.get(n) for n in names]
         version = response_version(resources) if resources else ""
-        await stream.send_message(wire.discovery_response(version, resources, ""))
+        await stream.send_message(self.responses.discovery_response(version, resources, ""))
+
+class SendState(enum.Enum):
+    """Who sends a stream's next response. A response comes due when a change arrives (the store's
+    callback) or a request is read (the reader); it goes out from there, queued for the connection's
+    next write, only while the stream is IDLE and the connection takes it at once (the fan-out's
+    path: no task woken per stream, one write per connection per change). Otherwise the stream's
+    own task sends it, waiting on flow control as long as the send timeout allows.
+
+    IDLE -> SENDING: a response is due that cannot be queued at once (or the reader ended); the
+    task is woken. SENDING -> IDLE: the task sent what was due. Either -> CLOSED: the server
+    stops, the connection is asked to move, the reader failed or the call ended; nothing more is
+    sent. CLOSED is final.
+    """
+
+    IDLE = "idle"  # the task waits; what comes due is queued directly if the connection takes it
+    SENDING = "sending"  # the task sends (or is woken to): what comes due waits for it
+    CLOSED = "closed"  # ending: nothing more is sent
+
+
+_IDLE, _SENDING, _CLOSED = SendState.IDLE, SendState.SENDING, SendState.CLOSED  # read once per stream per change
+
 
 class _Session(SessionDriver):
-    """One stream call: the session driver (xds/session.py) with its IO: a reader task feeds it,
-    the call's own task writes, and a change is pushed from the store's callback when it can."""
+    """One stream call: the session driver (xds/session.py) with its IO. A reader task feeds it
+    requests; responses leave by one path, `send_due`, from whichever side made them due: see
+    SendState."""
 
     def __init__(self, service: EdsService, stream: grpclib.server.Stream[Any, bytes], io: StreamIO, kind: StreamKind):
         super().__init__(kind, service.store, service.limits, service.nonces, service.observers,
@@ -316,46 +315,47 @@ class _Session(SessionDriver):
         self.service = service
         self.stream = stream
         self.io = io
-        self.wake = asyncio.Event()
-        self.reader: asyncio.Task[None] | None = None
-        self.busy = True  # run() is sending (or not started): a change is left to it
-        self.pending: tuple[Framed, Iterable[Resource]] | None = None  # polled in on_change, for run()
-        self.leaving = False  # asked to end (its connection is being moved): ends as on shutdown
+        self.state = _SENDING  # until run() starts: what comes due is left to it
+        self._wake = asyncio.Event()  # the task has work: a response, the reader's end, CLOSED
+        self._reader: asyncio.Task[None] | None = None
+        self._handed: tuple[Framed, Iterable[Resource]] | None = None  # taken from the machine, not queued
 
     def on_change(self, names: frozenset[str] | None) -> None:
         super().on_change(names)
-        if self.sm.wants_poll and not self._push():
-            self.wake.set()
+        if self.sm.wants_poll:
+            self.send_due()
 
-    def _push(self) -> bool:
-        """Answer a change right here, in the store's callback, when the answer can go out without
-        waiting (the usual case): no task is woken per stream, and the frames join one write per
-        connection. False: leave it to run()."""
-        if self.busy or self.pending is not None or self.service._stopping or self.leaving:
-            return False
-        if not self.io.ready():
-            return False
-        if self.reader is None or self.reader.done():
-            return False
-        response = self.sm.poll()
-        if response is None:
-            return True
-        data = self.service.framed(self.kind, response)
-        try:
-            sent = self._queue(data)
-        except Exception as e:  # e.g. the stream was reset a moment ago: run() finds out properly
-            log.debug("push to node=%s deferred: %r", self.node, e)
-            sent = False
-        if not sent:
-            self.pending = (data, response.resources)
-            return False
-        self._sent(response.resources)
-        return True
+    def end(self) -> None:
+        """End the call cleanly (status OK: Envoy keeps its endpoints and reconnects) at the task's
+        next turn, after a send under way."""
+        self.state = _CLOSED
+        self._wake.set()
 
-    def _queue(self, data: Framed) -> bool:
-        """Queue the message for its connection's next write (one per change), if the windows
-        take it now."""
-        return self.io.queue(data)
+    def send_due(self) -> None:
+        """Send the response due, if any: queued right here when the stream is IDLE and the
+        connection takes it now, else handed to the task (see SendState)."""
+        state = self.state
+        if state is _IDLE:
+            if self.service.stopping:
+                self.end()  # it takes no more changes: as on shutdown
+                return
+            reader = self._reader
+            if self.io.ready() and reader is not None and not reader.done():
+                response = self.sm.poll()
+                if response is None:
+                    return
+                data = self.service.framed(self.kind, response)
+                try:
+                    if self.io.queue(data):
+                        self.service.observers.responded(self, response.resources)
+                        return
+                except Exception as e:  # e.g. the stream was reset a moment ago: the task finds out properly
+                    log.debug("direct send to node=%s handed to its task: %r", self.node, e)
+                self._handed = (data, response.resources)
+            self.state = _SENDING
+            self._wake.set()
+        elif state is _SENDING:
+            self._wake.set()
 
     async def read(self) -> None:
         first = True
@@ -373,22 +373,25 @@ class _Session(SessionDriver):
 
     def _on_message(self, data: bytes, first: bool = False) -> None:
         self.receive(data, first)
-        # An ACK with nothing new to send wakes no one (one task switch per stream per change
-        # saved); an answer that is due goes out from here when it can.
-        if self.sm.wants_poll and not self._push():
-            self.wake.set()
+        # An ACK with nothing new to send wakes no one (one task switch per stream per change saved)
+        if self.sm.wants_poll:
+            self.send_due()
 
     async def run(self) -> None:
-        reader = self.reader = asyncio.create_task(self.read())
-        reader.add_done_callback(lambda _: self.wake.set())
+        """The stream's task: sends what it is handed, until CLOSED or the reader ends."""
+        reader = self._reader = asyncio.create_task(self.read())
+        reader.add_done_callback(self._reader_done)
+        wake = self._wake
         try:
             while True:
-                self.busy = False
-                await self.wake.wait()
-                self.busy = True
-                self.wake.clear()
-                if self.service._stopping or self.leaving:
+                if self.state is _CLOSED:
                     return
+                self.state = _IDLE
+                await wake.wait()
+                wake.clear()
+                if self.state is _CLOSED or self.service.stopping:
+                    return
+                self.state = _SENDING
                 ended = reader.done()
                 if ended:
                     exc = reader.exception()
@@ -396,23 +399,29 @@ class _Session(SessionDriver):
                         raise GRPCError(Status[exc.status], exc.message)
                     if exc is not None:
                         raise exc
-                if self.pending is not None:
-                    pending, self.pending = self.pending, None
-                    await self.send(*pending)
+                if self._handed is not None:
+                    handed, self._handed = self._handed, None
+                    await self._send(*handed)
                 response = self.sm.poll()
                 if response is not None:
-                    await self.send(self.service.framed(self.kind, response), response.resources)
+                    await self._send(self.service.framed(self.kind, response), response.resources)
                 if ended:
                     return  # the client ended its side (after the answer already due, if any)
         finally:
-            self.busy = True
+            self.state = _CLOSED
             reader.cancel()
             if reader.done() and not reader.cancelled():
                 reader.exception()  # retrieved: raised above, or moot once the call ends
 
-    async def send(self, data: Framed, resources: Iterable[Resource]) -> None:
+    def _reader_done(self, _: asyncio.Task[None]) -> None:
+        """The reader ended (the client's side closed, or it failed): the task finds out which."""
+        if self.state is not _CLOSED:
+            self.state = _SENDING
+        self._wake.set()
+
+    async def _send(self, data: Framed, resources: Iterable[Resource]) -> None:
         try:
-            if not (self.io.ready() and self._queue(data)):  # no timer for a send that cannot block
+            if not (self.io.ready() and self.io.queue(data)):  # no timer for a send that cannot block
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
                 # arrives as the send completes, leaving this stream's tasks behind.
                 async with asyncio.timeout(self.service.send_timeout):
@@ -420,9 +429,6 @@ class _Session(SessionDriver):
         except TimeoutError:
             self.service.observers.stopped_reading(self)
             raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
-        self._sent(resources)
-
-    def _sent(self, resources: Iterable[Resource]) -> None:
         self.service.observers.responded(self, resources)
 
 

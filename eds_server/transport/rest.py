@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
-from typing import Any
 
 from aiohttp import web
 
-from ..encode import cluster_load_assignment
-from ..store import Resource, Store
+from ..encode import Encoders
+from ..store import Store
 from ..xds.common import EDS_TYPE_URL, WILDCARD, Limits, ProtocolError, check_request, response_version
 from ..xds.wire import CONTROL_PLANE_ID
 
@@ -23,18 +21,10 @@ log = logging.getLogger("eds_server.rest")
 
 PATH = "/v3/discovery:endpoints"
 
-# resource -> its proto3-JSON `Any`, built once per version
-_json: weakref.WeakKeyDictionary[Resource, dict[str, Any]] = weakref.WeakKeyDictionary()
+def make_rest_app(store: Store, limits: Limits, max_body: int, encoders: Encoders | None = None) -> web.Application:
+    """The REST port's app; `encoders`: the server's (its JSON cache), or one of its own."""
+    resource_json = (encoders or Encoders()).resource_json
 
-
-def resource_json(resource: Resource) -> dict[str, Any]:
-    cached = _json.get(resource)
-    if cached is None:
-        cached = _json[resource] = {"@type": EDS_TYPE_URL, **cluster_load_assignment(resource.group).to_dict()}
-    return cached
-
-
-def make_rest_app(store: Store, limits: Limits, max_body: int) -> web.Application:
     async def discovery(request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())

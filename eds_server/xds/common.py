@@ -102,6 +102,12 @@ def check_request(type_url: str, names: Collection[str], limits: Limits) -> None
             check_lengths((name,), limits)
 
 
+def check_node(has_node: bool) -> None:
+    """Only the first request of a stream is sure to carry the node; it must."""
+    if not has_node:
+        raise ProtocolError("INVALID_ARGUMENT", "the first request of a stream must carry a node")
+
+
 def check_count(count: int, what: str, limits: Limits) -> None:
     if count > limits.max_names:
         raise ProtocolError("RESOURCE_EXHAUSTED", f"{count} {what} (limit {limits.max_names})")
@@ -163,8 +169,6 @@ class StreamState(Generic[R]):
     # name -> version that was in a rejected response of several resources: which one was bad is
     # unknown, so each is sent again alone, once, and its own answer decides.
     _suspects: dict[str, str] = field(default_factory=dict)
-    _owe_empty: bool = False  # a first request that named nothing still gets an (empty) answer
-    _started: bool = False
     _nonces: int = 0
 
     def changed(self, names: Iterable[str] | None) -> None:
@@ -180,16 +184,12 @@ class StreamState(Generic[R]):
 
     @property
     def wants_poll(self) -> bool:
-        return (bool(self._dirty) or self._owe_empty) and self.in_flight is None and self._started
+        """Whether `poll` may have a response now (each kind says from its own state)."""
+        raise NotImplementedError
 
     def acked_version(self, name: str) -> str | None:
         """The version of `name` Envoy holds, as far as this stream knows (not one it rejected)."""
         return self.acked.get(name)
-
-    def _start(self, has_node: bool) -> None:
-        if not has_node:
-            raise ProtocolError("INVALID_ARGUMENT", "the first request of a stream must carry a node")
-        self._started = True
 
     def _forget(self, name: str) -> None:
         self.subscribed.pop(name, None)

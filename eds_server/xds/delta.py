@@ -27,6 +27,7 @@ from .common import (
     Subscribed,
     check_count,
     check_lengths,
+    check_node,
     response_version,
 )
 
@@ -50,6 +51,13 @@ class DeltaResponse(NamedTuple):
 
 @dataclass
 class DeltaStream(StreamState[DeltaResponse]):
+    _owe_empty: bool = False  # a first request that named nothing still gets an (empty) answer
+    _started: bool = False
+
+    @property
+    def wants_poll(self) -> bool:
+        return (bool(self._dirty) or self._owe_empty) and self.in_flight is None and self._started
+
     def receive(self, req: DeltaRequest) -> list[Event]:
         """Take one request from Envoy; raise ProtocolError to end the stream."""
         if req.type_url not in ("", EDS_TYPE_URL):
@@ -62,7 +70,8 @@ class DeltaStream(StreamState[DeltaResponse]):
         events: list[Event] = []
         first = not self._started
         if first:
-            self._start(req.has_node)
+            check_node(req.has_node)
+            self._started = True
         if req.response_nonce:
             if self.in_flight is not None and req.response_nonce == self.in_flight.nonce:
                 events.append(self._answered(self.in_flight, req.error_message))

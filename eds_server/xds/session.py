@@ -45,18 +45,18 @@ class StreamKind:
     name: str
     decode: Callable[[bytes, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
     machine: Callable[[Store, Limits, Nonces], Machine]
-    encode: Callable[[Any], bytes]  # the state machine's response -> wire bytes
+    encode: Callable[[Any, wire.Responses], bytes]  # the state machine's response -> wire bytes
     version: Callable[[Any], str]  # the response's version
 
 
 SOTW = StreamKind(
     "sotw", wire.sotw_request, SotwStream,
-    lambda r: wire.discovery_response(r.version_info, r.resources, r.nonce),
+    lambda r, enc: enc.discovery_response(r.version_info, r.resources, r.nonce),
     lambda r: r.version_info,
 )  # fmt: skip
 DELTA = StreamKind(
     "delta", wire.delta_request, DeltaStream,
-    lambda r: wire.delta_discovery_response(r.system_version_info, r.resources, r.nonce),
+    lambda r, enc: enc.delta_discovery_response(r.system_version_info, r.resources, r.nonce),
     lambda r: r.system_version_info,
 )  # fmt: skip
 

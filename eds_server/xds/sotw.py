@@ -2,10 +2,14 @@
 
 One `SotwStream` per gRPC stream. It keeps at most one response in flight: changes that arrive
 while Envoy has not yet ACKed coalesce into the next response, so a slow client costs nothing extra.
+
+Where a stream stands is one value, its `Phase`, changed only as `TRANSITIONS` lists (as h11 keeps
+a connection's state): the rules first, the code after them.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -18,9 +22,67 @@ from .common import (
     StaleNonce,
     StreamState,
     Subscribed,
+    check_node,
     check_request,
     response_version,
 )
+
+
+class Phase(enum.Enum):
+    """Where a SotW stream stands. Per-name state (sent, accepted, rejected, suspect) is data beside it."""
+
+    NEW = "new"  # no request read yet
+    OWES_EMPTY = "owes empty"  # the first request named nothing ("*", or the legacy empty list): an answer is due
+    RESUMING = "resuming"  # the first request named the version it holds (a reconnect): see SotwStream._holds
+    IDLE = "idle"  # nothing in flight: a change makes a response due
+    IN_FLIGHT = "in flight"  # a response awaits its ACK or NACK; changes meanwhile coalesce into the next
+    IN_FLIGHT_DROPPED = "in flight, names dropped"  # and stale requests left names out: see _asked_again
+
+
+class Step(enum.Enum):
+    """What moves a stream from one phase to another."""
+
+    FIRST = "first request naming resources"
+    FIRST_RESUMING = "first request naming resources and the version it holds"
+    FIRST_EMPTY = "first request naming nothing"
+    STALE = "a request with an old nonce, leaving out no name while a response is in flight"
+    STALE_DROPPING = "a request with an old nonce, leaving out names while a response is in flight"
+    ANSWER = "the ACK or NACK of the response in flight (the latest nonce)"
+    REQUEST = "a request with the latest nonce, nothing in flight, names unchanged"
+    RESUBSCRIBE = "a request with the latest nonce, nothing in flight, names changed"
+    SEND = "poll: a response goes out"
+    RESUMED = "poll: the reconnecting client holds the current version, nothing is sent"
+    NOTHING_DUE = "poll: the resume checked, nothing due"
+
+
+# (phase, step) -> the phase after it. Anything else does not happen: a request with an old nonce and
+# nothing in flight, or a poll with nothing due, changes no phase (the same phase, not listed).
+TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
+    (Phase.NEW, Step.FIRST): Phase.IDLE,
+    (Phase.NEW, Step.FIRST_RESUMING): Phase.RESUMING,
+    (Phase.NEW, Step.FIRST_EMPTY): Phase.OWES_EMPTY,
+    (Phase.OWES_EMPTY, Step.REQUEST): Phase.OWES_EMPTY,
+    (Phase.OWES_EMPTY, Step.RESUBSCRIBE): Phase.OWES_EMPTY,  # an answer is still owed: the new names, or empty
+    (Phase.OWES_EMPTY, Step.SEND): Phase.IN_FLIGHT,
+    (Phase.RESUMING, Step.REQUEST): Phase.RESUMING,
+    (Phase.RESUMING, Step.RESUBSCRIBE): Phase.IDLE,  # the version it named described other names
+    (Phase.RESUMING, Step.RESUMED): Phase.IDLE,
+    (Phase.RESUMING, Step.NOTHING_DUE): Phase.IDLE,
+    (Phase.RESUMING, Step.SEND): Phase.IN_FLIGHT,
+    (Phase.IDLE, Step.REQUEST): Phase.IDLE,
+    (Phase.IDLE, Step.RESUBSCRIBE): Phase.IDLE,
+    (Phase.IDLE, Step.SEND): Phase.IN_FLIGHT,
+    (Phase.IN_FLIGHT, Step.STALE): Phase.IN_FLIGHT,
+    (Phase.IN_FLIGHT, Step.STALE_DROPPING): Phase.IN_FLIGHT_DROPPED,
+    (Phase.IN_FLIGHT, Step.ANSWER): Phase.IDLE,
+    (Phase.IN_FLIGHT_DROPPED, Step.STALE): Phase.IN_FLIGHT_DROPPED,
+    (Phase.IN_FLIGHT_DROPPED, Step.STALE_DROPPING): Phase.IN_FLIGHT_DROPPED,
+    (Phase.IN_FLIGHT_DROPPED, Step.ANSWER): Phase.IDLE,  # names dropped and asked for again are resent
+}
+
+# read once per stream per change: module constants, not Enum attribute lookups
+_NEW, _OWES_EMPTY, _RESUMING, _IDLE = Phase.NEW, Phase.OWES_EMPTY, Phase.RESUMING, Phase.IDLE
+_IN_FLIGHT, _IN_FLIGHT_DROPPED = Phase.IN_FLIGHT, Phase.IN_FLIGHT_DROPPED
 
 
 class Request(NamedTuple):  # a NamedTuple: one is made per ACK, at a third of a frozen dataclass's cost
@@ -40,23 +102,28 @@ class Response(NamedTuple):
 
 @dataclass
 class SotwStream(StreamState[Response]):
-    _resume_version: str = ""
+    phase: Phase = Phase.NEW
+    _resume_version: str = ""  # RESUMING: the version the reconnecting client named
     _last_nonce: str = ""
-    # While a response is in flight, what stale requests (written before the client read it) left
-    # out of the subscribed names: any of them (`_dropped`), and the latest (`_unwanted`, what the
-    # client did not want when it read the response). See `_asked_again`.
+    # IN_FLIGHT_DROPPED: what stale requests (written before the client read the response in flight)
+    # left out of the subscribed names: any of them (`_dropped`), and the latest (`_unwanted`, what
+    # the client did not want when it read the response). See `_asked_again`.
     _dropped: set[str] = field(default_factory=set)
     _unwanted: set[str] = field(default_factory=set)
+
+    @property
+    def wants_poll(self) -> bool:
+        phase = self.phase
+        return phase is _OWES_EMPTY or ((phase is _IDLE or phase is _RESUMING) and bool(self._dirty))
 
     def receive(self, req: Request) -> list[Event]:
         """Take one request from Envoy; raise ProtocolError to end the stream."""
         check_request(req.type_url, req.resource_names, self.limits)
         events: list[Event] = []
         answered: tuple[Resource, ...] = ()
-        first = not self._started
+        first = self.phase is _NEW
         if first:
-            self._start(req.has_node)
-            self._resume_version = req.version_info
+            check_node(req.has_node)
         elif req.response_nonce != self._last_nonce:
             # Written before the client saw our latest response (an empty nonce too: it had seen
             # none): stale, and that response's answer will carry its current names. As in the
@@ -67,6 +134,8 @@ class SotwStream(StreamState[Response]):
                 listed = set(req.resource_names)
                 self._unwanted = {n for n in self.subscribed if n not in listed}
                 self._dropped |= self._unwanted
+                if self._dropped:
+                    self.phase = _IN_FLIGHT_DROPPED  # STALE_DROPPING (or STALE, already there)
             return [StaleNonce(req.response_nonce)]
         elif self.in_flight is not None:  # the latest nonce: this answers the response in flight
             answered = self.in_flight.resources
@@ -77,6 +146,7 @@ class SotwStream(StreamState[Response]):
             else:
                 events.append(Ack(req.version_info, names))
             self.in_flight = None
+            self.phase = _IDLE  # ANSWER (and the dropped names are settled below)
         names = req.resource_names
         one = len(names) == 1 and len(self.subscribed) == 1
         if one and not first and not self._dropped and names[0] in self.subscribed:
@@ -90,11 +160,16 @@ class SotwStream(StreamState[Response]):
             self._forget(name)
         for name in added:
             self._resend(name)
-        if (added or removed or again) and not first:
-            self._resume_version = ""  # it described the names the stream started with
+        if first:
+            if not wanted:
+                self.phase = _OWES_EMPTY  # "*" or the legacy empty list: no names, but an answer
+            elif req.version_info:
+                self.phase, self._resume_version = _RESUMING, req.version_info
+            else:
+                self.phase = _IDLE
+        elif (added or removed or again) and self.phase is _RESUMING:
+            self.phase, self._resume_version = _IDLE, ""  # it described the names the stream started with
         self.subscribed = wanted
-        if first and not wanted:
-            self._owe_empty = True  # "*" or the legacy empty list: no names, but an answer
         if added or removed:
             events.append(Subscribed(added, removed))
         return events
@@ -131,19 +206,20 @@ class SotwStream(StreamState[Response]):
         current = self._take_dirty()
         if current is None:
             return None
-        if self._resume_version and current:  # (none: withheld by a relay; the resume waits for it)
+        if self.phase is _RESUMING and current:  # (none: withheld by a relay; the resume waits for it)
             resume, self._resume_version = self._resume_version, ""
+            self.phase = _IDLE  # RESUMED, or NOTHING_DUE unless sent below
             if self._holds(current, resume):
                 for r in current:
                     self.sent[r.name] = self.acked[r.name] = r.version
                 return None
         due = self._due(current)
-        if not due and not self._owe_empty:
+        if not due and self.phase is not _OWES_EMPTY:
             return None
-        self._owe_empty = False
         self._last_nonce = self._next_nonce()
         version = response_version(due, digest=len(self.subscribed) > 1) if due else ""
         self.in_flight = Response(version, due, self._last_nonce)
+        self.phase = _IN_FLIGHT  # SEND
         return self.in_flight
 
     def _holds(self, current: list[Resource], resume: str) -> bool:

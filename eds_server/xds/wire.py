@@ -27,31 +27,19 @@ _CONTROL_PLANE = string_field(1, CONTROL_PLANE_ID)  # ControlPlane{identifier (1
 _SOTW_TAIL = _TYPE_URL + length_delimited(6, _CONTROL_PLANE)
 _DELTA_TAIL = _TYPE_URL + length_delimited(7, _CONTROL_PLANE)
 
-# resource -> its encoded field in each kind of response. Weak keys: the bytes live exactly as
-# long as the store holds that version, and are built once however many streams send them.
-_sotw_fields: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
-_delta_fields: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
-
-
 def _any(resource: Resource) -> bytes:
     return _ANY_TYPE_URL + length_delimited(2, resource.body)
 
 
 def any_field(resource: Resource) -> bytes:
     """DiscoveryResponse.resources (2): Any{type_url, value = CLA}."""
-    cached = _sotw_fields.get(resource)
-    if cached is None:
-        cached = _sotw_fields[resource] = length_delimited(2, _any(resource))
-    return cached
+    return length_delimited(2, _any(resource))
 
 
 def delta_resource_field(resource: Resource) -> bytes:
     """DeltaDiscoveryResponse.resources (2): Resource{version (1), resource (2), name (3)}."""
-    cached = _delta_fields.get(resource)
-    if cached is None:
-        inner = string_field(1, resource.version) + length_delimited(2, _any(resource))
-        cached = _delta_fields[resource] = length_delimited(2, inner + string_field(3, resource.name))
-    return cached
+    inner = string_field(1, resource.version) + length_delimited(2, _any(resource))
+    return length_delimited(2, inner + string_field(3, resource.name))
 
 
 def _response(version: str, resource_fields: Iterable[bytes], tail: bytes, nonce: str) -> bytes:
@@ -59,13 +47,44 @@ def _response(version: str, resource_fields: Iterable[bytes], tail: bytes, nonce
 
 
 def discovery_response(version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
-    """An encoded envoy.service.discovery.v3.DiscoveryResponse."""
+    """An encoded envoy.service.discovery.v3.DiscoveryResponse (uncached: see Responses)."""
     return _response(version_info, map(any_field, resources), _SOTW_TAIL, nonce)
 
 
 def delta_discovery_response(system_version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
-    """An encoded envoy.service.discovery.v3.DeltaDiscoveryResponse."""
+    """An encoded envoy.service.discovery.v3.DeltaDiscoveryResponse (uncached: see Responses)."""
     return _response(system_version_info, map(delta_resource_field, resources), _DELTA_TAIL, nonce)
+
+
+class Responses:
+    """The same responses from each resource's field, built once however many streams send it.
+    One per server (encode.Encoders holds it), not per process."""
+
+    __slots__ = ("_delta", "_sotw")
+
+    def __init__(self) -> None:
+        # resource -> its encoded field in each kind of response. Weak keys: the bytes live exactly
+        # as long as the store holds that version.
+        self._sotw: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
+        self._delta: weakref.WeakKeyDictionary[Resource, bytes] = weakref.WeakKeyDictionary()
+
+    def any_field(self, resource: Resource) -> bytes:
+        cached = self._sotw.get(resource)
+        if cached is None:
+            cached = self._sotw[resource] = any_field(resource)
+        return cached
+
+    def delta_resource_field(self, resource: Resource) -> bytes:
+        cached = self._delta.get(resource)
+        if cached is None:
+            cached = self._delta[resource] = delta_resource_field(resource)
+        return cached
+
+    def discovery_response(self, version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
+        return _response(version_info, map(self.any_field, resources), _SOTW_TAIL, nonce)
+
+    def delta_discovery_response(self, system_version_info: str, resources: Sequence[Resource], nonce: str) -> bytes:
+        return _response(system_version_info, map(self.delta_resource_field, resources), _DELTA_TAIL, nonce)
 
 
 # -- requests ---------------------------------------------------------------------------------------

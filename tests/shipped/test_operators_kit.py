@@ -48,13 +48,11 @@ def test_the_process_and_the_garbage_collector_are_on_metrics() -> None:
 
     from eds_server.encode import encode_group
     from eds_server.metrics import make_registry
+    from eds_server.observe import Counters, Observers
     from eds_server.store import Store
-    from eds_server.transport.grpc import EdsService
 
-    store = Store(encode_group)
-    scraped = {s.name for f in text_string_to_metric_families(generate_latest(make_registry(store, EdsService(store),
-                                                                                            list)).decode())
-               for s in f.samples}  # fmt: skip
+    registry = make_registry(Store(encode_group), Counters(), Observers(), list)
+    scraped = {s.name for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "process_max_fds",
             "python_gc_collections_total", "eds_ready"} <= scraped  # fmt: skip
 

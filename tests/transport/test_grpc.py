@@ -13,6 +13,7 @@ from grpclib import GRPCError
 from grpclib.const import Cardinality, Status
 
 from eds_server.encode import encode_group
+from eds_server.metrics import make_registry
 from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import (
     DeltaDiscoveryRequest,
@@ -24,7 +25,7 @@ from eds_server.pb.envoy.service.endpoint.v3 import EndpointDiscoveryServiceStub
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from eds_server.store import Store
-from eds_server.transport.grpc import EDS_SERVICE, EdsService, make_server
+from eds_server.transport.grpc import EDS_SERVICE, EdsService, SendState, make_server
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import SOURCE, STREAM, Harness, cla_of, first, group, no_message, recv, reply
 from tests.support.h2frames import GOAWAY, PING, PREFACE, frame, split
@@ -476,3 +477,26 @@ async def test_a_client_goaway_read_with_a_ping_ends_that_connection_cleanly(
         harness.store.update(SOURCE, {"web": group("web", 1, 2)})
         assert len(cla_of(await recv(canary)).endpoints[0].lb_endpoints) == 2
     assert "Traceback" not in caplog.text and "Fatal error" not in caplog.text, caplog.text[-3000:]
+async def test_a_stream_shows_who_sends_and_metrics_count_it_through_the_observers(harness: Harness) -> None:
+    """A stream's SendState is idle between responses (a change then goes out from the store's
+    callback), closed once the call ends; eds_streams_open hears of it through the observer list."""
+    registry = make_registry(harness.store, harness.service.counters, harness.service.observers, list)
+
+    def open_streams() -> tuple[float | None, float | None]:
+        return (registry.get_sample_value("eds_streams_open", {"transport": "sotw"}),
+                registry.get_sample_value("eds_streams_open", {"transport": "delta"}))  # fmt: skip
+
+    harness.store.update(SOURCE, {"web": group("web", 1)})
+    async with harness.stream() as stream:
+        await stream.send_message(first("web"))
+        r1 = await recv(stream)
+        [session] = harness.service.sessions
+        assert open_streams() == (1, 0) and harness.service.counters.streams_opened == 1
+        await stream.send_message(reply(r1, "web"))
+        await wait_for(lambda: session.sm.in_flight is None and session.state is SendState.IDLE)
+        harness.store.update(SOURCE, {"web": group("web", 1, 2)})
+        # the fast path queues it right there (no task woken); the stock one hands it to the task
+        assert session.state is (SendState.SENDING if os.environ.get("EDS_HTTP2") == "stock" else SendState.IDLE)
+        assert len(cla_of(await recv(stream)).endpoints[0].lb_endpoints) == 2
+    await wait_for(lambda: harness.service.open_streams == 0)
+    assert session.state is SendState.CLOSED and open_streams() == (0, 0)

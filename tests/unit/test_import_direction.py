@@ -27,10 +27,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # Known arrows that point up, each with why it is still there. Remove a line when its arrow goes.
 KNOWN_UPWARD = {
-    # the open-streams gauge counts the service's sessions, opened or not; an observer hears of a
-    # stream at its first request only, so counting through the observer list needs a new event in
-    # transport/grpc.py
-    ("metrics", "transport.grpc"),
     # the relay's client speaks gRPC with the pass-through codec kept beside the HTTP/2 code
     ("sources.relay", "transport.h2"),
 }

@@ -37,6 +37,7 @@ from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL, Limits, ProtocolError, StaleNonce, response_version
 from eds_server.xds.delta import DeltaRequest, DeltaResponse, DeltaStream
 from eds_server.xds.sotw import Request, Response, SotwStream
+from tests.support.sotw_checked import CheckedSotwStream
 from tests.support.strategies import (
     CHARS,
     NAMES,
@@ -649,7 +650,7 @@ class SotwHarness(Harness):
     s: SotwStream
 
     def __init__(self, view: View, first: tuple[tuple[str, ...], str]) -> None:
-        super().__init__(view, SotwStream(view), "sotw")
+        super().__init__(view, CheckedSotwStream(view), "sotw")
         names, how = first
         claimed = _claimed(view, tuple(dict.fromkeys(names)), how)
         version = response_version(Resource(n, v, b"", Group(n)) for n, v in claimed.items())
@@ -819,7 +820,7 @@ LIMITS = Limits(max_names=5, max_name_length=10)
     )
 )
 def test_sotw_receive_only_raises_protocol_error(steps: list[Any]) -> None:
-    drive(SotwStream(View(True), LIMITS), steps)
+    drive(CheckedSotwStream(View(True), LIMITS), steps)
 
 
 def drive(s: SotwStream | DeltaStream, steps: list[Any]) -> None:

@@ -23,7 +23,6 @@ from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.store import Store
-from eds_server.transport.grpc import EdsService
 from eds_server.transport.h2.fast_connection import GuardedH2Connection
 from eds_server.transport.h2.limits import ConnectionLimits, PeerBudgets
 from eds_server.xds.common import EDS_TYPE_URL
@@ -281,9 +280,10 @@ def test_refusals_are_metrics_by_reason() -> None:
     from prometheus_client import generate_latest
 
     from eds_server.metrics import make_registry
+    from eds_server.observe import Counters, Observers
 
     store = Store(encode_group)
-    registry = make_registry(store, EdsService(store), list, lambda: (3, {"calm": 2, "bad_headers": 0}))
+    registry = make_registry(store, Counters(), Observers(), list, lambda: (3, {"calm": 2, "bad_headers": 0}))
     text = generate_latest(registry).decode()
     assert 'eds_refused_total{reason="calm"} 2.0' in text
     assert 'eds_refused_total{reason="bad_headers"} 0.0' in text  # every reason from 0, for rate()

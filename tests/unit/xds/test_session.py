@@ -11,6 +11,7 @@ from eds_server.encode import encode_group
 from eds_server.observe import Observers, StreamObserver, StreamView
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Store
+from eds_server.xds import wire
 from eds_server.xds.common import Limits, Nonces, ProtocolError
 from eds_server.xds.session import SOTW, SessionDriver
 from tests.support.grpc_harness import SOURCE, first, group, reply
@@ -53,14 +54,15 @@ def test_a_request_subscribes_and_a_response_is_due() -> None:
     assert d.requested and d.node == "test-node" and rec.events == ["opened test-node ['web']"]
     response = d.sm.poll()
     assert response is not None and [r.name for r in response.resources] == ["web"]
-    sent = DiscoveryResponse.parse(SOTW.encode(response))
+    sent = DiscoveryResponse.parse(SOTW.encode(response, wire.Responses()))
     d.receive(bytes(reply(sent, "web")), first=False)
     assert rec.events[-1] == "ack ['web']"
     store.update(SOURCE, {"web": group("web", 8081)})
     d.on_change(frozenset({"web"}))
     changed = d.sm.poll()
     assert changed is not None and d.sm.poll() is None  # one response in flight
-    d.receive(bytes(reply(DiscoveryResponse.parse(SOTW.encode(changed)), "web", error="bad")), first=False)
+    rejected = reply(DiscoveryResponse.parse(SOTW.encode(changed, wire.Responses())), "web", error="bad")
+    d.receive(bytes(rejected), first=False)
     assert rec.events[-1] == "nack ['web'] bad" and d.last_nack == "bad"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eds_server import protowire, upstreams
-from eds_server.encode import cluster_load_assignment, encode_group
+from eds_server.encode import Encoders, cluster_load_assignment, encode_group
 from eds_server.model import Endpoint, Group, Health, Locality
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Resource, content_version
@@ -198,3 +199,19 @@ def test_the_plain_request_parse_agrees_with_the_general_one(data: bytes) -> Non
     if plain is not None:
         assert plain == general
     assert _outcome(wire.sotw_request, data) == general
+
+
+def test_encoders_give_the_same_bytes_from_caches_of_their_own() -> None:
+    """An App's Encoders agree with the uncached functions, and two of them share no cache."""
+    groups = upstreams.parse(DOCUMENTED)
+    one, two = Encoders(endpoint_cache_size=2), Encoders()
+    for group in groups.values():
+        fresh = dataclasses.replace(group, endpoints=tuple(dataclasses.replace(e) for e in group.endpoints))
+        assert one.encode_group(group) == encode_group(fresh) == two.encode_group(fresh)
+    res = [resource(groups["web"]), resource(Group("empty"))]
+    assert one.responses.discovery_response("v1", res, "7") == wire.discovery_response("v1", res, "7")
+    assert two.responses.delta_discovery_response("v1", res, "7") == wire.delta_discovery_response("v1", res, "7")
+    assert one.resource_json(res[0]) == {"@type": EDS_TYPE_URL, **cluster_load_assignment(groups["web"]).to_dict()}
+    assert one.resource_json(res[0]) is one.resource_json(res[0]) is not two.resource_json(res[0])
+    assert one.responses.any_field(res[0]) is one.responses.any_field(res[0])
+    assert two.responses.any_field(res[0]) is not one.responses.any_field(res[0])
