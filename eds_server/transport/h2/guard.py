@@ -528,6 +528,10 @@ class StreamLedger:
         self._close(sid)
         return self._wasted() if awaited else None
 
+    def receiving(self, sid: int) -> bool:
+        """Whether the client may still send on stream `sid` (opened, not ended or closed by it)."""
+        return sid in self.open and sid not in self._remote_ended
+
     def reset(self, sid: int) -> None:
         """A stream reset below the library (its trailers refused): closed here, not charged."""
         self._answered(sid)

@@ -41,16 +41,18 @@ class BlockError(Exception):
 class HeaderRelay:
     """The client's header blocks of one connection, decoded, and encoded anew for the library."""
 
-    __slots__ = ("_decoder", "max_frame_size")
+    __slots__ = ("_decoder", "max_frame_size", "priority")
 
     def __init__(self, max_frame_size: int, max_header_list_size: int) -> None:
         self._decoder = Decoder(max_header_list_size=max_header_list_size)
         self.max_frame_size = max_frame_size  # the library's SETTINGS_MAX_FRAME_SIZE: frames passed on fit it
+        self.priority: tuple[int, int, bool] | None = None  # the last block's (depends on, weight, exclusive)
 
     def fields(self, payload: bytes, flags: int, rest: bytes) -> Fields:
         """The fields of a block whose HEADERS frame had `flags` and `payload` (padding and priority
         as sent), continued by the CONTINUATION payloads `rest`."""
         fragment = payload
+        self.priority = None
         if flags & (PADDED | PRIORITY):
             frame = HeadersFrame(1, flags=_flag_names(flags))
             try:
@@ -59,6 +61,8 @@ class HeaderRelay:
                 why = f"GOAWAY PROTOCOL_ERROR: HEADERS frame: {e}"
                 raise BlockError("PROTOCOL_ERROR", "protocol_error", why) from e
             fragment = frame.data
+            if flags & PRIORITY:  # passed on: the library refuses a stream that depends on itself
+                self.priority = (frame.depends_on, frame.stream_weight, frame.exclusive)
         try:
             decoded = self._decoder.decode(fragment + rest if rest else fragment, raw=True)
         except OversizedHeaderListError as e:
@@ -68,9 +72,10 @@ class HeaderRelay:
         return [(bytes(name), bytes(value)) for name, value in decoded]
 
     def frames(self, sid: int, fields: Fields, end_stream: bool) -> bytes:
-        """`fields` as HEADERS (and CONTINUATION) frames for the library, from our encoder."""
+        """`fields` as HEADERS (and CONTINUATION) frames for the library, from our encoder, with
+        the priority the client's HEADERS frame carried (`fields` was called for it last)."""
         block = literal_block(fields)
-        size = self.max_frame_size
+        size = self.max_frame_size - 5  # room for the priority fields
         chunks = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
         out = []
         for i, chunk in enumerate(chunks):
@@ -78,6 +83,10 @@ class HeaderRelay:
             if i == 0:
                 names = {"END_STREAM"} if end_stream else set()
                 frame: HeadersFrame | ContinuationFrame = HeadersFrame(sid, chunk, flags=names)
+                if self.priority is not None:
+                    depends_on, weight, exclusive = self.priority
+                    frame = HeadersFrame(sid, chunk, flags={*names, "PRIORITY"}, depends_on=depends_on,
+                                         stream_weight=weight, exclusive=exclusive)  # fmt: skip
             else:
                 frame = ContinuationFrame(sid, chunk)
             if last:

@@ -246,7 +246,7 @@ class GuardedProtocol(asyncio.Protocol):
             if peer is not None and peer.pending > most:
                 why = f"{peer.pending - 1} of its streams await a request (limit {most})"
                 return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)
-        elif not opens:
+        elif self._ledger.receiving(sid):  # trailers; HEADERS on a stream ended or closed are h2's to refuse
             why = problem(fields, request=False)
             if why is not None:  # trailers: the stream is reset both ways
                 self.gate.shed("bad_headers", self._peer_name, f"RST_STREAM PROTOCOL_ERROR on stream {sid}: {why}")

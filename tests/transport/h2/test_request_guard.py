@@ -217,3 +217,35 @@ async def test_a_window_taken_past_its_maximum_is_a_flow_control_error(
         service.store.update(SOURCE, group(2))
         await canary.response(canary_sid, 2)
     no_server_errors(caplog)
+
+
+PRIORITY_FLAG = 0x20
+
+
+@pytest.mark.parametrize("case", ["depends on itself", "lower stream id"])
+async def test_stream_state_errors_reach_the_http2_library(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The guard re-encodes every header block on the stock path: what it passes on keeps what h2
+    checks (the priority a HEADERS frame carries; a HEADERS frame on a stream that is not open is
+    not taken for trailers), so these stay connection errors as RFC 9113 says (h2spec 5.3.1 and
+    5.1.1.2), and the canary's connection is untouched."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (_, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port) as client:
+            block = client.conn.encoder.encode(headers("/x"))
+            if case == "depends on itself":  # stream 1, depending on stream 1, weight 16
+                priority = (1).to_bytes(4, "big") + b"\x0f"
+                raw = frame(HEADERS, END_HEADERS | END_STREAM | PRIORITY_FLAG, 1, priority + block)
+                expected = PROTOCOL_ERROR
+            else:  # stream 5, then stream 3
+                raw = frame(HEADERS, END_HEADERS | END_STREAM, 5, block)
+                raw += frame(HEADERS, END_HEADERS | END_STREAM, 3, client.conn.encoder.encode(headers("/x")))
+                expected = PROTOCOL_ERROR
+            await client.send(raw)
+            # grpclib closes without flushing the GOAWAY h2 queued (h2spec takes either)
+            assert await client.until(lambda: client.goaway is not None or client.eof), f"{case}: {client.resets}"
+            assert client.goaway in (expected, None), (case, client.goaway)
+            assert not client.messages and not client.trailers, f"{case}: answered"
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
