@@ -33,6 +33,7 @@ test-history: $(STAMP)  ## the registration history under faults, long: seeds 1-
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)  ## the fan-out benchmark (several minutes; QUICK=1 for a smoke run)

@@ -198,4 +198,3 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
           f"medians of {cfg.rounds} interleaved rounds"
           + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)  # fmt: skip
     return out
-

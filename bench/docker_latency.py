@@ -61,8 +61,10 @@ async def main(rounds: int) -> dict[str, object]:
                 stopping = asyncio.create_task(engine.acli("stop", "-t", "5", f"lat-{i}"))
                 stop_s.append(await until(lambda present=present: _not(present)))
                 await stopping
+
     def row(xs: list[float]) -> dict[str, float]:
         return {"median_ms": 1000 * statistics.median(xs), "max_ms": 1000 * max(xs)}
+
     return {"rounds": rounds, "run_to_envoy": row(run_s), "stop_to_envoy": row(stop_s),
             "debounce_ms": 50}  # fmt: skip
 

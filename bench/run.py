@@ -469,8 +469,12 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4, help="most load generator processes per scenario")
     p.add_argument("--profile", action="store_true", help="record each server with py-spy (installed in the venv)")
     p.add_argument("--time-limit", type=int, default=900, help="seconds allowed per scenario")
-    p.add_argument("--peer", default="", metavar="COMMAND",
-                   help="another xDS server's command (shell words), run side by side with eds-server")
+    p.add_argument(
+        "--peer",
+        default="",
+        metavar="COMMAND",
+        help="another xDS server's command (shell words), run side by side with eds-server",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side scenario")
     p.add_argument("--shapes", default="", help="side-by-side shapes to run, e.g. 2,3 (default: all five)")
     p.add_argument("--debounce", default="", help="eds-server's --debounce in the cores scenario (default: its own)")
@@ -483,7 +487,14 @@ def main() -> None:
     os.sched_setaffinity(0, set(CLIENT_CORES))
     out = HERE / "results" / ("profile" if args.profile else "") / ("quick" if args.quick else "")
     cfg = Config(
-        args.quick, args.clients, args.node_bytes, args.profile, out, args.peer, max(1, args.rounds), args.shapes,
+        args.quick,
+        args.clients,
+        args.node_bytes,
+        args.profile,
+        out,
+        args.peer,
+        max(1, args.rounds),
+        args.shapes,
         args.debounce,
     )
 

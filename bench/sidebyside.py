@@ -263,7 +263,12 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
         rows.append((shape.name, f"{eds_cpu:.1f}", f"{peer_cpu:.1f}", f"{eds_cpu / peer_cpu:.2f}",
                      f"{eds_rss:.1f}" if show_rss else "-", f"{peer_rss:.1f}" if show_rss else "-",
                      f"{eds_rss / peer_rss:.2f}" if show_rss else "-"))  # fmt: skip
-    title = f"side by side, medians of {cfg.rounds} interleaved rounds" if peer else (
-        f"eds-server through its file, medians of {cfg.rounds} rounds, against go-control-plane's reference figures")
+    title = (
+        f"side by side, medians of {cfg.rounds} interleaved rounds"
+        if peer
+        else (
+            f"eds-server through its file, medians of {cfg.rounds} rounds, against go-control-plane's reference figures"
+        )
+    )
     table(title + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)
     return out

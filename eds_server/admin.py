@@ -30,9 +30,7 @@ REGISTRATIONS_OFF = (
 )
 
 
-def json_errors(
-    registrations_on: bool, paths: tuple[str, ...] = PATHS
-) -> Callable[..., Awaitable[web.StreamResponse]]:
+def json_errors(registrations_on: bool, paths: tuple[str, ...] = PATHS) -> Callable[..., Awaitable[web.StreamResponse]]:
     """aiohttp's own errors (unknown path, wrong method, a handler's crash) as JSON with a hint, like
     every answer of the admin API, instead of `404: Not Found` text."""
 
@@ -131,8 +129,7 @@ def make_app(
             "pending_sources": list(pending),
             # what each source still waited on is saying, so an unhealthy container says why
             "waiting_for": [
-                {"source": s["name"], "last_error": s.get("last_error")}
-                for s in statuses if s["name"] in pending
+                {"source": s["name"], "last_error": s.get("last_error")} for s in statuses if s["name"] in pending
             ],
         }
         if workers is not None:  # Envoy is served by the workers: ready once they all are
@@ -143,9 +140,7 @@ def make_app(
 
     async def groups(_: web.Request) -> web.Response:
         resources = store.resources()
-        return web.json_response(
-            {"groups": [group_json(store, resources[n]) for n in sorted(resources)]}
-        )
+        return web.json_response({"groups": [group_json(store, resources[n]) for n in sorted(resources)]})
 
     async def group(request: web.Request) -> web.Response:
         found = store.resources().get(request.match_info["name"])

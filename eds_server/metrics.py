@@ -105,7 +105,8 @@ class _StateCollector(Collector):
             connections, refused = self.transport()
             yield GaugeMetricFamily("eds_connections_open", "Open gRPC connections", value=connections)
             by_reason = CounterMetricFamily(
-                "eds_refused", "Connections, streams and frames refused or shed, by reason (docs/limits.md)",
+                "eds_refused",
+                "Connections, streams and frames refused or shed, by reason (docs/limits.md)",
                 labels=["reason"],
             )
             for reason, n in refused.items():
@@ -124,7 +125,8 @@ class _StateCollector(Collector):
         yield info
         yield endpoints
         conflicts = GaugeMetricFamily(
-            "eds_group_conflict", "1 while a group's merged endpoints would be rejected by Envoy (not sent)",
+            "eds_group_conflict",
+            "1 while a group's merged endpoints would be rejected by Envoy (not sent)",
             labels=["group"],
         )
         for name in sorted(self.store.conflicts()):
@@ -146,7 +148,10 @@ class _StateCollector(Collector):
 
 
 def make_registry(
-    store: Store, counters: Counters, observers: Observers, sources: Callable[[], list[dict[str, Any]]],
+    store: Store,
+    counters: Counters,
+    observers: Observers,
+    sources: Callable[[], list[dict[str, Any]]],
     transport: Callable[[], tuple[int, dict[str, int]]] | None = None,
 ) -> CollectorRegistry:
     """A registry of its own (not the process-global one). What it counts of the streams it learns

@@ -254,4 +254,3 @@ class StreamLog(StreamObserver):
             return
         if self._may_log("closed"):
             log.info("%s stream closed: node=%s peer=%s", s.transport, s.node, s.peer, extra=s.fields("stream_closed"))
-

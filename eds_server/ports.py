@@ -27,9 +27,7 @@ def free_ports(host: str, n: int) -> list[int]:
         return found
 
 
-def every_unbindable(
-    addresses: Iterable[tuple[str, tuple[str, int] | None]], first_only: bool = False
-) -> list[str]:
+def every_unbindable(addresses: Iterable[tuple[str, tuple[str, int] | None]], first_only: bool = False) -> list[str]:
     """Each `(what, (host, port))` that cannot be bound, as `"WHAT HOST:PORT: reason"`: all of them,
     so that a user moving one busy port learns of the next at once.
 

@@ -326,4 +326,3 @@ def load_authz(path: str) -> Policy:
     except (OSError, UnicodeDecodeError) as e:
         raise SecurityConfigError([f"authz file {path}: {getattr(e, 'strerror', None) or e}"]) from None
     return parse_authz(text, path)
-

@@ -130,11 +130,13 @@ def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[M
         parts.append(
             f'<section class="group" data-group="{_e(name)}"><h3><a href="{_e(link)}">{_e(name)}</a> '
             f'<span class="muted">version <code>{_e(g.get("version"))}</code> · {_n(len(eps), "endpoint")} · '
-            f'sources: {_e(", ".join(g.get("sources", [])) or "-")}</span> {" ".join(flags)}</h3>'
+            f"sources: {_e(', '.join(g.get('sources', [])) or '-')}</span> {' '.join(flags)}</h3>"
         )
         if g.get("error"):  # the sources' merged endpoints are held back: what is shown is the last accepted
-            parts.append(f'<p class="bad conflict">held back, Envoy would reject the merged endpoints: '
-                         f'<span class="mono">{_e(g["error"])}</span>; serving the last accepted version</p>')
+            parts.append(
+                f'<p class="bad conflict">held back, Envoy would reject the merged endpoints: '
+                f'<span class="mono">{_e(g["error"])}</span>; serving the last accepted version</p>'
+            )
         for s in nacked.get(name, [])[:5]:
             parts.append(f'<p class="bad">NACK from {_e(s.get("node"))} ({_e(s.get("peer"))}): '
                          f'<span class="mono">{_e(s.get("last_nack") or "")}</span></p>')  # fmt: skip
@@ -189,9 +191,11 @@ def _registrations(regs: Sequence[Mapping[str, Any]] | None, total: int) -> str:
         ttl = f"{r['ttl']:g} s, expires in {r['expires_in']:.0f} s" if "ttl" in r else "-"
         rows.append(("", f'<td class="mono">{_e(r["id"])}</td><td>{_e(r["group"])}</td>'
                          f'<td class="mono">{_e(r["address"])}:{int(r["port"])}</td><td>{_e(ttl)}</td>'))  # fmt: skip
-    return ('<h2 id="registrations">Registrations</h2>'
-            + _table(("id", "group", "endpoint", "TTL"), rows)
-            + _cut(len(regs), total, "/v1/registrations"))
+    return (
+        '<h2 id="registrations">Registrations</h2>'
+        + _table(("id", "group", "endpoint", "TTL"), rows)
+        + _cut(len(regs), total, "/v1/registrations")
+    )
 
 
 def render(
@@ -226,11 +230,11 @@ def render(
         f"<title>eds-server {_e(version)}</title><style>{_CSS}</style></head><body>"
         f'<h1>eds-server <span class="muted">{_e(version)}</span> {badge}</h1>'
         f'<p class="muted">{_n(total_groups, "group")}, {_n(total_endpoints, "endpoint")}, '
-        f'{_n(total_streams, "stream")} · '
+        f"{_n(total_streams, 'stream')} · "
         # counted by this process: after a restart, streams whose Envoy already had the version are
         # shown ACKed below although no response (and so no ACK) has passed since
-        f'{_n(int(stats.get("acks", 0)), "ACK")}, {_n(int(stats.get("nacks", 0)), "NACK")} since start · '
-        f'{time.strftime("%Y-%m-%d %H:%M:%S %Z")}, reloads every {REFRESH_SECONDS} s</p>'
+        f"{_n(int(stats.get('acks', 0)), 'ACK')}, {_n(int(stats.get('nacks', 0)), 'NACK')} since start · "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, reloads every {REFRESH_SECONDS} s</p>"
         f"<nav>JSON: {links}</nav>"
         f'<h2 id="sources">Sources</h2>{_sources(sources)}'
         f'<h2 id="groups">Groups</h2>{_groups(groups, total_groups, streams, nacks)}'
@@ -252,8 +256,10 @@ def _workers(workers: Sequence[Mapping[str, Any]] | None) -> str:
         f'<td>{int(w.get("restarts") or 0)}</td><td>{_e(str(w.get("streams_open", "-")))}</td></tr>'
         for w in workers
     )  # fmt: skip
-    return ('<h2 id="workers">Workers</h2><table><tr><th>worker</th><th>pid</th><th>state</th>'
-            f"<th>restarts</th><th>streams</th></tr>{rows}</table>")
+    return (
+        '<h2 id="workers">Workers</h2><table><tr><th>worker</th><th>pid</th><th>state</th>'
+        f"<th>restarts</th><th>streams</th></tr>{rows}</table>"
+    )
 
 
 def _refused(stats: Mapping[str, Any]) -> str:
@@ -262,6 +268,8 @@ def _refused(stats: Mapping[str, Any]) -> str:
     if not refused:
         return '<h2 id="refused">Refused</h2><p class="muted">nothing refused or shed</p>'
     rows = "".join(f"<tr><td>{_e(k)}</td><td>{int(v)}</td></tr>" for k, v in sorted(refused.items()))
-    return ('<h2 id="refused">Refused</h2><p class="muted">connections, streams and frames refused or shed '
-            "since start, by reason (the server log names each client)</p>"
-            f"<table><tr><th>reason</th><th>count</th></tr>{rows}</table>")
+    return (
+        '<h2 id="refused">Refused</h2><p class="muted">connections, streams and frames refused or shed '
+        "since start, by reason (the server log names each client)</p>"
+        f"<table><tr><th>reason</th><th>count</th></tr>{rows}</table>"
+    )

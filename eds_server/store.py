@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from . import envoy_limits
+from . import envoy_checks
 from .model import Group, merge_groups
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,12 @@ class Store:
         if current is not None and current.group == group:
             self._set_conflict(name, None, kept=True)
             return False
-        problems = envoy_limits.problems(group)
+        problems = envoy_checks.problems(group)
         self._set_conflict(name, "; ".join(problems) if problems else None, kept=current is not None)
         if problems:
             if current is not None:
                 return False  # Envoy would reject it: the last good version stays
-            group = envoy_limits.fit(group)  # nothing accepted yet (a restart): what fits
+            group = envoy_checks.fit(group)  # nothing accepted yet (a restart): what fits
         body = self._encode(group)
         self.encodes += 1
         version = content_version(body)
@@ -217,7 +217,7 @@ class Store:
                 parts.append(part)
         if source not in self._by_source and part is not None:
             parts.append(part)
-        return envoy_limits.problems(merge_groups(name, parts)) if parts else []
+        return envoy_checks.problems(merge_groups(name, parts)) if parts else []
 
     def mark_stale(self, source: str, stale: bool) -> None:
         """A source lost (or regained) what it follows; its last state keeps being served."""
@@ -353,4 +353,3 @@ class Store:
                 followers.setdefault(watcher, []).append(name)
         for watcher, theirs in followers.items():
             watcher(frozenset(theirs))
-

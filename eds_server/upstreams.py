@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from . import envoy_limits, fields, yaml_nodes
+from . import envoy_checks, fields, yaml_nodes
 from .fields import ENDPOINT_KEYS, MAX_NAME_LENGTH, MAX_UPSTREAMS_SIZE
 from .model import Endpoint, Group, Locality, locality
 from .yaml_nodes import LOADER, NodeWalker, Problem, YamlError, did_you_mean
@@ -47,9 +47,7 @@ _TextKey = tuple[int, str]
 
 
 class _Walker(NodeWalker):
-    def __init__(
-        self, filename: str, text: str, groups: dict[Any, Group], endpoints: dict[_TextKey, Endpoint]
-    ) -> None:
+    def __init__(self, filename: str, text: str, groups: dict[Any, Group], endpoints: dict[_TextKey, Endpoint]) -> None:
         super().__init__(filename)
         self.text = text
         self._constructor = yaml.SafeLoader("")
@@ -246,7 +244,7 @@ class _Index:
         if ep.key != group.endpoints[i].key and any(e.key == ep.key for e in endpoints if e is not ep):
             return None  # a duplicate: the full path says which
         spliced = Group(name, tuple(endpoints), group.locality_weights)
-        if envoy_limits.problems(spliced):
+        if envoy_checks.problems(spliced):
             return None  # e.g. weights past Envoy's limit: the full path reports it at the group
         groups = dict(self.groups)
         groups[name] = spliced
@@ -279,9 +277,7 @@ def _parse(w: _Walker, text: str, filename: str) -> tuple[dict[str, Group], dict
     except YamlError as e:
         raise UpstreamsError(e.problems) from None
     if root is None:
-        raise UpstreamsError(
-            [Problem(filename, 1, "", "file is empty (write `groups: {}` to serve no groups)")]
-        )
+        raise UpstreamsError([Problem(filename, 1, "", "file is empty (write `groups: {}` to serve no groups)")])
     top = w.mapping(root, "", TOP_KEYS)
     groups: dict[str, Group] = {}
     nodes: dict[str, yaml.Node] = {}
@@ -469,7 +465,7 @@ def _localities(w: _Walker, node: yaml.Node, path: str) -> dict[Locality, int]:
 
 def _check_weight_sums(w: _Walker, node: yaml.Node, path: str, group: Group) -> None:
     """What Envoy rejects in the whole group (weight sums per priority), reported at the group."""
-    for problem in envoy_limits.problems(group):
+    for problem in envoy_checks.problems(group):
         w.problem(node, path, problem)
 
 

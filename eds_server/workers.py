@@ -273,8 +273,11 @@ class WorkerPool:
                 gap = counts[busiest] - counts[fresh.index]
                 if busiest == fresh.index or gap < 2:
                     return
-                answer = await self._post(self.workers[busiest - 1], "/v1/worker/shed",
-                                          {"streams": str(min(SHED_STREAMS, gap // 2)), "one_under": str(gap)})
+                answer = await self._post(
+                    self.workers[busiest - 1],
+                    "/v1/worker/shed",
+                    {"streams": str(min(SHED_STREAMS, gap // 2)), "one_under": str(gap)},
+                )
                 if not answer.get("streams"):
                     return  # only connections too big to move without making it worse
                 target = counts[fresh.index] + int(answer["streams"])

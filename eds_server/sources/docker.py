@@ -165,8 +165,10 @@ def with_fix(reason: str) -> str:
     """The reason an engine could not be reached, with the fix where it is ours to name: a socket
     eds-server's user may not open (the image runs as uid 10001, the socket is root:docker 0660)."""
     if "Permission denied" in reason or "[Errno 13]" in reason:
-        return (f"{reason}; eds-server's user needs the socket's group: in compose, put "
-                "DOCKER_GID=$(stat -c %g /var/run/docker.sock) in .env (group_add), see docs/docker.md")
+        return (
+            f"{reason}; eds-server's user needs the socket's group: in compose, put "
+            "DOCKER_GID=$(stat -c %g /var/run/docker.sock) in .env (group_add), see docs/docker.md"
+        )
     return reason
 
 

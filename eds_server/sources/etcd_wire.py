@@ -300,9 +300,7 @@ def watch_message(line: bytes) -> WatchMessage:
     if err is not None:
         raise err
     result = obj.get("result", {})
-    events = tuple(
-        Event(e.get("type") == "DELETE", key_value(e.get("kv", {}))) for e in result.get("events", ())
-    )
+    events = tuple(Event(e.get("type") == "DELETE", key_value(e.get("kv", {}))) for e in result.get("events", ()))
     return WatchMessage(
         revision(result), events, bool(result.get("created")), bool(result.get("canceled")),
         _int(result.get("compact_revision")), str(result.get("cancel_reason", "")),

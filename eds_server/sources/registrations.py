@@ -281,7 +281,8 @@ def check_merged(feed: Feed, source: str, group: str, members: Mapping[str, Endp
     problems = feed.problems_with(source, group, part({**members, id: endpoint}))
     if problems:
         raise RegistrationError(
-            409, f"group {group!r} merged with the other sources would be rejected by Envoy: {problems[0]}",
+            409,
+            f"group {group!r} merged with the other sources would be rejected by Envoy: {problems[0]}",
             "weight",
         )
 

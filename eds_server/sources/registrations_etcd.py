@@ -156,8 +156,13 @@ class EtcdRegistrationSource:
         return max(0.0, seen + lease_ttl(reg.ttl) - self._mono())
 
     def status(self) -> SourceStatus:
-        return self.liveness.status(state=str(self.target), revision=self._revision, watching=self.client.watching,
-                                    registrations=len(self._state.regs), max_registrations=self.max_registrations)
+        return self.liveness.status(
+            state=str(self.target),
+            revision=self._revision,
+            watching=self.client.watching,
+            registrations=len(self._state.regs),
+            max_registrations=self.max_registrations,
+        )
 
     async def start(self) -> None:
         """Nothing to check before serving: until etcd is listed the store waits (not ready)."""
@@ -592,8 +597,13 @@ class EtcdRegistrationSource:
             reply = await self.client.call(path, body, deadline=deadline)
             if wire.revision(reply) >= seen:
                 return reply
-            self._stale_reads.log(logging.WARNING, "registrations: %s answered a read at revision %d, behind this "
-                                  "view (%d): asking another member", self.client.member, wire.revision(reply), seen)
+            self._stale_reads.log(
+                logging.WARNING,
+                "registrations: %s answered a read at revision %d, behind this view (%d): asking another member",
+                self.client.member,
+                wire.revision(reply),
+                seen,
+            )
             self.client.rotate()
         raise EtcdUnavailable(f"every answer was behind this replica's view (revision {self._revision})")
 

@@ -28,28 +28,26 @@ from ..store import Resource, Store
 from ..xds import wire
 from ..xds.common import (
     WILDCARD,
-    Limits,
     Nonces,
     ProtocolError,
+    SubscriptionLimits,
     check_request,
     response_version,
 )
 from ..xds.session import DELTA, SOTW, Authorize, SessionDriver, StreamKind, decode_request, node_fields, shown
 from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server, keepalive_config
-from .h2.limits import LogLimit
+from .h2.limits import ThrottledLog
 from .h2.stock import StockIO
 from .reflection import ReflectionService
 from .stream_table import AddressTable, StreamRegistry
 from .unknown import UnknownMethods
 
 log = logging.getLogger("eds_server.grpc")
-_refusal_log = LogLimit()  # a client that keeps hitting the stream limits cannot fill the log
+_refusal_log = ThrottledLog()  # a client that keeps hitting the stream limits cannot fill the log
 
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
 SERVED = (EDS_SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
           "grpc.reflection.v1alpha.ServerReflection")  # fmt: skip
-
-
 
 
 @dataclass
@@ -57,7 +55,7 @@ class EdsService:
     """envoy.service.endpoint.v3.EndpointDiscoveryService over a Store."""
 
     store: Store
-    limits: Limits = field(default_factory=Limits)
+    limits: SubscriptionLimits = field(default_factory=SubscriptionLimits)
     send_timeout: float = 30.0
     max_streams: int = 100_000  # open streams in total, across connections (health and reflection too)
     open_io: Callable[[grpclib.server.Stream[Any, Any]], StreamIO] = StockIO  # set by make_server
@@ -282,6 +280,7 @@ class EdsService:
         resources = [self.store.get(n) for n in names]
         version = response_version(resources) if resources else ""
         await stream.send_message(self.responses.discovery_response(version, resources, ""))
+
 
 class SendState(enum.Enum):
     """Who sends a stream's next response. A response comes due when a change arrives (the store's

@@ -30,7 +30,11 @@ class ResourceView(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class SubscriptionLimits:
+    """What one stream may subscribe to (--max-names, --max-name-length). "Limits" in this code
+    always means what a client may take: these, ConnectionLimits (the gRPC port) and HttpLimits
+    (the aiohttp ports)."""
+
     max_names: int = 10_000
     max_name_length: int = 1024
 
@@ -90,7 +94,7 @@ def response_version(resources: Iterable[Resource], *, digest: bool = False) -> 
     return hasher.hexdigest()
 
 
-def check_request(type_url: str, names: Collection[str], limits: Limits) -> None:
+def check_request(type_url: str, names: Collection[str], limits: SubscriptionLimits) -> None:
     """Refuse what no Envoy sends: another resource type, or names past the limits."""
     if type_url not in ("", EDS_TYPE_URL):
         raise ProtocolError("INVALID_ARGUMENT", f"type_url {type_url!r} is not served here")
@@ -108,12 +112,12 @@ def check_node(has_node: bool) -> None:
         raise ProtocolError("INVALID_ARGUMENT", "the first request of a stream must carry a node")
 
 
-def check_count(count: int, what: str, limits: Limits) -> None:
+def check_count(count: int, what: str, limits: SubscriptionLimits) -> None:
     if count > limits.max_names:
         raise ProtocolError("RESOURCE_EXHAUSTED", f"{count} {what} (limit {limits.max_names})")
 
 
-def check_lengths(names: Iterable[str], limits: Limits) -> None:
+def check_lengths(names: Iterable[str], limits: SubscriptionLimits) -> None:
     for name in names:
         if len(name) > limits.max_name_length:
             raise ProtocolError(
@@ -157,7 +161,7 @@ class StreamState(Generic[R]):
     """
 
     view: ResourceView
-    limits: Limits = field(default_factory=Limits)
+    limits: SubscriptionLimits = field(default_factory=SubscriptionLimits)
     nonces: Nonces = field(default_factory=Nonces)
 
     subscribed: dict[str, None] = field(default_factory=dict)  # ordered set

@@ -16,7 +16,7 @@ from .. import protowire
 from ..observe import Observers, clip, names_shown
 from ..store import Store
 from . import wire
-from .common import Ack, Event, Limits, Nack, Nonces, ProtocolError, Subscribed
+from .common import Ack, Event, Nack, Nonces, ProtocolError, Subscribed, SubscriptionLimits
 from .delta import DeltaStream
 from .sotw import SotwStream
 
@@ -44,7 +44,7 @@ class StreamKind:
 
     name: str
     decode: Callable[[bytes, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
-    machine: Callable[[Store, Limits, Nonces], Machine]
+    machine: Callable[[Store, SubscriptionLimits, Nonces], Machine]
     encode: Callable[[Any, wire.Responses], bytes]  # the state machine's response -> wire bytes
     version: Callable[[Any], str]  # the response's version
 
@@ -62,7 +62,7 @@ DELTA = StreamKind(
 
 
 def decode_request(
-    decode: Callable[[bytes, int], tuple[Any, memoryview | None]], data: bytes, limits: Limits
+    decode: Callable[[bytes, int], tuple[Any, memoryview | None]], data: bytes, limits: SubscriptionLimits
 ) -> tuple[Any, memoryview | None]:
     """A request and its raw Node; ProtocolError (INVALID_ARGUMENT, or past a limit) if it cannot be."""
     try:
@@ -95,7 +95,7 @@ class SessionDriver:
     the response due. It is the StreamView observers see."""
 
     def __init__(
-        self, kind: StreamKind, store: Store, limits: Limits, nonces: Nonces, observers: Observers,
+        self, kind: StreamKind, store: Store, limits: SubscriptionLimits, nonces: Nonces, observers: Observers,
         peer: str, cert: Callable[[], dict[str, Any] | None], authorize: Authorize | None = None,
     ) -> None:  # fmt: skip
         self.kind = kind

@@ -27,6 +27,7 @@ _CONTROL_PLANE = string_field(1, CONTROL_PLANE_ID)  # ControlPlane{identifier (1
 _SOTW_TAIL = _TYPE_URL + length_delimited(6, _CONTROL_PLANE)
 _DELTA_TAIL = _TYPE_URL + length_delimited(7, _CONTROL_PLANE)
 
+
 def _any(resource: Resource) -> bytes:
     return _ANY_TYPE_URL + length_delimited(2, resource.body)
 

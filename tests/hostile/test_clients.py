@@ -66,8 +66,17 @@ NOT_ON_STOCK: dict[str, str] = {}
 async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: str) -> dict[str, Any]:
     upstreams = tmp_path / "upstreams.yaml"
     upstreams.write_text(upstreams_text(0))
-    async with EdsServerProcess(upstreams, "--log-level", "info", "--admin-token", TOKEN,
-                                "--registration-allow-cidr", "127.0.0.0/8", *extra, workdir=tmp_path) as server:
+    async with EdsServerProcess(
+        upstreams,
+        "--log-level",
+        "info",
+        "--admin-token",
+        TOKEN,
+        "--registration-allow-cidr",
+        "127.0.0.0/8",
+        *extra,
+        workdir=tmp_path,
+    ) as server:
         assert server.proc is not None
         pin(server.proc.pid, 0)
         # changes through the registration API: immediate, unlike a file watch on a busy machine

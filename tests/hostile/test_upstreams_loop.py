@@ -128,5 +128,5 @@ async def test_a_big_file_is_parsed_off_the_event_loop(tmp_path: Path) -> None:
         else:
             raise AssertionError("the big file was never served")
         assert parsing and answered >= 10, answered
-        big = (await server.admin("/v1/groups/big"))
+        big = await server.admin("/v1/groups/big")
         assert len(big["endpoints"]) == 50_000

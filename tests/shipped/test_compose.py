@@ -391,8 +391,10 @@ def test_envoy_admin_is_neither_reachable_from_the_backends_nor_published() -> N
     assert f"127.0.0.1/{admin['port_value']}" in service["healthcheck"]["test"][-1]
 
 
-@pytest.mark.skipif(DOCKER_COMPOSE_V1 is None and not os.environ.get("CI"),
-                    reason="needs Compose v1: apt-get install docker-compose (.ci/run does)")
+@pytest.mark.skipif(
+    DOCKER_COMPOSE_V1 is None and not os.environ.get("CI"),
+    reason="needs Compose v1: apt-get install docker-compose (.ci/run does)",
+)
 def test_compose_v1_accepts_the_file(tmp_path: Path) -> None:
     """Debian 12 packages Compose v1 (docker-compose 1.29) only: its own validation of the file, and
     what it makes of it (no Docker engine needed)."""
@@ -427,6 +429,7 @@ def test_envoy_routes() -> None:
 def test_backends_cannot_reach_eds_server() -> None:
     """eds-server (xDS and admin, registrations included) shares a network with Envoy only; the
     backends are on the other one, with Envoy."""
+
     def networks(name: str) -> set[str]:
         return set(SERVICES[name].get("networks") or ["default"])
 

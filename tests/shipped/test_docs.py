@@ -55,9 +55,13 @@ def test_no_tracker_references() -> None:
     found = []
     for path in sorted(ROOT.rglob("*")):
         parts = path.relative_to(ROOT).parts
-        if path.suffix not in (".py", ".md", ".sh", ".yaml", ".toml") or parts[0].startswith(".") or parts[:2] == (
-            "eds_server", "pb"
-        ) or "node_modules" in parts or parts[0] in ("build", "dist"):
+        if (
+            path.suffix not in (".py", ".md", ".sh", ".yaml", ".toml")
+            or parts[0].startswith(".")
+            or parts[:2] == ("eds_server", "pb")
+            or "node_modules" in parts
+            or parts[0] in ("build", "dist")
+        ):
             continue
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             if reference.search(line):
@@ -69,8 +73,11 @@ def test_the_map_of_the_tests_names_every_module() -> None:
     """So that a newcomer finds a module's tests from tests/README.md, a new module needs its line."""
     package = ROOT / "eds_server"
     text = (ROOT / "tests" / "README.md").read_text()
-    modules = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
-               if p.name not in ("__init__.py", "__main__.py") and "pb" not in p.relative_to(package).parts]
+    modules = [
+        p.relative_to(package).as_posix()
+        for p in sorted(package.rglob("*.py"))
+        if p.name not in ("__init__.py", "__main__.py") and "pb" not in p.relative_to(package).parts
+    ]
     assert modules
     assert not [m for m in modules if f"`{m}`" not in text]
 
@@ -153,8 +160,11 @@ def test_the_design_map_names_every_module() -> None:
     its mention there, by its path below eds_server/ or its file name."""
     package = ROOT / "eds_server"
     text = (ROOT / "docs" / "design.md").read_text()
-    modules = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
-               if p.name not in ("__init__.py", "__main__.py") and "pb" not in p.relative_to(package).parts]
+    modules = [
+        p.relative_to(package).as_posix()
+        for p in sorted(package.rglob("*.py"))
+        if p.name not in ("__init__.py", "__main__.py") and "pb" not in p.relative_to(package).parts
+    ]
     assert modules
     assert not [m for m in modules if f"`{m}`" not in text and f"`{m.rsplit('/', 1)[-1]}`" not in text]
 

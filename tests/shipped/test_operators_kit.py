@@ -98,8 +98,10 @@ def test_alert_rules_are_well_formed() -> None:
         assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.skipif(PROMTOOL is None and not os.environ.get("CI"),
-                    reason="needs Debian's prometheus (apt-get install prometheus; .ci/run does)")
+@pytest.mark.skipif(
+    PROMTOOL is None and not os.environ.get("CI"),
+    reason="needs Debian's prometheus (apt-get install prometheus; .ci/run does)",
+)
 def test_a_source_that_fails_after_loading_is_degraded_not_unhealthy(tmp_path: Path) -> None:
     """promtool's rule unit test: series in, alerts out. A loaded source that fails fires Degraded
     after 2 minutes; one that never loaded fires Unhealthy after 5, never both for one source."""
@@ -140,16 +142,25 @@ async def _get(session: aiohttp.ClientSession, url: str, **params: str) -> Any:
 
 
 @pytest.mark.envoy
-@pytest.mark.skipif(PROMETHEUS is None and not os.environ.get("CI"),
-                    reason="needs Debian's prometheus (apt-get install prometheus; .ci/run does)")
+@pytest.mark.skipif(
+    PROMETHEUS is None and not os.environ.get("CI"),
+    reason="needs Debian's prometheus (apt-get install prometheus; .ci/run does)",
+)
 async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> None:
     async with http_backends(2) as backends:
         path = tmp_path / "upstreams.yaml"
         path.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}]\n"
                         f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n")  # fmt: skip
         token = "kit-test-token-0123456789"
-        async with EdsServerProcess(path, "--state", str(tmp_path / "state.json"), "--admin-token", token,
-                                    "--registration-allow-cidr", "127.0.0.0/8") as server:
+        async with EdsServerProcess(
+            path,
+            "--state",
+            str(tmp_path / "state.json"),
+            "--admin-token",
+            token,
+            "--registration-allow-cidr",
+            "127.0.0.0/8",
+        ) as server:
             admin = f"127.0.0.1:{server.admin_port}"
             bootstrap = envoy_bootstrap(server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")])
             async with EnvoyProcess(bootstrap) as envoy, aiohttp.ClientSession() as s:
@@ -226,6 +237,7 @@ class Prometheus:
             f"--web.listen-address=127.0.0.1:{self.port}", stdout=log, stderr=log,
         )  # fmt: skip
         log.close()
+
         async def ready(s: aiohttp.ClientSession) -> int:
             async with s.get(f"{self.url}/-/ready") as r:
                 return r.status

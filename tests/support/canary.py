@@ -48,6 +48,7 @@ def pin(pid: int, cpu: int) -> None:
     if len(cpus) >= 2:
         os.sched_setaffinity(pid, {cpus[cpu]})
 
+
 @dataclass
 class CanaryReport:
     seconds: float = 0.0
@@ -140,8 +141,11 @@ class Canary:
             try:
                 request = channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse)
                 async with request as stream:
-                    await stream.send_message(DiscoveryRequest(
-                        node=Node(id="canary", cluster="canary"), resource_names=[GROUP], type_url=EDS_TYPE_URL))
+                    await stream.send_message(
+                        DiscoveryRequest(
+                            node=Node(id="canary", cluster="canary"), resource_names=[GROUP], type_url=EDS_TYPE_URL
+                        )
+                    )
                     while time.monotonic() < deadline:
                         left = deadline - time.monotonic()
                         try:

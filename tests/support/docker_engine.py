@@ -52,8 +52,31 @@ IMAGE = "eds-test-busybox:1"
 BUSYBOX = Path("/bin/busybox")
 # Applets linked into the image (all are the one static busybox binary).
 APPLETS = (
-    "sh", "ash", "httpd", "sleep", "usleep", "mkdir", "echo", "printf", "touch", "rm", "test", "[", "cat",
-    "true", "false", "kill", "ls", "ps", "env", "id", "hostname", "date", "wget", "timeout", "seq",
+    "sh",
+    "ash",
+    "httpd",
+    "sleep",
+    "usleep",
+    "mkdir",
+    "echo",
+    "printf",
+    "touch",
+    "rm",
+    "test",
+    "[",
+    "cat",
+    "true",
+    "false",
+    "kill",
+    "ls",
+    "ps",
+    "env",
+    "id",
+    "hostname",
+    "date",
+    "wget",
+    "timeout",
+    "seq",
 )
 HEALTH_INTERVAL = "200ms"  # dockerd 20.10 rejects intervals under 1ms ("cannot be less than 1ms")
 _SOCKET_PATH_MAX = 100  # sun_path is 108 bytes; containerd adds ".ttrpc" to its own socket
@@ -108,16 +131,16 @@ def _is_static_elf(path: Path) -> bool:
     is64, little = data[4] == 2, data[5] == 1
     end = "<" if little else ">"
     if is64:
-        phoff, = struct.unpack_from(end + "Q", data, 0x20)
+        (phoff,) = struct.unpack_from(end + "Q", data, 0x20)
         phentsize, phnum = struct.unpack_from(end + "HH", data, 0x36)
     else:
-        phoff, = struct.unpack_from(end + "I", data, 0x1C)
+        (phoff,) = struct.unpack_from(end + "I", data, 0x1C)
         phentsize, phnum = struct.unpack_from(end + "HH", data, 0x2A)
     for i in range(phnum):
         off = phoff + i * phentsize
         if off + 4 > len(data):
             return False
-        p_type, = struct.unpack_from(end + "I", data, off)
+        (p_type,) = struct.unpack_from(end + "I", data, off)
         if p_type == 3:  # PT_INTERP: dynamically linked
             return False
     return True
@@ -169,8 +192,11 @@ class DockerEngine:
         self.socket_path = self.dir / "docker.sock"
         self.log_path = self.dir / "dockerd.log"
         self._proc: subprocess.Popen[bytes] | None = None
-        self._env = {k: v for k, v in os.environ.items()
-                     if k not in ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH")}
+        self._env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH")
+        }
         self._env["DOCKER_CONFIG"] = str(self.dir / "cli")
         self._closed = False
 
@@ -202,19 +228,28 @@ class DockerEngine:
                 (self.dir / "docker.pid").unlink()
             cmd = [
                 self.dockerd,
-                "--host", self.host,
-                "--data-root", str(self.dir / "data"),
-                "--exec-root", str(self.dir / "exec"),
-                "--pidfile", str(self.dir / "docker.pid"),
-                "--storage-driver", "vfs",
+                "--host",
+                self.host,
+                "--data-root",
+                str(self.dir / "data"),
+                "--exec-root",
+                str(self.dir / "exec"),
+                "--pidfile",
+                str(self.dir / "docker.pid"),
+                "--storage-driver",
+                "vfs",
                 "--iptables=false",
                 "--bridge=none",
                 *(["--live-restore"] if self.live_restore else []),
             ]
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, env=self._env,
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=self._env,
                 )
             try:
                 wait_for_blocking(self._ping_or_die, timeout=self.start_timeout, interval=0.1, what="dockerd /_ping")
@@ -300,8 +335,15 @@ class DockerEngine:
         """Run ``docker -H <this engine> *args``; returns stdout stripped. Raises DockerError with stderr."""
         cmd = [self.docker, "-H", self.host, *args]
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self._env,
-                                 input=input, stdin=None if input is not None else subprocess.DEVNULL)
+            res = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=self._env,
+                input=input,
+                stdin=None if input is not None else subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired as exc:
             raise DockerError(f"{shlex.join(cmd[3:])}: timed out after {timeout}s") from exc
         if res.returncode != 0:
@@ -312,7 +354,8 @@ class DockerEngine:
         """``cli`` for async tests (does not block the event loop)."""
         cmd = [self.docker, "-H", self.host, *args]
         proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self._env)
+            *cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self._env
+        )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
         except TimeoutError:
@@ -383,8 +426,13 @@ class DockerEngine:
         return str(health["Status"]) if health else None
 
     def wait_health(self, ref: str, status: str, timeout: float = 15.0) -> None:
-        wait_for_blocking(lambda: self.health(ref) == status, timeout=timeout, interval=0.1,
-                 what=f"{ref} to be {status}", retry=NOT_YET_DOCKER)
+        wait_for_blocking(
+            lambda: self.health(ref) == status,
+            timeout=timeout,
+            interval=0.1,
+            what=f"{ref} to be {status}",
+            retry=NOT_YET_DOCKER,
+        )
 
     def events(self, since: float, until: float | None = None, filters: Sequence[str] = ()) -> list[dict[str, Any]]:
         """Events between two unix times (``until`` defaults to now), as decoded ``{{json .}}`` lines.
@@ -399,14 +447,21 @@ class DockerEngine:
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
     def wait_event(
-        self, since: float, match: Callable[[dict[str, Any]], bool], *, filters: Sequence[str] = (),
+        self,
+        since: float,
+        match: Callable[[dict[str, Any]], bool],
+        *,
+        filters: Sequence[str] = (),
         timeout: float = 15.0,
     ) -> dict[str, Any]:
         """Poll (bounded) for the first event since ``since`` for which ``match`` is true."""
+
         def probe() -> dict[str, Any] | None:
             return next((e for e in self.events(since, filters=filters) if match(e)), None)
-        return wait_for_blocking(probe, timeout=timeout, interval=0.2, what="a matching docker event",
-                                 retry=NOT_YET_DOCKER)
+
+        return wait_for_blocking(
+            probe, timeout=timeout, interval=0.2, what="a matching docker event", retry=NOT_YET_DOCKER
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -459,8 +514,11 @@ class DockerEngine:
         for pid in children + ours:
             _kill(pid, signal.SIGKILL)
         with contextlib.suppress(AssertionError):
-            wait_for_blocking(lambda: not any(_pid_alive(p) for p in children + ours), timeout=10,
-                     what="leftover engine processes to exit")
+            wait_for_blocking(
+                lambda: not any(_pid_alive(p) for p in children + ours),
+                timeout=10,
+                what="leftover engine processes to exit",
+            )
 
     def _unmount_all(self) -> None:
         """dockerd leaves bind mounts (its data root, netns files) under our dir; unmount them."""
@@ -478,10 +536,12 @@ class DockerEngine:
 def _write_busybox_tar(path: Path) -> None:
     """A root filesystem: /bin/busybox (static), applet symlinks, /www and /tmp."""
     with tarfile.open(path, "w") as tar:
+
         def add_dir(name: str, mode: int = 0o755) -> None:
             info = tarfile.TarInfo(name)
             info.type, info.mode, info.mtime = tarfile.DIRTYPE, mode, int(time.time())
             tar.addfile(info)
+
         for d in ("bin", "www", "etc"):
             add_dir(d)
         add_dir("tmp", 0o1777)
@@ -590,19 +650,35 @@ def run_backend(
     for key, value in labels.items():
         args += ["--label", f"{key}={value}"]
     if health_cmd is not None:
-        args += ["--health-cmd", health_cmd, "--health-interval", HEALTH_INTERVAL,
-                 "--health-timeout", "5s", "--health-retries", "1"]
-    args += [*extra_args, engine.image, "sh", "-c",
-             backend_script(name, port, drain_seconds=drain_seconds, start_healthy=start_healthy)]
+        args += [
+            "--health-cmd",
+            health_cmd,
+            "--health-interval",
+            HEALTH_INTERVAL,
+            "--health-timeout",
+            "5s",
+            "--health-retries",
+            "1",
+        ]
+    args += [
+        *extra_args,
+        engine.image,
+        "sh",
+        "-c",
+        backend_script(name, port, drain_seconds=drain_seconds, start_healthy=start_healthy),
+    ]
     cid = engine.cli(*args)
     if wait_ready:
-        wait_for_blocking(lambda: http_get(port, timeout=1.0) == (200, name), timeout=ready_timeout, interval=0.1,
-                 what=f"backend {name} on 127.0.0.1:{port}")
+        wait_for_blocking(
+            lambda: http_get(port, timeout=1.0) == (200, name),
+            timeout=ready_timeout,
+            interval=0.1,
+            what=f"backend {name} on 127.0.0.1:{port}",
+        )
     return cid
 
 
-async def arun_backend(engine: DockerEngine, name: str, port: int, labels: Mapping[str, str],
-                       **kwargs: Any) -> str:
+async def arun_backend(engine: DockerEngine, name: str, port: int, labels: Mapping[str, str], **kwargs: Any) -> str:
     """``run_backend`` for async tests (runs in a thread)."""
     return await asyncio.to_thread(run_backend, engine, name, port, labels, **kwargs)
 

@@ -71,8 +71,7 @@ class EdsCluster:
 
 def _static_cluster(name: str, ports: Sequence[int], **extra: Any) -> dict[str, Any]:
     endpoints = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-        for p in ports
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in ports
     ]
     return {
         "name": name,
@@ -186,9 +185,7 @@ def _http_listener(port: int, routes: Mapping[str, str], rewrite: bool) -> dict[
         "http_filters": [
             {
                 "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
             }
         ],
     }
@@ -196,11 +193,7 @@ def _http_listener(port: int, routes: Mapping[str, str], rewrite: bool) -> dict[
         "name": "ingress",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
         "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
         ],
     }
 

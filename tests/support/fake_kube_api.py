@@ -122,7 +122,6 @@ class FakeApiServer:
         return resp
 
 
-
 async def run_process(*args: str) -> tuple[asyncio.subprocess.Process, int]:
     """The stand-in as its own process (stderr discarded) and its port; the caller kills it."""
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.support.fake_kube_api", *args,

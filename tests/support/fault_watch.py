@@ -192,6 +192,7 @@ class FaultWatch:
     def longest(self, flag: str) -> float:
         """Longest run of consecutive samples for which `flag` holds: "stale" (a loaded source is served
         marked stale), "unready" (eds-server answers nobody: restarting, or waiting for a source)."""
+
         def holds(s: Sample) -> bool:
             return bool(s.stale) if flag == "stale" else not s.ready
 

@@ -34,7 +34,6 @@ def group(name: str, *ports: int) -> Group:
     return Group(name, tuple(Endpoint("127.0.0.1", p) for p in ports))
 
 
-
 async def fetch_web(port: int, host: str = "127.0.0.1") -> DiscoveryResponse:
     """One well-behaved client's answer for "web" on its own connection: the server still serves."""
     channel = Channel(host, port)
@@ -47,6 +46,7 @@ async def fetch_web(port: int, host: str = "127.0.0.1") -> DiscoveryResponse:
             return msg
     finally:
         channel.close()
+
 
 class Harness:
     def __init__(self, store: Store, service: EdsService, channel: Channel, server: Any) -> None:

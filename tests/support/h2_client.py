@@ -46,7 +46,6 @@ WAIT = 10.0  # the most any one wait may take (a bound, never a claim about spee
 OUR_WINDOW = 1 << 30  # the client's receive windows: the server never waits on us
 
 
-
 def grpc(message: Any) -> bytes:
     """A gRPC message: uncompressed flag, length prefix, body."""
     body = message if isinstance(message, bytes) else bytes(message)

@@ -92,8 +92,11 @@ class KubeCluster:
         self.token = secrets.token_hex(24)
         (workdir / "tokens.csv").write_text(f'{self.token},test-admin,test-admin-uid,"system:masters"\n')
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        (workdir / "sa.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()))
+        (workdir / "sa.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+            )
+        )
         (workdir / "sa.pub").write_bytes(key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))  # fmt: skip
         self.ca = workdir / "certs" / "apiserver.crt"  # self-signed by kube-apiserver: its own CA

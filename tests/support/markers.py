@@ -11,5 +11,6 @@ running: frozenset[str] | None = None  # set by tests/conftest.py around each te
 def require(marker: str, what: str) -> None:
     """Refuse to start `what` in a test that does not carry `marker`."""
     if running is not None and marker not in running:
-        raise RuntimeError(f"{what} started by a test without the `{marker}` marker: mark the test, "
-                           f"or move it under tests/e2e/")
+        raise RuntimeError(
+            f"{what} started by a test without the `{marker}` marker: mark the test, or move it under tests/e2e/"
+        )

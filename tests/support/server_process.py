@@ -46,7 +46,11 @@ class EdsServerProcess:
     """`python -m eds_server serve` on loopback ports; restartable on the same ports."""
 
     def __init__(
-        self, upstreams: Path | None, *extra_args: str, workdir: Path | None = None, user: RunAs | None = None,
+        self,
+        upstreams: Path | None,
+        *extra_args: str,
+        workdir: Path | None = None,
+        user: RunAs | None = None,
         open_files: int | None = None,
     ) -> None:
         """`open_files`: the server's open-file limit, soft and hard (util-linux ``prlimit``)."""
@@ -142,7 +146,12 @@ async def file_error(server: EdsServerProcess) -> str | None:
 
 
 async def wait_error(server: EdsServerProcess, text: str, timeout: float = 10.0) -> str:
-    error = await wait_for(lambda: file_error(server), lambda e: e and text in e, timeout=timeout, interval=0.05,
-                           what=f"a file error with {text!r}")
+    error = await wait_for(
+        lambda: file_error(server),
+        lambda e: e and text in e,
+        timeout=timeout,
+        interval=0.05,
+        what=f"a file error with {text!r}",
+    )
     assert error is not None
     return error

@@ -1,9 +1,9 @@
 """A throwaway CA and certificates for TLS tests, made at test time with `cryptography`.
 
-    ca = CertAuthority("test CA")
-    server = ca.issue(tmp_path / "server", dns=["localhost"], ips=["127.0.0.1"])
-    envoy = ca.issue(tmp_path / "envoy", uris=["spiffe://example.org/ns/shop/sa/envoy"])
-    server.cert, server.key   # PEM files; ca.cert_path is the CA's certificate
+ca = CertAuthority("test CA")
+server = ca.issue(tmp_path / "server", dns=["localhost"], ips=["127.0.0.1"])
+envoy = ca.issue(tmp_path / "envoy", uris=["spiffe://example.org/ns/shop/sa/envoy"])
+server.cert, server.key   # PEM files; ca.cert_path is the CA's certificate
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 _ONE_DAY = datetime.timedelta(days=1)
 _CA_KEY_USAGE = x509.KeyUsage(
-    digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False, key_encipherment=False,
-    data_encipherment=False, key_agreement=False, encipher_only=False, decipher_only=False,
+    digital_signature=True,
+    key_cert_sign=True,
+    crl_sign=True,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    encipher_only=False,
+    decipher_only=False,
 )
 
 
@@ -39,9 +46,7 @@ def _name(common_name: str) -> x509.Name:
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
     path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     path.chmod(0o600)
 
@@ -100,9 +105,7 @@ class CertAuthority:
                 x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                 critical=False,
             )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False
-            )
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
         )
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)

@@ -106,13 +106,13 @@ async def test_reconnect_with_current_version_is_not_resent(harness: Harness) ->
         (DiscoveryRequest(node=Node(id="n"), type_url="type.googleapis.com/x.Y"), Status.INVALID_ARGUMENT),
         (DiscoveryRequest(node=Node(id="n"), resource_names=["x" * 2000]), Status.INVALID_ARGUMENT),
         (DiscoveryRequest(node=Node(id="n"), resource_names=["a"] * 10_001), Status.RESOURCE_EXHAUSTED),
-        (DiscoveryRequest(node=Node(id="n"), resource_names=["a" * 1000] * 1100),
-         Status.RESOURCE_EXHAUSTED),  # over --max-message-size
+        (
+            DiscoveryRequest(node=Node(id="n"), resource_names=["a" * 1000] * 1100),
+            Status.RESOURCE_EXHAUSTED,
+        ),  # over --max-message-size
     ],
 )
-async def test_bad_requests_get_grpc_errors(
-    harness: Harness, request_: DiscoveryRequest, status: Status
-) -> None:
+async def test_bad_requests_get_grpc_errors(harness: Harness, request_: DiscoveryRequest, status: Status) -> None:
     harness.store.update(SOURCE, {})
     with pytest.raises(GRPCError) as e:
         async with harness.stream() as stream:
@@ -477,6 +477,8 @@ async def test_a_client_goaway_read_with_a_ping_ends_that_connection_cleanly(
         harness.store.update(SOURCE, {"web": group("web", 1, 2)})
         assert len(cla_of(await recv(canary)).endpoints[0].lb_endpoints) == 2
     assert "Traceback" not in caplog.text and "Fatal error" not in caplog.text, caplog.text[-3000:]
+
+
 async def test_a_stream_shows_who_sends_and_metrics_count_it_through_the_observers(harness: Harness) -> None:
     """A stream's SendState is idle between responses (a change then goes out from the store's
     callback), closed once the call ends; eds_streams_open hears of it through the observer list."""

@@ -16,14 +16,14 @@ from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
 from eds_server.store import Store
 from eds_server.transport.rest import PATH, make_rest_app
-from eds_server.xds.common import EDS_TYPE_URL, Limits
+from eds_server.xds.common import EDS_TYPE_URL, SubscriptionLimits
 
 
 @pytest.fixture
 async def rest() -> AsyncIterator[tuple[Store, str]]:
     store = Store(encode_group)
     store.add_source("t")
-    runner = web.AppRunner(make_rest_app(store, Limits(max_names=10), 64 * 1024))
+    runner = web.AppRunner(make_rest_app(store, SubscriptionLimits(max_names=10), 64 * 1024))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

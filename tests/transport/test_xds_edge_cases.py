@@ -29,7 +29,7 @@ from eds_server.pb.envoy.service.discovery.v3 import (
 )
 from eds_server.pb.google.rpc import Status as RpcStatus
 from eds_server.transport.grpc import _Session
-from eds_server.xds.common import EDS_TYPE_URL, Limits
+from eds_server.xds.common import EDS_TYPE_URL, SubscriptionLimits
 from tests.support.grpc_harness import SOURCE, Harness, cla_of, first, group, no_message, recv, reply
 from tests.support.waiting import wait_for
 
@@ -199,7 +199,7 @@ async def test_sotw_a_name_dropped_by_a_stale_request_is_sent_again_when_listed_
 
 async def test_delta_max_names_is_a_total_per_stream(harness: Harness) -> None:
     harness.store.update(SOURCE, {})
-    harness.service.limits = Limits(max_names=100)
+    harness.service.limits = SubscriptionLimits(max_names=100)
     async with delta_stream(harness) as stream:
         await stream.send_message(delta_first(*(f"a{i}" for i in range(60))))
         r1 = await recv(stream)
@@ -210,7 +210,7 @@ async def test_delta_max_names_is_a_total_per_stream(harness: Harness) -> None:
 
 async def test_delta_reconnect_with_its_versions_counts_each_name_once(harness: Harness) -> None:
     harness.store.update(SOURCE, {"a0": group("a0", 1)})
-    harness.service.limits = Limits(max_names=100)
+    harness.service.limits = SubscriptionLimits(max_names=100)
     names = [f"a{i}" for i in range(60)]
     held = {n: harness.store.get(n).version for n in names}
     held["a0"] = "old"
@@ -365,7 +365,7 @@ async def test_grpclib_clients_read_the_status_not_a_reset(harness: Harness) -> 
         with pytest.raises(GRPCError) as e:
             await stream.recv_message()  # was StreamTerminatedError("Stream reset by remote party")
         assert e.value.status == Status.INVALID_ARGUMENT
-    harness.service.limits = Limits(max_names=1)
+    harness.service.limits = SubscriptionLimits(max_names=1)
     async with harness.stream() as stream:
         await stream.send_message(first("web"))
         r1 = await recv(stream)

@@ -398,12 +398,12 @@ def test_the_command_lines_defaults_are_the_settings_defaults(monkeypatch: pytes
     from eds_server.app import Settings
     from eds_server.transport.h2.http import HttpLimits
     from eds_server.transport.h2.limits import ConnectionLimits
-    from eds_server.xds.common import Limits
+    from eds_server.xds.common import SubscriptionLimits
 
     for name in [n for n in os.environ if n.startswith("EDS_")]:
         monkeypatch.delenv(name)
     args = vars(build_parser().parse_args(["serve", "--upstreams", "x.yaml"]))
-    settings, connections, http, names = Settings(), ConnectionLimits(), HttpLimits(), Limits()
+    settings, connections, http, names = Settings(), ConnectionLimits(), HttpLimits(), SubscriptionLimits()
     pairs = {  # flag's dest: (the settings object, its field)
         "max_upstreams_size": (settings, "max_upstreams_size"),
         "debounce": (settings, "debounce"),

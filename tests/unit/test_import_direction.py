@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("metrics",),  # an observer of the streams, read by the admin port
     ("sources.",),  # the producers of groups
     ("store", "xds.", "observe", "encode", "decode", "serving_state", "heap"),  # serving, without IO
-    ("model", "fields", "upstreams", "yaml_nodes", "security", "envoy_limits", "protowire", "ratelimit",
+    ("model", "fields", "upstreams", "yaml_nodes", "security", "envoy_checks", "protowire", "ratelimit",
      "ports", "worker_process", "gc_settings"),  # plain data, file formats, small helpers
 )  # fmt: skip
 

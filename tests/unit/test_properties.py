@@ -34,7 +34,7 @@ from eds_server.model import Endpoint, Group, Health, Locality
 from eds_server.sources.containers import SETTING_KEYS, DockerOptions, container_endpoints, groups_of
 from eds_server.store import Resource
 from eds_server.xds import wire
-from eds_server.xds.common import EDS_TYPE_URL, Limits, ProtocolError, StaleNonce, response_version
+from eds_server.xds.common import EDS_TYPE_URL, ProtocolError, StaleNonce, SubscriptionLimits, response_version
 from eds_server.xds.delta import DeltaRequest, DeltaResponse, DeltaStream
 from eds_server.xds.sotw import Request, Response, SotwStream
 from tests.support.sotw_checked import CheckedSotwStream
@@ -189,7 +189,6 @@ def test_upstreams_arbitrary_bytes_only_raise_upstreams_error(data: bytes) -> No
 ENDPOINT = "groups:\n  web:\n    endpoints:\n      - "
 
 
-
 @pytest.mark.parametrize(
     "text",
     [
@@ -203,8 +202,14 @@ ENDPOINT = "groups:\n  web:\n    endpoints:\n      - "
         ENDPOINT + "{address: 10.0.0.1, port: 80, metadata: {a: {<<: 1}}}\n",  # bad merge key
     ],
     ids=[
-        "unknown-tag", "unknown-tag-shorthand", "bad-int-shorthand", "bad-bool", "bad-timestamp",
-        "metadata-unknown-tag", "metadata-recursive-alias", "metadata-bad-merge",
+        "unknown-tag",
+        "unknown-tag-shorthand",
+        "bad-int-shorthand",
+        "bad-bool",
+        "bad-timestamp",
+        "metadata-unknown-tag",
+        "metadata-recursive-alias",
+        "metadata-bad-merge",
     ],
 )
 def test_regression_yaml_construction_errors_escape_parse(text: str) -> None:
@@ -212,11 +217,9 @@ def test_regression_yaml_construction_errors_escape_parse(text: str) -> None:
         upstreams.parse(text, "up.yaml")
 
 
-
 def test_regression_yaml_deep_nesting() -> None:
     with pytest.raises(upstreams.UpstreamsError):
         upstreams.parse("groups: " + "[" * 1000, "up.yaml")
-
 
 
 @pytest.mark.parametrize(
@@ -271,9 +274,8 @@ def _label_named(warning: str, labels: dict[str, str]) -> bool:
     for key, value in labels.items():
         if not key.startswith("eds."):
             continue
-        if (
-            re.search(f"label {re.escape(key)}[: ]", warning)
-            or (key.endswith("network") and f"network {value!r}" in warning)
+        if re.search(f"label {re.escape(key)}[: ]", warning) or (
+            key.endswith("network") and f"network {value!r}" in warning
         ):
             return True
     return False
@@ -336,7 +338,9 @@ def _expected_endpoint(common: dict[str, Any], own: dict[str, Any]) -> Endpoint:
 @given(
     st.lists(
         LABEL_GROUPS.filter(lambda g: g not in SETTING_KEYS and not g.startswith("metadata")),
-        min_size=1, max_size=3, unique=True,
+        min_size=1,
+        max_size=3,
+        unique=True,
     ),
     SETTINGS,
     st.data(),
@@ -355,7 +359,6 @@ def test_containers_valid_labels_give_the_expected_endpoints(
     assert {name: list(grp.endpoints) for name, grp in groups_of([c]).items()} == {
         g: [ep] for g, ep in c.endpoints.items()
     }
-
 
 
 def test_regression_group_label_named_by_its_common_key() -> None:
@@ -772,7 +775,6 @@ def test_delta_stream_against_a_client_model(ready: bool, first: Any, ops: list[
     DeltaHarness(View(ready), first).run(ops)
 
 
-
 def test_regression_sotw_nack_of_an_unsubscribed_name() -> None:
     """Found by test_sotw_stream_against_a_client_model. The nonce decides whether a request counts:
     one with no nonce after a response is stale: the name stays subscribed. But the client dropped `a` before it saw r1,
@@ -808,7 +810,7 @@ ANY_NONCE = st.sampled_from(["", "1", "2", "3"]) | st.text(max_size=4)
 CDS_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ANY_TYPE = st.sampled_from(["", EDS_TYPE_URL, CDS_TYPE_URL]) | st.text(max_size=5)
 ANY_ERROR = st.none() | st.text(max_size=5)
-LIMITS = Limits(max_names=5, max_name_length=10)
+LIMITS = SubscriptionLimits(max_names=5, max_name_length=10)
 
 
 @examples(200)

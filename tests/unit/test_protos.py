@@ -257,9 +257,7 @@ def test_messages_match_upstream(our_pool: descriptor_pool.DescriptorPool) -> No
                 theirs = upstream.fields_by_name[field.name]
                 assert _field_signature(field) == _field_signature(theirs), where
                 checked += 1
-            omitted |= {
-                (msg.full_name, name) for name in set(upstream.fields_by_name) - set(msg.fields_by_name)
-            }
+            omitted |= {(msg.full_name, name) for name in set(upstream.fields_by_name) - set(msg.fields_by_name)}
     assert omitted == EXPECTED_OMISSIONS
     assert checked > 100
 
@@ -351,9 +349,7 @@ def make_cla() -> ClusterLoadAssignment:
                 lb_endpoints=[
                     LbEndpoint(
                         endpoint=Endpoint(
-                            address=Address(
-                                socket_address=SocketAddress(address="10.0.0.1", port_value=8080)
-                            ),
+                            address=Address(socket_address=SocketAddress(address="10.0.0.1", port_value=8080)),
                             health_check_config=EndpointHealthCheckConfig(
                                 port_value=9090, hostname="hc.backend.internal"
                             ),
@@ -381,16 +377,12 @@ def make_cla() -> ClusterLoadAssignment:
                     LbEndpoint(
                         endpoint=Endpoint(
                             address=Address(
-                                socket_address=SocketAddress(
-                                    address="2001:db8::1", port_value=443, ipv4_compat=True
-                                )
+                                socket_address=SocketAddress(address="2001:db8::1", port_value=443, ipv4_compat=True)
                             ),
                             hostname="backend-2.example.internal",
                             additional_addresses=[
                                 EndpointAdditionalAddress(
-                                    address=Address(
-                                        socket_address=SocketAddress(address="10.0.0.2", port_value=443)
-                                    )
+                                    address=Address(socket_address=SocketAddress(address="10.0.0.2", port_value=443))
                                 )
                             ],
                         ),
@@ -424,9 +416,7 @@ def make_cla() -> ClusterLoadAssignment:
                                 )
                             ),
                             health_check_config=EndpointHealthCheckConfig(
-                                address=Address(
-                                    socket_address=SocketAddress(address="::ffff:10.0.0.9", port_value=1)
-                                ),
+                                address=Address(socket_address=SocketAddress(address="::ffff:10.0.0.9", port_value=1)),
                                 disable_active_health_check=True,
                             ),
                         ),
@@ -440,9 +430,7 @@ def make_cla() -> ClusterLoadAssignment:
                 lb_endpoints=[
                     LbEndpoint(
                         endpoint=Endpoint(
-                            address=Address(
-                                socket_address=SocketAddress(address="fe80::1%eth0", port_value=0)
-                            )
+                            address=Address(socket_address=SocketAddress(address="fe80::1%eth0", port_value=0))
                         ),
                         health_status=HealthStatus.HEALTHY,
                         load_balancing_weight=128,
@@ -473,9 +461,7 @@ def make_cla() -> ClusterLoadAssignment:
                         numerator=5, denominator=FractionalPercentDenominatorType.TEN_THOUSAND
                     ),
                 ),
-                ClusterLoadAssignmentPolicyDropOverload(
-                    category="lb", drop_percentage=FractionalPercent(numerator=1)
-                ),
+                ClusterLoadAssignmentPolicyDropOverload(category="lb", drop_percentage=FractionalPercent(numerator=1)),
             ],
             overprovisioning_factor=140,
             endpoint_stale_after=datetime.timedelta(seconds=30, milliseconds=500),
@@ -624,9 +610,7 @@ def make_node(extensions: int = 3) -> Node:
                 "PORTS": [80, 443],
             }
         ),
-        dynamic_parameters={
-            "envoy.config.endpoint.v3.ClusterLoadAssignment": ContextParams(params={"zone": "a"})
-        },
+        dynamic_parameters={"envoy.config.endpoint.v3.ClusterLoadAssignment": ContextParams(params={"zone": "a"})},
         locality=Locality(region="eu-west-1", zone="eu-west-1a"),
         user_agent_name="envoy",
         user_agent_build_version=BuildVersion(
@@ -763,9 +747,7 @@ DISCOVERY_RESPONSE_JSON: dict[str, AnyType] = {
     "typeUrl": CLA_TYPE_URL,
     "nonce": "8",
     "controlPlane": {"identifier": "eds-server/0.1.0"},
-    "resourceErrors": [
-        {"resourceName": {"name": "gone"}, "errorDetail": {"code": 5, "message": "not found"}}
-    ],
+    "resourceErrors": [{"resourceName": {"name": "gone"}, "errorDetail": {"code": 5, "message": "not found"}}],
 }
 
 
@@ -1007,9 +989,7 @@ def test_unknown_fields_survive_a_round_trip() -> None:
 def test_deprecated_fields_work_and_warn() -> None:
     with pytest.warns(DeprecationWarning, match="load_balancer_endpoints"):
         ours = LocalityLbEndpoints(
-            load_balancer_endpoints=LocalityLbEndpointsLbEndpointList(
-                lb_endpoints=[LbEndpoint(endpoint_name="x")]
-            )
+            load_balancer_endpoints=LocalityLbEndpointsLbEndpointList(lb_endpoints=[LbEndpoint(endpoint_name="x")])
         )
     with pytest.warns(DeprecationWarning, match="listening_addresses"):
         node = Node(listening_addresses=[Address(pipe=Pipe(path="/p"))])

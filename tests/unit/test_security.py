@@ -188,8 +188,12 @@ def test_bad_authz_file_every_problem_with_its_line() -> None:
         "authz.yaml:7: rules[2].extra: unknown key (expected one of: match, groups)",
         "authz.yaml:8: default: must be one of: allow, deny",
     ]
-    for bad, problem in [("", "authz.yaml:1: empty file"), ("default: deny\n", "authz.yaml:1: rules: missing"),
-                         ("rules: [\n", "authz.yaml:2:1: not valid YAML"), ("rules: []\nrules: []\n", "duplicate key")]:
+    for bad, problem in [
+        ("", "authz.yaml:1: empty file"),
+        ("default: deny\n", "authz.yaml:1: rules: missing"),
+        ("rules: [\n", "authz.yaml:2:1: not valid YAML"),
+        ("rules: []\nrules: []\n", "duplicate key"),
+    ]:
         with pytest.raises(SecurityConfigError) as e:
             parse_authz(bad, "authz.yaml")
         assert problem in e.value.problems[0], e.value.problems

@@ -156,11 +156,28 @@ def test_merged_weights_over_the_limit_keep_the_last_good_version() -> None:
 def test_weights_count_per_priority_across_localities() -> None:
     a, b = Locality("r", "a"), Locality("r", "b")
     store, _ = make("x")
-    store.update("x", {"web": Group("web", (Endpoint("127.0.0.1", 1, weight=MAX, locality=a),
-                                            Endpoint("127.0.0.1", 2, weight=MAX, locality=b, priority=1)))})
+    store.update(
+        "x",
+        {
+            "web": Group(
+                "web",
+                (
+                    Endpoint("127.0.0.1", 1, weight=MAX, locality=a),
+                    Endpoint("127.0.0.1", 2, weight=MAX, locality=b, priority=1),
+                ),
+            )
+        },
+    )
     assert store.conflict("web") is None  # two priorities: each fits
-    store.update("x", {"web": Group("web", (Endpoint("127.0.0.1", 1, weight=MAX, locality=a),
-                                            Endpoint("127.0.0.1", 2, weight=1, locality=b)))})
+    store.update(
+        "x",
+        {
+            "web": Group(
+                "web",
+                (Endpoint("127.0.0.1", 1, weight=MAX, locality=a), Endpoint("127.0.0.1", 2, weight=1, locality=b)),
+            )
+        },
+    )
     assert "priority 0" in (store.conflict("web") or "")
 
 

@@ -52,8 +52,7 @@ def test_documented_shape() -> None:
 
 def test_ipv6_and_empty_groups() -> None:
     groups = upstreams.parse(
-        "groups:\n  a:\n    endpoints: ['[2001:DB8::1]:80', {address: '::1', port: 81}]\n"
-        "  c: {endpoints: []}\n"
+        "groups:\n  a:\n    endpoints: ['[2001:DB8::1]:80', {address: '::1', port: 81}]\n  c: {endpoints: []}\n"
     )
     assert [e.key for e in groups["a"].endpoints] == [("2001:db8::1", 80), ("::1", 81)]
     assert groups["c"].endpoints == ()
@@ -63,73 +62,121 @@ def test_ipv6_and_empty_groups() -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("groups:\n  web:\n    endpoints:\n      - 10.0.0.1:99999\n",
-         "upstreams.yaml:4: groups.web.endpoints[0]: '99999' is not a port (1-65535)"),
+        (
+            "groups:\n  web:\n    endpoints:\n      - 10.0.0.1:99999\n",
+            "upstreams.yaml:4: groups.web.endpoints[0]: '99999' is not a port (1-65535)",
+        ),
         # what YAML accepts and reads otherwise than it looks: refused, each saying how to write it
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, weight: \"2\"}\n",
-         'upstreams.yaml:4: groups.web.endpoints[0].weight: "2" is quoted text, not a number: write it without quotes'),
-        ("groups:\n  web:\n    endpoints:\n      - 10.0.0.2: 80\n",
-         "upstreams.yaml:4: groups.web.endpoints[0]: `10.0.0.2: 80` reads as a mapping in YAML (the space after the "
-         "colon): write 10.0.0.2:80"),
-        ("groups:\n  web:\n    endpoints: ['10.0.0.2: 80']\n",
-         "upstreams.yaml:3: groups.web.endpoints[0]: '10.0.0.2: 80' is not ADDRESS:PORT (no spaces: '10.0.0.2:80')"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 080}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].port: '080' is not a port (1-65535): write it without leading "
-         "zeros"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 0120}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].port: 0120 is not a decimal number"),
-        ("groups:\n  web:\n    endpoints: [10.0.0.1:080]\n",
-         "upstreams.yaml:3: groups.web.endpoints[0]: '080' is not a port (1-65535): write it without leading zeros"),
-        ("groups:\n  web:\n  api: {endpoints: []}\n",
-         "upstreams.yaml:2: groups.web: empty (null): write `web: {endpoints: []}` for a group with no endpoints"),
-        ("groups:\n  web:\n    endpoints:\n",
-         "upstreams.yaml:3: groups.web.endpoints: empty (null): write `endpoints: []`"),
+        (
+            'groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, weight: "2"}\n',
+            'upstreams.yaml:4: groups.web.endpoints[0].weight: "2" is quoted text, not a number: '
+            "write it without quotes",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - 10.0.0.2: 80\n",
+            "upstreams.yaml:4: groups.web.endpoints[0]: `10.0.0.2: 80` reads as a mapping in YAML (the space after the "
+            "colon): write 10.0.0.2:80",
+        ),
+        (
+            "groups:\n  web:\n    endpoints: ['10.0.0.2: 80']\n",
+            "upstreams.yaml:3: groups.web.endpoints[0]: '10.0.0.2: 80' is not ADDRESS:PORT (no spaces: '10.0.0.2:80')",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 080}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].port: '080' is not a port (1-65535): write it without leading "
+            "zeros",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 0120}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].port: 0120 is not a decimal number",
+        ),
+        (
+            "groups:\n  web:\n    endpoints: [10.0.0.1:080]\n",
+            "upstreams.yaml:3: groups.web.endpoints[0]: '080' is not a port (1-65535): write it without leading zeros",
+        ),
+        (
+            "groups:\n  web:\n  api: {endpoints: []}\n",
+            "upstreams.yaml:2: groups.web: empty (null): write `web: {endpoints: []}` for a group with no endpoints",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n",
+            "upstreams.yaml:3: groups.web.endpoints: empty (null): write `endpoints: []`",
+        ),
         # messages speak YAML, and name the key that was meant
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: }\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].port: null (an empty value) is not a port (1-65535)"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: true}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].port: true is not a port (1-65535)"),
-        ("groups:\n  api: [10.0.0.1:80]\n",
-         "upstreams.yaml:2: groups.api: must be a mapping, not a list: did you mean `api: {endpoints: [...]}`?"),
-        ("groups:\n  web:\n    hosts: [10.0.0.1:80]\n",
-         "upstreams.yaml:3: groups.web.hosts: unknown key (expected one of: endpoints, localities); "
-         "did you mean `endpoints`?"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, wieght: 2}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].wieght: unknown key (expected one of: address, port, weight, "
-         "health, priority, region, zone, subzone, hostname, metadata); did you mean `weight`?"),
-        ("groups:\n  web:\n    endpoints: [10.0.0.1:80\n",
-         "upstreams.yaml:4:1: not valid YAML: did not find expected ',' or ']', while parsing a flow sequence "
-         "(from line 3)"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 1}\n"
-         "      - address: 10.0.0.2\n        port: 99999\n",
-         "upstreams.yaml:6: groups.web.endpoints[1].port: 99999 is not a port (1-65535)"),
-        ("groups:\n  web:\n    endpoints:\n      - backend.local:80\n",
-         "upstreams.yaml:4: groups.web.endpoints[0]: 'backend.local' is not an IP address"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, weight: 0}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].weight: 0 is not a weight"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, health: ok}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].health: 'ok' is not a health status"),
-        ("groups:\n  web:\n    endpoints:\n      - 10.0.0.1:80\n      - {address: 10.0.0.1, port: 80}\n",
-         "upstreams.yaml:5: groups.web.endpoints[1]: duplicate endpoint 10.0.0.1:80"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, wieght: 2}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].wieght: unknown key"),
-        ("groups:\n  web:\n    endpionts: []\n",
-         "upstreams.yaml:3: groups.web.endpionts: unknown key"),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: }\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].port: null (an empty value) is not a port (1-65535)",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: true}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].port: true is not a port (1-65535)",
+        ),
+        (
+            "groups:\n  api: [10.0.0.1:80]\n",
+            "upstreams.yaml:2: groups.api: must be a mapping, not a list: did you mean `api: {endpoints: [...]}`?",
+        ),
+        (
+            "groups:\n  web:\n    hosts: [10.0.0.1:80]\n",
+            "upstreams.yaml:3: groups.web.hosts: unknown key (expected one of: endpoints, localities); "
+            "did you mean `endpoints`?",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, wieght: 2}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].wieght: unknown key (expected one of: address, port, weight, "
+            "health, priority, region, zone, subzone, hostname, metadata); did you mean `weight`?",
+        ),
+        (
+            "groups:\n  web:\n    endpoints: [10.0.0.1:80\n",
+            "upstreams.yaml:4:1: not valid YAML: did not find expected ',' or ']', while parsing a flow sequence "
+            "(from line 3)",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 1}\n"
+            "      - address: 10.0.0.2\n        port: 99999\n",
+            "upstreams.yaml:6: groups.web.endpoints[1].port: 99999 is not a port (1-65535)",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - backend.local:80\n",
+            "upstreams.yaml:4: groups.web.endpoints[0]: 'backend.local' is not an IP address",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, weight: 0}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].weight: 0 is not a weight",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, health: ok}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].health: 'ok' is not a health status",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - 10.0.0.1:80\n      - {address: 10.0.0.1, port: 80}\n",
+            "upstreams.yaml:5: groups.web.endpoints[1]: duplicate endpoint 10.0.0.1:80",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, wieght: 2}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].wieght: unknown key",
+        ),
+        ("groups:\n  web:\n    endpionts: []\n", "upstreams.yaml:3: groups.web.endpionts: unknown key"),
         ("grups: {}\n", "upstreams.yaml:1: grups: unknown key"),
         ("groups:\n  web: {}\n  web: {}\n", "upstreams.yaml:3: groups.web: duplicate key"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].port: missing"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, priority: 129}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].priority: 129 is not a priority (0-128)"),
-        ("groups:\n  web:\n    endpoints: [10.0.0.1:80]\n    localities: [{region: r}]\n",
-         "upstreams.yaml:4: groups.web.localities[0].weight: missing"),
-        ("groups:\n  web:\n    endpoints: 10.0.0.1:80\n",
-         "upstreams.yaml:3: groups.web.endpoints: must be a list"),
-        ("groups:\n  web:\n    endpoints: [10.0.0.1:80\n",
-         "upstreams.yaml:4:1: not valid YAML"),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].port: missing",
+        ),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, priority: 129}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].priority: 129 is not a priority (0-128)",
+        ),
+        (
+            "groups:\n  web:\n    endpoints: [10.0.0.1:80]\n    localities: [{region: r}]\n",
+            "upstreams.yaml:4: groups.web.localities[0].weight: missing",
+        ),
+        ("groups:\n  web:\n    endpoints: 10.0.0.1:80\n", "upstreams.yaml:3: groups.web.endpoints: must be a list"),
+        ("groups:\n  web:\n    endpoints: [10.0.0.1:80\n", "upstreams.yaml:4:1: not valid YAML"),
         ("", "upstreams.yaml:1: file is empty"),
-        ("groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, metadata: [1]}\n",
-         "upstreams.yaml:4: groups.web.endpoints[0].metadata: must be a mapping"),
+        (
+            "groups:\n  web:\n    endpoints:\n      - {address: 10.0.0.1, port: 80, metadata: [1]}\n",
+            "upstreams.yaml:4: groups.web.endpoints[0].metadata: must be a mapping",
+        ),
     ],
 )
 def test_each_problem_names_file_line_and_field(text: str, expected: str) -> None:
@@ -138,9 +185,7 @@ def test_each_problem_names_file_line_and_field(text: str, expected: str) -> Non
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    found = problems(
-        "groups:\n  a:\n    endpoints: [example.com:80]\n  b:\n    endpoints: ['10.0.0.1:0']\n"
-    )
+    found = problems("groups:\n  a:\n    endpoints: [example.com:80]\n  b:\n    endpoints: ['10.0.0.1:0']\n")
     assert [p.split(":")[1] for p in found] == ["3", "5"]
 
 

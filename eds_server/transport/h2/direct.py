@@ -181,4 +181,3 @@ class DirectReader:
             buffer._acked_size += len(held)
         if not self.done.done():
             self.done.set_result(None)
-

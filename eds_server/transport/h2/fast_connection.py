@@ -257,7 +257,6 @@ class GuardedH2Connection(H2Connection):
         super().ping(opaque_data)
 
 
-
 def short_frame_reprs() -> None:
     """h2 4.4 builds repr(frame) for every frame it receives, logging on or off, and hyperframe's
     repr hex-encodes a DATA frame's whole payload to keep its first 20 hex digits: a fifth of the CPU

@@ -378,9 +378,7 @@ class FastProtocol(H2Protocol):
         if conn_delta:
             h2_conn.increment_flow_control_window(conn_delta)
         if self.config.http2_stream_window_size != initial:
-            h2_conn.update_settings(
-                {SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
-            )
+            h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
         self.h2 = h2_conn
         self.connection = FlushingConnection(h2_conn, cast(asyncio.Transport, transport), config=self.config,
                                       flusher=self.flusher)  # fmt: skip
@@ -405,4 +403,3 @@ class FastProtocol(H2Protocol):
         if self._sweep is not None:
             self._sweep.cancel()
         super().connection_lost(exc)
-

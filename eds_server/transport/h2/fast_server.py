@@ -137,7 +137,6 @@ class Server(grpclib.server.Server):
         return len(chosen)
 
 
-
 def limited_handler(
     handler: grpclib.const.Handler, reader: MessageReader,
     enter: Callable[[Stream], bool], leave: Callable[[Stream], None],
@@ -225,4 +224,3 @@ class FastIO:
 
     def refused(self) -> None:
         charge_refusal(self.stream)
-

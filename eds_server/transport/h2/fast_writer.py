@@ -259,8 +259,6 @@ async def send_frames(stream: grpclib.server.Stream[Any, Any], message: Framed) 
     stream._send_message_done = True
 
 
-
-
 FLUSH_EVERY = 256  # messages queued, at most, before the connections holding them are written
 
 

@@ -134,7 +134,7 @@ class PeerBudgets:
         return first
 
 
-class LogLimit:
+class ThrottledLog:
     """At most `most` warnings per BUDGET_WINDOW: a client that keeps tripping a limit cannot fill the log."""
 
     def __init__(self, most: int = 20) -> None:
@@ -162,7 +162,7 @@ class Gate:
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     _prune_at: int = 0  # table size at which idle peers are forgotten next
     # one log budget per reason: a flood of one kind of refusal does not hide the others
-    _logs: dict[str, LogLimit] = field(default_factory=dict)
+    _logs: dict[str, ThrottledLog] = field(default_factory=dict)
     # addresses by how many connections they hold (count -> IPs, in the order they reached it), and
     # the highest count: the address that gives way is found in O(1), not by walking every address
     _by_count: dict[int, dict[str, None]] = field(default_factory=dict)
@@ -174,7 +174,7 @@ class Gate:
         self.refused[reason] += count
         log_limit = self._logs.get(reason)
         if log_limit is None:
-            log_limit = self._logs[reason] = LogLimit()
+            log_limit = self._logs[reason] = ThrottledLog()
         log_limit.warning("%s from %s: %s", reason.replace("_", " "), peer, detail)
 
     def admit(self, ip: str, holder: Holder) -> PeerBudgets:

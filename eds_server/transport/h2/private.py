@@ -53,7 +53,9 @@ HEADERS_FIGURE = (
 
 TOUCHES: tuple[Touch, ...] = (
     Touch(
-        "grpclib", ("_stream",), ("fast_reader", "fast_server", "fast_writer"),
+        "grpclib",
+        ("_stream",),
+        ("fast_reader", "fast_server", "fast_writer"),
         "grpclib's server Stream keeps its protocol stream (id, connection, buffer, recv_data, "
         "window_updated) private; the reader and the writer work on it",
         f"bench queue: {QUEUE_FIGURE}; protection: a message refused from its length prefix "
@@ -61,7 +63,8 @@ TOUCHES: tuple[Touch, ...] = (
         "test_oversize_length_prefix_is_refused_before_the_body",
     ),
     Touch(
-        "grpclib", ("_send_initial_metadata_done", "_send_message_done", "_send_trailing_metadata_done"),
+        "grpclib",
+        ("_send_initial_metadata_done", "_send_message_done", "_send_trailing_metadata_done"),
         ("fast_server", "fast_writer"),
         "the writer sends headers, messages and trailers itself; grpclib's own later calls (its "
         "trailers, its checks on end) read these flags",
@@ -69,38 +72,50 @@ TOUCHES: tuple[Touch, ...] = (
         "tests/transport/test_xds_edge_cases.py test_grpclib_clients_read_the_status_not_a_reset",
     ),
     Touch(
-        "grpclib", ("_content_type",), ("fast_writer",),
+        "grpclib",
+        ("_content_type",),
+        ("fast_writer",),
         "the response's content-type, for the HEADERS block built once per server (ResponseHeaders)",
         f"bench headers: {HEADERS_FIGURE}",
     ),
     Touch(
-        "grpclib", ("_dispatch", "_listeners"), ("fast_writer",),
+        "grpclib",
+        ("_dispatch", "_listeners"),
+        ("fast_writer",),
         "the headers are queued past grpclib only when nothing listens for SendInitialMetadata "
         "(otherwise grpclib's own send runs, and its event)",
         f"part of queue_initial_headers (the entry above), bench headers: {HEADERS_FIGURE}",
     ),
     Touch(
-        "grpclib", ("_eof", "_acked_size", "_unacked", "_acked"), ("direct", "fast_reader"),
+        "grpclib",
+        ("_eof", "_acked_size", "_unacked", "_acked"),
+        ("direct", "fast_reader"),
         "the direct read path starts only on an empty stream buffer, and puts a message begun back "
         "in front of it when the stream falls back to grpclib",
         f"bench direct: {DIRECT_FIGURE}; tests/transport/h2/test_direct.py checks the path is taken",
     ),
     Touch(
-        "grpclib", ("_protocol_factory",), ("fast_server", "stock"),
+        "grpclib",
+        ("_protocol_factory",),
+        ("fast_server", "stock"),
         "the only hook that puts a protocol of ours under grpclib's server: the fast protocol, and "
         "the stock path's guard below grpclib",
         "protection, no speed figure: tests/transport/h2/test_attacks.py, test_guard.py and "
         "tests/hostile/test_clients.py fail without the guard and the budgets",
     ),
     Touch(
-        "grpclib", ("_server", "_server_closed_fut"), ("fast_server",),
+        "grpclib",
+        ("_server", "_server_closed_fut"),
+        ("fast_server",),
         "start() as grpclib's, plus a TLS handshake timeout and a listening socket handed over by "
         "--workers N; the port, and closing the listener alone",
         "protection: TLS handshakes bounded (tests/transport/h2/test_limits.py "
         "test_an_unfinished_tls_handshake_is_dropped)",
     ),
     Touch(
-        "grpclib", ("_mapping",), ("fast_server",),
+        "grpclib",
+        ("_mapping",),
+        ("fast_server",),
         "the method table, wrapped so an unknown method is answered and logged once (unknown.py)",
         "behaviour, no speed figure: tests/e2e/envoy/test_unknown_method.py",
     ),
@@ -119,14 +134,18 @@ TOUCHES: tuple[Touch, ...] = (
         "behaviour: a dead peer is found (keepalive), no public way to set it",
     ),
     Touch(
-        "h2", ("_receive_frame", "_prepare_for_sending"), ("fast_connection",),
+        "h2",
+        ("_receive_frame", "_prepare_for_sending"),
+        ("fast_connection",),
         "every frame received charged to the connection's and the IP's budgets before h2 reads it; "
         "h2's own RST_STREAM answers charged like a client's",
         "protection, no speed figure: tests/hostile/test_clients.py and "
         "tests/transport/h2/test_limits.py fail without it",
     ),
     Touch(
-        "h2", ("_open_streams", "_closed_streams"), ("fast_connection",),
+        "h2",
+        ("_open_streams", "_closed_streams"),
+        ("fast_connection",),
         "open streams counted from the streams touched since the last count, not by walking every "
         "stream on each new one (quadratic)",
         "bench open_streams: 2,000 streams opened on one connection cost 2.51-2.74x the CPU without "
@@ -136,20 +155,26 @@ TOUCHES: tuple[Touch, ...] = (
         "test_ten_thousand_streams_cost_linear_work)",
     ),
     Touch(
-        "h2", ("_data", "_preamble_len", "_headers_buffer"), ("fast_protocol", "fast_reader"),
+        "h2",
+        ("_data", "_preamble_len", "_headers_buffer"),
+        ("fast_protocol", "fast_reader"),
         "the direct read path cuts frames itself only while h2's frame buffer is empty, and never "
         "inside a header block",
         f"bench direct: {DIRECT_FIGURE}",
     ),
     Touch(
-        "hyperframe", ("_raw_data_repr",), ("fast_connection",),
+        "hyperframe",
+        ("_raw_data_repr",),
+        ("fast_connection",),
         "h2 builds repr(frame) of every frame received, and hyperframe's hex-encodes a DATA frame's "
         "whole payload to show 20 digits of it",
         "bench repr: a 60 KB first request read by h2 costs 1.49x the instructions without it "
         "(callgrind: 2.01M against 3.00M per request; time 1.30-1.46x, two runs)",
     ),
     Touch(
-        "aiohttp", ("_loop", "_kwargs"), ("http",),
+        "aiohttp",
+        ("_loop", "_kwargs"),
+        ("http",),
         "the aiohttp ports' protocol factory: each connection's handler built as aiohttp's web.Server "
         "builds it, under a connection cap and a deadline for the request's headers",
         "protection, no speed figure: tests/transport/h2/test_http.py",

@@ -52,22 +52,28 @@ def chromium(tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str
 def upstreams(web: list[Backend], api: list[Backend]) -> str:
     return (
         "groups:\n  web:\n    endpoints:\n"
-        + "".join(f"      - {{address: 127.0.0.1, port: {b.port}, zone: eu-west-1a, weight: 2, "
-                  f"hostname: {json.dumps(HOSTILE_HOSTNAME.format(i))}}}\n" for i, b in enumerate(web))
+        + "".join(
+            f"      - {{address: 127.0.0.1, port: {b.port}, zone: eu-west-1a, weight: 2, "
+            f"hostname: {json.dumps(HOSTILE_HOSTNAME.format(i))}}}\n"
+            for i, b in enumerate(web)
+        )
         + f"  api:\n    endpoints: [127.0.0.1:{api[0].port}]\n"
         + f"  {json.dumps(HOSTILE_GROUP)}:\n    endpoints: [127.0.0.1:1]\n"
     )
 
 
-@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+@pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)",
+)
 async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
     async with http_backends(3) as backends:
         path = tmp_path / "upstreams.yaml"
         path.write_text(upstreams(backends[:2], backends[2:]))
         state = tmp_path / "state.json"
-        async with EdsServerProcess(path, "--state", str(state), "--admin-token", TOKEN,
-                                    "--registration-allow-cidr", "127.0.0.0/8") as server:
+        async with EdsServerProcess(
+            path, "--state", str(state), "--admin-token", TOKEN, "--registration-allow-cidr", "127.0.0.0/8"
+        ) as server:
             admin = f"http://127.0.0.1:{server.admin_port}"
             async with aiohttp.ClientSession() as s, s.put(f"{admin}/v1/groups/web/endpoints/vm-1",
                              json={"address": "127.0.0.2", "port": 8080, "region": "eu-west-1"},
@@ -110,7 +116,7 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
     assert '<tr class="nack">' in streams and "NACKed" in streams
     # everything from files and clients is text, never markup
     assert "&lt;img src=x onerror=alert(1)&gt;" in page and "<img" not in page and "<b>" not in page
-    assert "&lt;i&gt;odd&lt;/i&gt;&amp;\"group" in page and "<i>" not in page
+    assert '&lt;i&gt;odd&lt;/i&gt;&amp;"group' in page and "<i>" not in page
     # registrations: id, group, endpoint, TTL
     registrations = _section(page, "registrations", None)
     assert ">vm-1<" in registrations and ">web<" in registrations and "127.0.0.2:8080" in registrations
@@ -119,8 +125,10 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
         assert f'href="{link}"' in page
 
 
-@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+@pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)",
+)
 async def test_a_file_broken_after_a_good_load_turns_the_badge_amber(tmp_path: Path) -> None:
     """Ready is not enough: the page says which source's last good state is served, and why."""
     path = tmp_path / "upstreams.yaml"
@@ -243,7 +251,7 @@ def test_workers_are_listed_with_one_that_is_down_marked() -> None:
     page = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
                               streams=[], stats={"workers": workers})  # fmt: skip
     assert '<h2 id="workers">' in page
-    assert "<td>1</td><td>10</td><td class=\"\">up</td><td>0</td><td>7</td>" in page
+    assert '<td>1</td><td>10</td><td class="">up</td><td>0</td><td>7</td>' in page
     assert '<td class="bad">down</td><td>3</td>' in page
     single = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
                                 streams=[], stats={})  # fmt: skip

@@ -108,8 +108,9 @@ def test_live_restore_keeps_containers_across_engine_restart(docker_cleanup: Doc
     state = eng.inspect(cid)["State"]
     assert state["Running"] is True and state["Pid"] == pid
     assert http_get(port) == (200, "eng-live")
-    wait_for_blocking(lambda: cid in eng.container_ids(all=False), timeout=5, what="container listed as running",
-                      retry=NOT_YET_DOCKER)
+    wait_for_blocking(
+        lambda: cid in eng.container_ids(all=False), timeout=5, what="container listed as running", retry=NOT_YET_DOCKER
+    )
 
 
 async def test_async_cli_on_uvloop(docker_cleanup: DockerEngine) -> None:
@@ -121,10 +122,15 @@ def test_recorded_fixtures_load() -> None:
     """The JSON recorded by tests/data/docker/record.py (no engine needed)."""
     data = DATA / "docker"
     states = {
-        "host-network": ("running", None), "bridge-expose": ("running", None),
-        "two-networks": ("running", None), "published-ports": ("running", None),
-        "health-starting": ("running", "starting"), "health-healthy": ("running", "healthy"),
-        "health-unhealthy": ("running", "unhealthy"), "paused": ("paused", None), "exited": ("exited", None),
+        "host-network": ("running", None),
+        "bridge-expose": ("running", None),
+        "two-networks": ("running", None),
+        "published-ports": ("running", None),
+        "health-starting": ("running", "starting"),
+        "health-healthy": ("running", "healthy"),
+        "health-unhealthy": ("running", "unhealthy"),
+        "paused": ("paused", None),
+        "exited": ("exited", None),
     }
     for name, (status, health) in states.items():
         info = json.loads((data / f"{name}.json").read_text())
@@ -135,4 +141,5 @@ def test_recorded_fixtures_load() -> None:
     events = [json.loads(line) for line in (data / "events.jsonl").read_text().splitlines()]
     assert {e["Type"] for e in events} == {"container", "network"}
     assert {"kill", "die", "stop", "pause", "unpause", "rename", "destroy", "health_status: healthy"} <= {
-        e["Action"] for e in events}
+        e["Action"] for e in events
+    }

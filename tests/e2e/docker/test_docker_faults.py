@@ -84,8 +84,12 @@ async def following(docker_cleanup: DockerEngine) -> AsyncIterator[tuple[DockerE
 
 
 async def ports(store: Store, want: set[int], timeout: float = 15.0) -> None:
-    await wait_for(lambda: store.ready and {e.port for e in store.get("web").group.endpoints} == want,
-                   timeout=timeout, interval=0.05, what=f"ports {want}")
+    await wait_for(
+        lambda: store.ready and {e.port for e in store.get("web").group.endpoints} == want,
+        timeout=timeout,
+        interval=0.05,
+        what=f"ports {want}",
+    )
 
 
 async def backend(engine: DockerEngine, name: str) -> int:

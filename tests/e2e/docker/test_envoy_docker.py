@@ -136,8 +136,13 @@ async def test_engine_restart_keeps_endpoints_then_converges(stack: Stack) -> No
     first = await stack.backend("web-1")
     await stack.wait_hosts(lambda h: set(h) == {first})
     await asyncio.to_thread(stack.engine.stop)  # --live-restore: the container keeps running
-    body = await wait_for(lambda: stack.server.admin("/v1/groups"), lambda b: b["groups"] and b["groups"][0]["stale"],
-                          timeout=10, interval=0.1, what="the group stale")
+    body = await wait_for(
+        lambda: stack.server.admin("/v1/groups"),
+        lambda b: b["groups"] and b["groups"][0]["stale"],
+        timeout=10,
+        interval=0.1,
+        what="the group stale",
+    )
     groups = body["groups"]
     assert groups[0]["stale"] and [e["port"] for e in groups[0]["endpoints"]] == [first]
     assert set(await stack.hosts()) == {first}  # Envoy keeps routing meanwhile

@@ -83,8 +83,13 @@ async def wait_unready(server: EdsServerProcess, error: str, timeout: float = 15
         waiting = {w["source"]: w["last_error"] or "" for w in body.get("waiting_for", [])}
         return status == 503 and error in waiting.get("docker", "")
 
-    _, body = await wait_for(lambda: readyz(server), waits_for_docker, timeout=timeout, interval=0.1,
-                             what=f"/readyz saying it waits for docker ({error!r})")
+    _, body = await wait_for(
+        lambda: readyz(server),
+        waits_for_docker,
+        timeout=timeout,
+        interval=0.1,
+        what=f"/readyz saying it waits for docker ({error!r})",
+    )
     return body
 
 
@@ -95,8 +100,13 @@ async def wait_stale(server: EdsServerProcess, stale: bool, source: str = "docke
         found = {s["name"]: s for s in body["sources"]}[source]
         return bool(found["loaded"] and found["stale"] == stale)
 
-    await wait_for(lambda: server.admin("/v1/sources"), settled, timeout=timeout, interval=0.1,
-                   what=f"source {source} stale={stale}")
+    await wait_for(
+        lambda: server.admin("/v1/sources"),
+        settled,
+        timeout=timeout,
+        interval=0.1,
+        what=f"source {source} stale={stale}",
+    )
 
 
 # -- 1. restarted while the engine is unreachable ---------------------------------------------------
@@ -114,8 +124,12 @@ def _nobody_can_run_us() -> None:
 
 
 async def _restart_while_unreachable(
-    engine: DockerEngine, server: EdsServerProcess, prefix: str, error: str,
-    cut: Callable[[], None], mend: Callable[[], None],
+    engine: DockerEngine,
+    server: EdsServerProcess,
+    prefix: str,
+    error: str,
+    cut: Callable[[], None],
+    mend: Callable[[], None],
 ) -> FaultWatch:
     """eds-server serving two backends is stopped, `cut` off the engine, and started again: it answers
     nobody (/readyz names `error`) while a third backend starts; after `mend` all three reach Envoy."""
@@ -266,8 +280,10 @@ async def test_engine_stop_start_without_live_restore(plain_engine: DockerEngine
     assert windows, "the backends never went down"
     first_down, last_up = windows[0][0], windows[-1][1]
     lag = [r for r in watch.failed() if last_up < r.t <= live]
-    print(f"   failed while a backend was down: {len(watch.failed()) - len(watch.failed_while_backends_up())}; "
-          f"in the reconnect lag ({last_up:.2f}s..{live:.2f}s, backends up, source not yet live): {len(lag)}")
+    print(
+        f"   failed while a backend was down: {len(watch.failed()) - len(watch.failed_while_backends_up())}; "
+        f"in the reconnect lag ({last_up:.2f}s..{live:.2f}s, backends up, source not yet live): {len(lag)}"
+    )
     while_away = sorted({s.hosts for s in watch.samples if away <= s.t <= back}, key=str)
     print(f"   host counts while the engine was away: {while_away}")
     assert len(while_away) == 1, "the cluster changed while the engine was away"

@@ -41,8 +41,9 @@ class Harness:
         return {e.port: e for e in res.group.endpoints} if res else {}
 
     async def wait(self, check: Check, group: str = "web", timeout: float = 30.0) -> dict[int, Endpoint]:
-        return await wait_for(lambda: self.endpoints(group), check, timeout=timeout, interval=0.1,
-                              what=f"the endpoints of {group}")
+        return await wait_for(
+            lambda: self.endpoints(group), check, timeout=timeout, interval=0.1, what=f"the endpoints of {group}"
+        )
 
     async def service(self, name: str, port: int, *args: str, drain: float = 0, group: str = "web") -> str:
         return await self.engine.acli(
@@ -124,8 +125,12 @@ async def test_swarm_engine_restart(swarm: DockerEngine) -> None:
         assert set(h.endpoints()) == {port}  # the last known endpoints stay
         await asyncio.to_thread(swarm.start)
         await h.wait(lambda e: set(e) == {port} and e[port].health == Health.HEALTHY, timeout=60)
-        await wait_for(lambda: h.source.connected and not h.store.is_stale("web"), timeout=30, interval=0.1,
-                       what="the source connected and fresh")
+        await wait_for(
+            lambda: h.source.connected and not h.store.is_stale("web"),
+            timeout=30,
+            interval=0.1,
+            what="the source connected and fresh",
+        )
 
 
 @pytest.mark.envoy

@@ -97,8 +97,9 @@ def swarm2(swarm_pair: tuple[DockerEngine, DockerEngine]) -> Iterator[tuple[Dock
         if not engine.running:
             engine.start()
     swarm_remove_services(manager)
-    wait_for_blocking(lambda: not worker.container_ids(), timeout=30, what="the worker's tasks to go",
-                      retry=NOT_YET_DOCKER)
+    wait_for_blocking(
+        lambda: not worker.container_ids(), timeout=30, what="the worker's tasks to go", retry=NOT_YET_DOCKER
+    )
 
 
 def worker_services(manager: DockerEngine, count: int = 2) -> list[int]:
@@ -136,8 +137,13 @@ async def wait_source(watch: FaultWatch, *, live: bool, timeout: float = 60.0) -
         swarm = {s["name"]: s for s in body["sources"]}.get("swarm")
         return bool(swarm and swarm["loaded"] and swarm["stale"] is not live)
 
-    await wait_for(lambda: watch.server.admin("/v1/sources"), settled, timeout=timeout, interval=0.1,
-                   what=f"the swarm source {'live' if live else 'stale'}")
+    await wait_for(
+        lambda: watch.server.admin("/v1/sources"),
+        settled,
+        timeout=timeout,
+        interval=0.1,
+        what=f"the swarm source {'live' if live else 'stale'}",
+    )
 
 
 async def restart_manager(watch: FaultWatch, manager: DockerEngine) -> None:

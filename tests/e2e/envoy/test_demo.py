@@ -69,14 +69,18 @@ async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -
             # the banner comes once Envoy is live: the first command it prints works at once
             async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{listener}/") as r:
                 assert r.status == 200
-                assert (await r.text()).startswith((f"hello from web backend 127.0.0.1:{b1}",
-                                                    f"hello from web backend 127.0.0.1:{b2}"))
+                assert (await r.text()).startswith(
+                    (f"hello from web backend 127.0.0.1:{b1}", f"hello from web backend 127.0.0.1:{b2}")
+                )
             await wait_for(lambda: _get_json(f"http://127.0.0.1:{envoy_admin}/clusters?format=json"),
                            lambda c: any(s["name"] == "web" and len(s.get("host_statuses", [])) == 2
                                          for s in c["cluster_statuses"]), timeout=30)  # fmt: skip
             copy.write_text(copy.read_text().replace(f"      - 127.0.0.1:{b1}\n", ""))
-            await wait_for(lambda: _get_json(f"http://127.0.0.1:{admin}/v1/groups/web"),
-                           lambda g: len(g["endpoints"]) == 1, timeout=15)
+            await wait_for(
+                lambda: _get_json(f"http://127.0.0.1:{admin}/v1/groups/web"),
+                lambda g: len(g["endpoints"]) == 1,
+                timeout=15,
+            )
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGINT)

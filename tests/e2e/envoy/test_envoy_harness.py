@@ -45,9 +45,7 @@ async def rest_eds(state: dict[str, Any]) -> AsyncIterator[int]:
     async def discovery(request: web.Request) -> web.Response:
         names = (await request.json()).get("resource_names", [])
         resources = [
-            {"@type": CLA_TYPE, "cluster_name": n, **state["resources"][n]}
-            for n in names
-            if n in state["resources"]
+            {"@type": CLA_TYPE, "cluster_name": n, **state["resources"][n]} for n in names if n in state["resources"]
         ]
         return web.json_response({"version_info": state["version"], "resources": resources})
 
@@ -71,9 +69,9 @@ def test_bootstrap_shape() -> None:
         prefix_rewrite=True,
     )
     xds, api = boot["static_resources"]["clusters"]
-    h2 = xds["typed_extension_protocol_options"][
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-    ]["explicit_http_config"]["http2_protocol_options"]
+    h2 = xds["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"][
+        "explicit_http_config"
+    ]["http2_protocol_options"]
     assert h2["connection_keepalive"] == {"interval": "30s", "timeout": "5s"}
     eds = api["eds_cluster_config"]
     assert eds["service_name"] == "api"
@@ -115,9 +113,7 @@ async def test_static_cluster_traffic_stats_and_teardown() -> None:
             await envoy.wait_live()
             hosts = await envoy.hosts("static")
             assert sorted(h.port for h in hosts) == sorted(b.port for b in backends)
-            assert {(h.address, h.health, h.weight, h.priority) for h in hosts} == {
-                ("127.0.0.1", "HEALTHY", 1, 0)
-            }
+            assert {(h.address, h.health, h.weight, h.priority) for h in hosts} == {("127.0.0.1", "HEALTHY", 1, 0)}
             bodies = [await envoy.get(f"/hello/{i}") for i in range(4)]
             assert {status for status, _ in bodies} == {200}
             assert {body for _, body in bodies} == {"backend-0", "backend-1"}
@@ -136,9 +132,7 @@ async def test_static_cluster_traffic_stats_and_teardown() -> None:
 
 async def test_eds_cluster_without_server_times_out_empty() -> None:
     xds_port = free_port()  # nothing listens here
-    boot = envoy_bootstrap(
-        xds_port, [EdsCluster("web")], free_port(), {"/": "web"}, initial_fetch_timeout="0.5s"
-    )
+    boot = envoy_bootstrap(xds_port, [EdsCluster("web")], free_port(), {"/": "web"}, initial_fetch_timeout="0.5s")
     async with EnvoyProcess(boot) as envoy:
         await envoy.wait_live()
         assert await envoy.hosts("web") == []
@@ -190,9 +184,7 @@ def _assignment(b: list[Backend]) -> dict[str, Any]:
             {
                 "locality": eu,
                 "lb_endpoints": [
-                    _lb_endpoint(
-                        b[0].port, endpoint={"hostname": "b0.local"}, load_balancing_weight=3
-                    ),
+                    _lb_endpoint(b[0].port, endpoint={"hostname": "b0.local"}, load_balancing_weight=3),
                     _lb_endpoint(b[1].port, health_status="DRAINING"),
                 ],
             },

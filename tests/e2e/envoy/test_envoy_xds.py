@@ -45,8 +45,11 @@ async def stack(
     async with EdsServerProcess(path, "--rest-listen", f"127.0.0.1:{rest_port}") as server:
         bootstrap = envoy_bootstrap(
             server.port,
-            [EdsCluster("web", api_type=api), EdsCluster("api-cluster", service_name="api", api_type=api),
-             EdsCluster("later", api_type=api)],
+            [
+                EdsCluster("web", api_type=api),
+                EdsCluster("api-cluster", service_name="api", api_type=api),
+                EdsCluster("later", api_type=api),
+            ],
             free_port(),
             routes={"/api": "api-cluster", "/later": "later", "/": "web"},
             rest_port=rest_port,

@@ -66,8 +66,9 @@ async def test_merged_group_over_envoys_limits_is_not_sent(tmp_path: Path, lb_po
     async with http_backends(2) as backends:
         file_port, reg_port = backends[0].port, backends[1].port
         path.write_text(upstreams([file_port], weight=MAX - 10))
-        async with EdsServerProcess(path, "--admin-token", TOKEN, "--registration-allow-cidr", "127.0.0.0/8",
-                                    workdir=tmp_path) as server:
+        async with EdsServerProcess(
+            path, "--admin-token", TOKEN, "--registration-allow-cidr", "127.0.0.0/8", workdir=tmp_path
+        ) as server:
             bootstrap = envoy_bootstrap(
                 server.port, [EdsCluster("web", lb_policy=lb_policy)], free_port(), routes={"/": "web"}
             )
@@ -88,8 +89,9 @@ async def test_merged_group_over_envoys_limits_is_not_sent(tmp_path: Path, lb_po
 
                     # now the file grows: merged with the registration, Envoy would reject it
                     write_atomically(path, upstreams([file_port], weight=MAX - 9))
-                    group = await wait_for(lambda: server.admin("/v1/groups/web"), lambda g: g["error"], timeout=5,
-                                           interval=0.05)
+                    group = await wait_for(
+                        lambda: server.admin("/v1/groups/web"), lambda g: g["error"], timeout=5, interval=0.05
+                    )
                     assert "priority 0 add up to 4294967296" in group["error"]
                     assert group["version"] == good
                     metrics = await (await http.get(f"http://127.0.0.1:{server.admin_port}/metrics")).text()

@@ -125,8 +125,9 @@ async def test_relay_whose_upstream_never_answered_serves_nothing_and_says_why(t
     async with contextlib.AsyncExitStack() as stack:
         await relay.start(wait_ready=False)
         stack.push_async_callback(relay.stop)
-        ready = await wait_for(lambda: relay.admin("/readyz"),
-                               lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"])
+        ready = await wait_for(
+            lambda: relay.admin("/readyz"), lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"]
+        )
         assert not ready["ready"]
         assert ready["waiting_for"][0]["source"] == f"upstream-eds:127.0.0.1:{closed}"
         assert "refused" in ready["waiting_for"][0]["last_error"]
@@ -216,8 +217,10 @@ async def test_relay_pointed_at_junk_is_never_ready_and_says_why_in_few_lines(
             await relay.stop()
     log = relay.log_text()
     warnings = [line for line in log.splitlines() if "WARNING" in line]
-    print(f"\n{junk.connections} connections, {junk.sent} junk messages sent, {len(warnings)} warnings; "
-          f"last_error: {source['last_error']}")
+    print(
+        f"\n{junk.connections} connections, {junk.sent} junk messages sent, {len(warnings)} warnings; "
+        f"last_error: {source['last_error']}"
+    )
     assert not ready["ready"] and ready["waiting_for"][0]["last_error"], ready
     assert source["last_error"] and not source["loaded"], source
     assert "all sources loaded" not in log

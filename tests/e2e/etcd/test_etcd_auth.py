@@ -33,8 +33,10 @@ async def secure_etcd(tmp_path: Path) -> tuple[EtcdCluster, Path]:
         ("/v3/auth/user/add", {"name": "root", "password": "root-password"}),
         ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
         ("/v3/auth/role/add", {"name": "eds-server"}),
-        ("/v3/auth/role/grant", {"name": "eds-server", "perm": {"permType": "READWRITE", "key": b64("/eds/"),
-                                                               "range_end": b64("/eds0")}}),
+        (
+            "/v3/auth/role/grant",
+            {"name": "eds-server", "perm": {"permType": "READWRITE", "key": b64("/eds/"), "range_end": b64("/eds0")}},
+        ),
         ("/v3/auth/user/add", {"name": "eds", "password": "eds-password"}),
         ("/v3/auth/user/grant", {"user": "eds", "role": "eds-server"}),
         ("/v3/auth/enable", {}),
@@ -49,8 +51,20 @@ async def test_tls_and_a_user_limited_to_the_prefix(tmp_path: Path) -> None:
     try:
         (tmp_path / "password").write_text("eds-password\n")
         state = f"etcd://127.0.0.1:{cluster.members[0].client_port}/eds"
-        args = ("--state", state, "--etcd-ca", str(ca), "--etcd-user", "eds", "--etcd-password-file",
-                str(tmp_path / "password"), "--admin-token", TOKEN, "--registration-allow-cidr", "127.0.0.0/8")
+        args = (
+            "--state",
+            state,
+            "--etcd-ca",
+            str(ca),
+            "--etcd-user",
+            "eds",
+            "--etcd-password-file",
+            str(tmp_path / "password"),
+            "--admin-token",
+            TOKEN,
+            "--registration-allow-cidr",
+            "127.0.0.0/8",
+        )
         async with EdsServerProcess(None, *args, workdir=tmp_path) as server, aiohttp.ClientSession() as http:
             base = f"http://127.0.0.1:{server.admin_port}/v1/groups/web/endpoints"
             for body, status in [
@@ -78,8 +92,9 @@ async def test_tls_and_a_user_limited_to_the_prefix(tmp_path: Path) -> None:
         wrong = EdsServerProcess(None, *args, workdir=tmp_path)
         await wrong.start(wait_ready=False)
         try:
-            ready = await wait_for(lambda: _readyz(wrong), lambda r: r and r["waiting_for"][0]["last_error"],
-                                   timeout=5, interval=0.1)
+            ready = await wait_for(
+                lambda: _readyz(wrong), lambda r: r and r["waiting_for"][0]["last_error"], timeout=5, interval=0.1
+            )
             assert ready is not None and not ready["ready"]
             assert "authentication failed" in ready["waiting_for"][0]["last_error"]
         finally:
@@ -115,8 +130,9 @@ async def test_a_client_certificate_for_an_etcd_that_requires_one(tmp_path: Path
         without = EdsServerProcess(None, *common, "--etcd-ca", ca_file, workdir=tmp_path)
         await without.start(wait_ready=False)
         try:
-            ready = await wait_for(lambda: _readyz(without), lambda r: r and r["waiting_for"][0]["last_error"],
-                                   timeout=5, interval=0.1)
+            ready = await wait_for(
+                lambda: _readyz(without), lambda r: r and r["waiting_for"][0]["last_error"], timeout=5, interval=0.1
+            )
             assert ready is not None and not ready["ready"]  # refused at the handshake: nothing served
         finally:
             await without.stop()

@@ -124,8 +124,11 @@ async def test_a_write_through_one_replica_reaches_both_envoys_within_a_second(t
         assert "over Envoy's limit" in next(body["error"] for status, body in answers if status == 409)
 
         # what someone else wrote under the prefix is skipped, with one warning, and breaks nothing
-        for key, value in [("/eds/registrations/web/junk", b"not json"), ("/eds/registrations/%ff/x", b"{}"),
-                           ("/eds/registrations/web/other", b'{"group":"api","id":"x","endpoint":{}}')]:
+        for key, value in [
+            ("/eds/registrations/web/junk", b"not json"),
+            ("/eds/registrations/%ff/x", b"{}"),
+            ("/eds/registrations/web/other", b'{"group":"api","id":"x","endpoint":{}}'),
+        ]:
             await r.cluster.any_call("/v3/kv/put", {"key": base64.b64encode(key.encode()).decode(),
                                                     "value": base64.b64encode(value).decode()})  # fmt: skip
         assert (await r.put(r.b, "web", "after-junk", 9300))[0] == 201
@@ -157,8 +160,9 @@ async def test_a_ttl_renewed_through_either_replica_lives_and_expires_without_th
         registered = time.monotonic()
         await r.a.stop()
         await r.b.stop()
-        await wait_for(r.cluster.keys, lambda keys: keys == {}, timeout=ttl + 2, interval=0.1,
-                       what="the keys gone from etcd")
+        await wait_for(
+            r.cluster.keys, lambda keys: keys == {}, timeout=ttl + 2, interval=0.1, what="the keys gone from etcd"
+        )
         print(f"with both replicas stopped: gone from etcd {time.monotonic() - registered:.2f} s after registering")
         assert await r.ports(r.envoys[0]) == {9002}  # meanwhile Envoy keeps what it had (no server)
         await r.a.start()
@@ -309,8 +313,11 @@ async def test_a_replica_killed_during_200_concurrent_writes_loses_nothing_ackno
         print(f"\nreplica A killed: {len(acked)} of 200 acknowledged, {len(stored)} in etcd")
         assert set(acked) <= set(stored)  # every acknowledged write is in etcd
         for name, entry in stored.items():  # and what is there is whole: exactly what was sent
-            assert entry == {"group": "web", "id": name,
-                             "endpoint": {"address": "127.0.0.1", "port": sent[name], "health": "unknown"}}
+            assert entry == {
+                "group": "web",
+                "id": name,
+                "endpoint": {"address": "127.0.0.1", "port": sent[name], "health": "unknown"},
+            }
         await r.a.start()  # Envoy A reconnects on its own backoff (up to 30 s)
         await r.wait_both(lambda p: p == {e["endpoint"]["port"] for e in stored.values()}, timeout=35)
 
@@ -399,8 +406,13 @@ async def test_1000_ttl_registrations_renewed_by_50_clients_through_both_replica
 
 
 async def _wait_live(server: EdsServerProcess, timeout: float = 15.0) -> None:
-    await wait_for(lambda: server.admin("/v1/sources"), lambda body: body["sources"][0]["live"], timeout=timeout,
-                   interval=0.1, what="the source live again")
+    await wait_for(
+        lambda: server.admin("/v1/sources"),
+        lambda body: body["sources"][0]["live"],
+        timeout=timeout,
+        interval=0.1,
+        what="the source live again",
+    )
 
 
 async def _text(http: aiohttp.ClientSession, url: str) -> str:

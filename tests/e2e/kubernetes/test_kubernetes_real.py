@@ -140,8 +140,12 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
             await backends.enter_async_context(serve_backend(Backend(f"web-{i}", port, local, ssl=tls)))
         async with KubeApi(kube) as api:
             await api.namespace(ns)
-            node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a",
-                                                              "topology.kubernetes.io/region": "region-1"}}}
+            node = {
+                "metadata": {
+                    "name": "node-a",
+                    "labels": {"topology.kubernetes.io/zone": "zone-a", "topology.kubernetes.io/region": "region-1"},
+                }
+            }
             await api.request("POST", "/api/v1/nodes", node, ok=(201, 409))
             await api.create(f"/api/v1/namespaces/{ns}/services",
                              service("web", {"eds.group": "web", "eds.port": "http"}, port))  # fmt: skip

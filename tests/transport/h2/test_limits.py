@@ -91,9 +91,7 @@ def test_data_after_end_stream_counts_as_resets() -> None:
     server.receive_data(client.data_to_send())
     server.send_headers(1, [(":status", "200")], end_stream=True)
     client.receive_data(server.data_to_send())
-    raw = b"".join(
-        b"\x00\x00\x01\x00\x00\x00\x00\x00\x01x" for _ in range(20)
-    )  # DATA, 1 byte, stream 1
+    raw = b"".join(b"\x00\x00\x01\x00\x00\x00\x00\x00\x01x" for _ in range(20))  # DATA, 1 byte, stream 1
     with pytest.raises(h2.exceptions.ProtocolError):
         server.receive_data(raw)
 

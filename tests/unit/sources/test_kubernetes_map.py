@@ -127,8 +127,9 @@ def test_slice_without_the_port_yet_gives_nothing() -> None:
 def test_endpoint_in_two_slices_keeps_its_healthiest_form() -> None:
     a, b = load("slice-ipv4"), load("slice-ipv4")
     a["metadata"]["name"] = "web-a"
-    a["endpoints"] = [{"addresses": ["127.0.0.9"], "conditions": {"ready": False, "serving": True,
-                                                                 "terminating": True}}]
+    a["endpoints"] = [
+        {"addresses": ["127.0.0.9"], "conditions": {"ready": False, "serving": True, "terminating": True}}
+    ]
     b["metadata"]["name"] = "web-b"
     b["endpoints"] = [{"addresses": ["127.0.0.9"], "conditions": {"ready": True}}]
     assert by_address(load("service"), a, b)["127.0.0.9"].health == Health.HEALTHY

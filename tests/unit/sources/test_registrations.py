@@ -792,7 +792,12 @@ async def test_a_conflicting_write_is_audited_as_409(state: Path, caplog: pytest
         assert (await s.put("web", "b", ep(80))).status == 409
     refused = _audit(caplog)[-1]
     assert (refused.result, refused.status, refused.token_name, refused.address, refused.port) == (  # type: ignore[attr-defined]
-        "409", 409, "admin", "10.0.0.1", 80)
+        "409",
+        409,
+        "admin",
+        "10.0.0.1",
+        80,
+    )
 
 
 async def test_the_audit_line_has_fields_of_its_own_in_json_logs(state: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -827,6 +832,8 @@ async def test_a_real_server_writes_the_audit_line_as_json(tmp_path: Path) -> No
                 assert r.status == 401
     lines = [json.loads(x) for x in server.log_text().splitlines() if '"eds_server.audit"' in x]
     assert [(x["result"], x["token_name"], x["address"], x["port"], x["peer"]) for x in lines] == [
-        ("created", "admin", "10.0.0.1", 8080, "127.0.0.1"), ("401", None, None, None, "127.0.0.1")]
+        ("created", "admin", "10.0.0.1", 8080, "127.0.0.1"),
+        ("401", None, None, None, "127.0.0.1"),
+    ]
     assert all(x["level"] == "info" and x["id"] == "vm-1" and x["group"] == "web" for x in lines)
     assert TOKEN not in server.log_text() and "not-the-token" not in server.log_text()

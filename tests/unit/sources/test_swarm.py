@@ -200,8 +200,11 @@ def test_tasks_on_a_node_in_transition_are_kept(state: str) -> None:
     """A restarted manager lists workers as unknown until they re-register; their tasks run on."""
     nodes = copy.deepcopy(NODES)
     nodes[NODE]["Status"]["State"] = state
-    assert service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, nodes, NODE).endpoints == \
-        service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, NODES, NODE).endpoints != {}
+    assert (
+        service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, nodes, NODE).endpoints
+        == service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, NODES, NODE).endpoints
+        != {}
+    )
 
 
 def test_groups_merge_services() -> None:

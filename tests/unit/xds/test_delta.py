@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from eds_server.xds.common import EDS_TYPE_URL, Ack, Limits, Nack, ProtocolError, StaleNonce, Subscribed
+from eds_server.xds.common import EDS_TYPE_URL, Ack, Nack, ProtocolError, StaleNonce, Subscribed, SubscriptionLimits
 from eds_server.xds.delta import DeltaRequest, DeltaStream
 from tests.support.xds_view import View
 
 
-def req(subscribe: tuple[str, ...] = (), unsubscribe: tuple[str, ...] = (), nonce: str = "",
-        error: str | None = None, node: bool = False, initial: dict[str, str] | None = None) -> DeltaRequest:
+def req(
+    subscribe: tuple[str, ...] = (),
+    unsubscribe: tuple[str, ...] = (),
+    nonce: str = "",
+    error: str | None = None,
+    node: bool = False,
+    initial: dict[str, str] | None = None,
+) -> DeltaRequest:
     return DeltaRequest(has_node=node, type_url=EDS_TYPE_URL, subscribe=subscribe, unsubscribe=unsubscribe,
                         initial_versions=initial or {}, response_nonce=nonce, error_message=error)  # fmt: skip
 
@@ -184,13 +190,13 @@ def test_subscribe_and_unsubscribe_of_one_name_in_one_request(view: View, before
 
 def test_max_names_is_a_total_per_stream(view: View) -> None:
     """--max-names counts every name a stream follows, across its requests."""
-    s = DeltaStream(view, Limits(max_names=10))
+    s = DeltaStream(view, SubscriptionLimits(max_names=10))
     s.receive(req(tuple(f"n{i}" for i in range(6)), node=True))
     s.receive(req(tuple(f"n{i}" for i in range(6, 10))))
     with pytest.raises(ProtocolError) as e:
         s.receive(req(("n10",)))
     assert e.value.status == "RESOURCE_EXHAUSTED"
-    s = DeltaStream(view, Limits(max_names=10))
+    s = DeltaStream(view, SubscriptionLimits(max_names=10))
     s.receive(req(tuple(f"n{i}" for i in range(10)), node=True))
     s.receive(req(("n10",), ("n0",)))  # swapping one for another stays within the limit
     assert len(s.subscribed) == 10
@@ -199,7 +205,7 @@ def test_max_names_is_a_total_per_stream(view: View) -> None:
 def test_reconnect_names_are_counted_once(view: View) -> None:
     """6 names subscribed with their 6 versions is 6 names, not 12."""
     many = tuple(f"n{i}" for i in range(6))
-    s = DeltaStream(view, Limits(max_names=10))
+    s = DeltaStream(view, SubscriptionLimits(max_names=10))
     s.receive(req(many, node=True, initial={n: "x" for n in many}))
     assert len(s.subscribed) == 6
 

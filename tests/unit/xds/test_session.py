@@ -12,7 +12,7 @@ from eds_server.observe import Observers, StreamObserver, StreamView
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.store import Store
 from eds_server.xds import wire
-from eds_server.xds.common import Limits, Nonces, ProtocolError
+from eds_server.xds.common import Nonces, ProtocolError, SubscriptionLimits
 from eds_server.xds.session import SOTW, SessionDriver
 from tests.support.grpc_harness import SOURCE, first, group, reply
 
@@ -36,7 +36,9 @@ class Recorder(StreamObserver):
 
 def driver(store: Store, **kw: object) -> tuple[SessionDriver, Recorder]:
     recorder = Recorder()
-    d = SessionDriver(SOTW, store, Limits(), Nonces(), Observers(recorder), "127.0.0.1:1", lambda: None, **kw)  # type: ignore[arg-type]
+    d = SessionDriver(
+        SOTW, store, SubscriptionLimits(), Nonces(), Observers(recorder), "127.0.0.1:1", lambda: None, **kw
+    )  # type: ignore[arg-type]
     return d, recorder
 
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from eds_server.xds.common import EDS_TYPE_URL, Ack, Limits, Nack, ProtocolError, StaleNonce, response_version
+from eds_server.xds.common import (
+    EDS_TYPE_URL,
+    Ack,
+    Nack,
+    ProtocolError,
+    StaleNonce,
+    SubscriptionLimits,
+    response_version,
+)
 from eds_server.xds.sotw import Request, SotwStream
 from tests.support.xds_view import View
 
@@ -63,7 +71,7 @@ def test_later_requests_may_omit_node_and_type_url(view: View) -> None:
 )
 def test_bad_requests_are_protocol_errors(view: View, req: Request) -> None:
     with pytest.raises(ProtocolError):
-        SotwStream(view, Limits(max_names=10, max_name_length=100)).receive(req)
+        SotwStream(view, SubscriptionLimits(max_names=10, max_name_length=100)).receive(req)
 
 
 def test_not_ready_sends_nothing_until_ready(view: View) -> None:

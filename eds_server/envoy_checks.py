@@ -47,9 +47,7 @@ def problems(group: Group) -> list[str]:
         for prio, localities in sorted(_localities_by_priority(group).items()):
             total = sum(group.locality_weights.get(loc, 0) for loc in localities)
             if total > UINT32_MAX:
-                out.append(
-                    f"locality weights in priority {prio} add up to {total}, over Envoy's limit of {UINT32_MAX}"
-                )
+                out.append(f"locality weights in priority {prio} add up to {total}, over Envoy's limit of {UINT32_MAX}")
     return out
 
 

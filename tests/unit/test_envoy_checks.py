@@ -1,11 +1,11 @@
-"""envoy_limits: the merged-group checks, and `fit` always giving a group Envoy accepts."""
+"""envoy_checks: the merged-group checks, and `fit` always giving a group Envoy accepts."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eds_server import envoy_limits
+from eds_server import envoy_checks
 from eds_server.model import Endpoint, Group, Locality
 
 MAX = 2**32 - 1
@@ -29,22 +29,22 @@ locality_weights = st.dictionaries(st.sampled_from(LOCALITIES), st.sampled_from(
 @given(endpoints, locality_weights)
 def test_fit_is_always_accepted_and_keeps_what_already_fits(eps: list[Endpoint], weights: dict[Locality, int]) -> None:
     group = Group("g", tuple(eps), weights)
-    fitted = envoy_limits.fit(group)
-    assert envoy_limits.problems(fitted) == []
+    fitted = envoy_checks.fit(group)
+    assert envoy_checks.problems(fitted) == []
     assert all(e in group.endpoints for e in fitted.endpoints)
-    if not envoy_limits.problems(group):
+    if not envoy_checks.problems(group):
         assert fitted == group
 
 
 def test_the_limits_found_with_envoy() -> None:
     a, b = LOCALITIES[:2]
-    assert envoy_limits.problems(Group("g", (Endpoint("127.0.0.1", 1, weight=MAX),))) == []
+    assert envoy_checks.problems(Group("g", (Endpoint("127.0.0.1", 1, weight=MAX),))) == []
     two_localities = Group("g", (Endpoint("127.0.0.1", 1, weight=MAX, locality=a),
                                  Endpoint("127.0.0.1", 2, locality=b)))  # fmt: skip
-    assert envoy_limits.problems(two_localities) == [
+    assert envoy_checks.problems(two_localities) == [
         "endpoint weights in priority 0 add up to 4294967296, over Envoy's limit of 4294967295"
     ]
     gap = Group("g", (Endpoint("127.0.0.1", 1), Endpoint("127.0.0.1", 2, priority=2)))
-    assert envoy_limits.problems(gap) == []  # Envoy accepts a gap in priorities
+    assert envoy_checks.problems(gap) == []  # Envoy accepts a gap in priorities
     unused = Group("g", (Endpoint("127.0.0.1", 1, locality=a),), {a: MAX, b: MAX})
-    assert envoy_limits.problems(unused) == []  # a weight for a locality with no endpoints counts nowhere
+    assert envoy_checks.problems(unused) == []  # a weight for a locality with no endpoints counts nowhere
