@@ -11,31 +11,20 @@ connection cap, so idle, slowloris and half-sent-body clients could hold the adm
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
+from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from .base import timeout_middleware
+from .http_cap import PortCount
 from .limits import HttpLimits
-
-REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-
-
-class _Port:
-    """One port's open connections."""
-
-    def __init__(self, limits: HttpLimits) -> None:
-        self.limits = limits
-        self.open = 0
-        self.refused = 0
-        self.timed_out = 0
 
 
 class _Handler(RequestHandler):
     """aiohttp's protocol, counted against the port's cap, with a deadline while no request runs."""
 
-    def __init__(self, port: _Port, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, port: PortCount, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.port = port
         self.busy = 0
@@ -44,14 +33,9 @@ class _Handler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        if self.port.open >= self.port.limits.max_connections:
-            self.port.refused += 1
-            tr = cast(asyncio.Transport, transport)
-            tr.write(REFUSED)
-            tr.close()
+        if not self.port.admit(transport):
             return
         self.counted = True
-        self.port.open += 1
         self.arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -81,7 +65,7 @@ class _Handler(RequestHandler):
 class _Factory:
     """What the site calls for each connection (aiohttp's web.Server does the same, unlimited)."""
 
-    def __init__(self, server: web.Server, port: _Port) -> None:
+    def __init__(self, server: web.Server, port: PortCount) -> None:
         self.server = server
         self.port = port
 
@@ -109,7 +93,7 @@ class LimitedAppRunner(web.AppRunner):
     def __init__(self, app: web.Application, limits: HttpLimits) -> None:
         app.middlewares.insert(0, timeout_middleware(limits.timeout, _busy))
         super().__init__(app, access_log=None, keepalive_timeout=limits.timeout)
-        self.port = _Port(limits)
+        self.port = PortCount(limits)
 
     @property
     def server(self) -> Any:

@@ -19,12 +19,24 @@ REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Len
 
 
 class PortCount:
-    """One port's open connections, and those refused."""
+    """One port's open connections, and those refused (both runners count them here)."""
 
     def __init__(self, limits: HttpLimits) -> None:
         self.limits = limits
         self.open = 0
         self.refused = 0
+        self.timed_out = 0  # connections closed for a request's headers not in time (http.py)
+
+    def admit(self, transport: asyncio.BaseTransport) -> bool:
+        """Count a new connection; past the cap it gets `503` and is closed, and is not counted."""
+        if self.open >= self.limits.max_connections:
+            self.refused += 1
+            tr = cast(asyncio.Transport, transport)
+            tr.write(REFUSED)
+            tr.close()
+            return False
+        self.open += 1
+        return True
 
 
 class _Counted(asyncio.Protocol):
@@ -36,14 +48,9 @@ class _Counted(asyncio.Protocol):
         self.counted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self.port.open >= self.port.limits.max_connections:
-            self.port.refused += 1
-            tr = cast(asyncio.Transport, transport)
-            tr.write(REFUSED)
-            tr.close()
+        if not self.port.admit(transport):
             return
         self.counted = True
-        self.port.open += 1
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
