@@ -1,8 +1,10 @@
 """The connection cap of an aiohttp port, on aiohttp's public API only: for aiohttp versions the
 fast path (http.py) was not tested with. The runner's `server` (aiohttp's low-level web.Server, a
 protocol factory) is wrapped so each connection's protocol is counted; past the cap, a connection
-gets `503` and is closed at once, before aiohttp sees it. The deadlines for headers and idle
-keepalive stay http.py's (aiohttp's keepalive_timeout and the request deadline hold here).
+gets `503` and is closed at once, before aiohttp sees it. A request's headers must end within
+the timeout of their first byte (or of the connection's start), seen from the bytes alone: aiohttp
+has no such deadline, so a slowloris client would hold a connection slot for ever; aiohttp's
+keepalive timeout bounds an idle connection and the request deadline a body.
 """
 
 from __future__ import annotations
@@ -46,16 +48,42 @@ class _Counted(asyncio.Protocol):
         self.inner = inner
         self.port = port
         self.counted = False
+        self.transport: asyncio.Transport | None = None
+        self.deadline: asyncio.TimerHandle | None = None  # for the headers begun to end
+        self.tail = b""  # the last bytes received, for an end of headers split across reads
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self.port.admit(transport):
             return
         self.counted = True
+        self.transport = cast(asyncio.Transport, transport)
+        self.arm()
         self.inner.connection_made(transport)
 
+    def arm(self, times: float = 1.0) -> None:
+        self.deadline = asyncio.get_running_loop().call_later(times * self.port.limits.timeout, self.expire)
+
+    def expire(self) -> None:
+        self.deadline = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.port.timed_out += 1
+            self.transport.close()
+
     def data_received(self, data: bytes) -> None:
-        if self.counted:
-            self.inner.data_received(data)
+        if not self.counted:
+            return
+        seen = self.tail + data
+        end = seen.rfind(b"\r\n\r\n")
+        if end >= 0:  # the headers ended: no deadline until more comes
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+            if len(seen) > end + 4:  # a body (or the next request): the request deadline answers
+                self.arm(2.0)  # a body first (408), then aiohttp would linger on the rest for 10 s
+        elif self.deadline is None:  # a request begun (or a body: the request deadline is sooner)
+            self.arm()
+        self.tail = seen[-3:]
+        self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.counted else None
@@ -69,6 +97,9 @@ class _Counted(asyncio.Protocol):
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
         if self.counted:
             self.counted = False
             self.port.open -= 1

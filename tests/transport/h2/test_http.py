@@ -40,8 +40,9 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float = 10.0) -> 
     return await asyncio.wait_for(reader.read(), seconds)
 
 
-async def test_slowloris_headers_are_cut_off() -> None:
-    async with serving(HttpLimits(timeout=0.3)) as (port, _):
+@pytest.mark.parametrize("runner_class", [LimitedAppRunner, CappedAppRunner])
+async def test_slowloris_headers_are_cut_off(runner_class: type[LimitedAppRunner | CappedAppRunner]) -> None:
+    async with serving(HttpLimits(timeout=0.3), runner_class) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and never the end of the headers
         for _ in range(20):  # a byte now and then does not keep it open
@@ -54,8 +55,9 @@ async def test_slowloris_headers_are_cut_off() -> None:
         writer.close()
 
 
-async def test_an_idle_keepalive_connection_is_closed() -> None:
-    async with serving(HttpLimits(timeout=0.3)) as (port, _):
+@pytest.mark.parametrize("runner_class", [LimitedAppRunner, CappedAppRunner])
+async def test_an_idle_keepalive_connection_is_closed(runner_class: type[LimitedAppRunner | CappedAppRunner]) -> None:
+    async with serving(HttpLimits(timeout=0.3), runner_class) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = await closed_within(reader)
@@ -63,8 +65,9 @@ async def test_an_idle_keepalive_connection_is_closed() -> None:
         writer.close()
 
 
-async def test_a_half_sent_body_gets_408() -> None:
-    async with serving(HttpLimits(timeout=0.3)) as (port, _):
+@pytest.mark.parametrize("runner_class", [LimitedAppRunner, CappedAppRunner])
+async def test_a_half_sent_body_gets_408(runner_class: type[LimitedAppRunner | CappedAppRunner]) -> None:
+    async with serving(HttpLimits(timeout=0.3), runner_class) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
         answer = await closed_within(reader)
