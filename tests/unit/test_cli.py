@@ -396,8 +396,7 @@ def test_the_command_lines_defaults_are_the_settings_defaults(monkeypatch: pytes
     and --help) and the settings classes have their own, for the App built in code and in tests:
     the two copies must say the same, or a server built in code is not the one operators run."""
     from eds_server.app import Settings
-    from eds_server.transport.h2.http import HttpLimits
-    from eds_server.transport.h2.limits import ConnectionLimits
+    from eds_server.transport.h2.limits import ConnectionLimits, HttpLimits
     from eds_server.xds.common import SubscriptionLimits
 
     for name in [n for n in os.environ if n.startswith("EDS_")]:

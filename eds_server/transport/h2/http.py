@@ -16,9 +16,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from .base import timeout_middleware
-from .http_cap import PortCount
-from .limits import HttpLimits
+from .http_cap import CappedAppRunner, PortCount
 
 
 class _Handler(RequestHandler):
@@ -87,15 +85,9 @@ def _busy(request: web.Request, delta: int) -> None:
             proto.arm()
 
 
-class LimitedAppRunner(web.AppRunner):
-    """An AppRunner whose sites get the limits above."""
+class LimitedAppRunner(CappedAppRunner):
+    """An AppRunner whose sites get the limits above: the cap, and aiohttp's own protocol with a
+    deadline while no request runs."""
 
-    def __init__(self, app: web.Application, limits: HttpLimits) -> None:
-        app.middlewares.insert(0, timeout_middleware(limits.timeout, _busy))
-        super().__init__(app, access_log=None, keepalive_timeout=limits.timeout)
-        self.port = PortCount(limits)
-
-    @property
-    def server(self) -> Any:
-        server = super().server
-        return None if server is None else _Factory(server, self.port)
+    factory = _Factory
+    busy = staticmethod(_busy)

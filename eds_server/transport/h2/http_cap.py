@@ -122,14 +122,18 @@ class _Factory:
 
 class CappedAppRunner(web.AppRunner):
     """An AppRunner whose sites hold at most `limits.max_connections` connections, with aiohttp's
-    keepalive timeout and a request deadline of `limits.timeout`."""
+    keepalive timeout and a request deadline of `limits.timeout`. Each connection's protocol comes
+    from `factory` (http.py's runner makes its own); `busy` hears of requests starting and ending."""
+
+    factory: Any = _Factory
+    busy: Any = None
 
     def __init__(self, app: web.Application, limits: HttpLimits) -> None:
-        app.middlewares.insert(0, timeout_middleware(limits.timeout))
+        app.middlewares.insert(0, timeout_middleware(limits.timeout, type(self).busy))
         super().__init__(app, access_log=None, keepalive_timeout=limits.timeout)
         self.port = PortCount(limits)
 
     @property
     def server(self) -> Any:
         server = super().server
-        return None if server is None else _Factory(server, self.port)
+        return None if server is None else self.factory(server, self.port)

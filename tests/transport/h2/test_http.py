@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from eds_server.transport.h2.http import HttpLimits, LimitedAppRunner
+from eds_server.transport.h2.http import LimitedAppRunner
 from eds_server.transport.h2.http_cap import CappedAppRunner
+from eds_server.transport.h2.limits import HttpLimits
 from tests.support.waiting import wait_for
 
 
