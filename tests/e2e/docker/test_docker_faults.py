@@ -84,12 +84,15 @@ async def following(docker_cleanup: DockerEngine) -> AsyncIterator[tuple[DockerE
 
 
 async def ports(store: Store, want: set[int], timeout: float = 15.0) -> None:
-    await wait_for(
-        lambda: store.ready and {e.port for e in store.get("web").group.endpoints} == want,
-        timeout=timeout,
-        interval=0.05,
-        what=f"ports {want}",
-    )
+    """Until the store serves `want`; on failure it says what it served, and whether stale."""
+
+    def seen() -> tuple[bool, set[int] | None, bool]:
+        if not store.ready:
+            return False, None, store.is_stale("web")
+        return True, {e.port for e in store.get("web").group.endpoints}, store.is_stale("web")
+
+    await wait_for(seen, lambda s: s[:2] == (True, want), timeout=timeout, interval=0.05,
+                   what=f"ports {want} (last observed: ready, ports, stale)")  # fmt: skip
 
 
 async def backend(engine: DockerEngine, name: str) -> int:

@@ -30,7 +30,7 @@ from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 from tests.support.fake_kube_api import NS, FakeApiServer, endpoint_slice, kubeconfig, run_process, service
 from tests.support.feeds import alone
-from tests.support.hung_peer import HUNG_BOUND
+from tests.support.hung_peer import HUNG_WAIT
 from tests.support.waiting import wait_for
 
 REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
@@ -64,11 +64,12 @@ async def until(check: Callable[[], bool], timeout: float, what: str) -> float:
 
 @contextlib.asynccontextmanager
 async def following(config: Path) -> AsyncIterator[tuple[Store, KubernetesSource]]:
-    """A source whose every backoff is at least 2 s (first delay 4 s, jittered down to half), probing
-    every 0.1 s: what arrives within 1.5 s of the server's return did not wait the backoff out."""
+    """A source whose every backoff is at least 10 s (first delay 20 s, jittered down to half), probing
+    every 0.1 s: what arrives within 5 s of the server's return did not wait the backoff out, however
+    loaded the host."""
     store = Store(encode_group)
     source = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)),
-                              probe_every=0.1, probe_timeout=0.5, backoff=(4.0, 30.0))  # fmt: skip
+                              probe_every=0.1, probe_timeout=0.5, backoff=(20.0, 60.0))  # fmt: skip
     stop = asyncio.Event()
     task = asyncio.create_task(source.run(stop))
     try:
@@ -97,8 +98,8 @@ async def test_changes_flow_again_as_soon_as_the_api_server_answers(
             assert 3 <= probes <= 15  # about one every 0.1 s for both watches together, not one each
             await fake.start()
             fake.put("endpointslices", endpoint_slice("127.0.0.3"))
-            await until(lambda: addresses(store) == {"127.0.0.3"}, 1.5, "the change after the outage")
-            await until(lambda: source.connected, 1.5, "connected again")
+            await until(lambda: addresses(store) == {"127.0.0.3"}, 5, "the change after the outage")
+            await until(lambda: source.connected, 5, "connected again")
             assert not store.is_stale("web")
     said = "\n".join(r.getMessage() for r in caplog.records)
     assert "kubernetes: Services: the API server closed the watch mid-stream: it went away" in said or (
@@ -117,9 +118,12 @@ async def test_a_rewritten_kubeconfig_is_used_at_once(
     caplog.set_level(logging.INFO, "eds_server")
     async with following(config) as (store, source):
         await fake.stop()
+        await until(lambda: source.watches_open == 0, 5, "the outage noticed by both watches")
+        probes = source.probe.probes
+        await until(lambda: source.probe.probes >= probes + 2, 5, "the server probed while away")
         fake.token = "token-b"
-        await fake.start()
-        await until(lambda: fake.refused >= 2, 10, "the old token refused (both watches)")
+        await fake.start()  # seen away, now back: each watch tries at once, and is refused
+        await until(lambda: fake.refused >= 2, 5, "the old token refused (both watches)")
         assert "refused our credentials" in str(source.last_error) and not REPR.search(str(source.last_error))
         probes, loads = fake.readyz, source.loads
         await asyncio.sleep(0.5)  # five probe intervals in which nothing may happen (not a wait for something)
@@ -127,8 +131,9 @@ async def test_a_rewritten_kubeconfig_is_used_at_once(
         new = kubeconfig(tmp_path / "kubeconfig.new", fake.url, "token-b")
         new.replace(config)  # as kubectl and Secret volumes do
         fake.put("endpointslices", endpoint_slice("127.0.0.3"))
-        await until(lambda: addresses(store) == {"127.0.0.3"}, 1.5, "the change with the new token")
-        assert source.loads == loads + 1 and source.connected
+        await until(lambda: addresses(store) == {"127.0.0.3"}, 5, "the change with the new token")
+        await until(lambda: source.connected, 5, "both watches following again")  # each ends its own backoff
+        assert source.loads == loads + 1
     said = [r.getMessage() for r in caplog.records if "reconnecting in" in r.getMessage()]
     assert len(said) == 2, said  # went away, then (news, not more of the same) back but refusing the token
     assert "went away" in said[0] and "refused our credentials (401): Unauthorized" in said[1]
@@ -148,9 +153,9 @@ async def test_a_server_that_answers_probes_but_fails_requests_gets_the_full_bac
         await until(lambda: source.probe.probes >= probes + 2, 5, "the server probed while away")
         fake.failing = 503  # back, answering probes, failing every request
         await fake.start()
-        await until(lambda: fake.failed >= 2, 1.5, "the early attempts")  # one per watch
+        await until(lambda: fake.failed >= 2, 5, "the early attempts")  # one per watch
         probes = fake.readyz
-        # 15 probes (one every 0.1 s) and no new attempt: their next attempts are at least 2 s away
+        # 15 probes (one every 0.1 s) and no new attempt: their next attempts are at least 10 s away
         await until(lambda: fake.readyz >= probes + 15, 10, "15 more probes")
         assert fake.failed == 2  # still probing, no longer cutting short
         assert addresses(store) == {"127.0.0.2"}
@@ -186,8 +191,9 @@ async def test_a_frozen_api_server_is_found_within_the_bound_and_followed_again_
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The stand-in API server as its own process, SIGSTOPped: its port accepts and the watches stay
-    open, nothing answers. With the default heartbeat (1 s of quiet, 2 s to answer) the source is stale
-    within HUNG_BOUND and serves its last state; after SIGCONT it follows again."""
+    open, nothing answers. The default heartbeat (1 s of quiet, then two probes with 2 s each to answer)
+    finds it: the source is stale, with the heartbeat's words, after two more probes, and serves its
+    last state; after SIGCONT it follows again."""
     proc, port = await run_process()
     try:
         config = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}", "token-a")
@@ -201,11 +207,14 @@ async def test_a_frozen_api_server_is_found_within_the_bound_and_followed_again_
             # quiet: the heartbeat probes, the server answers, nothing changes
             await until(lambda: source.heartbeat.probes >= 1, 5, "a heartbeat probe")
             assert source.connected and source.heartbeat.probes >= 1 and source.heartbeat.hangs == 0
+            probes = source.heartbeat.probes
             proc.send_signal(signal.SIGSTOP)
             try:
-                took = await until(lambda: not source.connected, HUNG_BOUND, "the frozen server noticed")
+                took = await until(lambda: not source.connected, HUNG_WAIT, "the frozen server noticed")
+                # found by the heartbeat's unanswered probes, not a read timeout
+                assert source.heartbeat.hangs == 1 and source.heartbeat.probes - probes >= 2
                 assert store.is_stale("web") and addresses(store) == {"127.0.0.2"}  # served, marked stale
-                assert "did not answer within 2 s" in str(source.last_error)
+                assert "did not answer within 2 s, twice running" in str(source.last_error)
                 await asyncio.sleep(2.0)  # a window in which nothing may change: still stale while frozen
                 assert not source.connected
             finally:
