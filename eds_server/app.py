@@ -32,7 +32,15 @@ from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
-from .transport.h2 import FILE_HEADROOM, ConnectionLimits, HttpLimits, http_runner, runner_port
+from .transport.h2 import (
+    FILE_HEADROOM,
+    ConnectionLimits,
+    HttpLimits,
+    PassThroughCodec,
+    http_runner,
+    keepalive_config,
+    runner_port,
+)
 from .transport.rest import make_rest_app
 from .xds.common import SubscriptionLimits
 
@@ -134,7 +142,10 @@ class App:
         elif settings.state or settings.admin_token or settings.registration_policy.scoped_tokens:
             self.registrations = RegistrationSource(feed, settings.state,
                                                     max_registrations=settings.max_registrations)  # fmt: skip
-        self.relay = RelaySource(feed, settings.upstream_eds) if settings.upstream_eds is not None else None
+        self.relay = None
+        if settings.upstream_eds is not None:  # its client: bytes as they are, keepalive every 30 s
+            config = keepalive_config(30.0, 10.0, server=False)
+            self.relay = RelaySource(feed, settings.upstream_eds, codec=PassThroughCodec(), config=config)
         by_kind: dict[str, Source | None] = {
             "file": self.file_source, "docker": self.docker_source, "swarm": self.swarm_source,
             "kubernetes": self.kubernetes_source, "registrations": self.registrations, "relay": self.relay,

@@ -41,6 +41,8 @@ from .base import Backoff, Heartbeat, Hung, Liveness, RelayFeed, SourceStatus, r
 
 if TYPE_CHECKING:
     from grpclib.client import Channel, Stream
+    from grpclib.config import Configuration
+    from grpclib.encoding.base import CodecBase
 
 log = logging.getLogger("eds_server.sources.relay")
 
@@ -230,10 +232,13 @@ def _bytes(value: int | memoryview) -> memoryview:
 class RelaySource:
     """Follows an upstream eds-server's DeltaEndpoints; the only source of its store."""
 
-    def __init__(self, feed: RelayFeed, options: UpstreamOptions, *, linger: float = LINGER,
-                 node_id: str | None = None) -> None:  # fmt: skip
+    def __init__(self, feed: RelayFeed, options: UpstreamOptions, *, codec: CodecBase, config: Configuration,
+                 linger: float = LINGER, node_id: str | None = None) -> None:  # fmt: skip
+        """`codec` and `config`: the gRPC client's, from the transport that owns them (one that sends
+        `bytes` as they are, and keepalive through grpclib's private keywords)."""
         self.feed = feed
         self.options = options
+        self.codec, self.config = codec, config
         self.name = f"upstream-eds:{options.target}"
         self.node_id = node_id or f"eds-server-relay/{socket.gethostname()}/{os.getpid()}"
         self.subs = Subscriptions(linger)
@@ -261,15 +266,12 @@ class RelaySource:
     async def run(self, stop: asyncio.Event) -> None:
         from grpclib.client import Channel
 
-        from ..transport.h2 import PassThroughCodec, keepalive_config
-
         backoff = Backoff(initial=0.2, cap=5.0)
-        config = keepalive_config(30.0, 10.0, server=False)
         o = self.options
         where: dict[str, Any] = {"path": o.path} if o.path is not None else {"host": o.host, "port": o.port}
 
         async def connect() -> str:
-            channel = Channel(**where, ssl=o.ssl_context(), codec=PassThroughCodec(), config=config)
+            channel = Channel(**where, ssl=o.ssl_context(), codec=self.codec, config=self.config)
             self._subscribed = False
             self.heartbeat = Heartbeat(_health_check(channel), f"the upstream eds-server {o.target}",
                                        replied=self._vouched)  # fmt: skip

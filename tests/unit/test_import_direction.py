@@ -26,10 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )  # fmt: skip
 
 # Known arrows that point up, each with why it is still there. Remove a line when its arrow goes.
-KNOWN_UPWARD = {
-    # the relay's client speaks gRPC with the pass-through codec kept beside the HTTP/2 code
-    ("sources.relay", "transport.h2"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 # Inside transport/h2/, the fast path's modules, each importing only those after it (and the
