@@ -314,9 +314,15 @@ class KubernetesSource(Followed):
         self.view.apply(kind.plural, event_type, obj)
         self.events += 1
 
+    @property
+    def scopes(self) -> tuple[Scope, ...]:
+        """What is listed and watched: each kind in each namespace (or the cluster)."""
+        return tuple(self._scopes)
+
     def replace(self, kind: Kind, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
-        """A full listing of one kind in one scope: what it lacks is gone."""
+        """A full listing of one kind in one scope: what it lacks is gone, and the scope is listed."""
         self.view.replace(kind.plural, namespace, items)
+        self._listed.add((kind, namespace))
 
     def publish(self) -> None:
         """Map the Services that changed again, and publish the whole state."""
@@ -457,7 +463,6 @@ class KubernetesSource(Followed):
                 if version is None:
                     async with self.heartbeat.guard():
                         version = await self._list(kind, namespace)
-                    self._listed.add(scope)
                     self._recovered(scope)
                     self._changed.set()  # the first full listing is published even if empty
                 started, request = asyncio.get_running_loop().time(), "watch"

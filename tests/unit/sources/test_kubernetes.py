@@ -48,10 +48,8 @@ def addresses(store: Store, group: str) -> dict[str, Health]:
 def test_nothing_served_before_every_kind_is_listed() -> None:
     store, src = source()
     src.replace(SERVICES, None, [load("service")])
-    src._listed.add((SERVICES, None))
     assert not src.loaded and not store.ready
     src.replace(SLICES, None, [load("slice-ipv4")])
-    src._listed.add((SLICES, None))
     assert src.loaded
     src.publish()
     assert store.ready
@@ -120,7 +118,7 @@ def test_unchanged_events_do_not_remap() -> None:
 def test_node_regions() -> None:
     store = Store(encode_group)
     src = alone(KubernetesSource, store, KubernetesOptions(node_regions=True))
-    assert (NODES, None) in src._scopes
+    assert (NODES, None) in src.scopes
     node = {"metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/region": "eu-west"}}}
     src.replace(SERVICES, None, [load("service")])
     src.replace(SLICES, None, [load("slice-ipv4")])
