@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import pytest
+from grpclib.config import Configuration
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from eds_server.pb.envoy.service.discovery.v3 import DeltaDiscoveryRequest
 from eds_server.protowire import length_delimited, string_field
 from eds_server.sources.relay import RelaySource, Subscriptions, UpstreamOptions, decode_response, encode_request
 from eds_server.store import Resource, Store
+from eds_server.transport.h2 import PassThroughCodec
 from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL
 from eds_server.xds.delta import DeltaRequest, DeltaStream
@@ -159,7 +161,7 @@ def test_junk_is_nacked_never_loaded_and_said_once_then_rate_limited(caplog: pyt
     store stays unloaded (not ready), the reason is the source's last_error, and a flood of them
     logs a few lines, not one each."""
     store = Store(encode_group)
-    relay = alone(RelaySource, store, UpstreamOptions("127.0.0.1", 1))
+    relay = alone(RelaySource, store, UpstreamOptions("127.0.0.1", 1), codec=PassThroughCodec(), config=Configuration())
     body = encode_group(Group("web", (Endpoint("10.0.0.1", 80),)))
     unasked = wire.delta_discovery_response("sys", [Resource("web", "v1", body, Group("web"))], "1")
     with caplog.at_level(logging.WARNING, "eds_server.sources.relay"):
