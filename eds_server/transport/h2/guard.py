@@ -366,8 +366,10 @@ MAX_WINDOW = 2**31 - 1  # RFC 9113 section 6.9.1: no flow-control window may exc
 
 class SendWindows:
     """The flow-control windows a client has granted us (RFC 9113 section 6.9), from its
-    WINDOW_UPDATE and SETTINGS payloads and our DATA frames' headers: a window taken past 2^31-1
-    is a FLOW_CONTROL_ERROR, answered here (h2 raises, and grpclib swallows the error unanswered)."""
+    WINDOW_UPDATE and SETTINGS payloads and our DATA frames' headers: the connection's window, or a
+    SETTINGS_INITIAL_WINDOW_SIZE, taken past 2^31-1 is a connection FLOW_CONTROL_ERROR, answered
+    here (h2 raises, and grpclib swallows the error unanswered). A stream's is a stream error, which
+    h2 answers itself (RST_STREAM FLOW_CONTROL_ERROR): that stream is forgotten here."""
 
     __slots__ = ("connection", "initial", "streams")
 
@@ -385,9 +387,10 @@ class SendWindows:
                     return _flow_error(f"WINDOW_UPDATE of {increment} takes the connection window past 2^31-1")
             else:
                 window = self.streams.get(sid, self.initial) + increment
-                if window > MAX_WINDOW:
-                    return _flow_error(f"WINDOW_UPDATE of {increment} takes stream {sid}'s window past 2^31-1")
-                self.streams[sid] = window
+                if window > MAX_WINDOW:  # a stream error: h2 resets the stream (RST_STREAM FLOW_CONTROL_ERROR)
+                    self.streams.pop(sid, None)
+                else:
+                    self.streams[sid] = window
         elif ftype == SettingsFrame.type and not flags & ACK:
             for i in range(0, len(payload) - 5, 6):
                 if int.from_bytes(payload[i : i + 2], "big") != 4:  # SETTINGS_INITIAL_WINDOW_SIZE

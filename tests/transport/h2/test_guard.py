@@ -287,5 +287,8 @@ def test_send_windows_follow_our_data_and_refuse_only_a_real_overflow() -> None:
     windows.sent(1, 65_535)  # stream 1's window and the connection's spent: room for the maximum
     assert windows.received(WINDOW_UPDATE, 0, 1, (2**31 - 1).to_bytes(4, "big")) is None
     assert windows.received(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big")) is None
+    windows.sent(3, 10)
+    assert windows.received(WINDOW_UPDATE, 0, 3, (2**31 - 1).to_bytes(4, "big")) is None  # h2 resets stream 3
+    assert 3 not in windows.streams
     refusal = windows.received(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (65_536).to_bytes(4, "big"))
     assert refusal is not None and refusal.code == 3 and "stream 1" in refusal.detail
