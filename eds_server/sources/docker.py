@@ -2,7 +2,7 @@
 
 aiodocker's event stream neither reconnects nor times out, so each connection gets a fresh client,
 an engine quiet for a second is pinged with a short timeout (a frozen engine keeps its socket open
-and answers nothing: it is found 5 s at most after its last answer, as a stopped one is), and the
+and answers nothing: it is found about 5 s after its last answer, as a stopped one is), and the
 containers are listed again after every reconnect and on a slow periodic resync (the engine keeps
 only a short event history). While the engine is away or hung the last known endpoints keep being served, marked stale.
 """

@@ -10,7 +10,7 @@ handed to the store before every kind has been listed once, so Envoy never sees 
 An API server that stops answering with its connections open (a frozen process: a watch looks
 just like a quiet one) is found by a heartbeat: once nothing was heard for a second, GET /livez
 with two seconds to answer, twice running (any status counts); unanswered, every list and watch in
-flight is ended and the source is marked stale, 5 s at most after its last answer, as for a server that went away.
+flight is ended and the source is marked stale, about 5 s after its last answer, as for a server that went away.
 
 A backoff grows to 30 s during a long outage, and the server's return should not wait that out: while
 the API server is away it is probed (GET /readyz, short timeout) about once a second, and the wait
