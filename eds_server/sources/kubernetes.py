@@ -291,9 +291,10 @@ class KubernetesSource(Followed):
         self.relists = 0
         self.view = ClusterView(options.annotation_prefix)  # the mapper: objects read -> groups
         self.warnings = WarnOnce(log)  # per Service
-        self._scopes = [(kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))]
-        if options.node_regions:
-            self._scopes.append((NODES, None))
+        # what is listed and watched: each kind in each namespace (or the cluster)
+        self.scopes: tuple[Scope, ...] = tuple(
+            (kind, ns) for kind in (SERVICES, SLICES) for ns in (options.namespaces or (None,))
+        ) + (((NODES, None),) if options.node_regions else ())
         self._listed: set[Scope] = set()  # scopes listed at least once
         self.outage = Outage(self.liveness)  # the scopes failing now, said once per outage
         self._changed = asyncio.Event()
@@ -307,17 +308,12 @@ class KubernetesSource(Followed):
     # -- state ---------------------------------------------------------------------------------
     @property
     def loaded(self) -> bool:
-        return len(self._listed) == len(self._scopes)
+        return len(self._listed) == len(self.scopes)
 
     def apply(self, kind: Kind, event_type: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED) for a Service, an EndpointSlice or a Node."""
         self.view.apply(kind.plural, event_type, obj)
         self.events += 1
-
-    @property
-    def scopes(self) -> tuple[Scope, ...]:
-        """What is listed and watched: each kind in each namespace (or the cluster)."""
-        return tuple(self._scopes)
 
     def replace(self, kind: Kind, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
         """A full listing of one kind in one scope: what it lacks is gone, and the scope is listed."""
@@ -363,7 +359,7 @@ class KubernetesSource(Followed):
         if self._api is None:
             return
         try:
-            tasks = [asyncio.create_task(self._follow(kind, ns, stop)) for kind, ns in self._scopes]
+            tasks = [asyncio.create_task(self._follow(kind, ns, stop)) for kind, ns in self.scopes]
             tasks.append(asyncio.create_task(self._publisher(stop)))
             tasks.append(asyncio.create_task(self.heartbeat.run(stop)))
             try:
