@@ -369,14 +369,16 @@ class SendWindows:
     WINDOW_UPDATE and SETTINGS payloads and our DATA frames' headers: the connection's window, or a
     SETTINGS_INITIAL_WINDOW_SIZE, taken past 2^31-1 is a connection FLOW_CONTROL_ERROR, answered
     here (h2 raises, and grpclib swallows the error unanswered). A stream's is a stream error, which
-    h2 answers itself (RST_STREAM FLOW_CONTROL_ERROR): that stream is forgotten here."""
+    h2 answers itself (RST_STREAM FLOW_CONTROL_ERROR): that stream is forgotten here, and counted in
+    `overflowed`, for the caller to charge as a reset the client caused."""
 
-    __slots__ = ("connection", "initial", "streams")
+    __slots__ = ("connection", "initial", "overflowed", "streams")
 
     def __init__(self) -> None:
         self.connection = 65_535
         self.initial = 65_535
         self.streams: dict[int, int] = {}  # open streams' windows, by stream (created on first use)
+        self.overflowed = 0  # stream windows taken past the maximum (streams h2 resets)
 
     def received(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
         if ftype == WindowUpdateFrame.type and len(payload) == 4:
@@ -389,6 +391,7 @@ class SendWindows:
                 window = self.streams.get(sid, self.initial) + increment
                 if window > MAX_WINDOW:  # a stream error: h2 resets the stream (RST_STREAM FLOW_CONTROL_ERROR)
                     self.streams.pop(sid, None)
+                    self.overflowed += 1
                 else:
                     self.streams[sid] = window
         elif ftype == SettingsFrame.type and not flags & ACK:
@@ -453,7 +456,7 @@ class StreamLedger:
                 return None  # trailers, or h2's to refuse
             self.highest = sid
             if not peer.wasted.peek():  # an IP that spent its budget opens nothing until it refills
-                return _over("streams without a request")
+                return over_budget("streams without a request")
             self.opened += 1
             self.open.add(sid)
             if flags & END_STREAM:
@@ -465,7 +468,7 @@ class StreamLedger:
             if sid and (sid in self._remote_ended or (sid <= self.highest and sid not in self.open)):
                 # DATA on a stream the client ended or that is closed: h2 answers it with its own
                 # RST_STREAM, charged here, before h2 sees it, like a client's reset
-                return None if peer.resets.take() else _over("stream resets (DATA on a closed stream)")
+                return None if peer.resets.take() else over_budget("stream resets (DATA on a closed stream)")
             if self.awaiting and self._answered(sid) and not length and flags & END_STREAM:
                 self._end(sid, remote=True)
                 return self._wasted()
@@ -477,8 +480,8 @@ class StreamLedger:
         elif ftype == _RST:
             self._close(sid)
             if self._answered(sid) and self._wasted() is not None:
-                return _over("streams without a request")
-            return None if peer.resets.take() else _over("stream resets")
+                return over_budget("streams without a request")
+            return None if peer.resets.take() else over_budget("stream resets")
         elif ftype == _WINDOW_UPDATE:
             if self._window_credit > 0:
                 self._window_credit -= 1
@@ -497,7 +500,7 @@ class StreamLedger:
             what = "PRIORITY"
         else:
             return None
-        return None if self.control.take() else _over(f"control frames ({what})")
+        return None if self.control.take() else over_budget(f"control frames ({what})")
 
     def sent(self, ftype: int, flags: int, sid: int, length: int) -> None:
         """A frame we sent."""
@@ -560,7 +563,7 @@ class StreamLedger:
         return self._wasted()
 
     def _wasted(self) -> Refusal | None:
-        return None if self.peer.wasted.take() else _over("streams without a request")
+        return None if self.peer.wasted.take() else over_budget("streams without a request")
 
     def _end(self, sid: int, remote: bool) -> None:
         ended, other = (self._remote_ended, self._local_ended) if remote else (self._local_ended, self._remote_ended)
@@ -644,5 +647,6 @@ def _protocol_error(what: str) -> Refusal:
     return Refusal(ErrorCodes.PROTOCOL_ERROR, "protocol_error", f"GOAWAY PROTOCOL_ERROR: {what}")
 
 
-def _over(what: str) -> Refusal:
+def over_budget(what: str) -> Refusal:
+    """A connection ended for a budget its client spent (ENHANCE_YOUR_CALM, counted as `calm`)."""
     return Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm", f"GOAWAY ENHANCE_YOUR_CALM: over its budget of {what}")

@@ -35,7 +35,7 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger
+from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 
@@ -186,10 +186,17 @@ class GuardedProtocol(asyncio.Protocol):
         return refusal
 
     def _small(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
-        """A WINDOW_UPDATE's or SETTINGS' payload (a WINDOW_UPDATE on a closed stream is ignored, as h2 does)."""
+        """A WINDOW_UPDATE's or SETTINGS' payload (a WINDOW_UPDATE on a closed stream is ignored, as h2 does).
+        A stream window taken past its maximum makes h2 reset that stream: a reset the client caused,
+        charged as its own (as the fast path charges every reset h2 answers a frame with)."""
         if sid and sid not in self._ledger.open:
             return None
-        return self._windows.received(ftype, flags, sid, payload)
+        windows = self._windows
+        overflowed = windows.overflowed
+        refusal = windows.received(ftype, flags, sid, payload)
+        if windows.overflowed != overflowed and self.peer is not None and not self.peer.resets.take():
+            return over_budget("stream resets (stream windows taken past 2^31-1)")
+        return refusal
 
     def _sent(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         self._ledger.sent(ftype, flags, sid, length)

@@ -289,6 +289,6 @@ def test_send_windows_follow_our_data_and_refuse_only_a_real_overflow() -> None:
     assert windows.received(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big")) is None
     windows.sent(3, 10)
     assert windows.received(WINDOW_UPDATE, 0, 3, (2**31 - 1).to_bytes(4, "big")) is None  # h2 resets stream 3
-    assert 3 not in windows.streams
+    assert 3 not in windows.streams and windows.overflowed == 1  # for the caller to charge as a reset
     refusal = windows.received(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (65_536).to_bytes(4, "big"))
     assert refusal is not None and refusal.code == 3 and "stream 1" in refusal.detail

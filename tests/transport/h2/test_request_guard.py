@@ -225,6 +225,28 @@ async def test_a_window_taken_past_its_maximum_is_a_flow_control_error(
     no_server_errors(caplog)
 
 
+async def test_stream_windows_overflowed_on_purpose_are_charged_as_resets(caplog: pytest.LogCaptureFixture) -> None:
+    """Each stream whose window a client takes past 2^31-1 is reset by us: a reset the client caused,
+    charged to its address's reset budget as its own would be (else a stream opened with a request
+    and overflowed is a rapid reset that costs nothing). Past the budget (20 here) the connection is
+    ended ENHANCE_YOUR_CALM; the canary is served throughout."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits(), reset_budget=20) as (_, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.13") as client:
+            for n in range(30):
+                if client.goaway is not None:
+                    break
+                sid = await client.request(first_request(f"r{n}", "web"))
+                await client.send(frame(WINDOW_UPDATE, 0, sid, (2**31 - 1).to_bytes(4, "big")))
+                await client.until(lambda: sid in client.resets or client.goaway is not None)  # noqa: B023
+            assert client.goaway == ENHANCE_YOUR_CALM, (client.goaway, len(client.resets))
+            assert 19 <= len(client.resets) <= 21, len(client.resets)
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
 PRIORITY_FLAG = 0x20
 
 
