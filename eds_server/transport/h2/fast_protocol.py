@@ -35,6 +35,7 @@ from .limits import Gate, PeerBudgets
 
 MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16 KiB to 16 MiB)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
+SWEEP_BATCH = 256  # streams timed out without a request, answered in one turn of the loop
 
 _FRAME_HEADER = struct.Struct(">HBBBL")  # length (16 + 8 bits), type, flags, stream id (and its reserved bit)
 
@@ -68,7 +69,7 @@ class FastProtocol(H2Protocol):
     _saw_request = False
     _opened_at_check = 0  # the highest stream id at the last idle check
     _dead = False  # closing after a protocol error or a refusal: input is ignored
-    _sweep: asyncio.TimerHandle | None = None  # for streams held without a request
+    _sweep: asyncio.Handle | None = None  # for streams held without a request
 
     _held: bytes | bytearray = b""  # the start of a frame not yet complete, while frames are split here
     _direct_unacked = 0  # bytes of DATA read directly, not yet granted back to the client
@@ -179,16 +180,19 @@ class FastProtocol(H2Protocol):
 
     def _sweep_held(self) -> None:
         """Streams held without a request past the request timeout are answered DEADLINE_EXCEEDED
-        (trailers only, as a handler would) and charged as streams without a request."""
+        (trailers only, as a handler would) and charged as streams without a request, SWEEP_BATCH
+        at a time: the rest on the loop's next turn, so that thousands of idle streams timing out
+        together do not hold the loop from every other connection's input meanwhile."""
         self._sweep = None
         if self._dead:
             return
         h2 = self.h2
         timeout = self.gate.limits.request_timeout
-        now = asyncio.get_running_loop().time()
-        expired = []
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        expired: list[int] = []
         for sid, (_, since) in h2.held.items():  # in opening order: the oldest first
-            if now - since < timeout:
+            if now - since < timeout or len(expired) == SWEEP_BATCH:
                 break
             expired.append(sid)
         if expired:  # one line for them all: a connection of 1,000 idle streams is one event
@@ -208,7 +212,10 @@ class FastProtocol(H2Protocol):
         self.connection.flush()
         if h2.held:
             oldest = next(iter(h2.held.values()))[1]
-            self._sweep = asyncio.get_running_loop().call_at(oldest + timeout, self._sweep_held)
+            if oldest + timeout <= now:  # more expired than one batch: the rest after the loop's next poll
+                self._sweep = loop.call_soon(self._sweep_held)
+            else:
+                self._sweep = loop.call_at(oldest + timeout, self._sweep_held)
 
     def _refuse(self, h2: GuardedH2Connection, sid: int, code: ErrorCodes, reason: str, why: str) -> None:
         """End one stream with RST_STREAM `code`, before any handler sees it."""

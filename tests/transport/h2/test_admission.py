@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import hpack
+import pytest
 
 from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
@@ -19,6 +20,7 @@ from tests.support.grpc_harness import fetch_web, serving
 from tests.support.h2frames import (
     DATA,
     END_HEADERS,
+    END_STREAM,
     GOAWAY,
     HEADERS,
     PING,
@@ -192,6 +194,34 @@ async def test_a_connection_that_holds_no_stream_is_closed_though_it_answers_pin
         writer.close()
         assert GOAWAY in types and PING in types  # closed, PINGs answered all along
         assert server.gate.refused["idle"] == 1 and server.gate.refused["no_stream"] == 0
+
+
+async def test_many_streams_without_a_request_are_all_ended_in_batches() -> None:
+    """Fast path: 600 streams opened at once without a request time out together; they are answered
+    a batch at a time (SWEEP_BATCH, other connections' input read in between), every one of them,
+    and counted."""
+    async with serving(ConnectionLimits(request_timeout=0.3), max_streams_per_connection=1000) as (server, _, port):
+        if not server.fast:
+            pytest.skip("the fast path's sweep of streams held without a request")
+        encoder = hpack.Encoder()
+        opening = b"".join(frame(HEADERS, END_HEADERS, 2 * n + 1, encoder.encode(REQUEST_HEADERS)) for n in range(600))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(PREFACE + opening)
+            ended: set[int] = set()
+            buffer = b""
+            for _ in range(10_000):  # bounded
+                chunk = await asyncio.wait_for(reader.read(65536), 5)
+                assert chunk, "closed"
+                got, buffer = split(buffer + chunk)
+                ended |= {f.stream_id for f in got if f.type == HEADERS and f.flags & END_STREAM}
+                if len(ended) == 600:
+                    break
+        finally:
+            writer.close()
+        assert len(ended) == 600
+        await wait_for(lambda: server.refused["no_request"] == 600, timeout=5)
+        await fetch_web(port)
 
 
 async def test_a_stream_without_a_request_is_ended_and_counted_on_either_path() -> None:
