@@ -36,6 +36,12 @@ class Bucket:
         return self.tokens >= 1
 
     @property
+    def share(self) -> float:
+        """The part of its capacity left, 0 to 1."""
+        self._refill()
+        return self.tokens / self.capacity
+
+    @property
     def full(self) -> bool:
         self._refill()
         return self.tokens >= self.capacity

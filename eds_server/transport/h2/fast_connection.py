@@ -133,7 +133,9 @@ class GuardedH2Connection(H2Connection):
                 raise Calm("over its budget of streams without a request")
             if "END_STREAM" in frame.flags:
                 self._wasted("ended by its headers")
-            elif peer.pending >= self.pending_limit and self.inbound_flow_control_window >= OPEN_WINDOW:
+                return
+            full = peer.pending >= peer.pending_room(self.pending_limit)
+            if full and self.inbound_flow_control_window >= OPEN_WINDOW:
                 # Refused cheaply (RST_STREAM REFUSED_STREAM, no handler): a client that sends its
                 # requests never gets here, nor one whose requests wait for our flow control (a big
                 # Envoy's first requests, 60 KB each); one that opens streams and sends nothing pays.

@@ -112,6 +112,15 @@ class PeerBudgets:
     def idle(self) -> bool:
         return not (self.connections or self.partial or self.pending) and self.wasted.full and self.resets.full
 
+    def pending_room(self, limit: int) -> int:
+        """How many of its streams may await their first request: all of `limit` while it has
+        wasted none lately, less as it spends its stream budget. A stream is charged only when it
+        times out, after h2 has taken its header block; a flat limit let an address whose budget
+        was spent open a whole limit's worth again for each token refilled (a thousand streams'
+        work per token: connections of 1,000 idle streams kept the loop from everyone else for
+        seconds after the attacker had gone)."""
+        return int(limit * self.wasted.share)
+
     def touch(self, holder: Holder) -> None:
         """The connection sent a request (or opened a stream): it is the last one to give way."""
         held = self.held

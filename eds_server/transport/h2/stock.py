@@ -249,7 +249,8 @@ class GuardedProtocol(asyncio.Protocol):
             why = problem(fields, request=True)
             if why is not None:
                 return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
-            peer, most = self.peer, self.gate.limits.pending_streams
+            peer = self.peer
+            most = 0 if peer is None else peer.pending_room(self.gate.limits.pending_streams)
             if peer is not None and peer.pending > most:
                 why = f"{peer.pending - 1} of its streams await a request (limit {most})"
                 return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)

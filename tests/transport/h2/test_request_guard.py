@@ -103,6 +103,34 @@ async def test_streams_awaiting_a_request_are_bounded_per_address(caplog: pytest
     no_server_errors(caplog)
 
 
+async def test_an_address_that_wastes_streams_may_hold_fewer_awaiting_a_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The bound on an address's streams awaiting a request shrinks with the stream budget it has
+    spent: half spent, half the bound. A flat bound let an address whose budget ran out open the
+    whole bound again for each token refilled, a thousand header blocks' work per token."""
+    caplog.set_level(logging.INFO)
+    limits = ConnectionLimits(pending_streams=40, stream_budget=100)  # refills 10 a second
+    async with serving(limits) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.8") as client:
+            wasted = [client.conn.open_stream(end=True)[1] for _ in range(50)]  # ended by their headers
+            await client.send(b"".join(wasted))
+            await client.ping()
+            opened = [client.new_stream() for _ in range(40)]  # the whole bound, had it spent nothing
+            await client.send(b"".join(opening for _, opening in opened))
+            await client.ping()
+            refused = [sid for sid, _ in opened if sid in client.resets]
+            held = len(opened) - len(refused)
+            assert 20 <= held <= 30, (held, client.resets)  # 20, and what refilled meanwhile
+            assert {client.resets[s] for s in refused} == {REFUSED_STREAM}, client.resets
+            assert server.refused["pending_streams"] == len(refused), server.refused
+            assert client.goaway is None
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
 RESOURCE_EXHAUSTED = 8
 
 
