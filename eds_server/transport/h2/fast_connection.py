@@ -90,7 +90,7 @@ class GuardedH2Connection(H2Connection):
 
     def _wasted(self, what: str) -> None:
         """A stream ended (or refused, or timed out) without a request."""
-        if not self.peer.wasted.take():
+        if not self.peer.waste():
             raise Calm(f"over its budget of streams without a request ({what})")
 
     def _answered(self, stream_id: int) -> None:
@@ -129,7 +129,7 @@ class GuardedH2Connection(H2Connection):
         if isinstance(frame, HeadersFrame):
             if sid in self.streams or sid <= self.highest_inbound_stream_id:
                 return  # trailers, or an error h2 reports itself
-            if not peer.wasted.peek():  # an IP that spent its budget opens nothing until it refills
+            if not peer.may_open():  # an IP that spent its budget opens nothing until a tenth is back
                 raise Calm("over its budget of streams without a request")
             if "END_STREAM" in frame.flags:
                 self._wasted("ended by its headers")

@@ -455,7 +455,7 @@ class StreamLedger:
             if sid <= self.highest:
                 return None  # trailers, or h2's to refuse
             self.highest = sid
-            if not peer.wasted.peek():  # an IP that spent its budget opens nothing until it refills
+            if not peer.may_open():  # an IP that spent its budget opens nothing until a tenth is back
                 return over_budget("streams without a request")
             self.opened += 1
             self.open.add(sid)
@@ -563,7 +563,7 @@ class StreamLedger:
         return self._wasted()
 
     def _wasted(self) -> Refusal | None:
-        return None if self.peer.wasted.take() else over_budget("streams without a request")
+        return None if self.peer.waste() else over_budget("streams without a request")
 
     def _end(self, sid: int, remote: bool) -> None:
         ended, other = (self._remote_ended, self._local_ended) if remote else (self._local_ended, self._remote_ended)

@@ -30,6 +30,7 @@ from ...ratelimit import Bucket
 
 log = logging.getLogger("eds_server.grpc")
 
+RECOVERY = 0.1  # share of its stream budget an address that spent it must get back before opening streams
 BUDGET_WINDOW = 10.0  # seconds: budgets are "N per 10 s", refilled continuously
 SMALL_MESSAGE = 256 * 1024  # bytes: a request this small is never refused for others' partial messages
 
@@ -96,7 +97,7 @@ class Holder(Protocol):
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""
 
-    __slots__ = ("connections", "held", "ip", "partial", "pending", "resets", "wasted")
+    __slots__ = ("connections", "held", "ip", "partial", "pending", "resets", "spent", "wasted")
 
     def __init__(self, limits: ConnectionLimits, ip: str = "?") -> None:
         self.ip = ip
@@ -106,11 +107,33 @@ class PeerBudgets:
         self.partial = 0  # bytes of its messages being received
         self.pending = 0  # streams opened that have not sent a request yet
         self.wasted = Bucket(limits.stream_budget, BUDGET_WINDOW)  # streams ended without a request
+        self.spent = False  # it ran out of that budget, and not a tenth of it has come back since
         self.resets = Bucket(limits.reset_budget, BUDGET_WINDOW)
 
     @property
     def idle(self) -> bool:
         return not (self.connections or self.partial or self.pending) and self.wasted.full and self.resets.full
+
+    def may_open(self) -> bool:
+        """Whether it may open a stream: not while its stream budget is spent, nor until a tenth of
+        it has come back. A stream is charged only once h2, or a handler, has done its work, and one
+        read brings hundreds of them: a single refilled token let a whole connection's worth in
+        (a refused health Watch costs a handler each: 500 handlers per token)."""
+        if self.spent:
+            if self.wasted.share < RECOVERY:
+                return False
+            self.spent = False
+        if self.wasted.peek():
+            return True
+        self.spent = True
+        return False
+
+    def waste(self) -> bool:
+        """Charge a stream that ended, or was refused, without a request: False over the budget."""
+        if self.wasted.take():
+            return True
+        self.spent = True
+        return False
 
     def pending_room(self, limit: int) -> int:
         """How many of its streams may await their first request: all of `limit` while it has

@@ -8,6 +8,7 @@ canary keeps getting its changes."""
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 
@@ -126,6 +127,37 @@ async def test_an_address_that_wastes_streams_may_hold_fewer_awaiting_a_request(
             assert {client.resets[s] for s in refused} == {REFUSED_STREAM}, client.resets
             assert server.refused["pending_streams"] == len(refused), server.refused
             assert client.goaway is None
+        service.store.update(SOURCE, group(2))
+        await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+async def test_an_address_that_spent_its_stream_budget_opens_nothing_until_a_tenth_is_back(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once an address has spent its stream budget, its next connection is ended at its first
+    stream (GOAWAY ENHANCE_YOUR_CALM) until a tenth of the budget has refilled, not as soon as one
+    token has: streams are charged after h2 or a handler has done their work, and one read brings
+    hundreds, so a single token let a whole connection's worth in. The budgets' clock is the test's."""
+    caplog.set_level(logging.INFO)
+    now = [1000.0]
+    monkeypatch.setattr("eds_server.ratelimit.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    limits = ConnectionLimits(stream_budget=20)  # refills 2 a second
+    async with serving(limits) as (server, service, port), client_of(port) as canary:
+        canary_sid = await open_canary(canary)
+        async with client_of(port, "127.0.0.9") as client:
+            await client.send(b"".join(client.conn.open_stream(end=True)[1] for _ in range(21)))
+            assert await client.until(lambda: client.goaway is not None), client.resets
+            assert client.goaway == ENHANCE_YOUR_CALM
+        now[0] += 0.6  # one token back, a twentieth of the budget
+        async with client_of(port, "127.0.0.9") as client:
+            sid = await client.request(first_request("early", "web"))
+            assert await client.until(lambda: client.goaway is not None), client.messages
+            assert client.goaway == ENHANCE_YOUR_CALM and not client.messages[sid]
+        now[0] += 0.5  # a tenth back
+        async with client_of(port, "127.0.0.9") as client:
+            sid = await client.request(first_request("later", "web"))
+            await client.response(sid, 1)
         service.store.update(SOURCE, group(2))
         await canary.response(canary_sid, 2)
     no_server_errors(caplog)
