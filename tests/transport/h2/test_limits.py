@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 from pathlib import Path
 
 import h2.config
@@ -286,3 +287,22 @@ def test_refusals_are_metrics_by_reason() -> None:
     assert 'eds_refused_total{reason="calm"} 2.0' in text
     assert 'eds_refused_total{reason="bad_headers"} 0.0' in text  # every reason from 0, for rate()
     assert "eds_connections_open 3.0" in text
+
+
+def test_a_spent_stream_budget_shrinks_what_an_address_may_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pure bookkeeping, on the test's clock: the bound on streams awaiting a request follows the
+    budget left, and a spent budget opens nothing until a tenth of it is back."""
+    now = [1000.0]
+    monkeypatch.setattr("eds_server.ratelimit.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    peer = PeerBudgets(ConnectionLimits(stream_budget=100))  # refills 10 a second
+    assert peer.pending_room(16_384) == 16_384 and peer.may_open()
+    for _ in range(50):
+        assert peer.waste()
+    assert peer.pending_room(16_384) == 8_192
+    for _ in range(50):
+        assert peer.waste()
+    assert not peer.waste() and not peer.may_open() and peer.pending_room(16_384) == 0
+    now[0] += 0.5  # five tokens back: not yet
+    assert not peer.may_open()
+    now[0] += 0.5  # ten, a tenth
+    assert peer.may_open() and peer.pending_room(16_384) == 1_638

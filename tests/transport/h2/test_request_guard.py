@@ -154,6 +154,7 @@ async def test_an_address_that_spent_its_stream_budget_opens_nothing_until_a_ten
             sid = await client.request(first_request("early", "web"))
             assert await client.until(lambda: client.goaway is not None), client.messages
             assert client.goaway == ENHANCE_YOUR_CALM and not client.messages[sid]
+        assert server.refused["calm"] == 2, server.refused
         now[0] += 0.5  # a tenth back
         async with client_of(port, "127.0.0.9") as client:
             sid = await client.request(first_request("later", "web"))
