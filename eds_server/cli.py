@@ -396,9 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         default=_env("EDS_STREAM_BUDGET", "1000"),
         help="streams one client IP may end without sending a request (reset, ended, refused "
-        "or timed out) per 10 s before GOAWAY. Streams that send their requests cost nothing; "
-        "past 16384 of an IP's streams awaiting their first request while they could send "
-        "it, new ones are refused with REFUSED_STREAM (default 1000)",
+        "or timed out) per 10 s before GOAWAY; once spent, it opens none until a tenth is back. "
+        "Streams that send their requests cost nothing; past 16384 of an IP's streams awaiting "
+        "their first request while they could send it (fewer as it spends this budget), new "
+        "ones are refused with REFUSED_STREAM (default 1000)",
     )
     hostile.add_argument(
         "--control-frame-budget",
