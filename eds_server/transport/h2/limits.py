@@ -119,14 +119,10 @@ class PeerBudgets:
         it has come back. A stream is charged only once h2, or a handler, has done its work, and one
         read brings hundreds of them: a single refilled token let a whole connection's worth in
         (a refused health Watch costs a handler each: 500 handlers per token)."""
-        if self.spent:
-            if self.wasted.share < RECOVERY:
-                return False
-            self.spent = False
-        if self.wasted.peek():
-            return True
-        self.spent = True
-        return False
+        if self.spent and self.wasted.share < RECOVERY:
+            return False
+        self.spent = not self.wasted.peek()
+        return not self.spent
 
     def waste(self) -> bool:
         """Charge a stream that ended, or was refused, without a request: False over the budget."""

@@ -250,8 +250,7 @@ class GuardedProtocol(asyncio.Protocol):
             if why is not None:
                 return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
             peer = self.peer
-            most = 0 if peer is None else peer.pending_room(self.gate.limits.pending_streams)
-            if peer is not None and peer.pending > most:
+            if peer is not None and peer.pending > (most := peer.pending_room(self.gate.limits.pending_streams)):
                 why = f"{peer.pending - 1} of its streams await a request (limit {most})"
                 return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)
         elif self._ledger.receiving(sid):  # trailers; HEADERS on a stream ended or closed are h2's to refuse
