@@ -370,15 +370,28 @@ class SendWindows:
     SETTINGS_INITIAL_WINDOW_SIZE, taken past 2^31-1 is a connection FLOW_CONTROL_ERROR, answered
     here (h2 raises, and grpclib swallows the error unanswered). A stream's is a stream error, which
     h2 answers itself (RST_STREAM FLOW_CONTROL_ERROR): that stream is forgotten here, and counted in
-    `overflowed`, for the caller to charge as a reset the client caused."""
+    `overflowed`, for the caller to charge as a reset the client caused.
 
-    __slots__ = ("connection", "initial", "overflowed", "streams")
+    A stream's window is kept as its own part (`streams`: its WINDOW_UPDATEs less our DATA) on top
+    of the initial size, with an upper bound of the largest part (`top`), so a SETTINGS frame costs
+    the same whatever the streams open: each INITIAL_WINDOW_SIZE entry is checked against the bound,
+    and the streams are walked only when the bound says a window may overflow (then the connection
+    ends, or the bound is made exact). A SETTINGS frame of 2,700 such entries walked every stream
+    2,700 times: 1,340 frames held the loop for a minute."""
+
+    __slots__ = ("connection", "initial", "overflowed", "streams", "top", "walks")
 
     def __init__(self) -> None:
         self.connection = 65_535
         self.initial = 65_535
-        self.streams: dict[int, int] = {}  # open streams' windows, by stream (created on first use)
+        self.streams: dict[int, int] = {}  # open streams' own parts of their windows (created on first use)
+        self.top = 0  # at least the largest of those parts
         self.overflowed = 0  # stream windows taken past the maximum (streams h2 resets)
+        self.walks = 0  # times the streams were walked to make `top` exact
+
+    def window(self, sid: int) -> int:
+        """Stream `sid`'s send window."""
+        return self.initial + self.streams.get(sid, 0)
 
     def received(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
         if ftype == WindowUpdateFrame.type and len(payload) == 4:
@@ -388,12 +401,14 @@ class SendWindows:
                 if self.connection > MAX_WINDOW:
                     return _flow_error(f"WINDOW_UPDATE of {increment} takes the connection window past 2^31-1")
             else:
-                window = self.streams.get(sid, self.initial) + increment
-                if window > MAX_WINDOW:  # a stream error: h2 resets the stream (RST_STREAM FLOW_CONTROL_ERROR)
+                own = self.streams.get(sid, 0) + increment
+                if self.initial + own > MAX_WINDOW:  # a stream error: h2 resets it (RST_STREAM FLOW_CONTROL_ERROR)
                     self.streams.pop(sid, None)
                     self.overflowed += 1
                 else:
-                    self.streams[sid] = window
+                    self.streams[sid] = own
+                    if own > self.top:
+                        self.top = own
         elif ftype == SettingsFrame.type and not flags & ACK:
             for i in range(0, len(payload) - 5, 6):
                 if int.from_bytes(payload[i : i + 2], "big") != 4:  # SETTINGS_INITIAL_WINDOW_SIZE
@@ -401,18 +416,19 @@ class SendWindows:
                 value = int.from_bytes(payload[i + 2 : i + 6], "big")
                 if value > MAX_WINDOW:
                     return _flow_error(f"SETTINGS_INITIAL_WINDOW_SIZE of {value}")
-                delta, self.initial = value - self.initial, value
-                for stream, window in self.streams.items():
-                    if window + delta > MAX_WINDOW:
+                if self.streams and value + self.top > MAX_WINDOW:
+                    stream, self.top = max(self.streams.items(), key=lambda item: item[1])  # exact, once
+                    self.walks += 1
+                    if value + self.top > MAX_WINDOW:
                         return _flow_error(f"SETTINGS_INITIAL_WINDOW_SIZE of {value} takes stream {stream}'s window "
                                            "past 2^31-1")  # fmt: skip
-                    self.streams[stream] = window + delta
+                self.initial = value
         return None
 
     def sent(self, sid: int, length: int) -> None:
         """A DATA frame of ours."""
         self.connection -= length
-        self.streams[sid] = self.streams.get(sid, self.initial) - length
+        self.streams[sid] = self.streams.get(sid, 0) - length
 
     def closed(self, sid: int) -> None:
         self.streams.pop(sid, None)

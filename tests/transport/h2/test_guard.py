@@ -292,3 +292,22 @@ def test_send_windows_follow_our_data_and_refuse_only_a_real_overflow() -> None:
     assert 3 not in windows.streams and windows.overflowed == 1  # for the caller to charge as a reset
     refusal = windows.received(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (65_536).to_bytes(4, "big"))
     assert refusal is not None and refusal.code == 3 and "stream 1" in refusal.detail
+
+
+def test_a_settings_frame_costs_the_same_however_many_streams_are_open() -> None:
+    """Each SETTINGS_INITIAL_WINDOW_SIZE entry is checked against a bound, not by walking every
+    stream: 1,000 streams and a frame of 2,700 entries, sent 10 times, walk them at most once."""
+    windows = SendWindows()
+    for sid in range(1, 2001, 2):
+        windows.sent(sid, 100)
+        windows.received(WINDOW_UPDATE, 0, sid, (1000 + sid).to_bytes(4, "big"))
+    entries = b"".join((4).to_bytes(2, "big") + (65_535 + i % 7).to_bytes(4, "big") for i in range(2_700))
+    for _ in range(10):
+        assert windows.received(SETTINGS, 0, 0, entries) is None
+    assert windows.walks == 0
+    assert windows.window(1999) == 65_535 + 2_699 % 7 - 100 + 1000 + 1999
+    near = (2**31 - 1 - 65_540 - 901).to_bytes(4, "big")  # stream 1's window one short of the maximum
+    assert windows.received(WINDOW_UPDATE, 0, 1, near) is None and windows.window(1) == 2**31 - 2
+    windows.closed(1)  # the bound says "maybe" for an initial size 2 larger: one walk, and no error
+    assert windows.received(SETTINGS, 0, 0, entries) is None
+    assert windows.walks == 1 and windows.top < 10_000
