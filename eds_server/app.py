@@ -195,6 +195,7 @@ class App:
             "encodes": self.store.encodes,
             "connections_open": self.grpc.connections,
             "refused_by_reason": self.grpc.refused,
+            "reading": self.grpc.reading,
             "http2_path": "fast" if self.grpc.fast else "stock",
         }
 

@@ -51,6 +51,10 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "big_messages_small_frames": ((), None),
     "oversize_frames": ((), "FRAME_SIZE_ERROR"),
     "malformed_headers": ((), "PROTOCOL_ERROR"),
+    # valid streams in bursts: nothing over a budget, only the time their header blocks cost
+    "header_bursts": ((), None),
+    "request_bursts": ((), None),
+    "pooled_bursts": ((), None),
 }
 
 
@@ -96,16 +100,17 @@ async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: s
         after = await canary.run(BASELINE_SECONDS)  # and once the attacker is gone
         stats = await server.admin("/v1/stats")
         log = server.log_text()
-    result = {
-        "attack": attack, "before": before.summary(), "during": during.summary(), "after": after.summary(),
-        "peak_rss_mb": round(peak, 1), "attacker": attacker,
-        "server": {k: stats.get(k) for k in ("calmed", "connections_refused", "timed_out", "refused",
-                                              "partial_messages_refused")},
-    }  # fmt: skip
-    if os.environ.get("HOSTILE_REPORT"):
-        with open(os.environ["HOSTILE_REPORT"], "a") as f:
-            f.write(json.dumps(result) + "\n")
-    print(json.dumps(result))
+        # reported before the server is stopped: a server that fails to stop still shows what it did
+        result = {
+            "attack": attack, "before": before.summary(), "during": during.summary(), "after": after.summary(),
+            "peak_rss_mb": round(peak, 1), "attacker": attacker,
+            "server": {k: stats.get(k) for k in ("calmed", "connections_refused", "timed_out", "refused",
+                                                  "partial_messages_refused")},
+        }  # fmt: skip
+        if os.environ.get("HOSTILE_REPORT"):
+            with open(os.environ["HOSTILE_REPORT"], "a") as f:
+                f.write(json.dumps(result) + "\n")
+        print(json.dumps(result))
     result["log"] = log
     result["_during"] = during
     result["_after"] = after

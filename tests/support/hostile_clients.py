@@ -246,6 +246,85 @@ async def idle_streams(port: int, src: str, seconds: float) -> dict[str, Any]:
     return stats
 
 
+def fresh_addresses(src: str, most: int) -> list[str]:
+    """`most` loopback addresses none of the other attacks or the canary use: 127.B.x.y, B from
+    `src`'s last byte (so two attacks never share one), x and y counting up."""
+    b = int(src.rsplit(".", 1)[1])
+    return [f"127.{b}.{1 + i // 250}.{1 + i % 250}" for i in range(most)]
+
+
+async def bursts(port: int, src: str, seconds: float, *, with_request: bool, addresses: int | None = 2000,
+                 burst: int = 256 * 1024, parallel: int = 8) -> dict[str, Any]:  # fmt: skip
+    """Connections that each send one burst of `burst` bytes of HEADERS opening streams (and, with
+    `with_request`, a small request on each) in one write, then hold still, never reading; from
+    fresh addresses (`addresses` of them, one connection each), or all from `src` when None (pooled:
+    `parallel` connections at a time). Nothing here breaks a budget on its own: each stream is
+    valid. What it costs is the server's time decoding header blocks."""
+    deadline = time.monotonic() + seconds
+    sources = fresh_addresses(src, addresses) if addresses else [src] * 100_000
+    stats = {"connections": 0, "streams": 0, "bytes": 0, "refused": 0, "closed_by_server": 0}
+    request = DataFrame(1, data=grpc_message(discovery_request(("attack",)))).serialize()
+    held: list[Conn] = []
+    lock = asyncio.Lock()
+
+    async def one() -> None:
+        while time.monotonic() < deadline and stats["bytes"] < MAX_BYTES:
+            async with lock:
+                if not sources:
+                    return
+                address = sources.pop()
+            try:
+                conn = await asyncio.wait_for(Conn.open(port, address), 5)
+            except (OSError, TimeoutError):
+                stats["refused"] += 1
+                continue
+            stats["connections"] += 1
+            chunks: list[bytes] = []
+            size = 0
+            while size < burst and conn.next_id < 2 * 10_000:
+                sid, opening = conn.open_stream()
+                chunks.append(opening)
+                size += len(opening)
+                if with_request:
+                    data = request[:5] + sid.to_bytes(4, "big") + request[9:]
+                    chunks.append(data)
+                    size += len(data)
+                stats["streams"] += 1
+            try:
+                await conn.send(b"".join(chunks))
+                stats["bytes"] += size
+            except (OSError, TimeoutError):
+                stats["closed_by_server"] += 1
+            held.append(conn)
+            if len(held) > 64:  # the oldest go: a burst's harm is in its reading, not in holding
+                held.pop(0).close()
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.gather(*(one() for _ in range(parallel)))
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        stats["closed_by_server"] += sum(1 for c in held if c.closed())
+    finally:
+        for c in held:
+            c.close()
+    return stats
+
+
+def header_bursts(port: int, src: str, seconds: float) -> Awaitable[dict[str, Any]]:
+    """Bursts of HEADERS (256 KiB a connection), each connection from a new address."""
+    return bursts(port, src, seconds, with_request=False)
+
+
+def request_bursts(port: int, src: str, seconds: float) -> Awaitable[dict[str, Any]]:
+    """The same with a small request on each stream: every stream gets a handler."""
+    return bursts(port, src, seconds, with_request=True)
+
+
+def pooled_bursts(port: int, src: str, seconds: float) -> Awaitable[dict[str, Any]]:
+    """Bursts of HEADERS from one address, 10 connections at a time."""
+    return bursts(port, src, seconds, with_request=False, addresses=None, parallel=10)
+
+
 async def idle_connections(port: int, src: str, seconds: float) -> dict[str, Any]:
     """Many TCP connections that never send anything."""
     deadline = time.monotonic() + seconds
@@ -703,7 +782,7 @@ ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
     for f in (ping_flood, settings_flood, priority_flood, unknown_flood, empty_data_flood, reset_churn,
               open_close_churn, data_after_end, idle_streams, idle_connections, partial_messages,
               big_health_message, health_streams, big_messages_small_frames, oversize_frames,
-              malformed_headers, fill_table)
+              malformed_headers, fill_table, header_bursts, request_bursts, pooled_bursts)
 }  # fmt: skip
 
 

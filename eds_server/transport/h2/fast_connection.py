@@ -77,6 +77,7 @@ class GuardedH2Connection(H2Connection):
         self._window_credit = 100
         self.stream_checks = 0  # streams looked at to count open ones: the work test_hostile counts
         self.ping_payload: bytes | None = None  # of our last keepalive PING
+        self.window_before_read = 0  # our send window on the connection before the frames being read
         self.awaiting: set[int] = set()  # streams opened that have sent no DATA yet
         # their RequestReceived events, and when: grpclib starts no handler for a stream until its
         # request begins, so a stream that sends nothing costs an h2 stream, not a task

@@ -21,12 +21,21 @@ from typing import Any, cast
 from grpclib.const import Status
 from grpclib.protocol import EventsProcessor, H2Protocol
 from h2.errors import ErrorCodes
-from h2.events import DataReceived, PingAckReceived, RequestReceived, StreamEnded, StreamReset, TrailersReceived
+from h2.events import (
+    DataReceived,
+    PingAckReceived,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+    WindowUpdated,
+)
 from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
 from .direct import window_update
+from .fair import MeteredInput
 from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
@@ -42,7 +51,24 @@ _FRAME_HEADER = struct.Struct(">HBBBL")  # length (16 + 8 bits), type, flags, st
 
 class PingCheckingProcessor(EventsProcessor):
     """grpclib's events processor; a PING ACK answers our keepalive only if it echoes its payload
-    (a client that never reads cannot fake being alive)."""
+    (a client that never reads cannot fake being alive), and a WINDOW_UPDATE of the connection
+    wakes the streams only when one may wait on it."""
+
+    wakes = 0  # connection WINDOW_UPDATEs that woke every stream (the work the tests count)
+
+    def process_window_updated(self, event: WindowUpdated) -> None:
+        """grpclib wakes every stream on each WINDOW_UPDATE of the connection: 10,000 streams'
+        events per frame, and a client earns ten such frames per DATA frame we send. A stream waits
+        for the window only while it is spent (min of the stream's and the connection's, at most
+        0), and the update that last took the connection's above 0 woke them all: so while it was
+        above 0 before this read, nobody waits on it (and once woken, not again in the same read)."""
+        if event.stream_id == 0:
+            h2 = cast(FlushingConnection, self.connection).h2
+            if h2.window_before_read > 0:
+                return
+            h2.window_before_read = 1
+            self.wakes += 1
+        super().process_window_updated(event)
 
     def process_ping_ack_received(self, event: PingAckReceived) -> None:
         h2 = cast(FlushingConnection, self.connection).h2
@@ -73,20 +99,43 @@ class FastProtocol(H2Protocol):
 
     _held: bytes | bytearray = b""  # the start of a frame not yet complete, while frames are split here
     _direct_unacked = 0  # bytes of DATA read directly, not yet granted back to the client
+    _input: MeteredInput | None = None
 
     def data_received(self, data: bytes) -> None:
+        """Through the read scheduler (fair.py): in slices of whole frames, each charged to the
+        client's address, the rest held (reading paused) while others wait their turn."""
+        if self._input is not None:
+            self._input.feed(data)
+
+    def _process(self, data: bytes) -> bool:
+        """One slice of input; False once the connection is being closed."""
         if self._peer_budgets is None or self._dead:
-            return  # refused or closing
+            return False  # refused or closing
         _, refusal = self._guard.feed(data)
         if refusal is not None:  # nothing of it reaches h2: the connection ends here
             self.gate.shed(refusal.reason, self._peer, refusal.detail)
             self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1], "Frame guard")
-            return
+            return False
         h2 = self.h2
         if h2.direct or self._held:
             self._split(h2, data)
         elif self._feed(h2, data):
             self.connection.flush()
+        return not self._dead
+
+    # the read scheduler's view of the connection (fair.Reader)
+    def pause_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def overloaded(self, why: str) -> None:
+        if not self._dead and self._peer_budgets is not None:
+            self.gate.shed("overload", self._peer, f"GOAWAY ENHANCE_YOUR_CALM: {why}")
+            self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, "server overloaded", "Overload")
 
     def leave(self, why: str) -> None:
         """GOAWAY NO_ERROR and close: the client opens a new connection for its next streams."""
@@ -117,6 +166,7 @@ class FastProtocol(H2Protocol):
 
     def _feed(self, h2: GuardedH2Connection, data: bytes | bytearray | memoryview) -> bool:
         """Through h2, and its events to grpclib; False once the connection is being closed."""
+        h2.window_before_read = h2.outbound_flow_control_window
         try:
             events = self.connection.feed(data)  # type: ignore[arg-type]  # h2 takes any buffer
         except H2ProtocolError as e:
@@ -296,6 +346,8 @@ class FastProtocol(H2Protocol):
 
     def _close(self, reason: str) -> None:
         self._dead = True
+        if self._input is not None:
+            self._input.close()
         transport = self._transport
         self.processor.close(reason)
         if transport is not None:  # a client that does not read would keep it forever
@@ -392,11 +444,14 @@ class FastProtocol(H2Protocol):
         self.connection.flush()
         self.connection.initialize()
         self.processor = PingCheckingProcessor(self.handler, self.connection)
+        self._input = MeteredInput(self.gate.reads, admitted.cost, self, self._process)
         self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._check_idle)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.open is not None:
             self.open.discard(self)
+        if self._input is not None:
+            self._input.close()
         if self._peer_budgets is None:
             return
         h2 = self.h2

@@ -85,6 +85,13 @@ class Server(grpclib.server.Server):
             self._server.close()
 
     @property
+    def reading(self) -> dict[str, int]:
+        """What the read scheduler did (fair.py): slices handed on, inputs held back for a later
+        turn, connections shed over the watermark, and the bytes held unread now."""
+        reads = self.gate.reads
+        return {"slices": reads.slices, "deferred": reads.deferred, "shed": reads.shed, "held_bytes": reads.held}
+
+    @property
     def connections(self) -> int:
         return self.gate.connections
 

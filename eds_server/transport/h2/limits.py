@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...ratelimit import Bucket
+from .fair import AddressCost, ReadScheduler
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -48,6 +49,7 @@ REASONS = (
     "protocol_error",  # any other HTTP/2 protocol error (GOAWAY)
     "partial_messages",  # a message refused: the partial-message budget is held by others
     "message_size",  # a message over --max-message-size, refused from its length prefix
+    "overload",  # a connection shed: it held the most unread input while the server held too much
 )
 
 
@@ -97,7 +99,7 @@ class Holder(Protocol):
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""
 
-    __slots__ = ("connections", "held", "ip", "partial", "pending", "resets", "spent", "wasted")
+    __slots__ = ("connections", "cost", "held", "ip", "partial", "pending", "resets", "spent", "wasted")
 
     def __init__(self, limits: ConnectionLimits, ip: str = "?") -> None:
         self.ip = ip
@@ -109,6 +111,7 @@ class PeerBudgets:
         self.wasted = Bucket(limits.stream_budget, BUDGET_WINDOW)  # streams ended without a request
         self.spent = False  # it ran out of that budget, and not a tenth of it has come back since
         self.resets = Bucket(limits.reset_budget, BUDGET_WINDOW)
+        self.cost = AddressCost()  # its recent share of the loop's time, spent reading its input (fair.py)
 
     @property
     def idle(self) -> bool:
@@ -186,6 +189,7 @@ class Gate:
 
     limits: ConnectionLimits
     peers: dict[str, PeerBudgets] = field(default_factory=dict)
+    reads: ReadScheduler = field(default_factory=ReadScheduler)  # every connection's input, metered
     connections: int = 0
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     _prune_at: int = 0  # table size at which idle peers are forgotten next

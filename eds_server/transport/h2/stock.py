@@ -35,6 +35,7 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
+from .fair import MeteredInput
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
@@ -132,6 +133,7 @@ class GuardedProtocol(asyncio.Protocol):
         self._opened_at_check = 0  # streams opened at the last check
         self._age = 0.0  # seconds of checks: since the connection was made
         self._idle = 0.0  # seconds of checks without a stream held or opened
+        self._input: MeteredInput | None = None
 
     # the gate's view (limits.Holder)
     def busy(self) -> bool:
@@ -167,6 +169,7 @@ class GuardedProtocol(asyncio.Protocol):
         outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
         self._tap = _Tap(self._transport, outbound)
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
+        self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
 
     def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
@@ -294,18 +297,40 @@ class GuardedProtocol(asyncio.Protocol):
             self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1])
 
     def data_received(self, data: bytes) -> None:
+        """Through the read scheduler (fair.py): in slices of whole frames, each charged to the
+        client's address, the rest held (reading paused) while others wait their turn."""
+        if self._input is not None:
+            self._input.feed(data)
+
+    def _process(self, data: bytes) -> bool:
+        """One slice of input; False once the connection is being closed."""
         if self._dead:
-            return
+            return False
         guard = self._guard
         passed, refusal = guard.feed(data)
         if refusal is not None:
             self._refuse(refusal)
-            return
+            return False
         if guard.dropped_data:  # frames h2 never saw still used the client's window: given back here
             self._tap.inject(WindowUpdateFrame(0, window_increment=guard.dropped_data).serialize())
             guard.dropped_data = 0
         if passed:
             self.inner.data_received(cast(bytes, passed))
+        return not self._dead
+
+    # the read scheduler's view of the connection (fair.Reader)
+    def pause_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def overloaded(self, why: str) -> None:
+        if not self._dead:
+            self.gate.shed("overload", self._peer_name, f"GOAWAY ENHANCE_YOUR_CALM: {why}")
+            self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, "server overloaded")
 
     def _check(self) -> None:
         """Every tick (the shorter of the request and idle timeouts): streams that sent no request
@@ -354,6 +379,8 @@ class GuardedProtocol(asyncio.Protocol):
         if self._dead:
             return
         self._dead = True
+        if self._input is not None:
+            self._input.close()
         transport = self._transport
         if transport is None or transport.is_closing():
             return
@@ -373,6 +400,8 @@ class GuardedProtocol(asyncio.Protocol):
         return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._input is not None:
+            self._input.close()
         if self.peer is not None:
             self._ledger.forget()
             self._meter.close_all()
@@ -443,6 +472,13 @@ class StockServer(grpclib.server.Server):
     @property
     def refused(self) -> dict[str, int]:
         return {**dict.fromkeys(REASONS, 0), **self.gate.refused}
+
+    @property
+    def reading(self) -> dict[str, int]:
+        """What the read scheduler did (fair.py): slices handed on, inputs held back for a later
+        turn, connections shed over the watermark, and the bytes held unread now."""
+        reads = self.gate.reads
+        return {"slices": reads.slices, "deferred": reads.deferred, "shed": reads.shed, "held_bytes": reads.held}
 
     @property
     def connections(self) -> int:

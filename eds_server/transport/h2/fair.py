@@ -1,0 +1,296 @@
+"""Fair reading: what each connection's input costs the event loop is measured as it is spent and
+charged to its client address, and input is handed on in slices of whole frames, so that one
+connection's burst never holds the loop from everyone else. Sans-IO apart from the loop's
+`call_soon`: no socket, no other library's internals; both HTTP/2 paths read through it.
+
+Why: a read brings up to 256 KiB, and h2 (or the guard with grpclib) turns all of it into work in
+one go: 150 KB of HEADERS opening streams held the loop half a second, and nothing over a budget
+was ever sent (each stream valid). Envoy bounds the same thing with per-connection buffer limits
+and a cap on requests processed per I/O cycle; we bound the work itself:
+
+- a connection's input is cut into slices of at most SLICE_FRAMES whole frames (a frame's header
+  is 9 bytes of struct, a frame is never split here: the layers below see what they always did);
+- each slice's cost (seconds of the loop, measured around it) is charged to the client address
+  as a decaying sum (COST_HALF_LIFE), the loop's "share" an address has taken lately;
+- in one turn of the loop, input runs at once while the turn's budget (TURN_BUDGET) lasts and
+  no poorer address waits; the rest is queued, its transport's reading paused (back-pressure: the
+  kernel's buffers hold it, then the client's), and served on later turns, poorest address first;
+- what connections hold unread is bounded server-wide (BUFFER_WATERMARK): past it, the connection
+  holding the most is shed, never the newcomer.
+A well-behaved client (an Envoy sending an ACK, a fresh connection's first request) costs little,
+so it is served first however many heavier ones wait; a burst costs its sender its own time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import struct
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+SLICE_FRAMES = 32  # whole frames handed on at once: ~1.5 ms of HEADERS through h2, the costliest kind
+SLICE_BYTES = 64 * 1024  # and at most this much (a bigger frame goes alone)
+TURN_BUDGET = 0.004  # seconds of reading per turn of the loop, before the rest waits for the next
+COST_HALF_LIFE = 1.0  # seconds: how fast an address's charged cost is forgotten
+# seconds per byte held, added to what an address has cost when choosing whom to serve: input is
+# weighed before its work is done (HEADERS opening streams measured ~3 us a byte, an ACK's DATA far
+# less), so of two addresses that cost nothing yet, the one with a frame waits less than the one
+# with a burst
+BYTE_ESTIMATE = 1e-7
+BUFFER_WATERMARK = 128 * 1024 * 1024  # bytes held unread server-wide before the largest holder is shed
+PREFACE = 24  # the client's connection preface, before its first frame
+
+_LENGTH = struct.Struct(">I")  # a frame header's 24-bit length, read with the byte before it
+_DECAY = math.log(2) / COST_HALF_LIFE
+
+
+class FrameCutter:
+    """Where to cut one connection's input so each slice holds at most `frames` whole frames.
+
+    A frame still incomplete at the start of the input is handed on as far as it goes (the layers
+    below buffer a partial frame, and refuse an oversize one from its header, as they always did):
+    then the cutter follows it into the next input. A frame header itself incomplete waits (at
+    most 8 bytes)."""
+
+    __slots__ = ("inside",)
+
+    def __init__(self, preface: int = PREFACE) -> None:
+        self.inside = preface  # bytes of a frame (or the preface) handed on in part, still to come
+
+    def cut(self, buf: bytes | bytearray, start: int, frames: int = SLICE_FRAMES, most: int = SLICE_BYTES) -> int:
+        """The end of the next slice of `buf[start:]`: `start` when nothing can go yet."""
+        end = len(buf)
+        pos = start
+        if self.inside:
+            step = min(self.inside, end - pos)
+            self.inside -= step
+            pos += step
+            if self.inside or pos - start >= most:
+                return pos
+        limit = start + most
+        count = 0
+        while count < frames and end - pos >= 9 and pos < limit:
+            after = pos + 9 + (_LENGTH.unpack_from(buf, pos)[0] >> 8)
+            if after > end:
+                if count == 0 and pos == start:  # the first frame, incomplete: what there is of it
+                    self.inside = after - end
+                    return end
+                break
+            pos = after
+            count += 1
+        return pos
+
+
+class Reader(Protocol):
+    """A connection, as the scheduler sees it: its reading paused and resumed, or shed."""
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+    def overloaded(self, why: str) -> None:
+        """Close the connection: it holds the most unread input while the server holds too much."""
+
+
+class AddressCost:
+    """An address's recent cost of the loop, in seconds, decaying with COST_HALF_LIFE."""
+
+    __slots__ = ("at", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.at = 0.0
+
+    def now(self, t: float) -> float:
+        if self.value and t > self.at:
+            self.value *= math.exp(-_DECAY * (t - self.at))
+        self.at = t
+        return self.value
+
+    def charge(self, seconds: float, t: float) -> None:
+        self.value = self.now(t) + seconds
+
+
+class MeteredInput:
+    """One connection's input: held, cut into slices of whole frames, each handed to `process`
+    when the scheduler says so. `process` returns False once the connection is being closed."""
+
+    __slots__ = ("_buf", "_cutter", "_pos", "cost", "dead", "process", "queued", "reader", "scheduler", "waiting")
+
+    def __init__(self, scheduler: ReadScheduler, cost: AddressCost, reader: Reader,
+                 process: Callable[[bytes], bool]) -> None:  # fmt: skip
+        self.scheduler = scheduler
+        self.cost = cost
+        self.reader = reader
+        self.process = process
+        self._cutter = FrameCutter()
+        self._buf = bytearray()
+        self._pos = 0
+        self.queued = False  # in the scheduler's queue (its reading paused)
+        self.waiting = False  # reading paused by the scheduler
+        self.dead = False
+
+    @property
+    def held(self) -> int:
+        """Bytes received, not yet handed on."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> None:
+        """New input from the transport: what may run now runs, the rest is held (and queued)."""
+        if self.dead:
+            return
+        scheduler = self.scheduler
+        if not self.held and not self.queued and scheduler.may_run(self, len(data)):
+            end = self._cutter.cut(data, 0)
+            if end == len(data):  # the common case: all of it, at once, no copy
+                scheduler.run(self, data)
+                return
+            if end:
+                scheduler.run(self, data[:end])
+                if self.dead:
+                    return
+                data = data[end:]
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+        scheduler.held += len(data)
+        if not self.queued:
+            while self._runnable() and scheduler.may_run(self):
+                before = self.held
+                self.step()
+                if self.dead or self.held == before:
+                    return
+            if self._runnable():
+                scheduler.enqueue(self)
+        scheduler.check_watermark()
+
+    def _runnable(self) -> bool:
+        """Whether what is held can be handed on (a frame header's worth, or a frame's remainder)."""
+        held = self.held
+        return held >= 9 or bool(held and self._cutter.inside)
+
+    def step(self) -> bool:
+        """Hand on the next slice (measured and charged); True if more could run now."""
+        buf, start = self._buf, self._pos
+        end = self._cutter.cut(buf, start)
+        if end == start:
+            return False
+        chunk = bytes(buf[start:end])
+        self._pos = end
+        self.scheduler.held -= end - start
+        if end == len(buf):
+            self._buf = bytearray()
+            self._pos = 0
+        self.scheduler.run(self, chunk)
+        return not self.dead and self._runnable()
+
+    def close(self) -> None:
+        """The connection is closing: nothing more is handed on, and what is held is let go."""
+        if not self.dead:
+            self.dead = True
+            self.scheduler.held -= self.held
+            self._buf = bytearray()
+            self._pos = 0
+
+
+class ReadScheduler:
+    """One server's reading, shared by all its connections (see the module's docstring)."""
+
+    def __init__(self, turn_budget: float = TURN_BUDGET, watermark: int = BUFFER_WATERMARK,
+                 clock: Callable[[], float] = time.perf_counter,
+                 call_soon: Callable[[Callable[[], None]], object] | None = None) -> None:  # fmt: skip
+        self.turn_budget = turn_budget
+        self.watermark = watermark
+        self.clock = clock
+        self._call_soon = call_soon
+        self.spent = 0.0  # seconds of reading in this turn of the loop
+        self.held = 0  # bytes received and not yet handed on, every connection's
+        self._queue: list[tuple[float, int, MeteredInput]] = []
+        self._seq = 0
+        self._tick_due = False
+        # what it did: slices run, inputs queued (their reading paused), connections shed
+        self.slices = 0
+        self.deferred = 0
+        self.shed = 0
+
+    def weight(self, metered: MeteredInput, coming: int = 0) -> float:
+        """What serving it costs, as far as can be told before: its address's recent cost, and
+        what it holds (and `coming`) at BYTE_ESTIMATE."""
+        return metered.cost.now(self.clock()) + (metered.held + coming) * BYTE_ESTIMATE
+
+    def may_run(self, metered: MeteredInput, coming: int = 0) -> bool:
+        """Whether input may run now: while the turn's budget lasts and no lighter input waits."""
+        if self.spent >= self.turn_budget:
+            return False
+        queue = self._queue
+        return not queue or self.weight(metered, coming) <= queue[0][0]
+
+    def run(self, metered: MeteredInput, chunk: bytes) -> None:
+        """Hand `chunk` on, and charge what it took."""
+        clock = self.clock
+        t0 = clock()
+        try:
+            if not metered.process(chunk):
+                metered.close()
+        finally:
+            t1 = clock()
+            self.spent += t1 - t0
+            metered.cost.charge(t1 - t0, t1)
+            self.slices += 1
+            self._turn()
+
+    def enqueue(self, metered: MeteredInput) -> None:
+        """Held input that could run but may not yet: its reading paused until it has been served."""
+        if metered.queued:
+            return
+        metered.queued = True
+        if not metered.waiting:
+            metered.waiting = True
+            metered.reader.pause_reading()
+        self.deferred += 1
+        self._seq += 1
+        heapq.heappush(self._queue, (self.weight(metered), self._seq, metered))
+        self._turn()
+
+    def _turn(self) -> None:
+        if not self._tick_due:
+            self._tick_due = True
+            call_soon = self._call_soon or asyncio.get_running_loop().call_soon
+            call_soon(self._tick)
+
+    def _tick(self) -> None:
+        """A new turn of the loop: serve what waits, poorest address first, within the budget."""
+        self._tick_due = False
+        self.spent = 0.0
+        queue = self._queue
+        while queue and self.spent < self.turn_budget:
+            _, _, metered = heapq.heappop(queue)
+            metered.queued = False
+            more = not metered.dead and metered.step()
+            if more:
+                self._seq += 1
+                metered.queued = True
+                heapq.heappush(queue, (self.weight(metered), self._seq, metered))
+            else:
+                self._release(metered)
+        if queue:
+            self._turn()
+
+    def _release(self, metered: MeteredInput) -> None:
+        if metered.waiting:
+            metered.waiting = False
+            if not metered.dead:
+                metered.reader.resume_reading()
+
+    def check_watermark(self) -> None:
+        """Past the watermark of bytes held unread, the connections holding the most are shed."""
+        while self.held > self.watermark and self._queue:
+            heaviest = max(self._queue, key=lambda item: item[2].held)[2]
+            held = heaviest.held
+            self.shed += 1
+            heaviest.close()
+            heaviest.reader.overloaded(f"holds {held} bytes unread, the most while {self.held + held} are held")
+            self._queue = [item for item in self._queue if item[2] is not heaviest]
+            heapq.heapify(self._queue)

@@ -1,0 +1,183 @@
+"""The read scheduler (transport/h2/fair.py) as pure logic: a fake clock that advances by what each
+slice costs, a hand-run loop turn, connections that record what they were handed."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from eds_server.transport.h2.fair import (
+    PREFACE,
+    SLICE_FRAMES,
+    AddressCost,
+    FrameCutter,
+    MeteredInput,
+    ReadScheduler,
+)
+from tests.support.h2frames import DATA, HEADERS, PING, frame, split
+
+PREFACE_BYTES = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+assert len(PREFACE_BYTES) == PREFACE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Loop:
+    """call_soon by hand: `turn()` runs what was scheduled in the previous turn."""
+
+    def __init__(self) -> None:
+        self.ready: list[Callable[[], None]] = []
+
+    def call_soon(self, f: Callable[[], None]) -> None:
+        self.ready.append(f)
+
+    def turn(self) -> None:
+        ready, self.ready = self.ready, []
+        for f in ready:
+            f()
+
+
+class Conn:
+    """A connection whose every byte handed on costs `cost` seconds of the fake clock."""
+
+    def __init__(self, scheduler: ReadScheduler, clock: Clock, address: AddressCost, cost: float = 1e-6,
+                 preface: bool = False) -> None:  # fmt: skip
+        self.clock = clock
+        self.cost = cost
+        self.got: list[bytes] = []
+        self.paused = False
+        self.pauses = 0
+        self.shed: list[str] = []
+        self.input = MeteredInput(scheduler, address, self, self.process)
+        if not preface:
+            self.input._cutter.inside = 0
+
+    def process(self, chunk: bytes) -> bool:
+        self.got.append(chunk)
+        self.clock.t += self.cost * len(chunk)
+        return True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def overloaded(self, why: str) -> None:
+        self.shed.append(why)
+
+    @property
+    def received(self) -> bytes:
+        return b"".join(self.got)
+
+
+def headers(n: int) -> bytes:
+    return b"".join(frame(HEADERS, 0x4, 2 * i + 1, b"\x82\x86\x84") for i in range(n))
+
+
+def setup(turn_budget: float = 0.004, watermark: int = 1 << 30) -> tuple[ReadScheduler, Clock, Loop]:
+    clock, loop = Clock(), Loop()
+    return ReadScheduler(turn_budget, watermark, clock=clock, call_soon=loop.call_soon), clock, loop
+
+
+def test_the_cutter_hands_on_whole_frames_at_most_a_slice_at_a_time() -> None:
+    data = PREFACE_BYTES + headers(100)
+    cutter = FrameCutter()
+    ends, pos = [], 0
+    while pos < len(data):
+        end = cutter.cut(data, pos)
+        assert end > pos
+        ends.append(end)
+        pos = end
+    first, rest = split(data[PREFACE : ends[0]])
+    assert len(first) == SLICE_FRAMES and rest == b""  # the preface is no frame: it goes with the first
+    slices = [data[a:b] for a, b in itertools.pairwise(ends)]
+    for piece in slices:
+        frames, rest = split(piece)
+        assert rest == b"" and 1 <= len(frames) <= SLICE_FRAMES
+    assert SLICE_FRAMES + sum(len(split(p)[0]) for p in slices) == 100
+
+
+def test_the_cutter_hands_on_an_incomplete_first_frame_and_follows_it() -> None:
+    big = frame(DATA, 0, 1, b"x" * 50_000) + frame(PING, 0, 0, b"12345678")
+    cutter = FrameCutter(preface=0)
+    assert cutter.cut(big[:1000], 0) == 1000  # as far as it goes: the layers below hold partial frames
+    rest = big[1000:]
+    assert cutter.cut(rest, 0) == len(rest)  # the frame's remainder, and the PING after it
+    assert cutter.inside == 0
+    assert FrameCutter(preface=0).cut(b"\x00\x00", 0) == 0  # a header incomplete: waits
+
+
+def test_a_burst_is_handed_on_within_the_turn_budget_and_the_rest_waits() -> None:
+    scheduler, clock, loop = setup()
+    attacker = Conn(scheduler, clock, AddressCost(), cost=2e-6)  # a 12-byte HEADERS frame: 24 us
+    burst = headers(10_000)
+    attacker.input.feed(burst)
+    first = len(attacker.received)
+    assert 0 < first < len(burst) and attacker.paused  # the rest held, its reading paused
+    turns = 0
+    while loop.ready and turns < 10_000:
+        loop.turn()
+        turns += 1
+    assert attacker.received == burst and not attacker.paused
+    assert turns >= 10  # 240 ms of work in 4 ms turns
+    assert scheduler.held == 0
+
+
+def test_a_light_client_is_served_at_once_while_a_heavy_one_waits() -> None:
+    scheduler, clock, loop = setup()
+    heavy = Conn(scheduler, clock, AddressCost(), cost=2e-6)
+    light = Conn(scheduler, clock, AddressCost())
+    heavy.input.feed(headers(10_000))
+    loop.turn()  # the heavy one has spent this turn's budget and more
+    ack = frame(DATA, 0, 1, b"\x00\x00\x00\x00\x05hello")
+    light.input.feed(ack)  # the same turn: its budget spent, so it waits, but first in line
+    served_before = len(heavy.received)
+    loop.turn()
+    assert light.received == ack
+    assert len(heavy.received) > served_before  # the heavy one is served too, after
+    for _ in range(10_000):
+        if not loop.ready:
+            break
+        loop.turn()
+    assert heavy.received == headers(10_000)
+
+
+def test_many_heavy_addresses_delay_a_light_one_by_one_turn_at_most() -> None:
+    scheduler, clock, loop = setup()
+    heavies = [Conn(scheduler, clock, AddressCost(), cost=2e-6) for _ in range(50)]
+    for h in heavies:
+        h.input.feed(headers(2_000))
+    light = Conn(scheduler, clock, AddressCost())
+    loop.turn()
+    loop.turn()
+    light.input.feed(frame(PING, 0, 0, b"12345678"))
+    loop.turn()
+    assert light.received  # within one turn, though fifty heavier addresses wait
+    assert sum(h.paused for h in heavies) >= 40
+
+
+def test_past_the_watermark_the_connection_holding_the_most_is_shed() -> None:
+    scheduler, clock, _loop = setup(turn_budget=0.0, watermark=100_000)  # nothing runs: all is held
+    small = Conn(scheduler, clock, AddressCost())
+    big = Conn(scheduler, clock, AddressCost())
+    small.input.feed(headers(2_000))  # 24 KB
+    big.input.feed(headers(8_000))  # 96 KB: over the watermark together
+    assert big.shed and not small.shed
+    assert "the most" in big.shed[0]
+    assert scheduler.held == small.input.held and scheduler.shed == 1
+
+
+def test_an_address_cost_decays() -> None:
+    cost = AddressCost()
+    cost.charge(1.0, 10.0)
+    assert cost.now(10.0) == 1.0
+    assert abs(cost.now(11.0) - 0.5) < 1e-9  # a half-life of one second
+    assert cost.now(30.0) < 1e-5
