@@ -40,6 +40,9 @@ COST_HALF_LIFE = 1.0  # seconds: how fast an address's charged cost is forgotten
 # less), so of two addresses that cost nothing yet, the one with a frame waits less than the one
 # with a burst
 BYTE_ESTIMATE = 1e-7
+# seconds charged for each stream handed to a handler, on top of the read it came in: the handler
+# runs in a later turn, outside what the scheduler can time, and a burst of requests is mostly that
+STREAM_ESTIMATE = 150e-6
 BUFFER_WATERMARK = 128 * 1024 * 1024  # bytes held unread server-wide before the largest holder is shed
 PREFACE = 24  # the client's connection preface, before its first frame
 
@@ -185,6 +188,12 @@ class MeteredInput:
             self._pos = 0
         self.scheduler.run(self, chunk)
         return not self.dead and self._runnable()
+
+    def charge(self, seconds: float) -> None:
+        """Work this input caused that runs later (a stream's handler): charged now, to the turn
+        and to the address, so that what follows it waits its turn."""
+        self.scheduler.spent += seconds
+        self.cost.charge(seconds, self.scheduler.clock())
 
     def close(self) -> None:
         """The connection is closing: nothing more is handed on, and what is held is let go."""

@@ -35,7 +35,7 @@ from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
 from .direct import window_update
-from .fair import MeteredInput
+from .fair import STREAM_ESTIMATE, MeteredInput
 from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
@@ -184,6 +184,7 @@ class FastProtocol(H2Protocol):
         self.connection.flush()
         processors = getattr(self.processor, "processors", {})
         held = h2.held
+        started = 0  # streams handed to grpclib, which starts a handler for each
         for event in events:
             kind = type(event)
             if kind is RequestReceived:
@@ -210,6 +211,7 @@ class FastProtocol(H2Protocol):
             elif held and (kind is DataReceived or kind is StreamEnded):
                 begun = held.pop(cast(DataReceived, event).stream_id, None)
                 if begun is not None:
+                    started += 1
                     self.processor.process(begun[0])
             elif held and kind is StreamReset:
                 if held.pop(cast(StreamReset, event).stream_id, None) is not None:
@@ -221,7 +223,11 @@ class FastProtocol(H2Protocol):
                     self._refuse(h2, trailers.stream_id, ErrorCodes.PROTOCOL_ERROR, "bad_headers", problem)
                     continue
             if kind in processors:  # unknown frame types and the like are ignored
+                if kind is RequestReceived:
+                    started += 1
                 self.processor.process(event)
+        if started and self._input is not None:  # their handlers run later: charged now
+            self._input.charge(started * STREAM_ESTIMATE)
         return True
 
     def _sweep_later(self) -> None:

@@ -35,7 +35,7 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .fair import MeteredInput
+from .fair import STREAM_ESTIMATE, MeteredInput
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
@@ -175,6 +175,8 @@ class GuardedProtocol(asyncio.Protocol):
     def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         if ftype == 1:
             self._opens = sid > self._ledger.highest
+            if self._opens and self._input is not None:  # grpclib starts its handler, which runs later
+                self._input.charge(STREAM_ESTIMATE)
         elif ftype == _SETTINGS and flags & 1:
             self._settings_acked = True
         refusal = self._ledger.received(ftype, flags, sid, length)
