@@ -274,9 +274,11 @@ class Gate:
 
 class PartialBudget:
     """Bytes of request messages announced but not yet fully received: server-wide, and per client
-    IP (a quarter of the total, at least one message). Messages up to SMALL_MESSAGE (Envoy's
-    requests, node included, are ~60 KB) are refused only by their IP's share, so one client that
-    holds the whole budget cannot stop the others' requests."""
+    IP (a quarter of the total, at least one message). Past the total, a message up to
+    SMALL_MESSAGE (Envoy's requests, node included, are ~60 KB) still goes on if its address holds
+    less than SMALL_MESSAGE, up to twice the total: a client that holds the whole budget cannot stop
+    the others' requests, and many addresses holding small messages cannot take more than twice the
+    budget (each address's quarter alone let 40 addresses hold 2.9 GB)."""
 
     def __init__(self, total: int, max_message_size: int = 0) -> None:
         self.total = total
@@ -289,7 +291,11 @@ class PartialBudget:
         if peer is not None and peer.partial + n > self.per_ip:
             self.refused += 1
             return False
-        if n > SMALL_MESSAGE and self.used + n > self.total:
+        if self.used + n > self.total and (
+            n > SMALL_MESSAGE
+            or self.used + n > 2 * self.total
+            or (peer is not None and peer.partial >= SMALL_MESSAGE)
+        ):
             self.refused += 1
             return False
         self.used += n

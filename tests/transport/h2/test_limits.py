@@ -275,6 +275,26 @@ def test_partial_budget_shares() -> None:
     assert budget.take(SMALL_MESSAGE + 1, other)
 
 
+def test_small_messages_past_the_total_are_bounded_server_wide() -> None:
+    """Past the total, each address gets one small message in, not its whole quarter: many
+    addresses holding small messages take at most twice the budget."""
+    from eds_server.transport.h2.limits import SMALL_MESSAGE, PartialBudget
+
+    limits = ConnectionLimits()
+    budget = PartialBudget(total=16 << 20, max_message_size=4 << 20)
+    taken = 0
+    for _ in range(1000):
+        peer = PeerBudgets(limits)
+        while budget.take(SMALL_MESSAGE, peer):
+            taken += SMALL_MESSAGE
+            if taken > 64 << 20:
+                break
+    assert budget.used <= 2 * budget.total
+    newcomer = PeerBudgets(limits)
+    assert not budget.take(SMALL_MESSAGE, newcomer)  # twice the total is the end, for everyone
+    assert budget.refused >= 1000
+
+
 def test_refusals_are_metrics_by_reason() -> None:
     from prometheus_client import generate_latest
 
