@@ -292,9 +292,7 @@ class PartialBudget:
             self.refused += 1
             return False
         if self.used + n > self.total and (
-            n > SMALL_MESSAGE
-            or self.used + n > 2 * self.total
-            or (peer is not None and peer.partial >= SMALL_MESSAGE)
+            n > SMALL_MESSAGE or self.used + n > 2 * self.total or (peer is not None and peer.partial >= SMALL_MESSAGE)
         ):
             self.refused += 1
             return False
