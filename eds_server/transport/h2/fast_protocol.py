@@ -92,6 +92,7 @@ class FastProtocol(H2Protocol):
     _peer_budgets: PeerBudgets | None = None
     _transport: asyncio.Transport | None = None
     _deadline: asyncio.TimerHandle | None = None
+    _stall: asyncio.TimerHandle | None = None  # a frame begun at the end of a read: checked a request timeout later
     _saw_request = False
     _opened_at_check = 0  # the highest stream id at the last idle check
     _dead = False  # closing after a protocol error or a refusal: input is ignored
@@ -121,7 +122,28 @@ class FastProtocol(H2Protocol):
             self._split(h2, data)
         elif self._feed(h2, data):
             self.connection.flush()
+        if self._stall is None and not self._guard.between_frames and not self._dead:
+            self._stall = asyncio.get_running_loop().call_later(
+                self.gate.limits.request_timeout, self._check_stall, self._guard.frames
+            )
         return not self._dead
+
+    def _check_stall(self, frames: int) -> None:
+        """A frame (or header block) begun when this was set, a request timeout ago: if no frame has
+        begun since and it is still not complete, it is drip-fed and the connection ends; if
+        another is in progress now, it is checked the same way."""
+        self._stall = None
+        guard = self._guard
+        if self._dead or guard.between_frames:
+            return
+        if guard.frames != frames:
+            self._stall = asyncio.get_running_loop().call_later(
+                self.gate.limits.request_timeout, self._check_stall, guard.frames
+            )
+            return
+        why = f"a frame not complete within {self.gate.limits.request_timeout:g}s"
+        self.gate.shed("slow_input", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
+        self._goaway(ErrorCodes.NO_ERROR, why, "Slow input")
 
     # the read scheduler's view of the connection (fair.Reader)
     def pause_reading(self) -> None:
@@ -468,6 +490,9 @@ class FastProtocol(H2Protocol):
         self._peer_budgets = None
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._sweep is not None:
             self._sweep.cancel()
         super().connection_lost(exc)

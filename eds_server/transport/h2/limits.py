@@ -50,6 +50,7 @@ REASONS = (
     "partial_messages",  # a message refused: the partial-message budget is held by others
     "message_size",  # a message over --max-message-size, refused from its length prefix
     "overload",  # a connection shed: it held the most unread input while the server held too much
+    "slow_input",  # a message or frame drip-fed past the request timeout (the stream or connection ended)
 )
 
 

@@ -133,6 +133,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._opened_at_check = 0  # streams opened at the last check
         self._age = 0.0  # seconds of checks: since the connection was made
         self._idle = 0.0  # seconds of checks without a stream held or opened
+        self._frames_at_check = 0  # frames the guard had read at the last check
+        self._stalled = -1.0  # seconds of checks the same frame stayed begun (-1: none was at the last check)
         self._input: MeteredInput | None = None
 
     # the gate's view (limits.Holder)
@@ -226,8 +228,13 @@ class GuardedProtocol(asyncio.Protocol):
         if refused is None:
             return b""
         reason, why = refused
-        self.gate.shed(reason, self._peer_name, f"RESOURCE_EXHAUSTED on stream {sid}: {why}")
-        status = [(b"grpc-status", b"%d" % Status.RESOURCE_EXHAUSTED.value), (b"grpc-message", why.encode())]
+        return self._end_stream(sid, Status.RESOURCE_EXHAUSTED, reason, why)
+
+    def _end_stream(self, sid: int, code: Status, reason: str, why: str) -> bytes:
+        """A stream ended below h2, with gRPC status `code` to the client; what h2 and grpclib
+        are to be handed (a reset from the client) is returned."""
+        self.gate.shed(reason, self._peer_name, f"{code.name} on stream {sid}: {why}")
+        status = [(b"grpc-status", b"%d" % code.value), (b"grpc-message", why.encode())]
         if sid not in self._headers_sent:  # trailers only
             status = [(b":status", b"200"), (b"content-type", b"application/grpc"), *status]
         self._headers_sent.discard(sid)
@@ -344,6 +351,21 @@ class GuardedProtocol(asyncio.Protocol):
             return
         limits, ledger = self.gate.limits, self._ledger
         tick = min(limits.request_timeout, limits.idle_timeout)
+        if not self._guard.between_frames:  # a frame or header block begun: the same one as at the last check?
+            same = self._stalled >= 0 and self._guard.frames == self._frames_at_check
+            self._stalled = self._stalled + tick if same else 0.0
+            if self._stalled >= limits.request_timeout:
+                why = f"a frame not complete within {limits.request_timeout:g}s"
+                self.gate.shed("slow_input", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
+                self._goaway(ErrorCodes.NO_ERROR, why)
+                return
+        else:
+            self._stalled = -1.0
+            for sid in self._meter.overdue(limits.request_timeout):
+                why = f"message not complete within {limits.request_timeout:g}s"
+                self._meter.close(sid)
+                self.inner.data_received(self._end_stream(sid, Status.DEADLINE_EXCEEDED, "slow_input", why))
+        self._frames_at_check = self._guard.frames
         if ledger.awaiting and self._guard.between_frames:
             expired = ledger.expired(limits.request_timeout)
             if expired:  # one line for them all: a connection of 1,000 idle streams is one event
