@@ -39,6 +39,7 @@ from .transport.h2 import (
     PassThroughCodec,
     http_runner,
     keepalive_config,
+    overload,
     runner_port,
 )
 from .transport.rest import make_rest_app
@@ -220,6 +221,7 @@ class App:
             await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
+        self._spawn(overload.watch(self.grpc.gate, self.settings.connection_limits.memory_limit), "memory watermark")
         if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,

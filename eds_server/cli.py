@@ -435,6 +435,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of requests being received at once, server-wide (default 64 MiB)",
     )
     hostile.add_argument(
+        "--memory-limit",
+        type=int,
+        metavar="BYTES",
+        default=_env("EDS_MEMORY_LIMIT", "0"),
+        help="resident memory past which the client address holding the most is closed, one connection "
+        "at a time (from 85%% of it, that address opens no new stream); 0: 90%% of the cgroup's limit, "
+        "or of the machine's memory (default 0)",
+    )
+    hostile.add_argument(
         "--tls-handshake-timeout",
         type=duration,
         metavar="DURATION",
@@ -1045,6 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             request_timeout=args.request_timeout,
             idle_timeout=args.connection_idle_timeout,
             partial_message_budget=args.partial_message_budget,
+            memory_limit=args.memory_limit,
             tls_handshake_timeout=args.tls_handshake_timeout,
         ),
         http_limits=HttpLimits(max_connections=args.http_max_connections, timeout=args.http_timeout),

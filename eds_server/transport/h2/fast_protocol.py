@@ -41,6 +41,7 @@ from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
 from .headers import request_problem, trailers_problem
 from .limits import Gate, PeerBudgets
+from .overload import STREAM_MEMORY
 
 MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16 KiB to 16 MiB)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
@@ -417,6 +418,13 @@ class FastProtocol(H2Protocol):
         """Closed by the gate to make room for another connection (its slot is released already)."""
         if not self._dead:
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
+
+    def memory(self) -> int:
+        """Bytes it holds, as estimated (for the memory watermark's choice of whom to close)."""
+        if self._peer_budgets is None or self._transport is None:
+            return 0
+        held = self._input.held if self._input is not None else 0
+        return held + self._transport.get_write_buffer_size() + len(self.h2.streams) * STREAM_MEMORY
 
     def _shed(self, reason: str, detail: str, count: int) -> None:
         self.gate.shed(reason, self._peer, detail, count)

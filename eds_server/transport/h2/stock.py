@@ -39,6 +39,7 @@ from .fair import STREAM_ESTIMATE, MeteredInput
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
+from .overload import STREAM_MEMORY
 
 log = logging.getLogger("eds_server.grpc")
 STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
@@ -143,6 +144,12 @@ class GuardedProtocol(asyncio.Protocol):
 
     def give_way(self, why: str) -> None:
         self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
+
+    def memory(self) -> int:
+        if self._transport is None or self.peer is None:
+            return 0
+        held = self._input.held if self._input is not None else 0
+        return held + self._transport.get_write_buffer_size() + len(self._ledger.open) * STREAM_MEMORY
 
     @property
     def _peer_name(self) -> str:
