@@ -261,6 +261,7 @@ class ReadScheduler:
     def run(self, metered: MeteredInput, chunk: bytes) -> None:
         """Hand `chunk` on, and charge what it took."""
         clock = self.clock
+        before = self.spent
         t0 = clock()
         try:
             if not metered.process(chunk):
@@ -269,7 +270,7 @@ class ReadScheduler:
             t1 = clock()
             self.spent += t1 - t0
             metered.cost.charge(t1 - t0, t1)
-            metered.cutter.measured(t1 - t0)
+            metered.cutter.measured(self.spent - before)  # with what it was charged for later work
             self.slices += 1
             self._turn()
 

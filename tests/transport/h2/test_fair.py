@@ -11,6 +11,7 @@ from eds_server.transport.h2.fair import (
     SLICE_FRAMES,
     SLICE_MAX_FRAMES,
     SLICE_SECONDS,
+    STREAM_ESTIMATE,
     AddressCost,
     FrameCutter,
     MeteredInput,
@@ -199,3 +200,21 @@ def test_a_connection_of_cheap_frames_gets_bigger_slices_and_a_costly_one_small_
     cutter.count = 100
     cutter.measured(100 * SLICE_SECONDS / 100)  # exactly SLICE_SECONDS for 100 frames
     assert cutter.frames == 100
+
+
+def test_work_charged_for_later_counts_in_the_slice_size() -> None:
+    """Streams handed to handlers cost little to read and much later: what a slice was charged for
+    them keeps the next slice small (bigger slices of bursts of requests held the loop for seconds)."""
+    scheduler, clock, loop = setup(turn_budget=1.0)
+    conn = Conn(scheduler, clock, AddressCost(), cost=0.0)
+
+    def process(chunk: bytes) -> bool:
+        conn.got.append(chunk)
+        conn.input.charge(STREAM_ESTIMATE * len(split(chunk)[0]))  # as a stream per frame would be
+        return True
+
+    conn.input.process = process
+    conn.input.feed(headers(200))
+    loop.turn()
+    assert conn.input.cutter.frames == SLICE_FRAMES
+    assert {len(split(chunk)[0]) for chunk in conn.got} == {SLICE_FRAMES, 200 % SLICE_FRAMES}
