@@ -71,6 +71,12 @@ class PingCheckingProcessor(EventsProcessor):
             self.wakes += 1
         super().process_window_updated(event)
 
+    def process_data_received(self, event: DataReceived) -> None:
+        """An empty DATA frame that does not end its stream carries nothing: grpclib's reader would
+        take it for the end of the stream inside a message."""
+        if event.flow_controlled_length or event.stream_ended is not None:
+            super().process_data_received(event)
+
     def process_ping_ack_received(self, event: PingAckReceived) -> None:
         h2 = cast(FlushingConnection, self.connection).h2
         if h2.ping_payload is not None and event.ping_data == h2.ping_payload:

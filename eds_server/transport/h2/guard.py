@@ -222,7 +222,10 @@ class FrameGuard:
                     if refusal is not None:
                         return b"", refusal
             if out is not None:
-                self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped)
+                # (on_data) an empty DATA frame that does not end its stream carries nothing, and
+                # grpclib's reader takes one for the end of the stream inside a message (a traceback)
+                empty = not length and ftype == _DATA and self.on_data is not None and not header[4] & END_STREAM
+                self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped) or empty
                 if self._dropping and ftype == _DATA:
                     self.dropped_data += length
                 elif ftype == _DATA and self.on_data is not None:

@@ -380,3 +380,17 @@ async def test_a_frame_drip_fed_past_the_request_timeout_ends_the_connection() -
                 dripped += 1
         assert client.eof or client.goaway is not None, f"still open after {dripped} bytes"
         assert server.refused["slow_input"] == 1, server.refused
+
+
+async def test_an_empty_data_frame_before_the_request_is_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """HTTP/2 allows an empty DATA frame; grpclib's reader took one for the end of the stream inside a
+    message (an AssertionError traceback on the stock path, the stream ended on the fast path)."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (_, _, port), client_of(port) as client:
+        sid, opening = client.new_stream()
+        await client.send(opening + data(sid, b""))
+        await client.ping()  # the server has read it, and its handler has run
+        await client.send(data(sid, grpc(first_request("a", "web"))))
+        await client.response(sid, 1)
+        assert client.status(sid) is None
+    no_server_errors(caplog)
