@@ -357,9 +357,10 @@ class App:
         self._stop_sources.set()
         for task in self._tasks:
             task.cancel()
-        rest = [*self._tasks, *(runner.cleanup() for runner in self._http)]
-        _, pending = await asyncio.wait([asyncio.ensure_future(t) for t in rest],
-                                        timeout=max(0.05, start + budget - loop.time()))  # fmt: skip
+        rest = [asyncio.ensure_future(t) for t in (*self._tasks, *(runner.cleanup() for runner in self._http))]
+        if not rest:  # a start refused before anything ran (a bad state file): nothing to wait for
+            return
+        _, pending = await asyncio.wait(rest, timeout=max(0.05, start + budget - loop.time()))
         if pending:
             log.warning("shutdown: %d tasks had not finished by --shutdown-timeout: left to the exit", len(pending))
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import logging
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from . import __version__
 from .fields import MAX_UPSTREAMS_SIZE  # the standard library only: no YAML at start-up
@@ -898,6 +899,10 @@ def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    top = [o for a in parser._actions for o in a.option_strings]
+    before = [a for a in itertools.takewhile(lambda a: a.startswith("-"), _Parser.argv) if a not in top]
+    if before:  # `--versoin`: argparse would only say a command is required
+        cast(_Parser, parser).unrecognized(before)
     args, extras = parser.parse_known_args(argv)
     if extras:
         _SUBCOMMANDS[args.command].unrecognized(extras)

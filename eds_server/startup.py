@@ -82,7 +82,8 @@ async def start_app(
     except upstreams.UpstreamsError as e:
         for problem in e.problems:
             log.error("%s", problem)
-        log.error("not starting: fix the upstreams file (check it with `eds-server check`)")
+        log.error("not starting: fix the upstreams file %s (check it with `eds-server check %s`)",
+                  settings.upstreams, settings.upstreams)  # fmt: skip
         return None
     except SecurityConfigError as e:
         refuse_security(e)
