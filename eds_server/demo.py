@@ -206,6 +206,7 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
                   f"{len(taken)} ports are", "; ".join(taken), PORT_FLAGS)  # fmt: skip
         return 1
     backends: list[web.AppRunner] = []
+    closing: str | None = None  # said once everything is down, after Ctrl-C
     app = App(Settings(upstreams=upstreams_path, listen=grpc, admin=admin_address))
     proc: asyncio.subprocess.Process | None = None
     try:
@@ -242,6 +243,10 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
         if envoy_exit.done():
             log.error("envoy exited with %s", proc.returncode)
             return 1
+        closing = (
+            f"eds-server demo stopped: Envoy, eds-server and the {len(backends)} sample backends are down, "
+            f"their ports free again. Run your own: eds-server serve --upstreams FILE (docs/configuration.md)"
+        )
         return 0
     except OSError as e:
         log.error("demo could not start: %s (is something else using one of the ports %s?)", e, every)
@@ -256,3 +261,5 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
         await app.stop()
         for runner in backends:
             await runner.cleanup()
+        if closing is not None:
+            print(f"\n{closing}", flush=True)

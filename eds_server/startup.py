@@ -45,12 +45,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """`2026-12-02T06:46:56.123Z INFO eds_server: ...`: the time in UTC, and saying so (a bare local
+    time is ambiguous across hosts and at a DST change), the same stamp as the JSON lines'."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return utc_timestamp(record.created)
+
+
 def setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
