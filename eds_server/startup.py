@@ -77,11 +77,11 @@ async def start_app(
     from .sources.registrations import RegistrationStateError
 
     listen = None if settings.listen_fd is not None else settings.listen  # a worker's: bound by its owner
-    taken = ports.unbindable([("--listen", listen), ("--admin", settings.admin),
-                              ("--rest-listen", settings.rest_listen), ("--metrics-listen", settings.metrics_listen),
-                              *extra_ports])  # fmt: skip
-    if taken is not None:
-        log.error("not starting: %s", taken)
+    taken = ports.every_unbindable([("--listen", listen), ("--admin", settings.admin),
+                                    ("--rest-listen", settings.rest_listen),
+                                    ("--metrics-listen", settings.metrics_listen), *extra_ports])  # fmt: skip
+    if taken:  # every one, so that moving one busy port does not only reveal the next
+        log.error("not starting: %s", "; ".join(taken))
         return None
     app = App(settings)
     app.workers = workers

@@ -534,9 +534,10 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     log.info("eds-server %s starting with %d workers (Python %s)", __version__, count, sys.version.split()[0])
     if not _security_usable(settings):
         return 1
-    taken = ports.unbindable([("--admin", settings.admin), ("--rest-listen", settings.rest_listen)])
-    if taken is not None:
-        log.error("not starting: %s", taken)
+    taken = ports.every_unbindable([("--admin", settings.admin), ("--rest-listen", settings.rest_listen),
+                                    ("--metrics-listen", settings.metrics_listen)])  # fmt: skip
+    if taken:
+        log.error("not starting: %s", "; ".join(taken))
         return 1
     host, port = settings.listen
     try:

@@ -95,6 +95,13 @@ TABLE = [
     # -- the files and ports (start_app, the server's start) ------------------------------------------
     Refusal("a port in use", serve("--upstreams", "{d}/u.yaml", "--metrics-listen", "127.0.0.1:{port}"), 1,
             r"not starting: --metrics-listen 127\.0\.0\.1:\d+: address in use", files={"u.yaml": "groups: {}\n"}),
+    Refusal("two ports in use, both named", ["serve", "--upstreams", "{d}/u.yaml", "--listen", "127.0.0.1:{port}",
+            "--admin", "127.0.0.1:{port}"], 1, r"not starting: --listen 127\.0\.0\.1:\d+: address in use; "
+            r"--admin 127\.0\.0\.1:\d+: address in use", files={"u.yaml": "groups: {}\n"}),
+    Refusal("workers: two ports in use, both named", serve("--workers", "2", "--upstreams", "{d}/u.yaml",
+            "--rest-listen", "127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:{port}"), 1,
+            r"not starting: --rest-listen 127\.0\.0\.1:\d+: address in use; --metrics-listen",
+            files={"u.yaml": "groups: {}\n"}),
     Refusal("a missing upstreams file", serve("--upstreams", "{d}/nope.yaml"), 1, r"\S*/nope\.yaml"),
     Refusal("a bad upstreams file", serve("--upstreams", "{d}/u.yaml"), 1,
             r"not starting: fix the upstreams file \S*/u\.yaml",
