@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -114,11 +117,15 @@ async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path)
     from tests.support.waiting import wait_for
 
     ca = CertAuthority("admin CA", tmp_path)
-    issued = ca.issue(tmp_path / "server", ips=["127.0.0.1"])
+    first = ca.issue(tmp_path / "first", common_name="first", ips=["127.0.0.1"])
+    second = ca.issue(tmp_path / "second", common_name="second", ips=["127.0.0.1"])
+    cert, key = tmp_path / "server.pem", tmp_path / "server-key.pem"
+    cert.write_bytes(first.cert.read_bytes())
+    key.write_bytes(first.key.read_bytes())
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
     probes = free_port()
-    server = EdsServerProcess(path, "--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--admin-tls",
+    server = EdsServerProcess(path, "--tls-cert", str(cert), "--tls-key", str(key), "--admin-tls",
                               "--metrics-listen", f"127.0.0.1:{probes}", workdir=tmp_path)  # fmt: skip
     await server.start(wait_ready=False)  # its readiness check speaks plain HTTP to the admin port
     try:
@@ -138,6 +145,19 @@ async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path)
             except aiohttp.ClientError:
                 plain = None
             assert plain in (None, 400)  # plain HTTP gets no answer from the TLS port
+
+            def admin_name() -> str:
+                with socket.create_connection(("127.0.0.1", server.admin_port), timeout=10) as raw, \
+                        trusting.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+                    return str(dict(x[0] for x in tls.getpeercert()["subject"])["commonName"])
+
+            assert await asyncio.to_thread(admin_name) == "first"
+            cert.write_bytes(second.cert.read_bytes())  # rotated: SIGHUP, as for the gRPC port's
+            key.write_bytes(second.key.read_bytes())
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGHUP)
+            await wait_for(lambda: "SIGHUP: admin TLS certificate" in server.log_text(), timeout=10, what="reload")
+            assert await asyncio.to_thread(admin_name) == "second"
     finally:
         assert await server.stop() == 0
     assert f"admin on https://127.0.0.1:{server.admin_port}" in server.log_text()
