@@ -187,3 +187,18 @@ def test_every_xds_stream_comes_back_within_2s(config: Path) -> None:
         back_off = source["grpc_services"][0]["envoy_grpc"]["retry_policy"]["retry_back_off"]
         assert back_off == SHIPPED_XDS_BACK_OFF, (config.name, back_off)  # the tests' Envoys reconnect alike
     assert sources or "REST" in config.read_text()
+
+
+@pytest.mark.parametrize("name", ["envoy-inside.yaml", "envoy-outside.yaml"])
+def test_the_kubernetes_envoys_come_back_within_2s_too(name: str) -> None:
+    """The Envoys of deploy/kubernetes (one a ConfigMap's file, one a file of its own) set the same back-off."""
+    configs = []
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / name).read_text()):
+        if doc and doc.get("kind") == "ConfigMap":
+            configs += [yaml.safe_load(text) for text in doc["data"].values()]
+        elif doc and "static_resources" in doc:
+            configs.append(doc)
+    sources = [s for config in configs for s in _api_config_sources(config) if "grpc_services" in s]
+    assert sources, name
+    for source in sources:
+        assert source["grpc_services"][0]["envoy_grpc"]["retry_policy"]["retry_back_off"] == SHIPPED_XDS_BACK_OFF
