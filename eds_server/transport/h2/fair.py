@@ -118,6 +118,21 @@ class Reader(Protocol):
         """Close the connection: it holds the most unread input while the server holds too much."""
 
 
+class TransportReading:
+    """A protocol's side of the scheduler's pause and resume, on its own transport (a closing one is
+    left alone)."""
+
+    _transport: asyncio.Transport | None
+
+    def pause_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+
 class AddressCost:
     """An address's recent cost of the loop, in seconds, decaying with COST_HALF_LIFE."""
 

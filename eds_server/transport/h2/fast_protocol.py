@@ -35,7 +35,7 @@ from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
 from .direct import window_update
-from .fair import STREAM_ESTIMATE, MeteredInput
+from .fair import STREAM_ESTIMATE, MeteredInput, TransportReading
 from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
@@ -83,7 +83,7 @@ class PingCheckingProcessor(EventsProcessor):
             self.connection.ping_ack_process()
 
 
-class FastProtocol(H2Protocol):
+class FastProtocol(TransportReading, H2Protocol):
     """grpclib's protocol, with our settings from the start and the gate's limits enforced.
 
     `connection_made` follows grpclib 0.4.9's own (used only with the versions compat.py
@@ -152,15 +152,7 @@ class FastProtocol(H2Protocol):
         self.gate.shed("slow_input", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
         self._goaway(ErrorCodes.NO_ERROR, why, "Slow input")
 
-    # the read scheduler's view of the connection (fair.Reader)
-    def pause_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.resume_reading()
-
+    # the read scheduler's view of the connection (fair.Reader): pause and resume from TransportReading
     def overloaded(self, why: str) -> None:
         if not self._dead and self._peer_budgets is not None:
             self.gate.shed("overload", self._peer, f"GOAWAY ENHANCE_YOUR_CALM: {why}")

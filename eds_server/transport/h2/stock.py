@@ -35,7 +35,7 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .fair import STREAM_ESTIMATE, MeteredInput
+from .fair import STREAM_ESTIMATE, MeteredInput, TransportReading
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
@@ -117,7 +117,7 @@ class _Tap:
         return getattr(self._transport, name)
 
 
-class GuardedProtocol(asyncio.Protocol):
+class GuardedProtocol(TransportReading, asyncio.Protocol):
     """grpclib's protocol for one connection, below which the gRPC port's per-client limits hold
     (docs/limits.md lists the few that need h2's insides and do not)."""
 
@@ -334,15 +334,7 @@ class GuardedProtocol(asyncio.Protocol):
             self.inner.data_received(cast(bytes, passed))
         return not self._dead
 
-    # the read scheduler's view of the connection (fair.Reader)
-    def pause_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.resume_reading()
-
+    # the read scheduler's view of the connection (fair.Reader): pause and resume from TransportReading
     def overloaded(self, why: str) -> None:
         if not self._dead:
             self.gate.shed("overload", self._peer_name, f"GOAWAY ENHANCE_YOUR_CALM: {why}")
