@@ -365,6 +365,17 @@ def test_backend_labels_give_an_endpoint(service: str) -> None:
     }
 
 
+@pytest.mark.parametrize("source", ["Dockerfile CMD", "compose eds-server command"])
+def test_image_and_compose_listen_beyond_loopback_on_purpose(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """eds-server's --listen defaults to loopback, which in a container reaches no Envoy: the image and
+    compose.yaml say 0.0.0.0:18000 themselves, the port the image EXPOSEs."""
+    monkeypatch.delenv("EDS_LISTEN", raising=False)
+    assert build_parser().parse_args(["serve", "--docker"]).listen == ("127.0.0.1", 18000)
+    cmd = exec_form(instruction("CMD")) if source == "Dockerfile CMD" else command_of(SERVICES["eds-server"])
+    assert cmd[cmd.index("--listen") + 1] == "0.0.0.0:18000"
+    assert instruction("EXPOSE").split() == ["18000"]
+
+
 def test_envoy_reaches_eds_server_and_is_published() -> None:
     config = _envoy_config()
     xds = next(c for c in config["static_resources"]["clusters"] if c["name"] == "xds_cluster")
