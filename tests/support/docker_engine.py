@@ -86,7 +86,8 @@ class DockerError(RuntimeError):
     """A docker CLI call failed, or the engine did not come up / go down in time."""
 
 
-NOT_YET_DOCKER = (DockerError, *NOT_YET)  # a docker command that fails until the engine catches up
+# a docker command that fails until the engine catches up
+NOT_YET_DOCKER: tuple[type[BaseException], ...] = (DockerError, *NOT_YET)
 
 
 # --------------------------------------------------------------------------------------------------
