@@ -66,7 +66,7 @@ class Settings:
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
     kubernetes: KubernetesOptions | None = None  # None: no Kubernetes discovery
     debounce: float = 0.05
-    listen: tuple[str, int] = ("0.0.0.0", 18000)
+    listen: tuple[str, int] = ("127.0.0.1", 18000)  # loopback unless told (as etcd, Consul): docs/security.md
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
     rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
     metrics_listen: tuple[str, int] | None = None  # read-only /metrics, /healthz, /readyz, off unless asked for

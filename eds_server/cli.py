@@ -287,8 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen",
         type=host_port,
         metavar="HOST:PORT",
-        default=_env("EDS_LISTEN", "0.0.0.0:18000"),
-        help="gRPC address [EDS_LISTEN] (default 0.0.0.0:18000)",
+        default=_env("EDS_LISTEN", "127.0.0.1:18000"),
+        help="gRPC address [EDS_LISTEN] (default 127.0.0.1:18000, loopback: plaintext EDS tells every "
+        "group to whoever connects, so other hosts' Envoys need 0.0.0.0:18000, said on purpose)",
     )
     serve.add_argument(
         "--admin",

@@ -258,3 +258,14 @@ def test_workers_are_listed_with_one_that_is_down_marked() -> None:
     single = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
                                 streams=[], stats={})  # fmt: skip
     assert 'id="workers"' not in single
+
+
+def test_acks_count_responses_and_a_resumed_stream_says_what_it_held() -> None:
+    """After a restart Envoy reconnects saying which version it holds; nothing is resent, so nothing is
+    ACKed: the header counts ACKs of responses sent, the stream shows the version held."""
+    streams = [{"node": "n", "cluster": "c", "peer": "p", "transport": "sotw", "last_nack": None,
+                "names": {"web": {"sent": "v1", "acked": "v1", "nacked": None}}, "names_total": 1}]  # fmt: skip
+    page = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
+                              streams=streams, stats={"acks": 0, "nacks": 0}, total_streams=1)  # fmt: skip
+    assert "0 ACKs, 0 NACKs of responses sent since start" in page
+    assert "ACKed (or held when it connected)" in page and "ACKed <code>v1</code>" in page
