@@ -168,7 +168,7 @@ def public_exposition(text: str) -> str:
         if family.name in GROUP_SERIES:
             continue
         family.samples = [
-            sample._replace(labels={**sample.labels, "source": source_kind(sample.labels["source"])})
+            type(sample)(sample.name, {**sample.labels, "source": source_kind(sample.labels["source"])}, *sample[2:])
             if "source" in sample.labels
             else sample
             for sample in family.samples
