@@ -1,0 +1,278 @@
+"""Runs the checks the store's endpoints ask for, and lays the results over the store's groups.
+
+One target per (address, port, spec): an endpoint in several groups with the same check is checked
+once. Targets come from the store (every endpoint whose `check` is set), so whatever source gave the
+endpoint, its check goes to the endpoint's own address. One scheduler task keeps a heap of due
+times: a target already known is first checked at a uniformly random point of its interval (checks
+spread evenly), a target that appears later at once; each later check is due one interval (jittered
+by +-5%, as Envoy's interval_jitter_percent) after the last was due. At most `max_running` checks
+run at a time.
+
+Fail static: when every target with a result fails its latest check at once (tracker.CutOff), the
+checked health is frozen as it was and the checker reports itself degraded; it thaws on the first
+pass. Every change of an endpoint's checked health is one log line, at most `log_most` a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import heapq
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from .. import fields
+from ..model import Endpoint, Group
+from ..ratelimit import LogBudget
+from ..store import Store
+from . import probes
+from .spec import HealthSpec
+from .tracker import CutOff, Result, Tracker, combine
+
+log = logging.getLogger("eds_server.health")
+
+TargetKey = tuple[str, int, HealthSpec]
+Probe = Callable[[str, int, HealthSpec], Awaitable[Result]]
+JITTER = 0.05
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def _name(healthy: bool | None) -> str:
+    return {None: "unchecked", True: "healthy", False: "unhealthy"}[healthy]
+
+
+def _targets_of(group: Group) -> set[TargetKey]:
+    return {(ep.address, ep.port, ep.check) for ep in group.endpoints if ep.check is not None}
+
+
+class _Target:
+    __slots__ = ("due", "groups", "key", "running", "tracker")
+
+    def __init__(self, key: TargetKey) -> None:
+        self.key = key
+        self.groups: set[str] = set()
+        self.tracker = Tracker()
+        self.due = 0.0
+        self.running = False
+
+
+class Checker:
+    """Owns the checks of one store. Sets `store.overlay`; `run(stop)` checks until stop is set."""
+
+    def __init__(self, store: Store, *, probe: Probe = probes.check, max_running: int = 1024,
+                 log_most: int = 60) -> None:  # fmt: skip
+        self.store = store
+        self.probe = probe
+        self.max_running = max_running
+        self._targets: dict[TargetKey, _Target] = {}
+        self._by_group: dict[str, set[TargetKey]] = {}
+        self._published: dict[TargetKey, bool] = {}  # checked health as served (frozen while cut off)
+        self._heap: list[tuple[float, int, TargetKey]] = []
+        self._seq = 0
+        self._started = False  # targets known at start are spread over their interval; later ones go at once
+        self._wake: asyncio.Event | None = None
+        self._dirty: set[str] = set()  # groups whose served health changed: merged again soon
+        self._unseen: set[str] | None = None  # groups to look at again (None: all)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.cut = CutOff()
+        self.frozen_since: float | None = None  # wall time the checker found itself cut off
+        self.checks: Counter[tuple[str, str]] = Counter()  # (kind, "pass"/"fail") -> count
+        self.latency_buckets: Counter[tuple[str, float]] = Counter()  # (kind, le) -> count
+        self.latency_sum: dict[str, float] = {}
+        self.changes = 0  # changes of checked health published
+        self._log = LogBudget(log, log_most, 60.0)
+        store.overlay = self.overlay
+        store.watch(self._changed)
+
+    # -- the store's side ---------------------------------------------------------------------
+    def overlay(self, group: Group) -> Group:
+        """The group with each checked endpoint's health combined with its check's."""
+        out: list[Endpoint] | None = None
+        for i, ep in enumerate(group.endpoints):
+            if ep.check is None:
+                continue
+            health = combine(ep.health, self._published.get((ep.address, ep.port, ep.check)))
+            if health != ep.health:
+                if out is None:
+                    out = list(group.endpoints)
+                out[i] = dataclasses.replace(ep, health=health)
+        return group if out is None else dataclasses.replace(group, endpoints=tuple(out))
+
+    def _changed(self, names: frozenset[str] | None) -> None:
+        if names is None:
+            self._unseen = None
+        elif self._unseen is not None:
+            self._unseen |= names
+        if self._wake is not None:
+            self._wake.set()
+
+    def _reconcile(self) -> None:
+        """Add the targets of endpoints that appeared, drop those of endpoints that left."""
+        resources = self.store.resources()
+        names = set(resources) | set(self._by_group) if self._unseen is None else self._unseen
+        self._unseen = set()
+        now = asyncio.get_running_loop().time()
+        for name in names:
+            resource = resources.get(name)
+            wanted = _targets_of(resource.group) if resource is not None else set()
+            had = self._by_group.pop(name, set())
+            if wanted:
+                self._by_group[name] = wanted
+            for key in had - wanted:
+                target = self._targets[key]
+                target.groups.discard(name)
+                if not target.groups:
+                    del self._targets[key]
+                    self._published.pop(key, None)
+                    self.cut.forget(key)
+            for key in wanted - had:
+                found = self._targets.get(key)
+                if found is None:
+                    found = self._targets[key] = _Target(key)
+                    self._schedule(found, now + (random.uniform(0, key[2].interval) if not self._started else 0.0))
+                found.groups.add(name)
+        self._started = True
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _schedule(self, target: _Target, due: float) -> None:
+        target.due = due
+        self._seq += 1
+        heapq.heappush(self._heap, (due, self._seq, target.key))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                if self._unseen is None or self._unseen:
+                    self._reconcile()
+                self._start_due(loop.time())
+                self._flush()
+                wait = min(self._heap[0][0] - loop.time(), 1.0) if self._heap else 1.0
+                self._wake.clear()
+                woke = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait((stopping, woke), timeout=max(wait, 0.0), return_when=asyncio.FIRST_COMPLETED)
+                woke.cancel()
+        finally:
+            stopping.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
+                await asyncio.wait(self._tasks)
+
+    def _start_due(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now and len(self._tasks) < self.max_running:
+            due, _, key = heapq.heappop(heap)
+            target = self._targets.get(key)
+            if target is None or target.due != due or target.running:
+                continue  # removed, or rescheduled since
+            target.running = True
+            task = asyncio.create_task(self._check(target))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _check(self, target: _Target) -> None:
+        address, port, spec = target.key
+        try:
+            result = await self.probe(address, port, spec)
+        except Exception as e:  # a probe's own bug: counted as a failure, never the end of checking
+            log.exception("health check of %s failed unexpectedly", fields.address_port(address, port))
+            result = Result(False, f"internal error: {type(e).__name__}", 0.0, time.time())
+        finally:
+            target.running = False
+        if self._targets.get(target.key) is not target:
+            return  # the endpoint left meanwhile
+        self._record(target, result)
+        loop = asyncio.get_running_loop()
+        after = spec.interval * (1 + random.uniform(-JITTER, JITTER))
+        self._schedule(target, max(target.due + after, loop.time()))
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- results -------------------------------------------------------------------------------
+    def _record(self, target: _Target, result: Result) -> None:
+        spec = target.key[2]
+        self.checks[(spec.kind, "pass" if result.ok else "fail")] += 1
+        self.latency_sum[spec.kind] = self.latency_sum.get(spec.kind, 0.0) + result.latency
+        for le in LATENCY_BUCKETS:
+            if result.latency <= le:
+                self.latency_buckets[(spec.kind, le)] += 1
+                break
+        if self.frozen_since is not None and result.ok:
+            self._thaw()
+        changed = target.tracker.record(result, spec.healthy_threshold, spec.unhealthy_threshold)
+        self.cut.record(target.key, result.ok)
+        if self.cut.cut_off and self.frozen_since is None:
+            self.frozen_since = time.time()
+            log.warning("health checks: all %d checked endpoints fail at once (last: %s): that is this checker "
+                        "cut off, not every backend; their last health is kept until a check passes again",
+                        self.cut.counts[1], result.reason)  # fmt: skip
+        if self.frozen_since is None and changed:
+            self._publish(target)
+
+    def _thaw(self) -> None:
+        """A check passes again: what failed while the checker was cut off is no evidence. Each target
+        starts counting again from the health it was frozen at."""
+        self.frozen_since = None
+        log.warning("health checks: a check passes again; results apply again, counted from now")
+        for other in self._targets.values():
+            t = other.tracker
+            t.successes = t.failures = 0
+            t.healthy = self._published.get(other.key)  # none yet: the next result decides
+
+    def _publish(self, target: _Target) -> None:
+        healthy = target.tracker.healthy
+        assert healthy is not None
+        before = self._published.get(target.key)
+        self._published[target.key] = healthy
+        self.changes += 1
+        self._dirty |= target.groups
+        last = target.tracker.last
+        address, port, spec = target.key
+        if before is not None or not healthy:  # a first pass is no news
+            in_row = target.tracker.failures if not healthy else target.tracker.successes
+            self._log.log(logging.WARNING if not healthy else logging.INFO,
+                          "health: group %s endpoint %s: %s -> %s (%s, %s, %d in a row)",
+                          ",".join(sorted(target.groups)), fields.address_port(address, port), _name(before),
+                          _name(healthy), last.reason if last else "?", spec.describe(), in_row)  # fmt: skip
+
+    def _flush(self) -> None:
+        if self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            self.store.refresh(dirty)
+
+    # -- readers -------------------------------------------------------------------------------
+    def last_check(self, address: str, port: int, spec: HealthSpec) -> dict[str, Any] | None:
+        """What /v1/groups shows of an endpoint's check."""
+        target = self._targets.get((address, port, spec))
+        if target is None:
+            return {"spec": spec.describe(), "result": None}
+        t = target.tracker
+        out: dict[str, Any] = {"spec": spec.describe(), "checked": _name(self._published.get(target.key))}
+        if t.last is None:
+            return {**out, "result": None}
+        return {**out, "result": "pass" if t.last.ok else "fail", "reason": t.last.reason,
+                "at": t.last.at, "latency_ms": round(t.last.latency * 1000, 3),
+                "in_a_row": t.successes if t.last.ok else t.failures}  # fmt: skip
+
+    def by_health(self) -> Counter[str]:
+        return Counter(_name(self._published.get(key)) for key in self._targets)
+
+    def status(self) -> dict[str, Any]:
+        """As a source's status (SourceStatus.as_json): degraded while cut off."""
+        error = None
+        if self.frozen_since is not None:
+            failing, known = self.cut.counts
+            error = (f"every health check fails at once ({failing} of {known} endpoints): the checker is "
+                     "cut off, the last checked health is kept")  # fmt: skip
+        return {"name": "health-checks", "loaded": True, "live": True, "stale": False,
+                "targets": len(self._targets), "last_error": error}  # fmt: skip
+
+    def targets(self) -> Iterable[TargetKey]:
+        return self._targets.keys()
