@@ -21,6 +21,7 @@ import heapq
 import logging
 import random
 import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -81,7 +82,7 @@ class Checker:
         self.cut = CutOff()
         self.frozen_since: float | None = None  # wall time the checker found itself cut off
         self.checks: Counter[tuple[str, str]] = Counter()  # (kind, "pass"/"fail") -> count
-        self.latency_buckets: Counter[tuple[str, float]] = Counter()  # (kind, le) -> count
+        self.latency: dict[str, list[int]] = {}  # kind -> count per LATENCY_BUCKETS bound, then +Inf
         self.latency_sum: dict[str, float] = {}
         self.changes = 0  # changes of checked health published
         self._log = LogBudget(log, log_most, 60.0)
@@ -200,10 +201,10 @@ class Checker:
         spec = target.key[2]
         self.checks[(spec.kind, "pass" if result.ok else "fail")] += 1
         self.latency_sum[spec.kind] = self.latency_sum.get(spec.kind, 0.0) + result.latency
-        for le in LATENCY_BUCKETS:
-            if result.latency <= le:
-                self.latency_buckets[(spec.kind, le)] += 1
-                break
+        counts = self.latency.get(spec.kind)
+        if counts is None:
+            counts = self.latency[spec.kind] = [0] * (len(LATENCY_BUCKETS) + 1)
+        counts[bisect_left(LATENCY_BUCKETS, result.latency)] += 1
         if self.frozen_since is not None and result.ok:
             self._thaw()
         changed = target.tracker.record(result, spec.healthy_threshold, spec.unhealthy_threshold)
@@ -273,6 +274,14 @@ class Checker:
                      "cut off, the last checked health is kept")  # fmt: skip
         return {"name": "health-checks", "loaded": True, "live": True, "stale": False,
                 "targets": len(self._targets), "last_error": error}  # fmt: skip
+
+    @property
+    def has_targets(self) -> bool:
+        return bool(self._targets)
+
+    def endpoint_check(self, ep: Endpoint) -> dict[str, Any] | None:
+        """An endpoint's last check, for /v1/groups and the status page (None: not checked)."""
+        return None if ep.check is None else self.last_check(ep.address, ep.port, ep.check)
 
     def targets(self) -> Iterable[TargetKey]:
         return self._targets.keys()

@@ -148,7 +148,7 @@ def check_field(key: str, value: Any) -> Any:
 
 def build(values: Mapping[str, Any]) -> HealthSpec | None:
     """Checked fields -> a spec (None for `none: true`); SpecError for what does not fit together."""
-    kinds = [k for k in KINDS if k in values]
+    kinds = [k for k in values if k in KINDS]  # as written: a second one is named where it stands
     if len(kinds) != 1:
         field = kinds[1] if len(kinds) > 1 else "http"
         raise SpecError(field, "exactly one kind: http: /PATH, tcp: true, grpc: SERVICE or none: true"
