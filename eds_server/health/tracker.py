@@ -4,10 +4,12 @@ Plain data, no IO, no clock: the checker hands in each result.
 
 - A target is healthy after `healthy_threshold` passing checks in a row, unhealthy after
   `unhealthy_threshold` failing ones in a row; a result of the other kind starts the count again.
-- Its first result decides at once, either way: Envoy needs "only a single successful health check
-  ... during startup" and holds a new host out until it passes (health_check.proto). Before that
-  first result (at most one timeout after it appears, as its first check runs at once) the endpoint
-  keeps what its source says: a restart of eds-server must not flip every endpoint.
+- A new target (a new endpoint, or every endpoint after eds-server starts) keeps what its source
+  says until its checks decide. A first pass makes it healthy at once (Envoy too needs "only a
+  single successful health check ... during startup", health_check.proto); failures need
+  `unhealthy_threshold` in a row, as for any target. Envoy instead holds a new host out until its
+  first pass; here that would flip every endpoint on each restart of eds-server, and a restart
+  while the checker is cut off (tracker.CutOff needs two failures to see it) would empty clusters.
 - Unlike Envoy, an unexpected HTTP status counts towards `unhealthy_threshold` like any failure
   (Envoy's HTTP checker marks it at once): one slow 500 does not take a backend out.
 """
@@ -49,7 +51,7 @@ class Tracker:
             self.successes, self.failures = 0, self.failures + 1
         before = self.healthy
         if before is None:
-            self.healthy = result.ok
+            self.healthy = True if result.ok else (False if self.failures >= unhealthy_threshold else None)
         elif before and self.failures >= unhealthy_threshold:
             self.healthy = False
         elif not before and self.successes >= healthy_threshold:

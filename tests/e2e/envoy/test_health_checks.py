@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
@@ -31,6 +32,10 @@ class Backend:
     sick: bool = False  # /health answers 500; everything else is still served
     hits: int = 0  # requests served, /health apart
     health_500s: int = 0
+    address: str = "127.0.0.1"
+    health_port: int | None = None  # /health served on a port of its own too
+    black_hole: bool = False  # /health on health_port never answers (as if the checker's packets were lost)
+    held: int = 0  # checks left unanswered
 
 
 async def envoy_health(envoy: EnvoyProcess, port: int) -> str:
@@ -40,6 +45,10 @@ async def envoy_health(envoy: EnvoyProcess, port: int) -> str:
 @asynccontextmanager
 async def backend(b: Backend) -> AsyncIterator[Backend]:
     async def handle(request: web.Request) -> web.Response:
+        if request.path == "/health" and b.black_hole and request.url.port == b.health_port:
+            b.held += 1
+            await asyncio.sleep(3)  # bounded; the checker gives up long before
+            return web.Response(status=504)
         if request.path == "/health":
             if b.sick:
                 b.health_500s += 1
@@ -52,21 +61,26 @@ async def backend(b: Backend) -> AsyncIterator[Backend]:
     app.router.add_route("*", "/{tail:.*}", handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, b.address, 0).start()
     b.port = int(runner.addresses[0][1])
+    if b.health_port is not None:
+        await web.TCPSite(runner, b.address, b.health_port).start()
     try:
         yield b
     finally:
         await runner.cleanup()
 
 
-async def test_failing_health_endpoint_leaves_rotation_and_comes_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("args", [(), ("--workers", "2")], ids=["one-process", "workers"])
+async def test_failing_health_endpoint_leaves_rotation_and_comes_back(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """With --workers, the owner alone checks (the count of 500s answered proves it) and every worker
+    serves the result."""
     path = tmp_path / "upstreams.yaml"
     async with AsyncExitStack() as stack:
         backends = [await stack.enter_async_context(backend(Backend(f"b{i}"))) for i in range(3)]
         eps = "\n".join(f"      - {{address: 127.0.0.1, port: {b.port}}}" for b in backends)
         path.write_text(f"groups:\n  web:\n    health_check: {CHECK}\n    endpoints:\n{eps}\n")
-        server = await stack.enter_async_context(EdsServerProcess(path, workdir=tmp_path))
+        server = await stack.enter_async_context(EdsServerProcess(path, *args, workdir=tmp_path))
         bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
         envoy = await stack.enter_async_context(EnvoyProcess(bootstrap))
 
@@ -83,7 +97,8 @@ async def test_failing_health_endpoint_leaves_rotation_and_comes_back(tmp_path: 
                            timeout=UNHEALTHY * INTERVAL + 1.0, interval=0.05, what="b0 out of rotation")  # fmt: skip
             out_after = loop.time() - t0
             watch.mark("b0 out of Envoy's rotation")
-            assert sick.health_500s in (UNHEALTHY, UNHEALTHY + 1), sick.health_500s  # its threshold, no sooner
+            # its threshold, no sooner, and from one process only
+            assert sick.health_500s in (UNHEALTHY, UNHEALTHY + 1), sick.health_500s
             hits_when_out = sick.hits
             await asyncio.sleep(1.5)
             assert sick.hits <= hits_when_out + 1  # nothing more sent to it (one may have been in flight)
@@ -110,3 +125,50 @@ async def test_failing_health_endpoint_leaves_rotation_and_comes_back(tmp_path: 
         assert 'eds_health_checks_total{kind="http",result="fail"}' in metrics
         assert 'eds_health_endpoints{health="healthy"} 3.0' in metrics
         assert await envoy.update_rejected("web") == 0
+
+
+async def test_checker_cut_off_keeps_the_last_health_and_fails_nothing(tmp_path: Path) -> None:
+    """Every check times out at once (the checker's traffic black-holed, on a health port of each
+    backend's own) while the backends serve Envoy: eds-server says degraded, keeps every endpoint
+    healthy, 0 failed requests; when checks pass again it is ready again."""
+    path = tmp_path / "upstreams.yaml"
+    health_port = free_port()
+    async with AsyncExitStack() as stack:
+        backends = [await stack.enter_async_context(backend(Backend(f"b{i}", address=f"127.0.0.{i + 1}",
+                                                                    health_port=health_port)))
+                    for i in range(3)]  # fmt: skip
+        eps = "\n".join(f"      - {{address: {b.address}, port: {b.port}}}" for b in backends)
+        check = CHECK.replace("{http", f"{{port: {health_port}, http")
+        path.write_text(f"groups:\n  web:\n    health_check: {check}\n    endpoints:\n{eps}\n")
+        server = await stack.enter_async_context(EdsServerProcess(path, workdir=tmp_path))
+        bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
+        envoy = await stack.enter_async_context(EnvoyProcess(bootstrap))
+        await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: [x.health for x in h] == ["HEALTHY"] * 3)
+        await wait_for(lambda: server.admin("/v1/groups/web"),
+                       lambda g: all(e["check"]["result"] == "pass" for e in g["endpoints"]),
+                       timeout=10, what="every endpoint checked")  # fmt: skip
+        async with FaultWatch(envoy, server) as watch:
+            watch.mark("every health check black-holed")
+            for b in backends:
+                b.black_hole = True
+            ready = await wait_for(lambda: server.admin("/readyz"), lambda r: r["state"] == "degraded",
+                                   timeout=10, what="degraded")  # fmt: skip
+            assert "every health check fails at once" in ready["detail"], ready
+            await wait_for(lambda: min(b.held for b in backends), lambda n: n >= 2 * UNHEALTHY + 2, timeout=15,
+                           what="checks held")  # fmt: skip
+            assert {h.health for h in await envoy.hosts("web")} == {"HEALTHY"}
+            group = await server.admin("/v1/groups/web")
+            assert {e["health"] for e in group["endpoints"]} == {"healthy"}, group
+            assert {e["check"]["result"] for e in group["endpoints"]} == {"fail"}, group
+            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{server.admin_port}/metrics") as r:
+                assert "eds_health_cut_off 1.0" in await r.text()
+            watch.mark("checks answered again")
+            for b in backends:
+                b.black_hole = False
+            await wait_for(lambda: server.admin("/readyz"), lambda r: r["state"] == "ready", timeout=10, what="ready")
+            assert {h.health for h in await envoy.hosts("web")} == {"HEALTHY"}
+        failed = watch.failed()
+        print(f"{len(watch.requests)} requests through Envoy while the checker was cut off, {len(failed)} failed")
+        assert len(watch.requests) >= 50 and failed == [], watch.summary("checker cut off")
+        assert "the checker is cut off" not in str(await server.admin("/readyz"))
+        assert "cut off, not every backend" in server.log_text()

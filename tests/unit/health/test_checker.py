@@ -107,13 +107,13 @@ async def test_one_target_per_endpoint_across_groups_and_gone_with_it() -> None:
         assert script.calls[1] <= calls + 1  # at most the one already running
 
 
-async def test_new_endpoint_checked_at_once_and_out_on_its_first_failure() -> None:
+async def test_new_endpoint_checked_at_once_and_out_after_its_threshold() -> None:
     async with running({"web": Group("web", endpoints(1))}) as (store, _, script):
         await wait_for(lambda: health(store, "web"), lambda h: h[1] == Health.HEALTHY, timeout=5)
         script.up[2] = False
         store.update("file", {"web": Group("web", endpoints(1, 2))})
         await wait_for(lambda: health(store, "web"), lambda h: h[2] == Health.UNHEALTHY, timeout=5)
-        assert script.calls[2] == 1  # the first result decides (as Envoy's first check of a new host)
+        assert script.calls[2] == SPEC.unhealthy_threshold  # checked at once, then every interval
 
 
 async def test_every_check_failing_at_once_is_the_checker_cut_off() -> None:

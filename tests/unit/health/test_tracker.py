@@ -16,9 +16,10 @@ def run(tracker: Tracker, results: list[Result], rise: int = 2, fall: int = 3) -
     return out
 
 
-def test_first_result_decides_at_once_either_way() -> None:
+def test_a_first_pass_decides_at_once_failures_count_as_ever() -> None:
     assert run(Tracker(), [OK]) == [True]
-    assert run(Tracker(), [FAIL]) == [False]
+    assert run(Tracker(), [FAIL, FAIL, FAIL]) == [None, None, False]  # the source's health until then
+    assert run(Tracker(), [FAIL, OK]) == [None, True]
 
 
 def test_fall_and_rise_need_that_many_in_a_row() -> None:
