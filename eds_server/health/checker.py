@@ -39,6 +39,7 @@ log = logging.getLogger("eds_server.health")
 TargetKey = tuple[str, int, HealthSpec]
 Probe = Callable[[str, int, HealthSpec], Awaitable[Result]]
 JITTER = 0.05
+CLOCK_SLACK = 0.002  # uvloop's timers fire on whole milliseconds, possibly just before they are due
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -75,7 +76,10 @@ class Checker:
         self._heap: list[tuple[float, int, TargetKey]] = []
         self._seq = 0
         self._started = False  # targets known at start are spread over their interval; later ones go at once
-        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # while running
+        self._timer: asyncio.TimerHandle | None = None  # wakes _tick when the next check is due
+        self._timer_at = 0.0  # when it fires (uvloop's handles do not say)
+        self._poked = False  # a _tick is queued (call_soon)
         self._dirty: set[str] = set()  # groups whose served health changed: merged again soon
         self._unseen: set[str] | None = None  # groups to look at again (None: all)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -108,8 +112,7 @@ class Checker:
             self._unseen = None
         elif self._unseen is not None:
             self._unseen |= names
-        if self._wake is not None:
-            self._wake.set()
+        self._poke()
 
     def _reconcile(self) -> None:
         """Add the targets of endpoints that appeared, drop those of endpoints that left."""
@@ -145,26 +148,51 @@ class Checker:
         heapq.heappush(self._heap, (due, self._seq, target.key))
 
     async def run(self, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        stopping = asyncio.ensure_future(stop.wait())
+        """Check until `stop` is set. Driven by one timer at the next due time and by pokes (a
+        change in the store, a result to publish): no task of its own waking per check."""
+        self._loop = asyncio.get_running_loop()
+        self._tick()
         try:
-            while not stop.is_set():
-                if self._unseen is None or self._unseen:
-                    self._reconcile()
-                self._start_due(loop.time())
-                self._flush()
-                wait = min(self._heap[0][0] - loop.time(), 1.0) if self._heap else 1.0
-                self._wake.clear()
-                woke = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait((stopping, woke), timeout=max(wait, 0.0), return_when=asyncio.FIRST_COMPLETED)
-                woke.cancel()
+            await stop.wait()
         finally:
-            stopping.cancel()
+            self._loop = None
+            if self._timer is not None:
+                self._timer.cancel()
             for task in list(self._tasks):
                 task.cancel()
             if self._tasks:
                 await asyncio.wait(self._tasks)
+
+    def _poke(self) -> None:
+        """Run _tick soon, once however many pokes come first."""
+        if self._loop is not None and not self._poked:
+            self._poked = True
+            self._loop.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self._poked = False
+        if self._loop is None:
+            return
+        if self._unseen is None or self._unseen:
+            self._reconcile()
+        self._start_due(self._loop.time() + CLOCK_SLACK)
+        self._flush()
+        self._arm()
+
+    def _arm(self) -> None:
+        """Make sure the timer fires by the earliest due time."""
+        if not self._heap or self._loop is None:
+            return
+        when = self._heap[0][0]
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return
+            self._timer.cancel()
+        self._timer, self._timer_at = self._loop.call_at(when, self._fire), when
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._tick()
 
     def _start_due(self, now: float) -> None:
         heap = self._heap
@@ -190,11 +218,14 @@ class Checker:
         if self._targets.get(target.key) is not target:
             return  # the endpoint left meanwhile
         self._record(target, result)
-        loop = asyncio.get_running_loop()
-        after = spec.interval * (1 + random.uniform(-JITTER, JITTER))
-        self._schedule(target, max(target.due + after, loop.time()))
-        if self._wake is not None:
-            self._wake.set()
+        if self._loop is None:
+            return
+        now = self._loop.time()
+        self._schedule(target, max(target.due + spec.interval * (1 + random.uniform(-JITTER, JITTER)), now))
+        if self._dirty or self._heap[0][0] <= now:
+            self._poke()  # a result to publish, or checks held back by max_running
+        else:
+            self._arm()
 
     # -- results -------------------------------------------------------------------------------
     def _record(self, target: _Target, result: Result) -> None:
