@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .health.spec import HealthSpec
+from .health.spec import HealthSpec, to_json
 
 
 class Health(enum.IntEnum):
@@ -132,4 +132,6 @@ def endpoint_json(ep: Endpoint) -> dict[str, Any]:
         out["hostname"] = ep.hostname
     if ep.metadata:
         out["metadata"] = dict(ep.metadata)
+    if ep.check is not None:
+        out["health_check"] = to_json(ep.check)
     return out

@@ -176,6 +176,19 @@ def build(values: Mapping[str, Any]) -> HealthSpec | None:
     return spec
 
 
+def to_json(spec: HealthSpec) -> dict[str, Any]:
+    """The JSON form `parse` reads back (registrations, their state file, /v1/groups)."""
+    kind: Any = {"http": spec.path, "tcp": True, "grpc": spec.service or True}[spec.kind]
+    out: dict[str, Any] = {spec.kind: kind, "interval": spec.interval, "timeout": spec.timeout,
+                           "healthy_threshold": spec.healthy_threshold,
+                           "unhealthy_threshold": spec.unhealthy_threshold}  # fmt: skip
+    if spec.port is not None:
+        out["port"] = spec.port
+    if spec.kind == "http":
+        out["expected_statuses"] = [f"{lo}-{hi}" if lo != hi else lo for lo, hi in spec.expected_statuses]
+    return out
+
+
 def parse(raw: Mapping[str, Any]) -> HealthSpec | None:
     """A whole mapping (e.g. from labels: `{"http": "/health", "interval": "1s"}`)."""
     return build({key: check_field(key, value) for key, value in raw.items()})
