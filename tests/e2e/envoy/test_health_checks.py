@@ -5,6 +5,8 @@ failed client request, and comes back after `healthy_threshold` passing ones."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -172,3 +174,74 @@ async def test_checker_cut_off_keeps_the_last_health_and_fails_nothing(tmp_path:
         assert len(watch.requests) >= 50 and failed == [], watch.summary("checker cut off")
         assert "the checker is cut off" not in str(await server.admin("/readyz"))
         assert "cut off, not every backend" in server.log_text()
+
+
+BACKEND = """
+import sys
+from aiohttp import web
+
+async def handle(request):
+    return web.Response(text=sys.argv[2])
+
+app = web.Application()
+app.router.add_route("*", "/{tail:.*}", handle)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *a: print("ready", flush=True),
+            access_log=None, handle_signals=True)
+"""
+
+
+@asynccontextmanager
+async def backend_process(name: str) -> AsyncIterator[tuple[int, asyncio.subprocess.Process]]:
+    """A backend in a process of its own, to freeze with SIGSTOP."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", BACKEND, str(port), name,
+                                                stdout=asyncio.subprocess.PIPE)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        assert line.strip() == b"ready", line
+        yield port, proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
+
+
+async def test_frozen_backend_leaves_rotation_and_what_fails_meanwhile_is_counted(tmp_path: Path) -> None:
+    """SIGSTOP: the kernel still accepts connections, nothing answers. Checks time out, the backend
+    is out after `unhealthy_threshold` of them; the requests Envoy sent it before that fail (counted
+    and printed: the figure docs/health-checks.md states), none after."""
+    path = tmp_path / "upstreams.yaml"
+    async with AsyncExitStack() as stack:
+        procs = [await stack.enter_async_context(backend_process(f"b{i}")) for i in range(3)]
+        eps = "\n".join(f"      - {{address: 127.0.0.1, port: {port}}}" for port, _ in procs)
+        path.write_text(f"groups:\n  web:\n    health_check: {CHECK}\n    endpoints:\n{eps}\n")
+        server = await stack.enter_async_context(EdsServerProcess(path, workdir=tmp_path))
+        bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
+        envoy = await stack.enter_async_context(EnvoyProcess(bootstrap))
+        await wait_for(lambda: server.admin("/v1/groups/web"),
+                       lambda g: all(e["check"]["result"] == "pass" for e in g["endpoints"]),
+                       timeout=10, what="every endpoint checked")  # fmt: skip
+        frozen_port, frozen = procs[0]
+        async with FaultWatch(envoy, server) as watch:
+            await asyncio.sleep(1.0)
+            watch.mark("b0 frozen (SIGSTOP)")
+            frozen.send_signal(signal.SIGSTOP)
+            t0 = asyncio.get_running_loop().time()
+            await wait_for(lambda: envoy_health(envoy, frozen_port), lambda h: h == "UNHEALTHY",
+                           timeout=UNHEALTHY * INTERVAL + 1.0, interval=0.05, what="b0 out of rotation")  # fmt: skip
+            out_after = asyncio.get_running_loop().time() - t0
+            watch.mark("b0 out of Envoy's rotation")
+            out_at = watch.now()
+            await asyncio.sleep(4.0)  # past FaultWatch's 3 s client timeout: what was sent to b0 has failed
+        failed = watch.failed()
+        after = [r for r in failed if r.t > out_at]
+        print(f"frozen backend out of rotation after {out_after:.2f}s (bound {UNHEALTHY * INTERVAL + 1:g}s); "
+              f"{len(watch.requests)} requests through Envoy, {len(failed)} failed before it was out "
+              f"(sent to it while frozen), {len(after)} after")  # fmt: skip
+        group = await server.admin("/v1/groups/web")
+        mine = next(e for e in group["endpoints"] if e["port"] == frozen_port)
+        assert mine["health"] == "unhealthy" and mine["check"]["reason"].startswith("timed out"), mine
+        assert after == [], watch.summary("frozen backend")
+        assert len(failed) <= 3, watch.summary("frozen backend")  # one request in flight at a time, 3 s each
