@@ -10,7 +10,9 @@ run at a time.
 
 Fail static: when every target with a result fails its latest check at once (tracker.CutOff), the
 checked health is frozen as it was and the checker reports itself degraded; it thaws on the first
-pass. Every change of an endpoint's checked health is one log line, at most `log_most` a minute.
+pass. A failure that took far longer than its timeout says this process's loop was starved (the
+timeout could not fire on time): it is not counted, either way. Every change of an endpoint's
+checked health is one log line, at most `log_most` a minute.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ log = logging.getLogger("eds_server.health")
 TargetKey = tuple[str, int, HealthSpec]
 Probe = Callable[[str, int, HealthSpec], Awaitable[Result]]
 JITTER = 0.05
+STARVED, STARVED_SLACK = 2.0, 0.25  # a failure that took longer than 2 x timeout + 0.25 s: the loop's fault
 CLOCK_SLACK = 0.002  # uvloop's timers fire on whole milliseconds, possibly just before they are due
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -217,7 +220,14 @@ class Checker:
             target.running = False
         if self._targets.get(target.key) is not target:
             return  # the endpoint left meanwhile
-        self._record(target, result)
+        if not result.ok and result.latency > STARVED * spec.timeout + STARVED_SLACK:
+            # Its timeout fired that late: this process's loop was starved, not the backend slow.
+            self.checks[(spec.kind, "starved")] += 1
+            self._log.log(logging.WARNING, "health: check of %s not counted: it took %.2fs for a %gs timeout "
+                          "(this process was too busy to run it on time)", fields.address_port(address, port),
+                          result.latency, spec.timeout)  # fmt: skip
+        else:
+            self._record(target, result)
         if self._loop is None:
             return
         now = self._loop.time()

@@ -24,14 +24,18 @@ SPEC = HealthSpec("http", path="/health", interval=0.1, timeout=0.05, healthy_th
 
 
 class Script:
-    """Answers per port: True passes, False fails; counts the checks."""
+    """Answers per port: True passes, False fails; counts the checks. `late` ports fail as a check
+    whose timeout fired long after it was due (a starved loop)."""
 
     def __init__(self) -> None:
         self.up: dict[int, bool] = {}
+        self.late: set[int] = set()
         self.calls: Counter[int] = Counter()
 
     async def probe(self, address: str, port: int, spec: HealthSpec) -> Result:
         self.calls[port] += 1
+        if port in self.late:
+            return Result(False, "timed out after 0.05s", 10 * spec.timeout + 1, time.time())
         ok = self.up.get(port, True)
         return Result(ok, "HTTP 200" if ok else "HTTP 500", 0.001, time.time())
 
@@ -131,3 +135,11 @@ async def test_every_check_failing_at_once_is_the_checker_cut_off() -> None:
         await wait_for(lambda: health(store, "web")[2], lambda h: h == Health.UNHEALTHY, timeout=5)
         assert checker.status()["last_error"] is None
         assert health(store, "web")[1] == Health.HEALTHY and health(store, "api")[3] == Health.HEALTHY
+
+
+async def test_a_starved_loop_is_not_the_backends_fault() -> None:
+    async with running({"web": Group("web", endpoints(1, 2))}) as (store, checker, script):
+        await wait_for(lambda: health(store, "web"), lambda h: set(h.values()) == {Health.HEALTHY}, timeout=5)
+        script.late.add(1)
+        await wait_for(lambda: checker.checks[("http", "starved")], lambda n: n >= 4, timeout=5)
+        assert health(store, "web")[1] == Health.HEALTHY
