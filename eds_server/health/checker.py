@@ -2,11 +2,11 @@
 
 One target per (address, port, spec): an endpoint in several groups with the same check is checked
 once. Targets come from the store (every endpoint whose `check` is set), so whatever source gave the
-endpoint, its check goes to the endpoint's own address. One scheduler task keeps a heap of due
-times: a target already known is first checked at a uniformly random point of its interval (checks
-spread evenly), a target that appears later at once; each later check is due one interval (jittered
-by +-5%, as Envoy's interval_jitter_percent) after the last was due. At most `max_running` checks
-run at a time.
+endpoint, its check goes to the endpoint's own address. A heap of due times and one timer drive the
+checks: a few targets that appear together are checked at once, more (a source's first load) each at
+a uniformly random point of its interval (checks spread evenly); each later check is due one interval
+(jittered by +-5%, as Envoy's interval_jitter_percent) after the last was due. At most `max_running`
+checks run at a time.
 
 Fail static: when every target with a result fails its latest check at once (tracker.CutOff), the
 checked health is frozen as it was and the checker reports itself degraded; it thaws on the first
@@ -41,6 +41,7 @@ log = logging.getLogger("eds_server.health")
 TargetKey = tuple[str, int, HealthSpec]
 Probe = Callable[[str, int, HealthSpec], Awaitable[Result]]
 JITTER = 0.05
+AT_ONCE = 16  # new targets checked at once; more appearing together are spread over their interval
 STARVED, STARVED_SLACK = 2.0, 0.25  # a failure that took longer than 2 x timeout + 0.25 s: the loop's fault
 CLOCK_SLACK = 0.002  # uvloop's timers fire on whole milliseconds, possibly just before they are due
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -76,9 +77,11 @@ class Checker:
         self._targets: dict[TargetKey, _Target] = {}
         self._by_group: dict[str, set[TargetKey]] = {}
         self._published: dict[TargetKey, bool] = {}  # checked health as served (frozen while cut off)
+        # the same by address:port: what an endpoint whose check was just edited is served until
+        # the checker has moved its target to the new check (the store merges before it is told)
+        self._by_address: dict[tuple[str, int], bool] = {}
         self._heap: list[tuple[float, int, TargetKey]] = []
         self._seq = 0
-        self._started = False  # targets known at start are spread over their interval; later ones go at once
         self._loop: asyncio.AbstractEventLoop | None = None  # while running
         self._timer: asyncio.TimerHandle | None = None  # wakes _tick when the next check is due
         self._timer_at = 0.0  # when it fires (uvloop's handles do not say)
@@ -98,12 +101,18 @@ class Checker:
 
     # -- the store's side ---------------------------------------------------------------------
     def overlay(self, group: Group) -> Group:
-        """The group with each checked endpoint's health combined with its check's."""
+        """The group with each checked endpoint's health combined with its check's. Also how the
+        checker hears of every merged group: a change of checks alone changes no bytes for Envoy, so
+        the store announces nothing for it."""
+        self._changed(frozenset((group.name,)))
         out: list[Endpoint] | None = None
         for i, ep in enumerate(group.endpoints):
             if ep.check is None:
                 continue
-            health = combine(ep.health, self._published.get((ep.address, ep.port, ep.check)))
+            checked = self._published.get((ep.address, ep.port, ep.check))
+            if checked is None:
+                checked = self._by_address.get((ep.address, ep.port))
+            health = combine(ep.health, checked)
             if health != ep.health:
                 if out is None:
                     out = list(group.endpoints)
@@ -123,6 +132,8 @@ class Checker:
         names = set(resources) | set(self._by_group) if self._unseen is None else self._unseen
         self._unseen = set()
         now = asyncio.get_running_loop().time()
+        new: list[_Target] = []
+        gone: dict[tuple[str, int], tuple[bool | None, bool | None]] = {}  # its checked health, as served
         for name in names:
             resource = resources.get(name)
             wanted = _targets_of(resource.group) if resource is not None else set()
@@ -134,15 +145,23 @@ class Checker:
                 target.groups.discard(name)
                 if not target.groups:
                     del self._targets[key]
-                    self._published.pop(key, None)
+                    gone[key[:2]] = (target.tracker.healthy, self._published.pop(key, None))
                     self.cut.forget(key)
             for key in wanted - had:
                 found = self._targets.get(key)
                 if found is None:
                     found = self._targets[key] = _Target(key)
-                    self._schedule(found, now + (random.uniform(0, key[2].interval) if not self._started else 0.0))
+                    new.append(found)
                 found.groups.add(name)
-        self._started = True
+        spread = len(new) > AT_ONCE  # a source's first load, say: spread over the interval, not a burst
+        for target in new:
+            if (kept := gone.pop(target.key[:2], None)) is not None:  # the same endpoint, its check edited
+                target.tracker.healthy, published = kept
+                if published is not None:
+                    self._published[target.key] = published
+            self._schedule(target, now + (random.uniform(0, target.key[2].interval) if spread else 0.0))
+        for address in gone:  # endpoints that left for good
+            self._by_address.pop(address, None)
 
     # -- scheduling ----------------------------------------------------------------------------
     def _schedule(self, target: _Target, due: float) -> None:
@@ -273,6 +292,7 @@ class Checker:
         assert healthy is not None
         before = self._published.get(target.key)
         self._published[target.key] = healthy
+        self._by_address[target.key[:2]] = healthy
         self.changes += 1
         self._dirty |= target.groups
         last = target.tracker.last

@@ -4,6 +4,7 @@ source's health combines with the check's, one target per endpoint, and fail sta
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -143,3 +144,13 @@ async def test_a_starved_loop_is_not_the_backends_fault() -> None:
         script.late.add(1)
         await wait_for(lambda: checker.checks[("http", "starved")], lambda n: n >= 4, timeout=5)
         assert health(store, "web")[1] == Health.HEALTHY
+
+
+async def test_an_edited_check_keeps_the_endpoints_checked_health() -> None:
+    async with running({"web": Group("web", endpoints(1, 2))}) as (store, checker, script):
+        script.up[2] = False
+        await wait_for(lambda: health(store, "web")[2], lambda h: h == Health.UNHEALTHY, timeout=5)
+        slower = dataclasses.replace(SPEC, interval=0.2)
+        store.update("file", {"web": Group("web", endpoints(1, 2, check=slower))})
+        await wait_for(lambda: {k[2] for k in checker.targets()}, lambda s: s == {slower}, timeout=5)
+        assert health(store, "web")[2] == Health.UNHEALTHY  # not back to the source's health meanwhile
