@@ -94,9 +94,8 @@ def group_settings(
     if not groups:
         raise Skip(f"{what} {prefix}.group is empty")
     common: dict[str, Any] = {}
-    health = {k: ours.pop(k) for k in [k for k in ours if k.startswith("health.")]}
-    if health:
-        common["check"] = health_check(health, prefix, what)
+    health = {k[len("health.") :]: (f"{prefix}.{k}", ours.pop(k)) for k in [k for k in ours if k.startswith("health.")]}
+    own_health: dict[str, dict[str, tuple[str, str]]] = {g: {} for g in groups}
     own: dict[str, dict[str, Any]] = {g: {} for g in groups}
     by_length = sorted(groups, key=len, reverse=True)  # a group name may contain dots
     for key, value in ours.items():
@@ -105,28 +104,43 @@ def group_settings(
             continue
         group = next((g for g in by_length if key.startswith(g + ".")), None)
         rest = key[len(group) + 1 :] if group else ""
+        if group is not None and rest.startswith("health."):
+            own_health[group][rest[len("health.") :]] = (f"{prefix}.{key}", value)
+            continue
         if group is None or not (rest in keys or rest.startswith("metadata.")):
             raise Skip(
                 f"unknown {what} {prefix}.{key} (expected {prefix}.<key> or {prefix}.<group>.<key>, "
                 f"keys: {', '.join(keys)}, metadata.<name>)"
             )
         own[group][rest] = _checked(f"{prefix}.{key}", rest, value, checks, what)
+    for g in groups:
+        if health or own_health[g]:
+            own[g]["check"] = health_check(_with_own(health, own_health[g]), prefix, what)
     return groups, {g: {**common, **own[g]} for g in groups}
 
 
-def health_check(health: Mapping[str, str], prefix: str, what: str) -> HealthSpec | None:
-    """`eds.health.<key>` labels (or annotations) -> a check for every group they list; Skip names
+def _with_own(common: Mapping[str, tuple[str, str]], own: Mapping[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """A group's health labels: eds.<group>.health.<key> over eds.health.<key>; a kind of its own
+    replaces the common kind."""
+    if any(k in health_spec.KINDS for k in own):
+        common = {k: v for k, v in common.items() if k not in health_spec.KINDS}
+    return {**common, **own}
+
+
+def health_check(health: Mapping[str, tuple[str, str]], prefix: str, what: str) -> HealthSpec | None:
+    """Health labels (or annotations), key -> (the label's name, its value) -> a check; Skip names
     the label and says how to write it."""
     values: dict[str, Any] = {}
-    for key, value in health.items():
+    for key, (label, value) in health.items():
         try:
-            values[key[len("health.") :]] = health_spec.check_field(key[len("health.") :], value)
+            values[key] = health_spec.check_field(key, value)
         except health_spec.SpecError as e:
-            raise Skip(f"{what} {prefix}.{key}: {e}") from None
+            raise Skip(f"{what} {label}: {e}") from None
     try:
         return health_spec.build(values)
     except health_spec.SpecError as e:
-        raise Skip(f"{what} {prefix}.health.{e.field}: {e}") from None
+        label = health[e.field][0] if e.field in health else f"{prefix}.health.{e.field}"
+        raise Skip(f"{what} {label}: {e}") from None
 
 
 _SIDECAR_URL = re.compile(r"[a-z]+://[^/]*(/\S*)?")

@@ -196,3 +196,13 @@ def test_sidecar_labels_understood_or_pointed_to_ours() -> None:
     assert "HealthCheck=External is not run by eds-server: write eds.health.http=/PATH" in c.warning
     ours = eps(inspect({**base, **sidecar, "eds.health.tcp": "true"}, networks={"n": "172.20.0.5"}))
     assert ours["web"].check == HealthSpec("tcp")  # ours win
+
+
+def test_per_group_health_labels() -> None:
+    labels = {"eds.group": "web,admin", "eds.port": "80", "eds.health.http": "/health", "eds.health.interval": "2s",
+              "eds.admin.health.tcp": "true", "eds.web.health.unhealthy_threshold": "5"}  # fmt: skip
+    got = eps(inspect(labels, networks={"n": "172.20.0.5"}))
+    assert got["web"].check == HealthSpec("http", path="/health", interval=2.0, unhealthy_threshold=5)
+    assert got["admin"].check == HealthSpec("tcp", interval=2.0)  # its own kind replaces the common one
+    bad = warning(inspect({**labels, "eds.web.health.interval": "x"}, networks={"n": "172.20.0.5"}))
+    assert bad.startswith("container c1: label eds.web.health.interval: 'x' is not a duration"), bad
