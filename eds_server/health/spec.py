@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 Kind = Literal["http", "tcp", "grpc"]
 KINDS = ("http", "tcp", "grpc", "none")
-KEYS = (*KINDS, "port", "interval", "timeout", "healthy_threshold", "unhealthy_threshold", "expected_statuses")
+KEYS = (*KINDS, "port", "interval", "timeout", "healthy_threshold", "unhealthy_threshold", "expected_statuses", "tls")
 MAX_THRESHOLD = 100
 MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
 MAX_PATH = 1024
@@ -35,12 +35,17 @@ class HealthSpec:
     healthy_threshold: int = 2
     unhealthy_threshold: int = 3
     expected_statuses: tuple[tuple[int, int], ...] = ((200, 299),)  # inclusive ranges (http)
+    tls: bool = False  # http: over TLS, the certificate not verified (liveness, not identity)
 
     def expects(self, status: int) -> bool:
         return any(lo <= status <= hi for lo, hi in self.expected_statuses)
 
     def describe(self) -> str:
-        what = {"http": f"http {self.path}", "tcp": "tcp", "grpc": f"grpc {self.service or '(server)'}"}[self.kind]
+        what = {
+            "http": f"{'https' if self.tls else 'http'} {self.path}",
+            "tcp": "tcp",
+            "grpc": f"grpc {self.service or '(server)'}",
+        }[self.kind]
         return f"{what} every {self.interval:g}s"
 
 
@@ -123,7 +128,7 @@ def statuses(value: Any) -> tuple[tuple[int, int], ...]:
 CHECKS: dict[str, Callable[[Any], Any]] = {
     "http": path, "tcp": flag, "grpc": grpc_service, "none": flag, "port": port,
     "interval": duration, "timeout": duration, "healthy_threshold": threshold, "unhealthy_threshold": threshold,
-    "expected_statuses": statuses,
+    "expected_statuses": statuses, "tls": flag,
 }  # fmt: skip
 
 
@@ -166,13 +171,15 @@ def build(values: Mapping[str, Any]) -> HealthSpec | None:
         healthy_threshold=values.get("healthy_threshold", 2),
         unhealthy_threshold=values.get("unhealthy_threshold", 3),
         expected_statuses=values.get("expected_statuses", ((200, 299),)),
+        tls=values.get("tls", False),
     )
     if spec.interval < MIN_INTERVAL:
         raise SpecError("interval", f"{spec.interval:g}s is too short (at least {MIN_INTERVAL:g}s)")
     if spec.timeout > spec.interval:
         raise SpecError("timeout", f"{spec.timeout:g}s is longer than the interval ({spec.interval:g}s)")
-    if "expected_statuses" in values and kind != "http":
-        raise SpecError("expected_statuses", "only for http checks")
+    for http_only in ("expected_statuses", "tls"):
+        if http_only in values and kind != "http":
+            raise SpecError(http_only, "only for http checks")
     return spec
 
 
@@ -184,6 +191,8 @@ def to_json(spec: HealthSpec) -> dict[str, Any]:
                            "unhealthy_threshold": spec.unhealthy_threshold}  # fmt: skip
     if spec.port is not None:
         out["port"] = spec.port
+    if spec.tls:
+        out["tls"] = True
     if spec.kind == "http":
         out["expected_statuses"] = [f"{lo}-{hi}" if lo != hi else lo for lo, hi in spec.expected_statuses]
     return out

@@ -4,8 +4,10 @@ drip-feeding backend costs one timeout."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from aiohttp import web
 from grpclib.health.check import ServiceStatus
@@ -15,6 +17,7 @@ from grpclib.server import Server
 from eds_server.health import probes
 from eds_server.health.spec import HealthSpec
 from tests.support.ports import free_port
+from tests.support.tls import CertAuthority
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -29,7 +32,7 @@ async def raw_server(handler: Handler) -> AsyncIterator[int]:
 
 
 @asynccontextmanager
-async def web_backend() -> AsyncIterator[int]:
+async def web_backend(tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
     seen: list[str] = []
 
     async def handle(request: web.Request) -> web.Response:
@@ -44,7 +47,7 @@ async def web_backend() -> AsyncIterator[int]:
     app.router.add_route("*", "/{tail:.*}", handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
     try:
         yield int(runner.addresses[0][1])
     finally:
@@ -146,3 +149,18 @@ async def test_grpc_health_v1() -> None:
         server.close()
         await server.wait_closed()
     assert not (await probes.check("127.0.0.1", port, HealthSpec("grpc"))).ok
+
+
+async def test_https_checks_encrypt_without_verifying(tmp_path: Path) -> None:
+    ca = CertAuthority("backend CA", tmp_path)
+    issued = ca.issue(tmp_path / "backend", dns=["backend.internal"])  # names no IP, as usual
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(issued.cert, issued.key)
+    async with web_backend(server_tls) as port:
+        ok = await probes.check("127.0.0.1", port, HealthSpec("http", path="/health", tls=True))
+        assert ok.ok and ok.reason == "HTTP 200", ok
+        plain = await probes.check("127.0.0.1", port, HealthSpec("http", path="/health"))
+        assert not plain.ok, plain  # plain HTTP to a TLS port
+    async with web_backend() as port:
+        r = await probes.check("127.0.0.1", port, HealthSpec("http", path="/health", tls=True))
+        assert not r.ok and r.reason.startswith("TLS"), r
