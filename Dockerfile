@@ -39,6 +39,8 @@ WORKDIR /
 USER 10001:10001
 
 # gRPC (EDS); the admin HTTP stays on the container's 127.0.0.1:18001 unless --admin says otherwise.
+# --listen defaults to loopback (127.0.0.1:18000); in a container that reaches nobody, so the CMD says
+# 0.0.0.0:18000 (every interface of the container: only what its network and published ports allow).
 EXPOSE 18000
 
 # Ready once every source has delivered its first state (GET /readyz on the admin port), with the
@@ -50,4 +52,4 @@ HEALTHCHECK --interval=5s --timeout=3s --start-period=20s --retries=3 \
 
 # SIGTERM (docker stop) ends open streams cleanly; eds-server is PID 1 and handles it.
 ENTRYPOINT ["eds-server"]
-CMD ["serve", "--docker"]
+CMD ["serve", "--docker", "--listen", "0.0.0.0:18000"]

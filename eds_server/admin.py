@@ -11,9 +11,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from . import __version__, status_page
+from .metrics import public_exposition
 from .model import Endpoint, endpoint_json
 from .registration_api import RegistrationPolicy, add_routes, registration_json
-from .serving_state import serving_state
+from .serving_state import serving_state, source_kind
 from .store import Resource, Store
 
 if TYPE_CHECKING:
@@ -131,17 +132,26 @@ def make_app(
         statuses = source_status()
         state = serving_state(store.ready, statuses)
         # degraded stays 200: Envoy-facing readiness must not flap while the last good state is served
-        body = {
-            "ready": store.ready,
-            "state": state.name,
-            "detail": state.describe(),
-            "degraded": [{"source": d.source, "reason": d.reason} for d in state.degraded],
-            "pending_sources": list(pending),
-            # what each source still waited on is saying, so an unhealthy container says why
-            "waiting_for": [
-                {"source": s["name"], "last_error": s.get("last_error")} for s in statuses if s["name"] in pending
-            ],
-        }
+        if read_only_probes:  # for other hosts: the state, and which kinds of source; the why on --admin
+            body: dict[str, Any] = {
+                "ready": store.ready,
+                "state": state.name,
+                "detail": state.describe(public=True),
+                "degraded": [{"source": source_kind(d.source)} for d in state.degraded],
+                "pending_sources": [source_kind(name) for name in pending],
+            }
+        else:
+            body = {
+                "ready": store.ready,
+                "state": state.name,
+                "detail": state.describe(),
+                "degraded": [{"source": d.source, "reason": d.reason} for d in state.degraded],
+                "pending_sources": list(pending),
+                # what each source still waited on is saying, so an unhealthy container says why
+                "waiting_for": [
+                    {"source": s["name"], "last_error": s.get("last_error")} for s in statuses if s["name"] in pending
+                ],
+            }
         if workers is not None:  # Envoy is served by the workers: ready once they all are
             waiting = await workers.not_ready()
             body["workers_not_ready"] = waiting
@@ -202,6 +212,8 @@ def make_app(
         body = generate_latest(registry)
         if workers is not None:
             body = (await workers.metrics(body.decode())).encode()
+        if read_only_probes:
+            body = public_exposition(body.decode()).encode()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     if read_only_probes:  # nothing that names groups, sources or clients, and nothing that writes

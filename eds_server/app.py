@@ -40,6 +40,7 @@ from .transport.h2 import (
     PassThroughCodec,
     http_runner,
     keepalive_config,
+    overload,
     runner_port,
 )
 from .transport.rest import make_rest_app
@@ -66,7 +67,7 @@ class Settings:
     docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
     kubernetes: KubernetesOptions | None = None  # None: no Kubernetes discovery
     debounce: float = 0.05
-    listen: tuple[str, int] = ("0.0.0.0", 18000)
+    listen: tuple[str, int] = ("127.0.0.1", 18000)  # loopback unless told (as etcd, Consul): docs/security.md
     admin: tuple[str, int] | None = ("127.0.0.1", 18001)
     rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
     metrics_listen: tuple[str, int] | None = None  # read-only /metrics, /healthz, /readyz, off unless asked for
@@ -188,6 +189,7 @@ class App:
         self.admin_port: int | None = None
         self.rest_port: int | None = None
         self.metrics_port: int | None = None
+        self.admin_ssl: SSLContext | None = None  # --admin-tls: its running context, which SIGHUP reloads
 
     def source_status(self) -> list[dict[str, Any]]:
         """What each source says of itself, in merge order (for /v1/sources, the status page, metrics)."""
@@ -211,6 +213,7 @@ class App:
     async def start(self) -> None:
         ssl = self._security()
         admin_ssl = self._admin_ssl()  # before anything starts: unusable files refuse the start
+        self.admin_ssl = admin_ssl if self.settings.admin_unix is None else None  # a worker's admin is its owner's
         for source in self.sources:
             await source.start()  # raises UpstreamsError, RegistrationStateError: refuse to start
         for source in self.sources:
@@ -231,6 +234,7 @@ class App:
             await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
+        self._spawn(overload.watch(self.grpc.gate, self.settings.connection_limits.memory_limit), "memory watermark")
         if self.settings.admin is not None or self.settings.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
@@ -282,7 +286,10 @@ class App:
         not load is logged and the running one kept; what loads applies to connections (TLS) and
         streams (authorization) opened from now on. The upstreams file needs no signal: it is followed."""
         s = self.settings
+        self.reload_admin_tls()
         if not s.tls_cert and not s.authz:
+            if self.admin_ssl is not None:  # the --workers owner: its admin port's TLS alone
+                return
             log.info("SIGHUP: nothing to reload (no --tls-cert, no --authz; the upstreams file is followed as it "
                      "changes)")  # fmt: skip
             return
@@ -305,6 +312,20 @@ class App:
                 self.service.authorize = policy.for_client
                 log.info("SIGHUP: authorization %s reloaded: %d rules, default %s (for streams opened from now on)",
                          s.authz, len(policy.rules), policy.default)  # fmt: skip
+
+    def reload_admin_tls(self) -> None:
+        """SIGHUP with --admin-tls: the admin port's certificate and key read again, for connections
+        from now on; a pair that does not load is logged and the running one kept."""
+        s = self.settings
+        if self.admin_ssl is None or s.admin_tls_cert is None:
+            return
+        try:
+            security.http_ssl_context(s.admin_tls_cert, s.admin_tls_key)  # the whole check, first
+            self.admin_ssl.load_cert_chain(s.admin_tls_cert, s.admin_tls_key)
+            log.info("SIGHUP: admin TLS certificate %s reloaded", s.admin_tls_cert)
+        except (SecurityConfigError, OSError, ValueError) as e:
+            why = "; ".join(e.problems) if isinstance(e, SecurityConfigError) else str(e)
+            log.error("SIGHUP: admin TLS files not reloaded, the running ones kept: %s", why)
 
     def _admin_ssl(self) -> SSLContext | None:
         s = self.settings
@@ -369,9 +390,10 @@ class App:
         self._stop_sources.set()
         for task in self._tasks:
             task.cancel()
-        rest = [*self._tasks, *(runner.cleanup() for runner in self._http)]
-        _, pending = await asyncio.wait([asyncio.ensure_future(t) for t in rest],
-                                        timeout=max(0.05, start + budget - loop.time()))  # fmt: skip
+        rest = [asyncio.ensure_future(t) for t in (*self._tasks, *(runner.cleanup() for runner in self._http))]
+        if not rest:  # a start refused before anything ran (a bad state file): nothing to wait for
+            return
+        _, pending = await asyncio.wait(rest, timeout=max(0.05, start + budget - loop.time()))
         if pending:
             log.warning("shutdown: %d tasks had not finished by --shutdown-timeout: left to the exit", len(pending))
 

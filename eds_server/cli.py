@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from . import __version__
-from .fields import MAX_UPSTREAMS_SIZE  # the standard library only: no YAML at start-up
+from .fields import MAX_UPSTREAMS_SIZE, counted  # the standard library only: no YAML at start-up
 from .startup import setup_logging, start_app
 
 if TYPE_CHECKING:
@@ -99,6 +100,23 @@ def _flag(name: str) -> bool:
     if value.strip().lower() not in FALSE_WORDS:
         _BAD_BOOLEANS[name] = value
     return False
+
+
+# Read by eds-server without a flag of their own (the rest: each flag's EDS_ variable, in _BUILT_IN).
+OTHER_VARIABLES = ("EDS_ETCD_PASSWORD",)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each EDS_ variable that is none of ours but close to one (`EDS_UPSTREMS`):
+    read as nothing, it would leave the server running without what the user meant to set."""
+    known = [*_BUILT_IN, *OTHER_VARIABLES]
+    found = []
+    for name in sorted(environ):
+        if name.startswith("EDS_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            if close:
+                found.append(f"{name} is not a variable eds-server reads (ignored): did you mean {close[0]}?")
+    return found
 
 
 def env_var(flag: str) -> str:
@@ -269,8 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen",
         type=host_port,
         metavar="HOST:PORT",
-        default=_env("EDS_LISTEN", "0.0.0.0:18000"),
-        help="gRPC address [EDS_LISTEN] (default 0.0.0.0:18000)",
+        default=_env("EDS_LISTEN", "127.0.0.1:18000"),
+        help="gRPC address [EDS_LISTEN] (default 127.0.0.1:18000, loopback: plaintext EDS tells every "
+        "group to whoever connects, so other hosts' Envoys need 0.0.0.0:18000, said on purpose)",
     )
     serve.add_argument(
         "--admin",
@@ -433,6 +452,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BYTES",
         default=_env("EDS_PARTIAL_MESSAGE_BUDGET", str(64 * 1024 * 1024)),
         help="bytes of requests being received at once, server-wide (default 64 MiB)",
+    )
+    hostile.add_argument(
+        "--memory-limit",
+        type=int,
+        metavar="BYTES",
+        default=_env("EDS_MEMORY_LIMIT", "0"),
+        help="resident memory past which the client address holding the most is closed, one connection "
+        "at a time (from 85%% of it, that address opens no new stream); 0: 90%% of the cgroup's limit, "
+        "or of the machine's memory (default 0)",
     )
     hostile.add_argument(
         "--tls-handshake-timeout",
@@ -800,7 +828,7 @@ def check(paths: Sequence[str], authz: Sequence[str] = (), max_size: int = MAX_U
             status = 1
             continue
         n = sum(len(g.endpoints) for g in groups.values())
-        print(f"{path}: ok ({len(groups)} groups, {n} endpoints)")
+        print(f"{path}: ok ({counted(len(groups), 'group')}, {counted(n, 'endpoint')})")
     for path in authz:
         try:
             policy = security.load_authz(path)
@@ -898,6 +926,10 @@ def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    top = [o for a in parser._actions for o in a.option_strings]
+    before = [a for a in itertools.takewhile(lambda a: a.startswith("-"), _Parser.argv) if a not in top]
+    if before:  # `--versoin`: argparse would only say a command is required
+        cast(_Parser, parser).unrecognized(before)
     args, extras = parser.parse_known_args(argv)
     if extras:
         _SUBCOMMANDS[args.command].unrecognized(extras)
@@ -911,6 +943,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return check(args.files, args.authz, args.max_upstreams_size)
     setup_logging(args.log_level, args.log_format)
+    for warning in unknown_variables(os.environ):
+        log.warning("%s", warning)
     import uvloop
 
     if args.command == "demo":
@@ -1045,6 +1079,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             request_timeout=args.request_timeout,
             idle_timeout=args.connection_idle_timeout,
             partial_message_budget=args.partial_message_budget,
+            memory_limit=args.memory_limit,
             tls_handshake_timeout=args.tls_handshake_timeout,
         ),
         http_limits=HttpLimits(max_connections=args.http_max_connections, timeout=args.http_timeout),

@@ -41,7 +41,19 @@ NO_ENVOY = (
 HOST = "127.0.0.1"
 GRPC, ADMIN = (HOST, 18000), (HOST, 18001)
 ENVOY_LISTENER, ENVOY_ADMIN = 10000, 9901  # as in the shipped envoy.yaml
-PORT_FLAGS = "--grpc-port, --admin-port, --envoy-port, --envoy-admin-port"
+# what demo calls each port it needs -> the flag that moves it (as printed by ports.every_unbindable)
+PORT_FLAG_OF = (("eds-server gRPC", "--grpc-port"), ("eds-server admin", "--admin-port"),
+                ("Envoy listener", "--envoy-port"), ("Envoy admin", "--envoy-admin-port"))  # fmt: skip
+
+
+def _port_hint(taken: list[str]) -> str:
+    """The flags that move the busy ports, and only those: a sample backend's port moves only with
+    --free-ports (or another upstreams file), whatever the port flags say."""
+    flags = [flag for what, flag in PORT_FLAG_OF if any(t.startswith(what) for t in taken)]
+    hint = f", or choose them with {', '.join(flags)}" if flags else ""
+    if any(t.startswith("backend of ") for t in taken):
+        hint += "; the sample backends' ports move only with --free-ports, or give --upstreams a file of your own"
+    return hint
 
 
 @dataclass(frozen=True)
@@ -202,10 +214,11 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
     taken = ports.every_unbindable(needed)
     if taken:
         log.error("demo cannot start: %s in use or unusable: %s. `eds-server demo --free-ports` takes free ones "
-                  "(printed when it starts), or choose them with %s", "this port is" if len(taken) == 1 else
-                  f"{len(taken)} ports are", "; ".join(taken), PORT_FLAGS)  # fmt: skip
+                  "(printed when it starts)%s", "this port is" if len(taken) == 1 else f"{len(taken)} ports are",
+                  "; ".join(taken), _port_hint(taken))  # fmt: skip
         return 1
     backends: list[web.AppRunner] = []
+    closing: str | None = None  # said once everything is down, after Ctrl-C
     app = App(Settings(upstreams=upstreams_path, listen=grpc, admin=admin_address))
     proc: asyncio.subprocess.Process | None = None
     try:
@@ -242,6 +255,10 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
         if envoy_exit.done():
             log.error("envoy exited with %s", proc.returncode)
             return 1
+        closing = (
+            f"eds-server demo stopped: Envoy, eds-server and the {len(backends)} sample backends are down, "
+            f"their ports free again. Run your own: eds-server serve --upstreams FILE (docs/configuration.md)"
+        )
         return 0
     except OSError as e:
         log.error("demo could not start: %s (is something else using one of the ports %s?)", e, every)
@@ -256,3 +273,5 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
         await app.stop()
         for runner in backends:
             await runner.cleanup()
+        if closing is not None:
+            print(f"\n{closing}", flush=True)

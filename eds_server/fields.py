@@ -14,6 +14,12 @@ from typing import Any
 
 from .model import Health
 
+
+def counted(n: int, noun: str) -> str:
+    """`1 group`, `2 groups`, `0 groups`: log lines and answers read as English."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 UINT32_MAX = 2**32 - 1
 MAX_METADATA_DEPTH = 20  # Envoy parses protobuf with a nesting limit; a Struct level is two messages
 HEALTH_NAMES = {h.name.lower(): h for h in Health}

@@ -14,8 +14,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -23,7 +24,7 @@ from . import __version__
 from .health.checker import LATENCY_BUCKETS as CHECK_BUCKETS
 from .health.checker import Checker
 from .observe import Counters, Observers, StreamObserver, StreamView
-from .serving_state import serving_state
+from .serving_state import serving_state, source_kind
 from .store import Resource, Store
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -119,9 +120,15 @@ class _StateCollector(Collector):
         for group in sorted(self.store.resources().keys() | c.nacks_by_group.keys()):
             nacks.add_metric([group], c.nacks_by_group.get(group, 0))
         yield nacks
+        resources = self.store.resources()
+        yield GaugeMetricFamily("eds_groups", "Groups served", value=len(resources))
+        yield GaugeMetricFamily("eds_endpoints", "Endpoints served, in every group",
+                                value=sum(len(r.group.endpoints) for r in resources.values()))  # fmt: skip
+        yield GaugeMetricFamily("eds_groups_in_conflict", "Groups whose merged endpoints Envoy would reject (not sent)",
+                                value=len(self.store.conflicts()))  # fmt: skip
         info = GaugeMetricFamily("eds_group_info", "Current version of each group", labels=["group", "version"])
         endpoints = GaugeMetricFamily("eds_group_endpoints", "Endpoints per group", labels=["group"])
-        for name, res in sorted(self.store.resources().items()):
+        for name, res in sorted(resources.items()):
             info.add_metric([name, res.version], 1)
             endpoints.add_metric([name], len(res.group.endpoints))
         yield info
@@ -183,6 +190,36 @@ class HealthChecks(Collector):
             value=int(c.frozen_since is not None),
         )
         yield CounterMetricFamily("eds_health_changes", "Changes of an endpoint's checked health", value=c.changes)
+
+
+# Series labelled with a group's name: not on the --metrics-listen port (docs/security.md), which
+# keeps their totals (eds_groups, eds_endpoints, eds_groups_in_conflict, eds_nacks).
+GROUP_SERIES = frozenset({"eds_group_info", "eds_group_nacks", "eds_group_endpoints", "eds_group_conflict"})
+
+
+def public_exposition(text: str) -> str:
+    """`/metrics` for the --metrics-listen port, meant for scrapers on other hosts: no group names
+    (GROUP_SERIES left out) and no file path or address in a source's label (`file:/etc/x.yaml`
+    is `file`: one source of a kind per server). The admin port keeps every series as it is."""
+    families = []
+    for family in text_string_to_metric_families(text):
+        if family.name in GROUP_SERIES:
+            continue
+        family.samples = [
+            sample._replace(labels={**sample.labels, "source": source_kind(sample.labels["source"])})
+            if "source" in sample.labels
+            else sample
+            for sample in family.samples
+        ]
+        families.append(family)
+
+    class _Families(Collector):
+        def collect(self) -> Iterable[Metric]:
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families())
+    return generate_latest(registry).decode()
 
 
 def make_registry(

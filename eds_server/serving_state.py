@@ -44,13 +44,24 @@ class ServingState:
     def value(self) -> int:
         return STATE_VALUES[self.name]
 
-    def describe(self) -> str:
-        """One line for a person: 'ready', 'not ready: waiting for ...', 'degraded: serving ...'."""
+    def describe(self, public: bool = False) -> str:
+        """One line for a person: 'ready', 'not ready: waiting for ...', 'degraded: serving ...'.
+        `public` (the --metrics-listen port): the kinds of source alone, no path, address or error
+        (which may quote the file), and where to read the rest."""
+        kind = source_kind if public else str
         if not self.ready:
-            return f"{NOT_READY}: waiting for {', '.join(self.pending) or 'sources'}"
+            return f"{NOT_READY}: waiting for {', '.join(map(kind, self.pending)) or 'sources'}"
+        if self.degraded and public:
+            which = ", ".join(kind(d.source) for d in self.degraded)
+            return f"{DEGRADED}: serving the last good state of {which} (why: /readyz or the status page on --admin)"
         if self.degraded:
             return f"{DEGRADED}: " + "; ".join(d.describe() for d in self.degraded)
         return READY
+
+
+def source_kind(name: str) -> str:
+    """A source's kind, without the path or address after it: `file:/etc/x.yaml` -> `file`."""
+    return name.split(":", 1)[0]
 
 
 def serving_state(ready: bool, sources: Iterable[Mapping[str, Any]]) -> ServingState:

@@ -45,12 +45,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """`2026-12-02T06:46:56.123Z INFO eds_server: ...`: the time in UTC, and saying so (a bare local
+    time is ambiguous across hosts and at a DST change), the same stamp as the JSON lines'."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return utc_timestamp(record.created)
+
+
 def setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -69,11 +77,11 @@ async def start_app(
     from .sources.registrations import RegistrationStateError
 
     listen = None if settings.listen_fd is not None else settings.listen  # a worker's: bound by its owner
-    taken = ports.unbindable([("--listen", listen), ("--admin", settings.admin),
-                              ("--rest-listen", settings.rest_listen), ("--metrics-listen", settings.metrics_listen),
-                              *extra_ports])  # fmt: skip
-    if taken is not None:
-        log.error("not starting: %s", taken)
+    taken = ports.every_unbindable([("--listen", listen), ("--admin", settings.admin),
+                                    ("--rest-listen", settings.rest_listen),
+                                    ("--metrics-listen", settings.metrics_listen), *extra_ports])  # fmt: skip
+    if taken:  # every one, so that moving one busy port does not only reveal the next
+        log.error("not starting: %s", "; ".join(taken))
         return None
     app = App(settings)
     app.workers = workers
@@ -82,7 +90,8 @@ async def start_app(
     except upstreams.UpstreamsError as e:
         for problem in e.problems:
             log.error("%s", problem)
-        log.error("not starting: fix the upstreams file (check it with `eds-server check`)")
+        log.error("not starting: fix the upstreams file %s (check it with `eds-server check %s`)",
+                  settings.upstreams, settings.upstreams)  # fmt: skip
         return None
     except SecurityConfigError as e:
         refuse_security(e)

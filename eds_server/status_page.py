@@ -188,7 +188,8 @@ def _streams(streams: Sequence[Mapping[str, Any]], total: int) -> str:
                  f'<td>{"<br>".join(lines) or "-"}</td>'
                  f'<td class="mono">{_e(s.get("last_nack") or "-")}</td>')  # fmt: skip
         rows.append(("nack" if nacked else "", cells))
-    return _table(("node (cluster)", "peer", "transport", "names: version sent / ACKed / NACKed", "last NACK"),
+    head = "names: version sent / ACKed (or held when it connected) / NACKed"
+    return _table(("node (cluster)", "peer", "transport", head, "last NACK"),
                   rows) + _cut(min(MOST_STREAMS, len(streams)), total, "/v1/streams")  # fmt: skip
 
 
@@ -229,7 +230,14 @@ def render(
     group. `streams`: the first ones as /v1/streams gives them, of `total_streams` (default: all)."""
     total_streams = len(streams) if total_streams is None else total_streams
     css = {READY: "ok", DEGRADED: "degraded"}.get(state.name, "bad")
-    badge = f'<span class="pill {css}" id="state" data-state="{_e(state.name)}">{_e(state.describe())}</span>'
+    # the header names the degraded sources; why (an error that may run to lines) is theirs, under Sources
+    said = state.describe()
+    if state.name == DEGRADED:
+        said = (
+            f"{DEGRADED}: serving the last good state of {', '.join(d.source for d in state.degraded)} (why: Sources)"
+        )
+    badge = (f'<span class="pill {css}" id="state" data-state="{_e(state.name)}" title="{_e(state.describe())}">'
+             f"{_e(said)}</span>")  # fmt: skip
     paths: tuple[str, ...] = ("/v1/sources", "/v1/groups", "/v1/streams", "/v1/stats", "/readyz", "/metrics")
     if registrations is not None:
         paths += ("/v1/registrations",)
@@ -243,9 +251,10 @@ def render(
         f'<h1>eds-server <span class="muted">{_e(version)}</span> {badge}</h1>'
         f'<p class="muted">{_n(total_groups, "group")}, {_n(total_endpoints, "endpoint")}, '
         f"{_n(total_streams, 'stream')} · "
-        # counted by this process: after a restart, streams whose Envoy already had the version are
-        # shown ACKed below although no response (and so no ACK) has passed since
-        f"{_n(int(stats.get('acks', 0)), 'ACK')}, {_n(int(stats.get('nacks', 0)), 'NACK')} since start · "
+        # counted by this process, of the responses it sent: after a restart, a stream whose Envoy
+        # already held the version is shown ACKed below (it said so) although nothing was sent to ACK
+        f"{_n(int(stats.get('acks', 0)), 'ACK')}, {_n(int(stats.get('nacks', 0)), 'NACK')} of responses "
+        "sent since start · "
         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, reloads every {REFRESH_SECONDS} s</p>"
         f"<nav>JSON: {links}</nav>"
         f'<h2 id="sources">Sources</h2>{_sources(sources)}'

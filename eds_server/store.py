@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from . import envoy_checks
+from .fields import counted
 from .model import Group, merge_groups
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class Store:
     def _delivered(self, was_ready: bool, changed: frozenset[str]) -> None:
         """After a source delivered: everything is news once the last pending source has, else `changed`."""
         if not was_ready and self.ready:
-            log.info("all sources loaded: serving %d groups", len(self._resources))
+            log.info("all sources loaded: serving %s", counted(len(self._resources), "group"))
             self._announce(None)
         elif changed and self.ready:
             self._announce(changed)

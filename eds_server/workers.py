@@ -51,7 +51,7 @@ from .worker_process import (
 )
 
 if TYPE_CHECKING:
-    from .app import Settings
+    from .app import App, Settings
 
 log = logging.getLogger("eds_server.workers")
 
@@ -530,13 +530,15 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     pool: WorkerPool | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(pool))
+    app: App | None = None
+    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(pool, app))
     log.info("eds-server %s starting with %d workers (Python %s)", __version__, count, sys.version.split()[0])
     if not _security_usable(settings):
         return 1
-    taken = ports.unbindable([("--admin", settings.admin), ("--rest-listen", settings.rest_listen)])
-    if taken is not None:
-        log.error("not starting: %s", taken)
+    taken = ports.every_unbindable([("--admin", settings.admin), ("--rest-listen", settings.rest_listen),
+                                    ("--metrics-listen", settings.metrics_listen)])  # fmt: skip
+    if taken:
+        log.error("not starting: %s", "; ".join(taken))
         return 1
     host, port = settings.listen
     try:
@@ -548,7 +550,6 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     log.info("listening on %s:%s for %d worker processes (connections wait there until they serve)", host,
              listeners[0].getsockname()[1], count)  # fmt: skip
     directory, lock = make_private_directory()
-    app = None
     try:
         pool = WorkerPool(directory, log_level, log_format, listeners)
         pool.write_settings(dataclasses.replace(settings, listen=(host, listeners[0].getsockname()[1])))
@@ -587,11 +588,13 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
         os.close(lock)
 
 
-def _reload(pool: WorkerPool | None) -> None:
-    log.info("SIGHUP: the workers read their TLS and authorization files again (the owner has none; the upstreams "
-             "file is followed as it changes)")  # fmt: skip
+def _reload(pool: WorkerPool | None, app: App | None) -> None:
+    log.info("SIGHUP: the workers read their TLS and authorization files again (the owner's own: its admin port's "
+             "with --admin-tls; the upstreams file is followed as it changes)")  # fmt: skip
     if pool is not None:
         pool.reload()
+    if app is not None:
+        app.reload_admin_tls()
 
 
 def _security_usable(settings: Settings) -> bool:

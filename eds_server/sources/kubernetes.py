@@ -354,7 +354,7 @@ class KubernetesSource(Followed):
                 reason = f"configuration error: {e if isinstance(e, ConfigProblem) else _one_line(f'{e!r}')}"
                 delay = backoff.next()
                 self.liveness.lost(reason, again=reason != self.liveness.last_error,
-                                   then=f"loaded again when its files change, or in {delay:.0f} s")  # fmt: skip
+                                   then=f"loaded again when its files change, or in {delay:.1f} s")  # fmt: skip
                 await pause(delay, stop, self._config_changed, self.probe_every)
         if self._api is None:
             return

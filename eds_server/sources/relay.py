@@ -257,7 +257,17 @@ class RelaySource:
             self._wake.set()
 
     async def start(self) -> None:
-        self.options.ssl_context()  # unusable TLS files refuse the start, not the first connection
+        """Unusable TLS files refuse the start, named by their flags, not the first connection."""
+        o = self.options
+        given = [(flag, path) for flag, path in (("--upstream-eds-ca", o.ca), ("--upstream-eds-cert", o.cert),
+                                                 ("--upstream-eds-key", o.key)) if path]  # fmt: skip
+        for flag, path in given:
+            if not os.path.isfile(path):
+                raise OSError(f"{flag} {path}: no such file")
+        try:
+            o.ssl_context()
+        except OSError as e:  # ssl.SSLError included: not PEM, a key that does not match
+            raise OSError(f"{', '.join(f'{flag} {path}' for flag, path in given)}: cannot be used: {e}") from None
 
     def status(self) -> SourceStatus:
         return self.liveness.status(upstream=self.options.target, names=len(self.subs.wanted),

@@ -74,7 +74,7 @@ class UpstreamsFileSource:
         groups = self._parser.parse_bytes(data, self.path)
         self._last_bytes = data
         self.feed.publish(self.name, groups)
-        log.info("loaded %s: %d groups", self.path, len(groups))
+        log.info("loaded %s: %s", self.path, fields.counted(len(groups), "group"))
 
     async def _read_settled(self, data: bytes) -> bytes:
         """The file's bytes once a writer has stopped changing them (a slow in-place write
@@ -129,8 +129,8 @@ class UpstreamsFileSource:
         self.last_error = None
         changed = self.feed.publish(self.name, groups)
         log.info(
-            "reloaded %s: %d groups, changed: %s",
-            self.path, len(groups), ", ".join(sorted(changed)) or "none",
+            "reloaded %s: %s, changed: %s",
+            self.path, fields.counted(len(groups), "group"), ", ".join(sorted(changed)) or "none",
         )  # fmt: skip
         return bool(changed)
 

@@ -55,6 +55,11 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "header_bursts": ((), None),
     "request_bursts": ((), None),
     "pooled_bursts": ((), None),
+    "window_update_flood": ((), "ENHANCE_YOUR_CALM"),
+    "continuation_flood": ((), "ENHANCE_YOUR_CALM|[Cc]ontinuation frames"),  # h2 ends it at 64 (fast path)
+    "hpack_bomb": ((), None),
+    # a frame fed a byte at a time never completes: closed a request timeout after it began
+    "drip_frames": (("--request-timeout", "2s"), "slow input"),
 }
 
 

@@ -365,6 +365,17 @@ def test_backend_labels_give_an_endpoint(service: str) -> None:
     }
 
 
+@pytest.mark.parametrize("source", ["Dockerfile CMD", "compose eds-server command"])
+def test_image_and_compose_listen_beyond_loopback_on_purpose(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """eds-server's --listen defaults to loopback, which in a container reaches no Envoy: the image and
+    compose.yaml say 0.0.0.0:18000 themselves, the port the image EXPOSEs."""
+    monkeypatch.delenv("EDS_LISTEN", raising=False)
+    assert build_parser().parse_args(["serve", "--docker"]).listen == ("127.0.0.1", 18000)
+    cmd = exec_form(instruction("CMD")) if source == "Dockerfile CMD" else command_of(SERVICES["eds-server"])
+    assert cmd[cmd.index("--listen") + 1] == "0.0.0.0:18000"
+    assert instruction("EXPOSE").split() == ["18000"]
+
+
 def test_envoy_reaches_eds_server_and_is_published() -> None:
     config = _envoy_config()
     xds = next(c for c in config["static_resources"]["clusters"] if c["name"] == "xds_cluster")
@@ -439,3 +450,12 @@ def test_backends_cannot_reach_eds_server() -> None:
         assert networks(backend) & networks("eds-server") == set()
         assert networks(backend) & networks("envoy")
     assert set(COMPOSE["networks"]) == {"default", "control"}
+
+
+def test_compose_header_and_docs_set_docker_gid_the_same_way() -> None:
+    """One way to give the socket's group, in .env (a stale exported DOCKER_GID would win over it)."""
+    line = re.compile(r"grep -q '\^DOCKER_GID=' \.env 2>/dev/null \|\| printf .*>> \.env")
+    for path in ("compose.yaml", "README.md", "docs/docker.md"):
+        text = (ROOT / path).read_text()
+        assert line.search(text), f"{path}: no .env line for DOCKER_GID"
+        assert "export DOCKER_GID" not in text, path

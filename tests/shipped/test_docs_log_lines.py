@@ -13,7 +13,7 @@ from tests.support.paths import ROOT
 
 LEVELS = {"debug", "info", "warning", "error", "exception", "critical"}
 SOURCES = ("file", "docker", "swarm", "kubernetes", "registrations", "relay", "etcd")  # "NAME: ..." prefixes
-PREFIX = re.compile(r"^(\d{4}-\d\d-\d\d [\d:,.]+ )?(DEBUG|INFO|WARNING|ERROR) [\w.]+: ")  # a text line's head
+PREFIX = re.compile(r"^(\d{4}-\d\d-\d\d[ T][\d:,.]+Z? )?(DEBUG|INFO|WARNING|ERROR) [\w.]+: ")  # a text line's head
 PLACEHOLDER = re.compile(r"%(\([^)]*\))?[-#0 +]*\d*(\.\d+)?[sdrfgi%]")
 
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.support.backends import Backend, http_backends, serve_backend
-from tests.support.envoy_harness import EnvoyProcess, envoy_binary
+from tests.support.envoy_harness import SHIPPED_XDS_BACK_OFF, EnvoyProcess, envoy_binary
 from tests.support.paths import ROOT
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
@@ -167,3 +167,38 @@ async def test_a_backend_gone_before_eds_says_so_fails_no_request(retries: bool,
         assert failed == 0, statuses
     else:
         assert failed > 0  # the host is picked about half the time, and nothing retries
+
+
+def _api_config_sources(node: Any) -> list[dict[str, Any]]:
+    if isinstance(node, list):
+        return [s for item in node for s in _api_config_sources(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [node["api_config_source"]] if "api_config_source" in node else []
+    return found + [s for v in node.values() for s in _api_config_sources(v)]
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, DEMO_COPY], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_xds_stream_comes_back_within_2s(config: Path) -> None:
+    """Envoy's own back-off for a broken xDS stream grows to 30 s: each gRPC EDS cluster's stream
+    sets its own, at most 2 s between tries (README: "Back within seconds after eds-server restarts")."""
+    sources = [s for s in _api_config_sources(yaml.safe_load(config.read_text())) if "grpc_services" in s]
+    for source in sources:
+        back_off = source["grpc_services"][0]["envoy_grpc"]["retry_policy"]["retry_back_off"]
+        assert back_off == SHIPPED_XDS_BACK_OFF, (config.name, back_off)  # the tests' Envoys reconnect alike
+    assert sources or "REST" in config.read_text()
+
+
+@pytest.mark.parametrize("name", ["envoy-inside.yaml", "envoy-outside.yaml"])
+def test_the_kubernetes_envoys_come_back_within_2s_too(name: str) -> None:
+    """The Envoys of deploy/kubernetes (one a ConfigMap's file, one a file of its own) set the same back-off."""
+    configs = []
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / name).read_text()):
+        if doc and doc.get("kind") == "ConfigMap":
+            configs += [yaml.safe_load(text) for text in doc["data"].values()]
+        elif doc and "static_resources" in doc:
+            configs.append(doc)
+    sources = [s for config in configs for s in _api_config_sources(config) if "grpc_services" in s]
+    assert sources, name
+    for source in sources:
+        assert source["grpc_services"][0]["envoy_grpc"]["retry_policy"]["retry_back_off"] == SHIPPED_XDS_BACK_OFF

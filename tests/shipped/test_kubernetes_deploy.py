@@ -67,6 +67,7 @@ def test_deployment_is_locked_down_and_probed() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert "--kubernetes" in container["args"]
+    assert "--listen=0.0.0.0:18000" in container["args"]  # the default is the Pod's loopback
     # the probes ask the read-only port; the admin API (and its writes) stays on the Pod's loopback
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert container["readinessProbe"]["httpGet"]["port"] == container["livenessProbe"]["httpGet"]["port"] == "probes"

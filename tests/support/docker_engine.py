@@ -86,7 +86,8 @@ class DockerError(RuntimeError):
     """A docker CLI call failed, or the engine did not come up / go down in time."""
 
 
-NOT_YET_DOCKER = (DockerError, *NOT_YET)  # a docker command that fails until the engine catches up
+# a docker command that fails until the engine catches up
+NOT_YET_DOCKER: tuple[type[BaseException], ...] = (DockerError, *NOT_YET)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,9 +177,21 @@ def unavailable_reason() -> str | None:
 class DockerEngine:
     """A private dockerd (with its own containerd) in a short temp dir; see the module docstring."""
 
-    def __init__(self, *, image: str = IMAGE, start_timeout: float = 60.0, live_restore: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        image: str = IMAGE,
+        start_timeout: float = 60.0,
+        live_restore: bool = True,
+        storage_driver: str = "vfs",
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.image = image
         self.live_restore = live_restore  # Swarm mode refuses to run with --live-restore
+        # vfs works on any file system; overlay2 (ext4, xfs) shares image layers between containers
+        # instead of copying them, which the compose test's Python-sized images need.
+        self.storage_driver = storage_driver
+        self.extra_args = tuple(extra_args)
         self.start_timeout = start_timeout
         self.docker = _find_exe("docker") or "docker"
         self.dockerd = _find_exe("dockerd") or "dockerd"
@@ -237,10 +250,11 @@ class DockerEngine:
                 "--pidfile",
                 str(self.dir / "docker.pid"),
                 "--storage-driver",
-                "vfs",
+                self.storage_driver,
                 "--iptables=false",
                 "--bridge=none",
                 *(["--live-restore"] if self.live_restore else []),
+                *self.extra_args,
             ]
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(

@@ -82,6 +82,10 @@ def _static_cluster(name: str, ports: Sequence[int], **extra: Any) -> dict[str, 
     }
 
 
+# The xDS stream's back-off in the shipped configs (envoy/*.yaml): the tests' Envoys reconnect as users' do.
+SHIPPED_XDS_BACK_OFF: Mapping[str, str] = {"base_interval": "0.25s", "max_interval": "2s"}
+
+
 def envoy_bootstrap(
     xds_port: int,
     clusters: Sequence[EdsCluster],
@@ -94,7 +98,7 @@ def envoy_bootstrap(
     rest_port: int | None = None,
     refresh_delay: str = "0.2s",
     xds_circuit_breakers: Mapping[str, int] | None = None,
-    xds_retry_back_off: Mapping[str, str] | None = None,
+    xds_retry_back_off: Mapping[str, str] | None = SHIPPED_XDS_BACK_OFF,
     node_id: str = "test-envoy",
     xds_source_address: str | None = None,
 ) -> dict[str, Any]:
@@ -107,8 +111,8 @@ def envoy_bootstrap(
       `refresh_delay`;
     - `xds_circuit_breakers`: thresholds of `xds_cluster` (e.g. ``{"max_requests": 100000}``): each
       gRPC EDS cluster holds one request on it, and Envoy's default of 1,024 resets the rest locally;
-    - `xds_retry_back_off`: how gRPC EDS streams are re-established (``{"base_interval": "0.5s",
-      "max_interval": "5s"}``); Envoy's default is 0.5 s doubling up to 30 s, fully jittered;
+    - `xds_retry_back_off`: how gRPC EDS streams are re-established: by default the shipped configs'
+      (SHIPPED_XDS_BACK_OFF); None: Envoy's own, 0.5 s doubling up to 30 s, fully jittered;
     - `xds_source_address`: the loopback address Envoy connects to the xDS server from (another
       127.0.0.0/8 address tells it from other clients by IP);
     - `static_clusters`: extra STATIC clusters, name -> backend ports on 127.0.0.1;

@@ -30,6 +30,7 @@ from hyperframe.frame import (
 
 from eds_server.protowire import length_delimited as _field
 from tests.support.h2frames import (
+    CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -323,6 +324,83 @@ def request_bursts(port: int, src: str, seconds: float) -> Awaitable[dict[str, A
 def pooled_bursts(port: int, src: str, seconds: float) -> Awaitable[dict[str, Any]]:
     """Bursts of HEADERS from one address, 10 connections at a time."""
     return bursts(port, src, seconds, with_request=False, addresses=None, parallel=10)
+
+
+def window_update_flood(port: int, src: str, seconds: float) -> Awaitable[dict[str, Any]]:
+    """WINDOW_UPDATEs of the connection (1 byte each) with a stream open: each may wake its streams."""
+    frames = frame(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big")) * 1000
+    return flood(port, src, seconds, frames, setup=opening())
+
+
+def continuation_flood(port: int, src: str, seconds: float) -> Awaitable[dict[str, Any]]:
+    """A header block that never ends: HEADERS without END_HEADERS, then empty CONTINUATION frames
+    (the HTTP/2 CONTINUATION flood: a server that buffers the block until it ends never ends it)."""
+    block = hpack.Encoder().encode(headers(STREAM))
+    start = frame(HEADERS, 0, 1, block)
+    return flood(port, src, seconds, frame(CONTINUATION, 0, 1) * 1000, setup=start)
+
+
+async def hpack_bomb(port: int, src: str, seconds: float, per_block: int = 60) -> dict[str, Any]:
+    """Header blocks that decode large: a 4,000-byte header put in the HPACK table once, then named
+    by its index (one byte) `per_block` times a block, each block on a new stream: 240 KB of headers
+    from a few hundred bytes."""
+    deadline = time.monotonic() + seconds
+    stats = {"connections": 0, "blocks": 0, "bytes": 0, "closed_by_server": 0}
+    bomb = ("x-bomb", "b" * 4000)
+    async for conn in reconnecting(port, src, deadline):
+        stats["connections"] += 1
+        try:
+            for _ in range(5000):  # bounded
+                if time.monotonic() > deadline or conn.closed():
+                    break
+                sid = conn.next_id
+                conn.next_id += 2
+                block = conn.encoder.encode([*headers(STREAM), *[bomb] * per_block])
+                raw = frame(HEADERS, END_HEADERS, sid, block)
+                await conn.send(raw)
+                stats["blocks"] += 1
+                stats["bytes"] += len(raw)
+                await asyncio.sleep(0)
+        except (OSError, TimeoutError):
+            pass
+        stats["closed_by_server"] += 1
+        conn.close()
+        await asyncio.sleep(0.01)
+    return stats
+
+
+async def drip_frames(port: int, src: str, seconds: float, connections: int = 50) -> dict[str, Any]:
+    """Connections that each begin a DATA frame on a stream with its request sent, and feed it a byte
+    every 0.5 s: never complete, never idle, never over a byte budget (slowloris, one frame at a time)."""
+    deadline = time.monotonic() + seconds
+    stats = {"connections": 0, "bytes": 0, "closed_by_server": 0}
+    request = grpc_message(discovery_request(("attack",)))
+    conns: list[Conn] = []
+    for _ in range(connections):
+        try:
+            conn = await asyncio.wait_for(Conn.open(port, src), 5)
+        except (OSError, TimeoutError):
+            continue
+        sid, opening = conn.open_stream()
+        await conn.send(opening + frame(DATA, 0, sid, request) + frame(DATA, 0, sid, b"\0" * 1000)[:10])
+        conns.append(conn)
+        stats["connections"] += 1
+    for _ in range(int(seconds / 0.5) + 1):  # bounded
+        if time.monotonic() > deadline:
+            break
+        for conn in conns:
+            if conn.closed():
+                continue
+            try:
+                await conn.send(b"\0")
+                stats["bytes"] += 1
+            except (OSError, TimeoutError):
+                pass
+        await asyncio.sleep(0.5)
+    stats["closed_by_server"] = sum(1 for c in conns if c.closed())
+    for conn in conns:
+        conn.close()
+    return stats
 
 
 async def idle_connections(port: int, src: str, seconds: float) -> dict[str, Any]:
@@ -782,7 +860,8 @@ ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
     for f in (ping_flood, settings_flood, priority_flood, unknown_flood, empty_data_flood, reset_churn,
               open_close_churn, data_after_end, idle_streams, idle_connections, partial_messages,
               big_health_message, health_streams, big_messages_small_frames, oversize_frames,
-              malformed_headers, fill_table, header_bursts, request_bursts, pooled_bursts)
+              malformed_headers, fill_table, header_bursts, request_bursts, pooled_bursts, window_update_flood,
+              continuation_flood, hpack_bomb, drip_frames)
 }  # fmt: skip
 
 

@@ -244,6 +244,47 @@ async def test_keepalive_pings_close_a_silent_connection() -> None:
         await server.wait_closed()
 
 
+async def test_keepalive_closes_a_connection_that_never_reads() -> None:
+    """A client that asks for a big group and then reads nothing (its socket buffer full, so our
+    PINGs never reach it) is closed by keepalive too, well before the send timeout would drop its
+    stream: its connection, stream and socket are released, not left waiting for a flush."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    from h2.settings import SettingCodes
+
+    store = Store(encode_group)
+    store.add_source(SOURCE)
+    store.update(SOURCE, {"web": group("web", *range(1000, 9000))})  # a response of about 200 KB
+    service = EdsService(store, send_timeout=300)  # so only keepalive can end it within the test
+    server = make_server(service, max_streams_per_connection=10, keepalive_time=0.3, keepalive_timeout=0.3,
+                         max_message_size=1 << 20, http2=os.environ.get("EDS_HTTP2", "auto"))  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})  # flow control never stops the server
+    conn.increment_flow_control_window(1 << 24)
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
+               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    conn.send_headers(1, headers)
+    body = bytes(first("web"))
+    conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(conn.data_to_send())
+        await wait_for(lambda: service.open_streams == 1, what="the stream open")
+        await wait_for(lambda: server.connections == 0 and service.open_streams == 0, timeout=20,
+                       what="the connection closed by keepalive")  # fmt: skip
+        assert service.counters.dropped == 0  # keepalive ended it, not the send timeout
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -66,6 +70,45 @@ async def test_the_metrics_listener_serves_the_probes_and_nothing_else(tmp_path:
     )
 
 
+async def test_the_metrics_listener_names_no_group_path_or_file_content(tmp_path: Path) -> None:
+    """docs/security.md: the --metrics-listen port carries no group, stream or client names, no file
+    paths and no file content, degraded or not; the admin port keeps them all."""
+    from tests.support.ports import free_port
+    from tests.support.server_process import write_atomically
+    from tests.support.waiting import wait_for
+
+    path = tmp_path / "upstreams.yaml"
+    path.write_text("groups:\n  payments-7f3a:\n    endpoints: [127.0.0.1:8081]\n")
+    port = free_port()
+    async with (
+        EdsServerProcess(path, "--metrics-listen", f"127.0.0.1:{port}") as server,
+        aiohttp.ClientSession() as s,
+    ):
+        probes, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{server.admin_port}"
+
+        async def get(url: str) -> str:
+            async with s.get(url) as r:
+                assert r.status == 200, url
+                return await r.text()
+
+        write_atomically(path, "groups:\n  payments-7f3a:\n    endpoints: [hunter2:99999]\n")  # degraded: quoted
+        await wait_for(lambda: get(probes + "/readyz"), lambda text: '"degraded"' in text, timeout=10)
+        for where in ("/metrics", "/readyz"):
+            text = await get(probes + where)
+            for secret in ("payments-7f3a", "hunter2", str(tmp_path), "upstreams.yaml"):
+                assert secret not in text, (where, secret, text)
+        metrics = await get(probes + "/metrics")
+        for line in ("eds_groups 1.0", "eds_endpoints 1.0", 'eds_source_healthy{source="file"} 0.0', "eds_state 2.0"):
+            assert line in metrics.splitlines(), line
+        assert "eds_group_info" not in metrics and "eds_group_endpoints" not in metrics
+        readyz = json.loads(await get(probes + "/readyz"))
+        assert readyz["state"] == "degraded" and readyz["degraded"] == [{"source": "file"}], readyz
+        # the admin port, on loopback, keeps the names, the path and the reason
+        assert 'eds_group_info{group="payments-7f3a"' in await get(admin + "/metrics")
+        assert f'eds_source_healthy{{source="file:{path}"}} 0.0' in await get(admin + "/metrics")
+        assert "hunter2" in (await get(admin + "/readyz"))
+
+
 async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path) -> None:
     import ssl
 
@@ -74,11 +117,15 @@ async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path)
     from tests.support.waiting import wait_for
 
     ca = CertAuthority("admin CA", tmp_path)
-    issued = ca.issue(tmp_path / "server", ips=["127.0.0.1"])
+    first = ca.issue(tmp_path / "first", common_name="first", ips=["127.0.0.1"])
+    second = ca.issue(tmp_path / "second", common_name="second", ips=["127.0.0.1"])
+    cert, key = tmp_path / "server.pem", tmp_path / "server-key.pem"
+    cert.write_bytes(first.cert.read_bytes())
+    key.write_bytes(first.key.read_bytes())
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
     probes = free_port()
-    server = EdsServerProcess(path, "--tls-cert", str(issued.cert), "--tls-key", str(issued.key), "--admin-tls",
+    server = EdsServerProcess(path, "--tls-cert", str(cert), "--tls-key", str(key), "--admin-tls",
                               "--metrics-listen", f"127.0.0.1:{probes}", workdir=tmp_path)  # fmt: skip
     await server.start(wait_ready=False)  # its readiness check speaks plain HTTP to the admin port
     try:
@@ -98,6 +145,19 @@ async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path)
             except aiohttp.ClientError:
                 plain = None
             assert plain in (None, 400)  # plain HTTP gets no answer from the TLS port
+
+            def admin_name() -> str:
+                with socket.create_connection(("127.0.0.1", server.admin_port), timeout=10) as raw, \
+                        trusting.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+                    return str(dict(x[0] for x in tls.getpeercert()["subject"])["commonName"])
+
+            assert await asyncio.to_thread(admin_name) == "first"
+            cert.write_bytes(second.cert.read_bytes())  # rotated: SIGHUP, as for the gRPC port's
+            key.write_bytes(second.key.read_bytes())
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGHUP)
+            await wait_for(lambda: "SIGHUP: admin TLS certificate" in server.log_text(), timeout=10, what="reload")
+            assert await asyncio.to_thread(admin_name) == "second"
     finally:
         assert await server.stop() == 0
     assert f"admin on https://127.0.0.1:{server.admin_port}" in server.log_text()

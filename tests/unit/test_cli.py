@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,6 +21,21 @@ from tests.support.paths import ROOT
 def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "eds_server", *args],
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_a_misspelt_variable_is_named_with_the_closest_one() -> None:
+    """`EDS_UPSTREMS=...` would be read as nothing: one warning line names it and what was meant;
+    a variable near none of ours (a test's own) is left alone. Text lines carry their time in UTC."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDS_")}
+    env |= {"EDS_UPSTREMS": "examples/upstreams.yaml", "EDS_HYPOTHESIS_SCALE": "0.2"}
+    out = subprocess.run([sys.executable, "-m", "eds_server", "serve"], capture_output=True, text=True, timeout=30,
+                         env=env, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert "WARNING eds_server: EDS_UPSTREMS is not a variable eds-server reads (ignored): did you mean " \
+           "EDS_UPSTREAMS?" in lines[0]  # fmt: skip
+    assert "no source of endpoints" in lines[1] and len(lines) == 2, lines
+    assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (WARNING|ERROR) ", line) for line in lines), lines
 
 
 def test_check_good_and_bad(tmp_path: Path) -> None:

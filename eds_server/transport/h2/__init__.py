@@ -31,7 +31,7 @@ from grpclib.config import Configuration
 
 from . import compat
 from .base import Framed, PassThroughCodec, StreamIO, keepalive_config
-from .limits import FILE_HEADROOM, REASONS, ConnectionLimits, HttpLimits, PartialBudget
+from .limits import FILE_HEADROOM, REASONS, ConnectionLimits, Gate, HttpLimits, PartialBudget
 
 __all__ = ["FILE_HEADROOM", "REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec",
            "StreamIO", "build_server", "http_runner", "keepalive_config", "runner_port"]  # fmt: skip
@@ -42,6 +42,7 @@ class GrpcServer(Protocol):
 
     fast: bool
     ssl: SSLContext | None  # TLS for start(), e.g. security.server_ssl_context(...)
+    gate: Gate  # its connections' limits and budgets, and what it refused
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StreamIO: ...
     async def start(self, host: str | None = None, port: int | None = None, *, path: str | None = None,

@@ -33,6 +33,12 @@ from typing import Protocol
 
 SLICE_FRAMES = 32  # whole frames handed on at once: ~1.5 ms of HEADERS through h2, the costliest kind
 SLICE_BYTES = 64 * 1024  # and at most this much (a bigger frame goes alone)
+# a connection whose last slice cost less a frame is given more frames next time, up to what that
+# cost says fits in SLICE_SECONDS: a batch of a hundred ACKs (cheap DATA frames) is one slice, not
+# four, each with its own pass through the layers below and its own flush
+SLICE_SECONDS = 0.0015
+SLICE_MAX_FRAMES = 512
+SLICE_MAX_BYTES = 256 * 1024
 TURN_BUDGET = 0.004  # seconds of reading per turn of the loop, before the rest waits for the next
 COST_HALF_LIFE = 1.0  # seconds: how fast an address's charged cost is forgotten
 # seconds per byte held, added to what an address has cost when choosing whom to serve: input is
@@ -58,15 +64,29 @@ class FrameCutter:
     then the cutter follows it into the next input. A frame header itself incomplete waits (at
     most 8 bytes)."""
 
-    __slots__ = ("inside",)
+    __slots__ = ("count", "frames", "inside", "most")
 
     def __init__(self, preface: int = PREFACE) -> None:
         self.inside = preface  # bytes of a frame (or the preface) handed on in part, still to come
+        self.frames = SLICE_FRAMES  # whole frames a slice may hold (see `measured`)
+        self.most = SLICE_BYTES
+        self.count = 0  # whole frames in the last slice cut
 
-    def cut(self, buf: bytes | bytearray, start: int, frames: int = SLICE_FRAMES, most: int = SLICE_BYTES) -> int:
+    def measured(self, seconds: float) -> None:
+        """The last slice took `seconds`: the next may hold as many frames as that cost says fit in
+        SLICE_SECONDS (never fewer than SLICE_FRAMES, never more than SLICE_MAX_FRAMES)."""
+        count = self.count
+        if count:
+            fit = int(SLICE_SECONDS * count / seconds) if seconds > 0 else SLICE_MAX_FRAMES
+            self.frames = max(SLICE_FRAMES, min(SLICE_MAX_FRAMES, fit))
+            self.most = SLICE_BYTES if self.frames == SLICE_FRAMES else SLICE_MAX_BYTES
+
+    def cut(self, buf: bytes | bytearray, start: int) -> int:
         """The end of the next slice of `buf[start:]`: `start` when nothing can go yet."""
         end = len(buf)
         pos = start
+        most = self.most
+        self.count = 0
         if self.inside:
             step = min(self.inside, end - pos)
             self.inside -= step
@@ -74,6 +94,7 @@ class FrameCutter:
             if self.inside or pos - start >= most:
                 return pos
         limit = start + most
+        frames = self.frames
         count = 0
         while count < frames and end - pos >= 9 and pos < limit:
             after = pos + 9 + (_LENGTH.unpack_from(buf, pos)[0] >> 8)
@@ -84,6 +105,7 @@ class FrameCutter:
                 break
             pos = after
             count += 1
+        self.count = count
         return pos
 
 
@@ -94,6 +116,21 @@ class Reader(Protocol):
     def resume_reading(self) -> None: ...
     def overloaded(self, why: str) -> None:
         """Close the connection: it holds the most unread input while the server holds too much."""
+
+
+class TransportReading:
+    """A protocol's side of the scheduler's pause and resume, on its own transport (a closing one is
+    left alone)."""
+
+    _transport: asyncio.Transport | None
+
+    def pause_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
 
 
 class AddressCost:
@@ -119,7 +156,7 @@ class MeteredInput:
     """One connection's input: held, cut into slices of whole frames, each handed to `process`
     when the scheduler says so. `process` returns False once the connection is being closed."""
 
-    __slots__ = ("_buf", "_cutter", "_pos", "cost", "dead", "process", "queued", "reader", "scheduler", "waiting")
+    __slots__ = ("_buf", "_pos", "cost", "cutter", "dead", "process", "queued", "reader", "scheduler", "waiting")
 
     def __init__(self, scheduler: ReadScheduler, cost: AddressCost, reader: Reader,
                  process: Callable[[bytes], bool]) -> None:  # fmt: skip
@@ -127,7 +164,7 @@ class MeteredInput:
         self.cost = cost
         self.reader = reader
         self.process = process
-        self._cutter = FrameCutter()
+        self.cutter = FrameCutter()
         self._buf = bytearray()
         self._pos = 0
         self.queued = False  # in the scheduler's queue (its reading paused)
@@ -145,7 +182,7 @@ class MeteredInput:
             return
         scheduler = self.scheduler
         if not self.held and not self.queued and scheduler.may_run(self, len(data)):
-            end = self._cutter.cut(data, 0)
+            end = self.cutter.cut(data, 0)
             if end == len(data):  # the common case: all of it, at once, no copy
                 scheduler.run(self, data)
                 return
@@ -172,12 +209,12 @@ class MeteredInput:
     def _runnable(self) -> bool:
         """Whether what is held can be handed on (a frame header's worth, or a frame's remainder)."""
         held = self.held
-        return held >= 9 or bool(held and self._cutter.inside)
+        return held >= 9 or bool(held and self.cutter.inside)
 
     def step(self) -> bool:
         """Hand on the next slice (measured and charged); True if more could run now."""
         buf, start = self._buf, self._pos
-        end = self._cutter.cut(buf, start)
+        end = self.cutter.cut(buf, start)
         if end == start:
             return False
         chunk = bytes(buf[start:end])
@@ -239,6 +276,7 @@ class ReadScheduler:
     def run(self, metered: MeteredInput, chunk: bytes) -> None:
         """Hand `chunk` on, and charge what it took."""
         clock = self.clock
+        before = self.spent
         t0 = clock()
         try:
             if not metered.process(chunk):
@@ -247,6 +285,7 @@ class ReadScheduler:
             t1 = clock()
             self.spent += t1 - t0
             metered.cost.charge(t1 - t0, t1)
+            metered.cutter.measured(self.spent - before)  # with what it was charged for later work
             self.slices += 1
             self._turn()
 

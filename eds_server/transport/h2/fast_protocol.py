@@ -35,12 +35,13 @@ from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
 from .direct import window_update
-from .fair import STREAM_ESTIMATE, MeteredInput
+from .fair import STREAM_ESTIMATE, MeteredInput, TransportReading
 from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
 from .headers import request_problem, trailers_problem
 from .limits import Gate, PeerBudgets
+from .overload import STREAM_MEMORY
 
 MAX_INBOUND_FRAME = 1 << 17  # SETTINGS_MAX_FRAME_SIZE we announce (RFC 9113: 16 KiB to 16 MiB)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
@@ -70,13 +71,19 @@ class PingCheckingProcessor(EventsProcessor):
             self.wakes += 1
         super().process_window_updated(event)
 
+    def process_data_received(self, event: DataReceived) -> None:
+        """An empty DATA frame that does not end its stream carries nothing: grpclib's reader would
+        take it for the end of the stream inside a message."""
+        if event.flow_controlled_length or event.stream_ended is not None:
+            super().process_data_received(event)
+
     def process_ping_ack_received(self, event: PingAckReceived) -> None:
         h2 = cast(FlushingConnection, self.connection).h2
         if h2.ping_payload is not None and event.ping_data == h2.ping_payload:
             self.connection.ping_ack_process()
 
 
-class FastProtocol(H2Protocol):
+class FastProtocol(TransportReading, H2Protocol):
     """grpclib's protocol, with our settings from the start and the gate's limits enforced.
 
     `connection_made` follows grpclib 0.4.9's own (used only with the versions compat.py
@@ -92,6 +99,7 @@ class FastProtocol(H2Protocol):
     _peer_budgets: PeerBudgets | None = None
     _transport: asyncio.Transport | None = None
     _deadline: asyncio.TimerHandle | None = None
+    _stall: asyncio.TimerHandle | None = None  # a frame begun at the end of a read: checked a request timeout later
     _saw_request = False
     _opened_at_check = 0  # the highest stream id at the last idle check
     _dead = False  # closing after a protocol error or a refusal: input is ignored
@@ -121,17 +129,30 @@ class FastProtocol(H2Protocol):
             self._split(h2, data)
         elif self._feed(h2, data):
             self.connection.flush()
+        if self._stall is None and not self._guard.between_frames and not self._dead:
+            self._stall = asyncio.get_running_loop().call_later(
+                self.gate.limits.request_timeout, self._check_stall, self._guard.frames
+            )
         return not self._dead
 
-    # the read scheduler's view of the connection (fair.Reader)
-    def pause_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.pause_reading()
+    def _check_stall(self, frames: int) -> None:
+        """A frame (or header block) begun when this was set, a request timeout ago: if no frame has
+        begun since and it is still not complete, it is drip-fed and the connection ends; if
+        another is in progress now, it is checked the same way."""
+        self._stall = None
+        guard = self._guard
+        if self._dead or guard.between_frames:
+            return
+        if guard.frames != frames:
+            self._stall = asyncio.get_running_loop().call_later(
+                self.gate.limits.request_timeout, self._check_stall, guard.frames
+            )
+            return
+        why = f"a frame not complete within {self.gate.limits.request_timeout:g}s"
+        self.gate.shed("slow_input", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
+        self._goaway(ErrorCodes.NO_ERROR, why, "Slow input")
 
-    def resume_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.resume_reading()
-
+    # the read scheduler's view of the connection (fair.Reader): pause and resume from TransportReading
     def overloaded(self, why: str) -> None:
         if not self._dead and self._peer_budgets is not None:
             self.gate.shed("overload", self._peer, f"GOAWAY ENHANCE_YOUR_CALM: {why}")
@@ -396,6 +417,13 @@ class FastProtocol(H2Protocol):
         if not self._dead:
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
 
+    def memory(self) -> int:
+        """Bytes it holds, as estimated (for the memory watermark's choice of whom to close)."""
+        if self._peer_budgets is None or self._transport is None:
+            return 0
+        held = self._input.held if self._input is not None else 0
+        return held + self._transport.get_write_buffer_size() + len(self.h2.streams) * STREAM_MEMORY
+
     def _shed(self, reason: str, detail: str, count: int) -> None:
         self.gate.shed(reason, self._peer, detail, count)
 
@@ -468,6 +496,9 @@ class FastProtocol(H2Protocol):
         self._peer_budgets = None
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._sweep is not None:
             self._sweep.cancel()
         super().connection_lost(exc)

@@ -24,6 +24,7 @@ unpacked with struct: hyperframe's `Frame.parse_frame_header` builds a frame obj
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,7 @@ class FrameGuard:
         "drop_unknown",
         "dropped",
         "dropped_data",
+        "frames",
         "max_frame_size",
         "max_header_block",
         "on_block",
@@ -113,6 +115,7 @@ class FrameGuard:
         self.on_frame = on_frame  # (type, flags, stream id, length) of each frame passed on: a refusal or None
         self.refusal: Refusal | None = None  # once refused, every later feed is too
         self._preface = PREFACE_LENGTH if server else 0
+        self.frames = 0  # frame headers read: a frame begun and not complete at two checks is drip-fed
         self._head = b""  # the start of a frame header split across reads
         self._left = 0  # bytes of the current frame's payload still to come
         self._dropping = False  # the current frame is left out
@@ -194,6 +197,7 @@ class FrameGuard:
             header = held + bytes(view[pos : pos + need]) if held else bytes(view[pos : pos + 9])
             self._head = b""
             pos += need
+            self.frames += 1
             length = int.from_bytes(header[:3], "big")
             ftype = header[3]
             refusal = self._check(length, ftype, header[4])
@@ -218,7 +222,10 @@ class FrameGuard:
                     if refusal is not None:
                         return b"", refusal
             if out is not None:
-                self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped)
+                # (on_data) an empty DATA frame that does not end its stream carries nothing, and
+                # grpclib's reader takes one for the end of the stream inside a message (a traceback)
+                empty = not length and ftype == _DATA and self.on_data is not None and not header[4] & END_STREAM
+                self._dropping = self._held or ftype not in FRAMES or (sid > 0 and sid in self.dropped) or empty
                 if self._dropping and ftype == _DATA:
                     self.dropped_data += length
                 elif ftype == _DATA and self.on_data is not None:
@@ -597,15 +604,21 @@ class StreamLedger:
 class MessageMeter:
     """gRPC messages of one connection's streams, from the 5-byte length prefixes in their DATA:
     a message over `max_size`, or one the partial-message budget cannot hold, is refused from its
-    prefix, before its body arrives; the budget is held until the body is in (or the stream ends)."""
+    prefix, before its body arrives; the budget is held until the body is in (or the stream ends).
+    Each message begun is stamped with the clock, so one drip-fed past a deadline can be found."""
 
-    __slots__ = ("budget", "max_size", "peer", "streams")
+    __slots__ = ("budget", "clock", "max_size", "peer", "streams")
 
-    def __init__(self, max_size: int, budget: PartialBudget | None, peer: PeerBudgets | None) -> None:
+    def __init__(
+        self, max_size: int, budget: PartialBudget | None, peer: PeerBudgets | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self.max_size = max_size
         self.budget = budget
         self.peer = peer
-        self.streams: dict[int, list[Any]] = {}  # stream -> [prefix bytes so far, body bytes left, budget held]
+        self.clock = clock
+        # stream -> [prefix bytes so far, body bytes left, budget held, when the message began (0: none begun)]
+        self.streams: dict[int, list[Any]] = {}
 
     def data(self, sid: int, chunk: memoryview, end: bool) -> tuple[str, str] | None:
         """The stream's data as it arrives: (reason, why) to refuse it, or None."""
@@ -613,16 +626,20 @@ class MessageMeter:
         if state is None:
             if end and not chunk:
                 return None
-            state = self.streams[sid] = [b"", 0, 0]
+            state = self.streams[sid] = [b"", 0, 0, 0.0]
         pos, size = 0, len(chunk)
         while pos < size:
             if state[1]:
                 n = min(state[1], size - pos)
                 state[1] -= n
                 pos += n
-                if not state[1] and state[2]:
-                    self._give(state)
+                if not state[1]:
+                    state[3] = 0.0
+                    if state[2]:
+                        self._give(state)
                 continue
+            if not state[0]:
+                state[3] = self.clock()
             prefix = state[0] + bytes(chunk[pos : pos + 5 - len(state[0])])
             pos += len(prefix) - len(state[0])
             if len(prefix) < 5:
@@ -639,6 +656,8 @@ class MessageMeter:
                     return "partial_messages", "server busy receiving other messages, retry later"
                 state[2] = length
             state[1] = length
+            if not length:
+                state[3] = 0.0
         if end:
             self.close(sid)
         return None
@@ -652,6 +671,11 @@ class MessageMeter:
     def close_all(self) -> None:
         for sid in list(self.streams):
             self.close(sid)
+
+    def overdue(self, timeout: float) -> list[int]:
+        """The streams whose message begun more than `timeout` seconds ago is not in yet."""
+        before = self.clock() - timeout
+        return [sid for sid, state in self.streams.items() if 0.0 < state[3] < before]
 
     def _give(self, state: list[Any]) -> None:
         if self.budget is not None:

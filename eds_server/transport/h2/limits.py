@@ -50,6 +50,7 @@ REASONS = (
     "partial_messages",  # a message refused: the partial-message budget is held by others
     "message_size",  # a message over --max-message-size, refused from its length prefix
     "overload",  # a connection shed: it held the most unread input while the server held too much
+    "slow_input",  # a message or frame drip-fed past the request timeout (the stream or connection ended)
 )
 
 
@@ -69,6 +70,7 @@ class ConnectionLimits:
     max_header_block: int = 64 * 1024  # bytes of one header block, HEADERS and CONTINUATION frames together
     tls_handshake_timeout: float = 5.0
     partial_message_budget: int = 64 * 1024 * 1024  # bytes of messages being received, server-wide
+    memory_limit: int = 0  # resident bytes past which the heaviest address gives way (overload.py; 0: derived)
     # descriptors kept out of the connection limit: the admin and REST ports (256 each by default),
     # the sources' connections, the upstreams reload and logs (FILE_HEADROOM)
     file_reserve: int = 2 * 256 + 88  # 2 * HttpLimits.max_connections + FILE_HEADROOM
@@ -95,11 +97,14 @@ class Holder(Protocol):
     def give_way(self, why: str) -> None:
         """Close with GOAWAY saying why (the gate has already released its slot)."""
 
+    def memory(self) -> int:
+        """Bytes it holds, as estimated: unread input, unsent output, its streams (overload.py)."""
+
 
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""
 
-    __slots__ = ("connections", "cost", "held", "ip", "partial", "pending", "resets", "spent", "wasted")
+    __slots__ = ("connections", "cost", "held", "ip", "partial", "pending", "resets", "spent", "throttled", "wasted")
 
     def __init__(self, limits: ConnectionLimits, ip: str = "?") -> None:
         self.ip = ip
@@ -112,6 +117,7 @@ class PeerBudgets:
         self.spent = False  # it ran out of that budget, and not a tenth of it has come back since
         self.resets = Bucket(limits.reset_budget, BUDGET_WINDOW)
         self.cost = AddressCost()  # its recent share of the loop's time, spent reading its input (fair.py)
+        self.throttled = False  # it holds the most while memory is short: it opens no stream (overload.py)
 
     @property
     def idle(self) -> bool:
@@ -122,7 +128,7 @@ class PeerBudgets:
         it has come back. A stream is charged only once h2, or a handler, has done its work, and one
         read brings hundreds of them: a single refilled token let a whole connection's worth in
         (a refused health Watch costs a handler each: 500 handlers per token)."""
-        if self.spent and self.wasted.share < RECOVERY:
+        if self.throttled or (self.spent and self.wasted.share < RECOVERY):
             return False
         self.spent = not self.wasted.peek()
         return not self.spent

@@ -35,10 +35,11 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .fair import STREAM_ESTIMATE, MeteredInput
+from .fair import STREAM_ESTIMATE, MeteredInput, TransportReading
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
+from .overload import STREAM_MEMORY
 
 log = logging.getLogger("eds_server.grpc")
 STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
@@ -116,7 +117,7 @@ class _Tap:
         return getattr(self._transport, name)
 
 
-class GuardedProtocol(asyncio.Protocol):
+class GuardedProtocol(TransportReading, asyncio.Protocol):
     """grpclib's protocol for one connection, below which the gRPC port's per-client limits hold
     (docs/limits.md lists the few that need h2's insides and do not)."""
 
@@ -133,6 +134,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._opened_at_check = 0  # streams opened at the last check
         self._age = 0.0  # seconds of checks: since the connection was made
         self._idle = 0.0  # seconds of checks without a stream held or opened
+        self._frames_at_check = 0  # frames the guard had read at the last check
+        self._stalled = -1.0  # seconds of checks the same frame stayed begun (-1: none was at the last check)
         self._input: MeteredInput | None = None
 
     # the gate's view (limits.Holder)
@@ -141,6 +144,12 @@ class GuardedProtocol(asyncio.Protocol):
 
     def give_way(self, why: str) -> None:
         self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
+
+    def memory(self) -> int:
+        if self._transport is None or self.peer is None:
+            return 0
+        held = self._input.held if self._input is not None else 0
+        return held + self._transport.get_write_buffer_size() + len(self._ledger.open) * STREAM_MEMORY
 
     @property
     def _peer_name(self) -> str:
@@ -226,8 +235,13 @@ class GuardedProtocol(asyncio.Protocol):
         if refused is None:
             return b""
         reason, why = refused
-        self.gate.shed(reason, self._peer_name, f"RESOURCE_EXHAUSTED on stream {sid}: {why}")
-        status = [(b"grpc-status", b"%d" % Status.RESOURCE_EXHAUSTED.value), (b"grpc-message", why.encode())]
+        return self._end_stream(sid, Status.RESOURCE_EXHAUSTED, reason, why)
+
+    def _end_stream(self, sid: int, code: Status, reason: str, why: str) -> bytes:
+        """A stream ended below h2, with gRPC status `code` to the client; what h2 and grpclib
+        are to be handed (a reset from the client) is returned."""
+        self.gate.shed(reason, self._peer_name, f"{code.name} on stream {sid}: {why}")
+        status = [(b"grpc-status", b"%d" % code.value), (b"grpc-message", why.encode())]
         if sid not in self._headers_sent:  # trailers only
             status = [(b":status", b"200"), (b"content-type", b"application/grpc"), *status]
         self._headers_sent.discard(sid)
@@ -320,15 +334,7 @@ class GuardedProtocol(asyncio.Protocol):
             self.inner.data_received(cast(bytes, passed))
         return not self._dead
 
-    # the read scheduler's view of the connection (fair.Reader)
-    def pause_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.resume_reading()
-
+    # the read scheduler's view of the connection (fair.Reader): pause and resume from TransportReading
     def overloaded(self, why: str) -> None:
         if not self._dead:
             self.gate.shed("overload", self._peer_name, f"GOAWAY ENHANCE_YOUR_CALM: {why}")
@@ -344,6 +350,21 @@ class GuardedProtocol(asyncio.Protocol):
             return
         limits, ledger = self.gate.limits, self._ledger
         tick = min(limits.request_timeout, limits.idle_timeout)
+        if not self._guard.between_frames:  # a frame or header block begun: the same one as at the last check?
+            same = self._stalled >= 0 and self._guard.frames == self._frames_at_check
+            self._stalled = self._stalled + tick if same else 0.0
+            if self._stalled >= limits.request_timeout:
+                why = f"a frame not complete within {limits.request_timeout:g}s"
+                self.gate.shed("slow_input", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
+                self._goaway(ErrorCodes.NO_ERROR, why)
+                return
+        else:
+            self._stalled = -1.0
+            for sid in self._meter.overdue(limits.request_timeout):
+                why = f"message not complete within {limits.request_timeout:g}s"
+                self._meter.close(sid)
+                self.inner.data_received(self._end_stream(sid, Status.DEADLINE_EXCEEDED, "slow_input", why))
+        self._frames_at_check = self._guard.frames
         if ledger.awaiting and self._guard.between_frames:
             expired = ledger.expired(limits.request_timeout)
             if expired:  # one line for them all: a connection of 1,000 idle streams is one event

@@ -149,9 +149,11 @@ async def test_a_file_broken_after_a_good_load_turns_the_badge_amber(tmp_path: P
     page = dom.stdout
     (tmp_path / "status-page-degraded.html").write_text(page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    badge = re.search(r'<span class="pill ([a-z ]+)" id="state" data-state="degraded">(.*?)</span>', page, re.S)
+    badge = re.search(r'<span class="pill ([a-z ]+)" id="state" data-state="degraded" title="([^"]*)">(.*?)</span>',
+                      page, re.S)  # fmt: skip
     assert badge, page[:2000]
     assert badge.group(1) == "degraded"
+    assert badge.group(3) == f"degraded: serving the last good state of file:{path} (why: Sources)"  # not the error
     assert badge.group(2).startswith(f"degraded: serving the last good state of file:{path} because ")
     sources = _section(page, "sources", "groups")
     assert "last load failed" in sources and '<tr class="nack">' in sources
@@ -261,3 +263,14 @@ def test_workers_are_listed_with_one_that_is_down_marked() -> None:
     single = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
                                 streams=[], stats={})  # fmt: skip
     assert 'id="workers"' not in single
+
+
+def test_acks_count_responses_and_a_resumed_stream_says_what_it_held() -> None:
+    """After a restart Envoy reconnects saying which version it holds; nothing is resent, so nothing is
+    ACKed: the header counts ACKs of responses sent, the stream shows the version held."""
+    streams = [{"node": "n", "cluster": "c", "peer": "p", "transport": "sotw", "last_nack": None,
+                "names": {"web": {"sent": "v1", "acked": "v1", "nacked": None}}, "names_total": 1}]  # fmt: skip
+    page = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
+                              streams=streams, stats={"acks": 0, "nacks": 0}, total_streams=1)  # fmt: skip
+    assert "0 ACKs, 0 NACKs of responses sent since start" in page
+    assert "ACKed (or held when it connected)" in page and "ACKed <code>v1</code>" in page

@@ -86,5 +86,7 @@ async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -
                 proc.send_signal(signal.SIGINT)
             code = await asyncio.wait_for(proc.wait(), 20)
     assert code == 0, log.read_text()
+    assert log.read_text().rstrip().splitlines()[-1].startswith("eds-server demo stopped: Envoy, eds-server and "
+                                                               "the 3 sample backends are down")  # fmt: skip
     assert not copy.exists() and not copy.parent.exists()
     assert hashlib.sha256(EXAMPLE.read_bytes()).hexdigest() == before

@@ -77,7 +77,11 @@ def test_bootstrap_shape() -> None:
     assert eds["service_name"] == "api"
     source = eds["eds_config"]["api_config_source"]
     assert source["api_type"] == "DELTA_GRPC"
-    assert source["grpc_services"] == [{"envoy_grpc": {"cluster_name": "xds_cluster"}}]
+    retry = {"retry_back_off": {"base_interval": "0.25s", "max_interval": "2s"}}  # as the shipped configs
+    assert source["grpc_services"] == [{"envoy_grpc": {"cluster_name": "xds_cluster", "retry_policy": retry}}]
+    own = envoy_bootstrap(1234, [EdsCluster("web")], xds_retry_back_off=None)  # Envoy's own back-off
+    own_source = own["static_resources"]["clusters"][1]["eds_cluster_config"]["eds_config"]["api_config_source"]
+    assert own_source["grpc_services"] == [{"envoy_grpc": {"cluster_name": "xds_cluster"}}]
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["match"]["prefix"] for r in routes] == ["/api", "/"]  # longest prefix first

@@ -5,18 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from tests.support.backends import Backend, http_backends
-from tests.support.envoy_harness import ApiType, EdsCluster, EnvoyProcess, Host, envoy_bootstrap
+from tests.support.envoy_harness import (
+    SHIPPED_XDS_BACK_OFF,
+    ApiType,
+    EdsCluster,
+    EnvoyProcess,
+    Host,
+    envoy_bootstrap,
+)
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess, write_atomically
 
 pytestmark = pytest.mark.envoy
+
+# After eds-server serves again, every Envoy stream is back within this: the shipped back-off's
+# max_interval (2 s) with room for a loaded machine. Envoy's default (up to 30 s) overran it.
+BACK_WITHIN = 5.0  # seconds: the shipped back-off tries at least every 2 s (twice that allowed a loaded host)
+OUTAGE = 10.0  # long enough for Envoy's default back-off to reach 4-16 s between attempts
 
 
 def upstreams_yaml(web: list[Backend], api: list[Backend]) -> str:
@@ -199,14 +211,62 @@ async def test_server_restart_never_empties_envoy(
     watcher = asyncio.create_task(watch())
     await asyncio.sleep(0.5)
     write_atomically(path, upstreams_yaml(backends[:1], backends[2:]))  # changed while away
-    await server.start()
-    await envoy.wait_for(lambda: ports(envoy, "web"), lambda p: p == {backends[0].port}, timeout=40)
+    await server.start()  # returns serving: Envoy is back within its back-off's max_interval (2 s)
+    await envoy.wait_for(lambda: ports(envoy, "web"), lambda p: p == {backends[0].port}, timeout=2 * BACK_WITHIN)
     watcher.cancel()
     assert seen and min(seen) > 0, seen
     assert await envoy.version_text("web") != version
     # and a change after the restart reaches Envoy too
     write_atomically(path, upstreams_yaml(backends[:2], backends[2:]))
     await envoy.wait_for(lambda: envoy.version_text("web"), lambda v: v == version)
+
+
+async def back_after_outage(
+    tmp_path: Path, backends: list[Backend], api: ApiType, back_off: Mapping[str, str] | None
+) -> tuple[float, int]:
+    """eds-server down for OUTAGE while both its groups change, then up again: the seconds from it
+    serving again to both Envoy clusters holding the change (each cluster has its own stream, its
+    own back-off), and the connections Envoy attempted in the last half of the outage."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(upstreams_yaml(backends[:2], backends[2:]))
+    async with EdsServerProcess(path) as server:
+        clusters = [EdsCluster("web", api_type=api), EdsCluster("api-cluster", service_name="api", api_type=api)]
+        async with EnvoyProcess(envoy_bootstrap(server.port, clusters, xds_retry_back_off=back_off)) as envoy:
+            await envoy.wait_for(lambda: ports(envoy, "api-cluster"), lambda p: p == {backends[2].port})
+            assert await server.stop() == 0
+            write_atomically(path, upstreams_yaml(backends[:1], backends[1:2]))  # both groups changed while away
+            await asyncio.sleep(OUTAGE / 2)
+            failed = await envoy.stats("xds_cluster.upstream_cx_connect_fail")
+            await asyncio.sleep(OUTAGE / 2)
+            late = await envoy.stats("xds_cluster.upstream_cx_connect_fail")
+            attempts = int(late["cluster.xds_cluster.upstream_cx_connect_fail"]) - int(
+                failed["cluster.xds_cluster.upstream_cx_connect_fail"]
+            )
+            await server.start()  # returns once it serves (/readyz)
+            loop = asyncio.get_running_loop()
+            serving = loop.time()
+
+            async def changed() -> bool:
+                return await ports(envoy, "web") == {backends[0].port} and await ports(envoy, "api-cluster") == {
+                    backends[1].port
+                }
+
+            await envoy.wait_for(changed, timeout=60, interval=0.05)
+            return loop.time() - serving, attempts
+
+
+@pytest.mark.parametrize("api", ["GRPC", "DELTA_GRPC"])
+async def test_envoy_is_back_within_seconds_after_an_outage(
+    tmp_path: Path, backends: list[Backend], api: ApiType
+) -> None:
+    """With the shipped back-off Envoy keeps trying at least every 2 s however long eds-server is
+    away, so a change made while it was away reaches both clusters within seconds of it serving
+    (printed; held here by the count of its attempts, not by the clock)."""
+    seconds, attempts = await back_after_outage(tmp_path, backends, api, SHIPPED_XDS_BACK_OFF)
+    print(f"{api}: both clusters changed {seconds:.2f}s after eds-server served again; {attempts} attempts")
+    # in the outage's last 5 s each of the two streams tried at least twice (at most 2 s apart); with
+    # Envoy's own back-off, 4-16 s apart by then, 1-3 attempts in all were seen
+    assert attempts >= 4
 
 
 @pytest.mark.fast_path  # stock grpclib advertises 100 streams a connection: Envoy opens two

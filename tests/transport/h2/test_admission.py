@@ -46,6 +46,9 @@ class FakeConnection:
     def give_way(self, why: str) -> None:
         self.gone = why
 
+    def memory(self) -> int:
+        return 0
+
     def __repr__(self) -> str:
         return self.name
 

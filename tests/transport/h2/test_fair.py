@@ -9,6 +9,9 @@ from collections.abc import Callable
 from eds_server.transport.h2.fair import (
     PREFACE,
     SLICE_FRAMES,
+    SLICE_MAX_FRAMES,
+    SLICE_SECONDS,
+    STREAM_ESTIMATE,
     AddressCost,
     FrameCutter,
     MeteredInput,
@@ -56,7 +59,7 @@ class Conn:
         self.shed: list[str] = []
         self.input = MeteredInput(scheduler, address, self, self.process)
         if not preface:
-            self.input._cutter.inside = 0
+            self.input.cutter.inside = 0
 
     def process(self, chunk: bytes) -> bool:
         self.got.append(chunk)
@@ -181,3 +184,37 @@ def test_an_address_cost_decays() -> None:
     assert cost.now(10.0) == 1.0
     assert abs(cost.now(11.0) - 0.5) < 1e-9  # a half-life of one second
     assert cost.now(30.0) < 1e-5
+
+
+def test_a_connection_of_cheap_frames_gets_bigger_slices_and_a_costly_one_small_again() -> None:
+    """A batch of ACKs (cheap DATA frames) goes in one slice once its frames were measured cheap; a
+    slice that cost its frames dearly (HEADERS opening streams) brings the next back to SLICE_FRAMES."""
+    cutter = FrameCutter(preface=0)
+    data = b"".join(frame(DATA, 0, 1, b"x" * 20) for _ in range(300))
+    assert cutter.cut(data, 0) == SLICE_FRAMES * 29 and cutter.count == SLICE_FRAMES
+    cutter.measured(SLICE_FRAMES * 2e-6)  # 2 us a frame
+    assert cutter.frames == SLICE_MAX_FRAMES
+    assert cutter.cut(data, 0) == len(data) and cutter.count == 300
+    cutter.measured(300 * 50e-6)  # 50 us a frame
+    assert cutter.frames == SLICE_FRAMES
+    cutter.count = 100
+    cutter.measured(100 * SLICE_SECONDS / 100)  # exactly SLICE_SECONDS for 100 frames
+    assert cutter.frames == 100
+
+
+def test_work_charged_for_later_counts_in_the_slice_size() -> None:
+    """Streams handed to handlers cost little to read and much later: what a slice was charged for
+    them keeps the next slice small (bigger slices of bursts of requests held the loop for seconds)."""
+    scheduler, clock, loop = setup(turn_budget=1.0)
+    conn = Conn(scheduler, clock, AddressCost(), cost=0.0)
+
+    def process(chunk: bytes) -> bool:
+        conn.got.append(chunk)
+        conn.input.charge(STREAM_ESTIMATE * len(split(chunk)[0]))  # as a stream per frame would be
+        return True
+
+    conn.input.process = process
+    conn.input.feed(headers(200))
+    loop.turn()
+    assert conn.input.cutter.frames == SLICE_FRAMES
+    assert {len(split(chunk)[0]) for chunk in conn.got} == {SLICE_FRAMES, 200 % SLICE_FRAMES}

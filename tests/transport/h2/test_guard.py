@@ -278,6 +278,21 @@ def test_a_message_is_refused_from_its_prefix_and_its_budget_given_back() -> Non
     assert budget.used == 0 and not meter.streams
 
 
+def test_a_message_begun_and_not_complete_is_overdue_after_the_timeout_only() -> None:
+    now = [100.0]
+    meter = MessageMeter(1000, None, None, clock=lambda: now[0])
+    meter.data(1, memoryview(b"\x00\x00\x00"), False)  # a prefix begun
+    meter.data(3, memoryview(b"\x00\x00\x00\x00\x04ab"), False)  # a body begun
+    meter.data(5, memoryview(b"\x00\x00\x00\x00\x02ab"), False)  # a whole message: nothing begun
+    now[0] = 105.0
+    meter.data(3, memoryview(b"c"), False)  # progress does not restart the message's clock
+    assert meter.overdue(10) == []
+    now[0] = 110.5
+    assert meter.overdue(10) == [1, 3]
+    meter.data(3, memoryview(b"d"), False)  # complete
+    assert meter.overdue(10) == [1]
+
+
 def test_send_windows_follow_our_data_and_refuse_only_a_real_overflow() -> None:
     windows = SendWindows()
     update = (2**31 - 1 - 65_535).to_bytes(4, "big")

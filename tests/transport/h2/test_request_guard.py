@@ -7,6 +7,7 @@ canary keeps getting its changes."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 
@@ -339,4 +340,57 @@ async def test_stream_state_errors_reach_the_http2_library(case: str, caplog: py
             assert not client.messages and not client.trailers, f"{case}: answered"
         service.store.update(SOURCE, group(2))
         await canary.response(canary_sid, 2)
+    no_server_errors(caplog)
+
+
+async def test_a_message_drip_fed_past_the_request_timeout_ends_its_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """A request whose length prefix came but whose body does not: the stream ends with
+    DEADLINE_EXCEEDED once the request timeout has passed (its partial-message budget given back),
+    the connection serves on."""
+    caplog.set_level(logging.INFO)
+    limits = ConnectionLimits(request_timeout=0.5)
+    async with serving(limits) as (server, _, port), client_of(port) as client:
+        sid = await client.request(first_request("a", "web"))
+        body = grpc(ack(await client.response(sid, 1), "web"))
+        await client.send(data(sid, body[:8]))  # the prefix and 3 bytes of the body, the rest never
+        assert await client.until(lambda: client.status(sid) is not None, wait=10), client.trailers
+        assert client.status(sid) == 4  # DEADLINE_EXCEEDED
+        assert "not complete within" in client.trailers[sid]["grpc-message"]
+        if not server.fast:
+            assert server.refused["slow_input"] == 1, server.refused
+        other = await client.request(first_request("b", "web"))
+        await client.response(other, 1)
+    no_server_errors(caplog)
+
+
+async def test_a_frame_drip_fed_past_the_request_timeout_ends_the_connection() -> None:
+    """A DATA frame begun and fed a byte at a time, so that the same frame is still not complete a
+    request timeout later: the connection is closed (counted as slow input), on either path."""
+    limits = ConnectionLimits(request_timeout=0.5)
+    async with serving(limits) as (server, _, port), client_of(port) as client:
+        sid = await client.request(first_request("a", "web"))
+        await client.response(sid, 1)
+        await client.send(frame(0, 0, sid, b"\0" * 100)[:12])  # the header and 3 of 100 bytes
+        dripped = 0
+        for _ in range(40):  # bounded: 40 bytes at most, one every 0.1 s
+            if not await client.until(lambda: False, wait=0.1) and client.eof:
+                break
+            with contextlib.suppress(OSError):
+                await client.send(b"\0")
+                dripped += 1
+        assert client.eof or client.goaway is not None, f"still open after {dripped} bytes"
+        assert server.refused["slow_input"] == 1, server.refused
+
+
+async def test_an_empty_data_frame_before_the_request_is_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """HTTP/2 allows an empty DATA frame; grpclib's reader took one for the end of the stream inside a
+    message (an AssertionError traceback on the stock path, the stream ended on the fast path)."""
+    caplog.set_level(logging.INFO)
+    async with serving(ConnectionLimits()) as (_, _, port), client_of(port) as client:
+        sid, opening = client.new_stream()
+        await client.send(opening + data(sid, b""))
+        await client.ping()  # the server has read it, and its handler has run
+        await client.send(data(sid, grpc(first_request("a", "web"))))
+        await client.response(sid, 1)
+        assert client.status(sid) is None
     no_server_errors(caplog)

@@ -1,0 +1,116 @@
+"""The memory watermark: the process's resident memory checked against a limit, and the actions taken
+as it is crossed, always against the client address holding the most, never a newcomer.
+
+Why: every budget of the gRPC port (partial messages, streams, unread input) bounds one kind of
+holding, and an attack that finds a kind no budget names, or many addresses each under their share,
+can still take the process to its cgroup's OOM kill, which ends every Envoy's stream at once.
+Envoy's overload manager answers this with resource monitors and ordered actions; this is the same
+for the one resource that kills us:
+
+- at PRESSURE of the limit, the address holding the most (its partial messages, unread input, unsent
+  responses and open streams, estimated) opens no new stream (its next one ends the connection, as
+  a spent stream budget does), until memory is below PRESSURE again;
+- at the limit, that address's heaviest connection is closed (GOAWAY NO_ERROR), one per check,
+  while memory stays above it.
+Each action is logged and counted as `overload` with the address it hit. Sans-IO: the clock is the
+caller's (App.start checks every CHECK_INTERVAL), the resident size comes from a function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+from .limits import Gate, PeerBudgets
+
+CHECK_INTERVAL = 0.5  # seconds between checks of the resident size
+PRESSURE = 0.85  # of the limit: the heaviest address opens no new stream
+STREAM_MEMORY = 16 * 1024  # bytes a stream holds, as estimated (the bench measures ~20 KB per stream)
+
+
+def process_rss() -> int:
+    """This process's resident set size, in bytes (Linux; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def default_limit() -> int:
+    """Bytes: 90% of the cgroup's memory limit if one is set, else of the machine's memory."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(int(text) * 0.9)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.9)
+    except (OSError, ValueError):
+        return 1 << 40
+
+
+def weight(peer: PeerBudgets) -> int:
+    """What an address holds, estimated: its partial messages and each connection's own."""
+    return peer.partial + sum(holder.memory() for holder in peer.held)
+
+
+class MemoryWatermark:
+    """One server's watermark (see the module's docstring)."""
+
+    def __init__(self, gate: Gate, limit: int, rss: Callable[[], int] = process_rss) -> None:
+        self.gate = gate
+        self.limit = limit
+        self.rss = rss
+        self.throttled: PeerBudgets | None = None
+        # what it did: addresses refused new streams, connections closed
+        self.throttles = 0
+        self.closed = 0
+
+    def check(self) -> None:
+        rss = self.rss()
+        if rss < self.limit * PRESSURE:
+            self._throttle(None)
+            return
+        peers = [p for p in self.gate.peers.values() if p.held]
+        if not peers:
+            return
+        heaviest = max(peers, key=weight)
+        held = weight(heaviest)
+        if not held:
+            return  # nothing any client holds is worth closing: the memory is the server's own
+        mb = rss / (1 << 20)
+        if heaviest is not self.throttled:
+            self._throttle(heaviest)
+            self.gate.shed("overload", heaviest.ip, f"refusing its new streams: memory at {mb:.0f} MB "
+                                                    f"(limit {self.limit / (1 << 20):.0f} MB), it holds the most "
+                                                    f"(~{held / (1 << 20):.1f} MB)")  # fmt: skip
+        if rss >= self.limit:
+            holder = max(heaviest.held, key=lambda h: h.memory(), default=None)
+            if holder is None:
+                return
+            self.closed += 1
+            why = f"server memory at {mb:.0f} MB, over its limit, and {heaviest.ip} holds the most"
+            self.gate.release(heaviest, holder)
+            self.gate.shed("overload", heaviest.ip, f"closing its heaviest connection (GOAWAY): {why}")
+            holder.give_way(why)
+
+    def _throttle(self, peer: PeerBudgets | None) -> None:
+        if self.throttled is not None:
+            self.throttled.throttled = False
+        self.throttled = peer
+        if peer is not None:
+            peer.throttled = True
+            self.throttles += 1
+
+
+async def watch(gate: Gate, limit: int = 0, interval: float = CHECK_INTERVAL) -> None:
+    """Check `gate`'s server against the watermark every `interval` (0: the default limit), until cancelled."""
+    watermark = MemoryWatermark(gate, limit or default_limit())
+    while True:
+        await asyncio.sleep(interval)
+        watermark.check()

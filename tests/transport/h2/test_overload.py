@@ -1,0 +1,93 @@
+"""The memory watermark (transport/h2/overload.py): past it, the address holding the most gives way,
+never a lighter one. Its choice and actions as pure logic, then on a real server on either path,
+with the resident size in the test's hands."""
+
+from __future__ import annotations
+
+from eds_server.transport.h2.limits import ConnectionLimits, Gate
+from eds_server.transport.h2.overload import PRESSURE, MemoryWatermark, default_limit, process_rss
+from tests.support.grpc_harness import serving
+from tests.support.h2_client import SOURCE, ack, client_of, data, first_request, group, grpc
+
+MB = 1 << 20
+
+
+class Holding:
+    def __init__(self, memory: int) -> None:
+        self.held, self.gone = memory, ""
+
+    def busy(self) -> bool:
+        return True
+
+    def give_way(self, why: str) -> None:
+        self.gone = why
+
+    def memory(self) -> int:
+        return self.held
+
+
+def test_the_heaviest_address_opens_no_stream_under_pressure_and_gives_way_past_the_limit() -> None:
+    gate = Gate(ConnectionLimits())
+    light, heavy_small, heavy_big = Holding(1 * MB), Holding(2 * MB), Holding(30 * MB)
+    canary = gate.admit("127.0.0.1", light)
+    attacker = gate.admit("127.0.0.2", heavy_small)
+    gate.admit("127.0.0.2", heavy_big)
+    rss = [10 * MB]
+    watermark = MemoryWatermark(gate, 100 * MB, rss=lambda: rss[0])
+    watermark.check()
+    assert not attacker.throttled and gate.refused["overload"] == 0  # below the pressure mark: nothing
+    rss[0] = int(100 * MB * PRESSURE) + 1
+    watermark.check()
+    assert attacker.throttled and not attacker.may_open() and canary.may_open()
+    assert not heavy_big.gone and gate.refused["overload"] == 1  # refused new streams, nothing closed
+    watermark.check()
+    assert gate.refused["overload"] == 1  # said once, not every check
+    rss[0] = 101 * MB
+    watermark.check()
+    assert "holds the most" in heavy_big.gone and not heavy_small.gone and not light.gone
+    assert watermark.closed == 1 and gate.refused["overload"] == 2
+    watermark.check()  # still over: its next heaviest connection
+    assert heavy_small.gone and not light.gone
+    rss[0] = 10 * MB
+    watermark.check()
+    assert not attacker.throttled and attacker.may_open()
+
+
+def test_memory_the_server_holds_itself_closes_nobody() -> None:
+    gate = Gate(ConnectionLimits())
+    idle = Holding(0)
+    gate.admit("127.0.0.1", idle)
+    watermark = MemoryWatermark(gate, 100 * MB, rss=lambda: 200 * MB)
+    watermark.check()
+    assert not idle.gone and gate.refused["overload"] == 0
+
+
+def test_the_defaults_read_this_machine() -> None:
+    assert process_rss() > 1 * MB
+    assert default_limit() > 100 * MB
+
+
+async def test_past_the_limit_the_connection_holding_partial_messages_is_closed_not_the_canary() -> None:
+    """On a real server: a client at 127.0.0.2 holds half of a 1 MB message; with the resident size
+    said to be over the limit, its connection gets GOAWAY, and the canary's next change still comes."""
+    async with (
+        serving(ConnectionLimits()) as (server, service, port),
+        client_of(port) as canary,
+        client_of(port, "127.0.0.2") as heavy,
+    ):
+        sid = await canary.request(first_request("canary", "web"))
+        await canary.send(data(sid, grpc(ack(await canary.response(sid, 1), "web"))))
+        held = await heavy.request(first_request("heavy", "web"))
+        await heavy.response(held, 1)
+        body = (1 << 20).to_bytes(5, "big") + b"x" * 60_000  # begun, never ended
+        for at in range(0, len(body), 16_000):  # frames within the stock path's 16 KiB too
+            await heavy.send(data(held, body[at : at + 16_000]))
+        await heavy.ping()
+        assert server.gate.peers["127.0.0.2"].partial == 1 << 20
+        watermark = MemoryWatermark(server.gate, 100 * MB, rss=lambda: 200 * MB)
+        watermark.check()
+        assert await heavy.until(lambda: heavy.goaway is not None or heavy.eof), "the heavy one is not closed"
+        assert server.gate.refused["overload"] == 2
+        service.store.update(SOURCE, group(2))
+        await canary.response(sid, 2)
+        assert canary.goaway is None
