@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from . import __version__, status_page
 from .metrics import public_exposition
-from .model import endpoint_json
+from .model import Endpoint, endpoint_json
 from .registration_api import RegistrationPolicy, add_routes, registration_json
 from .serving_state import serving_state, source_kind
 from .store import Resource, Store
@@ -64,9 +64,18 @@ def json_errors(registrations_on: bool, paths: tuple[str, ...] = PATHS) -> Calla
     return middleware
 
 
-def group_json(store: Store, resource: Resource, *, endpoint_sources: bool = False) -> dict[str, Any]:
+Checks = Callable[[Endpoint], dict[str, Any] | None]  # an endpoint's last health check (health/checker.py)
+
+
+def group_json(
+    store: Store, resource: Resource, *, endpoint_sources: bool = False, checks: Checks | None = None
+) -> dict[str, Any]:
     group = resource.group
     endpoints = [endpoint_json(e) for e in group.endpoints]
+    if checks is not None:
+        for ep, out in zip(group.endpoints, endpoints, strict=True):
+            if (check := checks(ep)) is not None:
+                out["check"] = check
     if endpoint_sources:
         given_by = store.endpoint_sources(resource.name)
         for ep, out in zip(group.endpoints, endpoints, strict=True):
@@ -107,6 +116,7 @@ def make_app(
     workers: WorkerAnswers | None = None,  # --workers N: streams, stats and metrics are the workers'
     shed: Callable[[int, int], Awaitable[dict[str, int]]] | None = None,  # a worker's: its owner moves load
     read_only_probes: bool = False,  # --metrics-listen: /metrics, /healthz and /readyz, nothing else
+    checks: Checks | None = None,  # each endpoint's last health check, shown with it
 ) -> web.Application:
     async def all_streams(after: int, limit: int) -> dict[str, Any]:
         return await workers.streams(after, limit) if workers is not None else streams(after, limit)
@@ -150,14 +160,15 @@ def make_app(
 
     async def groups(_: web.Request) -> web.Response:
         resources = store.resources()
-        return web.json_response({"groups": [group_json(store, resources[n]) for n in sorted(resources)]})
+        shown = [group_json(store, resources[n], checks=checks) for n in sorted(resources)]
+        return web.json_response({"groups": shown})
 
     async def group(request: web.Request) -> web.Response:
         found = store.resources().get(request.match_info["name"])
         if found is None:
             return web.json_response({"error": "no such group", "group": request.match_info["name"],
                                       "hint": "every group served: GET /v1/groups"}, status=404)  # fmt: skip
-        return web.json_response(group_json(store, found, endpoint_sources=True))
+        return web.json_response(group_json(store, found, endpoint_sources=True, checks=checks))
 
     async def sources(_: web.Request) -> web.Response:
         return web.json_response({"sources": source_status()})
@@ -189,7 +200,8 @@ def make_app(
             total_regs = len(everyone)
         page = status_page.render(
             version=__version__, state=serving_state(store.ready, statuses), sources=statuses,
-            groups=[group_json(store, resources[n], endpoint_sources=True) for n in names[: status_page.MOST_GROUPS]],
+            groups=[group_json(store, resources[n], endpoint_sources=True, checks=checks)
+                    for n in names[: status_page.MOST_GROUPS]],
             total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
             streams=shown["streams"], total_streams=shown["total"], stats=await all_stats(),
             registrations=regs, total_registrations=total_regs,

@@ -16,7 +16,8 @@ from aiohttp import web
 from . import admin, security
 from .encode import Encoders
 from .fields import MAX_UPSTREAMS_SIZE
-from .metrics import make_registry
+from .health.checker import Checker
+from .metrics import HealthChecks, make_registry
 from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
 from .sources.aggregator import Aggregator
@@ -110,6 +111,9 @@ class App:
         self.encoders = Encoders()  # and their caches: this server's, handed to the store, gRPC and REST
         self.store = Store(self.encoders.encode_group)
         self.aggregator = Aggregator(self.store)  # the sources' only way to the store
+        # Health checks run where the sources are: not in a relay, nor in a worker (a relay of its
+        # owner), so with --workers N one process checks and every worker serves the results.
+        self.checker = Checker(self.store) if settings.upstream_eds is None else None
         feed = self.aggregator
         self.file_source = (
             UpstreamsFileSource(
@@ -175,6 +179,8 @@ class App:
         # an observer of the streams from the first one on (made before anything serves)
         self.registry = make_registry(self.store, self.service.counters, self.service.observers, self.source_status,
                                       lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
+        if self.checker is not None:
+            self.registry.register(HealthChecks(self.checker))
         self._http: list[web.AppRunner] = []
         self.workers: admin.WorkerAnswers | None = None  # set before start() by the owner of --workers N
         self._stop_sources = asyncio.Event()
@@ -187,7 +193,10 @@ class App:
 
     def source_status(self) -> list[dict[str, Any]]:
         """What each source says of itself, in merge order (for /v1/sources, the status page, metrics)."""
-        return [source.status().as_json() for source in self.sources]
+        out = [source.status().as_json() for source in self.sources]
+        if self.checker is not None and (self.checker.frozen_since is not None or self.checker.has_targets):
+            out.append(self.checker.status())  # listed as a source would be: degraded while cut off
+        return out
 
     def stats(self) -> dict[str, Any]:
         counters = dataclasses.asdict(self.service.counters)
@@ -209,6 +218,8 @@ class App:
             await source.start()  # raises UpstreamsError, RegistrationStateError: refuse to start
         for source in self.sources:
             self._spawn(source.run(self._stop_sources), f"source {source.name}", source.name)
+        if self.checker is not None:
+            self._spawn(self.checker.run(self._stop_sources), "health checks")
         if self.settings.startup_timeout is not None:
             self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
         host, port = self.settings.listen
@@ -230,6 +241,7 @@ class App:
                 self.service.describe_streams, self.registry,
                 self.registrations, self.settings.admin_token, self.settings.registration_policy,
                 self.workers, self._shed if self.settings.admin_unix is not None else None,
+                checks=self.checker.endpoint_check if self.checker is not None else None,
             )  # fmt: skip
             if self.settings.admin_unix is not None:
                 await self._serve_unix(app, self.settings.admin_unix)

@@ -21,6 +21,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from . import __version__
+from .health.checker import LATENCY_BUCKETS as CHECK_BUCKETS
+from .health.checker import Checker
 from .observe import Counters, Observers, StreamObserver, StreamView
 from .serving_state import serving_state, source_kind
 from .store import Resource, Store
@@ -152,6 +154,42 @@ class _StateCollector(Collector):
             "eds_state", "0 not ready, 1 ready, 2 degraded (ready, but a loaded source fails: its last good state "
             "is served)", value=serving_state(self.store.ready, statuses).value,
         )  # fmt: skip
+
+
+class HealthChecks(Collector):
+    """The health checker's counts, read when scraped: checks by kind and result, their latency,
+    checked endpoints by checked health, and whether the checker finds itself cut off."""
+
+    def __init__(self, checker: Checker) -> None:
+        self.checker = checker
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.checker
+        checks = CounterMetricFamily("eds_health_checks", "Health checks run", labels=["kind", "result"])
+        for (kind, result), n in sorted(c.checks.items()):
+            checks.add_metric([kind, result], n)
+        yield checks
+        latency = HistogramMetricFamily("eds_health_check_latency_seconds", "Time each health check took",
+                                        labels=["kind"])  # fmt: skip
+        for kind, counts in sorted(c.latency.items()):
+            buckets, total = [], 0
+            for bound, n in zip((*map(floatToGoString, CHECK_BUCKETS), "+Inf"), counts, strict=True):
+                total += n
+                buckets.append((bound, total))
+            latency.add_metric([kind], buckets, c.latency_sum.get(kind, 0.0))
+        yield latency
+        by_health = GaugeMetricFamily("eds_health_endpoints", "Checked endpoints by their checked health",
+                                      labels=["health"])  # fmt: skip
+        counted = c.by_health()
+        for name in ("healthy", "unhealthy", "unchecked"):
+            by_health.add_metric([name], counted.get(name, 0))
+        yield by_health
+        yield GaugeMetricFamily(
+            "eds_health_cut_off",
+            "1 while every health check fails at once (the checker's fault: the last checked health is kept)",
+            value=int(c.frozen_since is not None),
+        )
+        yield CounterMetricFamily("eds_health_changes", "Changes of an endpoint's checked health", value=c.changes)
 
 
 # Series labelled with a group's name: not on the --metrics-listen port (docs/security.md), which

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .health.spec import HealthSpec, to_json
+
 
 class Health(enum.IntEnum):
     """Envoy's `config.core.v3.HealthStatus`, with the same numbers."""
@@ -59,6 +61,7 @@ class Endpoint:
     hostname: str = ""
     # filter_metadata["envoy.lb"]: JSON-like values, for Envoy's subset load balancer
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    check: HealthSpec | None = None  # an active health check eds-server runs on it (not sent to Envoy)
     # its encoded lb_endpoints field, once encode.py has made it: an endpoint a source keeps
     # (the file's parser, Kubernetes, Docker) is encoded once, and found without a cache key
     wire: bytes | None = field(default=None, init=False, repr=False, compare=False)
@@ -129,4 +132,6 @@ def endpoint_json(ep: Endpoint) -> dict[str, Any]:
         out["hostname"] = ep.hostname
     if ep.metadata:
         out["metadata"] = dict(ep.metadata)
+    if ep.check is not None:
+        out["health_check"] = to_json(ep.check)
     return out

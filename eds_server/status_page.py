@@ -48,6 +48,18 @@ def _health(value: str) -> str:
     return f'<span class="{css}">{_e(value)}</span>'
 
 
+def _check(ep: Mapping[str, Any]) -> str:
+    """An endpoint's last health check, after its health (nothing when it is not checked)."""
+    check = ep.get("check")
+    if not check:
+        return ""
+    if check.get("result") is None:
+        return ' <span class="muted check">(not checked yet)</span>'
+    css = "ok" if check["result"] == "pass" else "bad"
+    return (f' <span class="{css} check" title="{_e(check.get("spec", ""))}">({_e(check.get("reason"))}, '
+            f'{_e(check.get("latency_ms"))} ms)</span>')  # fmt: skip
+
+
 def _hostname(ep: Mapping[str, Any]) -> str:
     """Which container, Swarm task or pod an address is (the Docker, Swarm and Kubernetes sources keep
     its name as Envoy's endpoint hostname, unless an `eds.hostname` label says otherwise): an IP alone
@@ -144,7 +156,7 @@ def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[M
         for ep in eps[:MOST_ENDPOINTS]:
             address = f"[{ep['address']}]" if ":" in str(ep["address"]) else str(ep["address"])
             cells = (f'<td class="mono">{_e(address)}:{_e(ep["port"])}</td>'
-                     f'<td class="mono hostname">{_hostname(ep)}</td><td>{_health(str(ep["health"]))}</td>'
+                     f'<td class="mono hostname">{_hostname(ep)}</td><td>{_health(str(ep["health"]))}{_check(ep)}</td>'
                      f'<td>{_locality(ep)}</td><td>{_e(ep.get("weight", "-"))}</td><td>{_e(ep.get("priority", 0))}</td>'
                      f'<td class="mono">{_e(ep.get("source") or "-")}</td>')  # fmt: skip
             rows.append(("", cells))

@@ -26,6 +26,8 @@ Watcher = Callable[[frozenset[str] | None], None]
 Encoder = Callable[[Group], bytes]
 # Called with the names that gained their first follower, and those that lost their last one.
 Interest = Callable[[tuple[str, ...], tuple[str, ...]], None]
+# Laid over each merged group before it is checked and encoded (the health checker's results).
+Overlay = Callable[[Group], Group]
 EMPTY_CACHE_SIZE = 4096
 
 
@@ -100,6 +102,7 @@ class Store:
         # assignment would empty Envoy's cluster); see `put_resources`.
         self.withholds = False
         self.interest: Interest | None = None  # told when the set of followed names changes
+        self.overlay: Overlay | None = None  # health checks' results over the sources' health
 
     # -- sources -------------------------------------------------------------------------------
     def add_source(self, name: str) -> None:
@@ -150,6 +153,13 @@ class Store:
             self._resources.pop(name, None)
         self._delivered(was_ready, frozenset(changed))
 
+    def refresh(self, names: Iterable[str]) -> frozenset[str]:
+        """Merge these groups again (the overlay's view of them changed); announce what changed."""
+        changed = frozenset(n for n in names if n in self._resources and self._refresh(n))
+        if changed and self.ready:
+            self._announce(changed)
+        return changed
+
     def _delivered(self, was_ready: bool, changed: frozenset[str]) -> None:
         """After a source delivered: everything is news once the last pending source has, else `changed`."""
         if not was_ready and self.ready:
@@ -168,6 +178,8 @@ class Store:
             del self._resources[name]
             return True
         group = merge_groups(name, parts)
+        if self.overlay is not None:
+            group = self.overlay(group)
         if current is not None and current.group == group:
             self._set_conflict(name, None, kept=True)
             return False

@@ -10,6 +10,7 @@ few hundred bytes expand into gigabytes. Reading is bounded too: regular files o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -21,13 +22,15 @@ import yaml
 
 from . import envoy_checks, fields, yaml_nodes
 from .fields import ENDPOINT_KEYS, MAX_NAME_LENGTH, MAX_UPSTREAMS_SIZE
+from .health import spec as health_spec
+from .health.spec import HealthSpec
 from .model import Endpoint, Group, Locality, locality
 from .yaml_nodes import LOADER, NodeWalker, Problem, YamlError, did_you_mean
 
 T = TypeVar("T")
 
 LOCALITY_KEYS = ("region", "zone", "subzone", "weight")
-GROUP_KEYS = ("endpoints", "localities")
+GROUP_KEYS = ("endpoints", "localities", "health_check")
 TOP_KEYS = ("groups",)
 NUMBER_KEYS = ("port", "weight", "priority")  # whole numbers, written as YAML integers in decimal
 _DECIMAL = re.compile(r"0|[1-9][0-9]*")
@@ -239,6 +242,8 @@ class _Index:
         if ep is None or w.problems:
             return None  # the full path names the problem with its line
         group = self.groups[name]
+        if group.endpoints[i].check is not None:
+            ep = dataclasses.replace(ep, check=group.endpoints[i].check)
         endpoints = list(group.endpoints)
         endpoints[i] = ep
         if ep.key != group.endpoints[i].key and any(e.key == ep.key for e in endpoints if e is not ep):
@@ -363,9 +368,35 @@ def _group_spec(w: _Walker, name: str, node: yaml.Node, path: str) -> Group | No
     weights: dict[Locality, int] = {}
     if "localities" in spec:
         weights = _localities(w, spec["localities"][1], f"{path}.localities")
+    if "health_check" in spec:
+        check = _health_check(w, spec["health_check"][1], f"{path}.health_check")
+        if check is not None:
+            endpoints = [dataclasses.replace(ep, check=check) for ep in endpoints]
     group = Group(name, tuple(endpoints), weights)
     _check_weight_sums(w, node, path, group)
     return group
+
+
+def _health_check(w: _Walker, node: yaml.Node, path: str) -> HealthSpec | None:
+    """`health_check: {http: /health, interval: 1s, ...}`: every problem named at its own line."""
+    n_problems = len(w.problems)
+    spec = w.mapping(node, path, health_spec.KEYS)
+    if spec is None:
+        return None
+    values: dict[str, Any] = {}
+    for key, (_, value_node) in spec.items():
+        try:
+            values[key] = health_spec.check_field(key, w.value(value_node))
+        except ValueError as e:
+            w.problem(value_node, f"{path}.{key}", str(e))
+    if len(w.problems) > n_problems:
+        return None
+    try:
+        return health_spec.build(values)
+    except health_spec.SpecError as e:
+        where = spec[e.field][1] if e.field in spec else node
+        w.problem(where, f"{path}.{e.field}", str(e))
+        return None
 
 
 def _endpoint(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:

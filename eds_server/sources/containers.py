@@ -7,11 +7,15 @@ warning that names it and the label; nothing else is affected.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .. import fields
+from ..health import spec as health_spec
+from ..health.spec import HealthSpec
 from ..model import Endpoint, Group, Health, groups_from, locality
 
 AddressMode = Literal["network", "published"]
@@ -90,6 +94,8 @@ def group_settings(
     if not groups:
         raise Skip(f"{what} {prefix}.group is empty")
     common: dict[str, Any] = {}
+    health = {k[len("health.") :]: (f"{prefix}.{k}", ours.pop(k)) for k in [k for k in ours if k.startswith("health.")]}
+    own_health: dict[str, dict[str, tuple[str, str]]] = {g: {} for g in groups}
     own: dict[str, dict[str, Any]] = {g: {} for g in groups}
     by_length = sorted(groups, key=len, reverse=True)  # a group name may contain dots
     for key, value in ours.items():
@@ -98,13 +104,59 @@ def group_settings(
             continue
         group = next((g for g in by_length if key.startswith(g + ".")), None)
         rest = key[len(group) + 1 :] if group else ""
+        if group is not None and rest.startswith("health."):
+            own_health[group][rest[len("health.") :]] = (f"{prefix}.{key}", value)
+            continue
         if group is None or not (rest in keys or rest.startswith("metadata.")):
             raise Skip(
                 f"unknown {what} {prefix}.{key} (expected {prefix}.<key> or {prefix}.<group>.<key>, "
                 f"keys: {', '.join(keys)}, metadata.<name>)"
             )
         own[group][rest] = _checked(f"{prefix}.{key}", rest, value, checks, what)
+    for g in groups:
+        if health or own_health[g]:
+            own[g]["check"] = health_check(_with_own(health, own_health[g]), prefix, what)
     return groups, {g: {**common, **own[g]} for g in groups}
+
+
+def _with_own(common: Mapping[str, tuple[str, str]], own: Mapping[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """A group's health labels: eds.<group>.health.<key> over eds.health.<key>; a kind of its own
+    replaces the common kind."""
+    if any(k in health_spec.KINDS for k in own):
+        common = {k: v for k, v in common.items() if k not in health_spec.KINDS}
+    return {**common, **own}
+
+
+def health_check(health: Mapping[str, tuple[str, str]], prefix: str, what: str) -> HealthSpec | None:
+    """Health labels (or annotations), key -> (the label's name, its value) -> a check; Skip names
+    the label and says how to write it."""
+    values: dict[str, Any] = {}
+    for key, (label, value) in health.items():
+        try:
+            values[key] = health_spec.check_field(key, value)
+        except health_spec.SpecError as e:
+            raise Skip(f"{what} {label}: {e}") from None
+    try:
+        return health_spec.build(values)
+    except health_spec.SpecError as e:
+        label = health[e.field][0] if e.field in health else f"{prefix}.health.{e.field}"
+        raise Skip(f"{what} {label}: {e}") from None
+
+
+_SIDECAR_URL = re.compile(r"[a-z]+://[^/]*(/\S*)?")
+
+
+def sidecar_check(labels: Mapping[str, str]) -> tuple[HealthSpec | None, str | None]:
+    """Sidecar's `HealthCheck`/`HealthCheckArgs` labels, read as ours where they mean the same: the
+    check, and a line for the operator (None: nothing to say). The URL's host and port are not used:
+    eds-server checks the endpoint's own address and port (`eds.health.port` for another port)."""
+    kind, args = labels.get("HealthCheck", ""), labels.get("HealthCheckArgs", "")
+    if kind == "AlwaysSuccessful":
+        return None, None
+    if kind == "HttpGet" and (m := _SIDECAR_URL.fullmatch(args.strip())):
+        return HealthSpec("http", path=health_spec.path(m.group(1) or "/")), None
+    return None, (f"Sidecar's label HealthCheck={kind} is not run by eds-server: write eds.health.http=/PATH or "
+                  "eds.health.tcp=true (docs/health-checks.md)")  # fmt: skip
 
 
 def _container_port(inspect: Mapping[str, Any], settings: Mapping[str, Any], prefix: str) -> int:
@@ -184,6 +236,7 @@ def labelled_endpoint(
         locality=locality(settings.get("region", ""), settings.get("zone", ""), settings.get("subzone", "")),
         hostname=settings.get("hostname", default_hostname),
         metadata={k[len("metadata.") :]: v for k, v in settings.items() if k.startswith("metadata.")},
+        check=settings.get("check"),
     )
 
 
@@ -200,8 +253,17 @@ def container_endpoints(
         groups, settings = group_settings(labels, options.label_prefix)
         if health is None:
             return out
+        sidecar: HealthSpec | None = None
+        if "HealthCheck" in labels and not any(k.startswith(f"{options.label_prefix}.health.") for k in labels):
+            try:
+                sidecar, out.warning = sidecar_check(labels)
+            except ValueError as e:
+                out.warning = f"Sidecar's label HealthCheckArgs: {e}"
+            if out.warning:
+                out.warning = f"container {out.name}: {out.warning}"
         for group in groups:
-            out.endpoints[group] = _endpoint(inspect, settings[group], health, options)
+            ep = _endpoint(inspect, settings[group], health, options)
+            out.endpoints[group] = dataclasses.replace(ep, check=sidecar) if sidecar is not None else ep
     except Skip as e:
         out.endpoints = {}
         out.warning = f"container {out.name}: {e}; skipped"

@@ -129,6 +129,7 @@ def slice_endpoints(
                 locality=locality(str(regions.get(e.get("nodeName") or "", "")), str(e.get("zone") or "")),
                 hostname=str(e.get("hostname") or (ref.get("name") if ref.get("kind") == "Pod" else "") or ""),
                 metadata=metadata,
+                check=settings.get("check"),
             )
         )
     warning = f"{where}: {len(bad)} addresses are not IPs ({', '.join(bad[:3])}); skipped" if bad else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .. import fields
+from ..health import spec as health_spec
 from ..model import Endpoint, Group, endpoint_json
 from .base import Feed, SourceStatus
 from .state_lock import StateLock, StateLockError
@@ -46,7 +48,9 @@ MAX_ID_LENGTH = 256
 MAX_PENDING = 4096  # changes waiting for the disk; more are refused (503) rather than queued
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 TTL_KEY = "ttl"
-REGISTRATION_KEYS = (*fields.ENDPOINT_KEYS, TTL_KEY)
+HEALTH_CHECK_KEY = "health_check"
+ENDPOINT_KEYS = (*fields.ENDPOINT_KEYS, HEALTH_CHECK_KEY)  # a registration's endpoint, as stored
+REGISTRATION_KEYS = (*ENDPOINT_KEYS, TTL_KEY)
 
 Key = tuple[str, str]  # (group, id)
 
@@ -93,8 +97,10 @@ def check_ttl(value: Any) -> float | None:
     return value
 
 
-def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = fields.ENDPOINT_KEYS) -> Endpoint:
-    """An endpoint from a JSON object with the upstreams file's keys and checks.
+def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = ENDPOINT_KEYS) -> Endpoint:
+    """An endpoint from a JSON object with the upstreams file's keys and checks, and a
+    `health_check` as the file's (its checks go to the endpoint's own address, which the
+    registration policy has allowed).
 
     Raises RegistrationError(422) naming the first bad field.
     """
@@ -111,7 +117,19 @@ def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = fields.EN
                 values[key] = fields.ENDPOINT_CHECKS[key](spec[key])
             except ValueError as e:
                 raise RegistrationError(422, str(e), key) from None
-    return Endpoint.from_fields(values)
+    endpoint = Endpoint.from_fields(values)
+    if HEALTH_CHECK_KEY in spec:
+        raw = spec[HEALTH_CHECK_KEY]
+        if not isinstance(raw, dict):
+            raise RegistrationError(422, "must be an object, e.g. {\"http\": \"/health\", \"interval\": \"1s\"}",
+                                    HEALTH_CHECK_KEY)  # fmt: skip
+        try:
+            check = health_spec.parse(raw)
+        except health_spec.SpecError as e:
+            raise RegistrationError(422, str(e), f"{HEALTH_CHECK_KEY}.{e.field}") from None
+        if check is not None:
+            endpoint = dataclasses.replace(endpoint, check=check)
+    return endpoint
 
 
 # -- state ------------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def test_ipv6_and_empty_groups() -> None:
         ),
         (
             "groups:\n  web:\n    hosts: [10.0.0.1:80]\n",
-            "upstreams.yaml:3: groups.web.hosts: unknown key (expected one of: endpoints, localities); "
+            "upstreams.yaml:3: groups.web.hosts: unknown key (expected one of: endpoints, localities, health_check); "
             "did you mean `endpoints`?",
         ),
         (

@@ -57,7 +57,7 @@ def upstreams(web: list[Backend], api: list[Backend]) -> str:
             f"hostname: {json.dumps(HOSTILE_HOSTNAME.format(i))}}}\n"
             for i, b in enumerate(web)
         )
-        + f"  api:\n    endpoints: [127.0.0.1:{api[0].port}]\n"
+        + f"  api:\n    health_check: {{http: /health, interval: 1s}}\n    endpoints: [127.0.0.1:{api[0].port}]\n"
         + f"  {json.dumps(HOSTILE_GROUP)}:\n    endpoints: [127.0.0.1:1]\n"
     )
 
@@ -84,6 +84,9 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
             async with EnvoyProcess(bootstrap) as envoy, nacking_client(server.port, "api", HOSTILE_NODE, NACK_MESSAGE):
                 await envoy.wait_live()
                 await envoy.wait_for(lambda: server.admin("/v1/streams"), _three_streams_one_nack)
+                await wait_for(lambda: server.admin("/v1/groups/api"),
+                               lambda g: g["endpoints"][0].get("check", {}).get("result") == "pass",
+                               timeout=10, what="the api endpoint checked")  # fmt: skip
                 web_version = await envoy.version_text("web")
                 dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
                 shot = tmp_path / "status-page.png"
@@ -95,7 +98,8 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
     assert "<title>eds-server" in page and "ready</span>" in page
     # sources: the file and the registrations, both loaded and live
     sources = _section(page, "sources", "groups")
-    assert f"file:{path}" in sources and "registrations" in sources and sources.count(">live<") == 2
+    assert f"file:{path}" in sources and "registrations" in sources and "health-checks" in sources
+    assert sources.count(">live<") == 3
     # groups: version, endpoints with health, locality, weight and the source of each
     web = _group(page, "web")
     assert web_version in web and "3 endpoints" in web and "1 endpoint ·" in _group(page, "api")
@@ -107,6 +111,7 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
     assert "<s>" not in page
     # the NACKed group says so, with the client's message, escaped
     api = _group(page, "api")
+    assert "(HTTP 200, " in api and " ms)</span>" in api  # its last health check, next to its health
     assert "NACKed by" in api and "&lt;b&gt;rejected&lt;/b&gt; by the status page test" in api
     assert "NACKed by" not in web
     # streams: Envoy's two, and the scripted client's with its NACK

@@ -174,3 +174,29 @@ async def test_a_frozen_manager_is_found_within_the_bound_and_followed_again(swa
         assert not h.store.is_stale("web") and set(h.endpoints()) == {port}
         await h.docker("service", "rm", "web-frozen")
         await h.wait(lambda e: not e)
+
+
+@pytest.mark.envoy
+async def test_swarm_services_checked_by_their_labels(swarm: DockerEngine, tmp_path: Path) -> None:
+    """eds.health.* labels on Swarm services: one service's path answers (healthy), the other's is
+    missing (404, unhealthy after its threshold); Envoy sends everything to the healthy one."""
+    good, bad = free_port(), free_port()
+    check = ["--label", "eds.health.interval=500ms", "--label", "eds.health.unhealthy_threshold=2"]
+    async with _harness(swarm) as h:
+        await h.service("web-checked-ok", good, "--label", "eds.health.http=/index.html", *check)
+        await h.service("web-checked-404", bad, "--label", "eds.health.http=/health", *check)
+    async with EdsServerProcess(None, "--swarm", "--docker-host", swarm.host, workdir=tmp_path) as server:
+        bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
+        async with EnvoyProcess(bootstrap) as envoy:
+            await envoy.wait_live(timeout=30)
+            hosts = await envoy.wait_for(
+                lambda: envoy.hosts("web"),
+                lambda hs: {x.port: x.health for x in hs} == {good: "HEALTHY", bad: "UNHEALTHY"}, timeout=60,
+            )  # fmt: skip
+            assert len(hosts) == 2
+            for _ in range(10):  # bounded
+                status, body = await envoy.get("/")
+                assert (status, body) == (200, "web-checked-ok")
+        group = await server.admin("/v1/groups/web")
+        reasons = {e["port"]: e["check"]["reason"] for e in group["endpoints"]}
+        assert reasons == {good: "HTTP 200", bad: "HTTP 404"}, group

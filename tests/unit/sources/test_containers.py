@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from eds_server.health.spec import HealthSpec
 from eds_server.model import Endpoint, Health, Locality
 from eds_server.sources.containers import DockerOptions, container_endpoints, groups_of
 
@@ -161,3 +162,47 @@ def test_groups_merge_and_dedupe() -> None:
     groups = groups_of([a, b, a])
     assert sorted(groups) == ["api", "web"]
     assert [e.address for e in groups["web"].endpoints] == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_health_check_labels_apply_to_every_group() -> None:
+    labels = {"eds.group": "web,api", "eds.port": "80", "eds.health.http": "/health", "eds.health.interval": "1s",
+              "eds.health.unhealthy_threshold": "2"}  # fmt: skip
+    got = eps(inspect(labels, networks={"n": "172.20.0.5"}))
+    want = HealthSpec("http", path="/health", interval=1.0, timeout=1.0, unhealthy_threshold=2)
+    assert got["web"].check == got["api"].check == want
+
+
+@pytest.mark.parametrize(
+    ("labels", "says"),
+    [
+        ({"eds.health.htp": "/health"}, "label eds.health.htp: unknown key (expected one of: http, tcp"),
+        ({"eds.health.http": "health"}, "label eds.health.http: 'health' is not a request path"),
+        ({"eds.health.tcp": "true", "eds.health.unhealthy_threshold": "0"}, "label eds.health.unhealthy_threshold: 0"),
+        ({"eds.health.interval": "1s"}, "label eds.health.http: exactly one kind"),
+    ],
+)
+def test_bad_health_labels_skip_the_container_naming_the_label(labels: dict[str, str], says: str) -> None:
+    got = warning(inspect({"eds.group": "web", "eds.port": "80", **labels}, networks={"n": "172.20.0.5"}))
+    assert got.startswith(f"container c1: {says}"), got
+
+
+def test_sidecar_labels_understood_or_pointed_to_ours() -> None:
+    base = {"eds.group": "web", "eds.port": "80"}
+    sidecar = {"HealthCheck": "HttpGet", "HealthCheckArgs": "http://{{ host }}:{{ tcp 10080 }}/status/health"}
+    got = eps(inspect({**base, **sidecar}, networks={"n": "172.20.0.5"}))
+    assert got["web"].check == HealthSpec("http", path="/status/health")
+    c = container_endpoints(inspect({**base, "HealthCheck": "External"}, networks={"n": "172.20.0.5"}), OPTS)
+    assert c.endpoints["web"].check is None and c.warning is not None
+    assert "HealthCheck=External is not run by eds-server: write eds.health.http=/PATH" in c.warning
+    ours = eps(inspect({**base, **sidecar, "eds.health.tcp": "true"}, networks={"n": "172.20.0.5"}))
+    assert ours["web"].check == HealthSpec("tcp")  # ours win
+
+
+def test_per_group_health_labels() -> None:
+    labels = {"eds.group": "web,admin", "eds.port": "80", "eds.health.http": "/health", "eds.health.interval": "2s",
+              "eds.admin.health.tcp": "true", "eds.web.health.unhealthy_threshold": "5"}  # fmt: skip
+    got = eps(inspect(labels, networks={"n": "172.20.0.5"}))
+    assert got["web"].check == HealthSpec("http", path="/health", interval=2.0, unhealthy_threshold=5)
+    assert got["admin"].check == HealthSpec("tcp", interval=2.0)  # its own kind replaces the common one
+    bad = warning(inspect({**labels, "eds.web.health.interval": "x"}, networks={"n": "172.20.0.5"}))
+    assert bad.startswith("container c1: label eds.web.health.interval: 'x' is not a duration"), bad

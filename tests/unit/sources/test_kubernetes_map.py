@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from eds_server.health.spec import HealthSpec
 from eds_server.model import Health, Locality
 from eds_server.sources.kubernetes_map import (
     ClusterView,
@@ -209,3 +210,11 @@ def test_the_cluster_view_maps_objects_to_groups_without_an_api_server() -> None
     assert len(view.groups()[0]["web"].endpoints) == 3
     view.replace("services", None, [])  # the Service is gone from a relisting: so is its group
     assert "web" not in view.groups()[0]
+
+
+def test_health_check_annotations() -> None:
+    annotations = {"eds.group": "web", "eds.port": "9090", "eds.health.tcp": "true", "eds.health.interval": "2s"}
+    ep = by_address(service(**annotations), load("slice-ipv4"))["127.0.0.2"]
+    assert ep.check == HealthSpec("tcp", interval=2.0)
+    out = service_endpoints(service(**{**annotations, "eds.health.interval": "soon"}), [load("slice-ipv4")], "eds")
+    assert out.pairs == [] and "annotation eds.health.interval: 'soon' is not a duration" in str(out.warnings)

@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from eds_server.encode import encode_group
+from eds_server.health.spec import HealthSpec
 from eds_server.model import Endpoint, Group
 from eds_server.registration_api import add_routes
 from eds_server.sources.registrations import RegistrationSource, RegistrationStateError
@@ -212,6 +213,13 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ("ttl negative", ep(1, ttl=-1), "ttl"),
     ("ttl string", ep(1, ttl="30"), "ttl"),
     ("ttl over a day", ep(1, ttl=86_401), "ttl"),
+    ("health check not an object", ep(1, health_check="/health"), "health_check"),
+    ("health check kind", ep(1, health_check={"htpp": "/health"}), "health_check.htpp"),
+    (
+        "health check threshold",
+        ep(1, health_check={"tcp": True, "unhealthy_threshold": 0}),
+        "health_check.unhealthy_threshold",
+    ),
 ]
 
 
@@ -837,3 +845,18 @@ async def test_a_real_server_writes_the_audit_line_as_json(tmp_path: Path) -> No
     ]
     assert all(x["level"] == "info" and x["id"] == "vm-1" and x["group"] == "web" for x in lines)
     assert TOKEN not in server.log_text() and "not-the-token" not in server.log_text()
+
+
+async def test_a_health_check_is_registered_kept_across_a_restart_and_shown(state: Path) -> None:
+    state.parent.mkdir()
+    check = {"http": "/health", "interval": "1s", "timeout": "500ms", "unhealthy_threshold": 2,
+             "expected_statuses": [200, "300-302"]}  # fmt: skip
+    want = HealthSpec("http", path="/health", interval=1.0, timeout=0.5, unhealthy_threshold=2,
+                      expected_statuses=((200, 200), (300, 302)))  # fmt: skip
+    async with serving(state) as s:
+        answer = await s.put("web", "a", ep(80, health_check=check))
+        assert answer.status == 201, answer.body
+        assert answer.body["health_check"]["http"] == "/health"
+        assert s.store.get("web").group.endpoints[0].check == want
+    async with serving(state) as s:  # read back from the state file
+        assert s.store.get("web").group.endpoints[0].check == want

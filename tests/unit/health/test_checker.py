@@ -1,0 +1,156 @@
+"""The checker over a real store, with a scripted probe: thresholds reach the served health, the
+source's health combines with the check's, one target per endpoint, and fail static."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from eds_server.encode import encode_group
+from eds_server.health.checker import Checker
+from eds_server.health.spec import HealthSpec
+from eds_server.health.tracker import Result
+from eds_server.model import Endpoint, Group, Health
+from eds_server.store import Store
+from tests.support.waiting import wait_for
+
+SPEC = HealthSpec("http", path="/health", interval=0.1, timeout=0.05, healthy_threshold=2, unhealthy_threshold=2)
+
+
+class Script:
+    """Answers per port: True passes, False fails; counts the checks. `late` ports fail as a check
+    whose timeout fired long after it was due (a starved loop)."""
+
+    def __init__(self) -> None:
+        self.up: dict[int, bool] = {}
+        self.late: set[int] = set()
+        self.calls: Counter[int] = Counter()
+
+    async def probe(self, address: str, port: int, spec: HealthSpec) -> Result:
+        self.calls[port] += 1
+        if port in self.late:
+            return Result(False, "timed out after 0.05s", 10 * spec.timeout + 1, time.time())
+        ok = self.up.get(port, True)
+        return Result(ok, "HTTP 200" if ok else "HTTP 500", 0.001, time.time())
+
+
+def endpoints(*ports: int, health: Health = Health.UNKNOWN, check: HealthSpec | None = SPEC) -> tuple[Endpoint, ...]:
+    return tuple(Endpoint("127.0.0.1", p, health=health, check=check) for p in ports)
+
+
+@asynccontextmanager
+async def running(groups: dict[str, Group]) -> AsyncIterator[tuple[Store, Checker, Script]]:
+    store = Store(encode_group)
+    store.add_source("file")
+    script = Script()
+    checker = Checker(store, probe=script.probe)
+    store.update("file", groups)
+    stop = asyncio.Event()
+    task = asyncio.create_task(checker.run(stop))
+    try:
+        yield store, checker, script
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+def health(store: Store, name: str) -> dict[int, Health]:
+    return {ep.port: ep.health for ep in store.resources()[name].group.endpoints}
+
+
+async def test_fall_and_rise_reach_what_is_served(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "eds_server.health")
+    async with running({"web": Group("web", endpoints(1, 2, 3))}) as (store, checker, script):
+        await wait_for(lambda: health(store, "web"), lambda h: set(h.values()) == {Health.HEALTHY}, timeout=5)
+        version = store.get("web").version
+        script.up[2] = False
+        await wait_for(lambda: health(store, "web")[2], lambda h: h == Health.UNHEALTHY, timeout=5)
+        assert store.get("web").version != version
+        assert script.calls[2] >= 2  # never on the first failure: unhealthy_threshold is 2
+        script.up[2] = True
+        await wait_for(lambda: health(store, "web")[2], lambda h: h == Health.HEALTHY, timeout=5)
+        lines = [r.getMessage() for r in caplog.records if "endpoint 127.0.0.1:2" in r.getMessage()]
+        assert lines == [
+            "health: group web endpoint 127.0.0.1:2: healthy -> unhealthy (HTTP 500, http /health every 0.1s, "
+            "2 in a row)",
+            "health: group web endpoint 127.0.0.1:2: unhealthy -> healthy (HTTP 200, http /health every 0.1s, "
+            "2 in a row)",
+        ]
+        last = checker.last_check("127.0.0.1", 2, SPEC)
+        assert last is not None and last["result"] == "pass" and last["checked"] == "healthy"
+        assert checker.checks[("http", "fail")] >= 2 and checker.status()["last_error"] is None
+
+
+async def test_source_health_combines_worse_wins_draining_stays() -> None:
+    eps = (*endpoints(1, health=Health.DRAINING), *endpoints(2, health=Health.DEGRADED), *endpoints(3))
+    plain = endpoints(4, check=None)
+    async with running({"web": Group("web", (*eps, *plain))}) as (store, _, script):
+        script.up.update({1: False, 2: True, 3: True, 4: False})
+        await wait_for(lambda: health(store, "web"), lambda h: h[3] == Health.HEALTHY, timeout=5)
+        assert health(store, "web") == {1: Health.DRAINING, 2: Health.DEGRADED, 3: Health.HEALTHY, 4: Health.UNKNOWN}
+        assert script.calls[4] == 0  # no check, no probe
+
+
+async def test_one_target_per_endpoint_across_groups_and_gone_with_it() -> None:
+    groups = {"a": Group("a", endpoints(1)), "b": Group("b", endpoints(1))}
+    async with running(groups) as (store, checker, script):
+        await wait_for(lambda: script.calls[1], lambda n: n >= 3, timeout=5)
+        assert len(list(checker.targets())) == 1
+        store.update("file", {"a": Group("a", endpoints(1))})
+        await wait_for(lambda: len(list(checker.targets())), lambda n: n == 1, timeout=5)
+        store.update("file", {})
+        await wait_for(lambda: len(list(checker.targets())), lambda n: n == 0, timeout=5)
+        calls = script.calls[1]
+        await asyncio.sleep(0.3)
+        assert script.calls[1] <= calls + 1  # at most the one already running
+
+
+async def test_new_endpoint_checked_at_once_and_out_after_its_threshold() -> None:
+    async with running({"web": Group("web", endpoints(1))}) as (store, _, script):
+        await wait_for(lambda: health(store, "web"), lambda h: h[1] == Health.HEALTHY, timeout=5)
+        script.up[2] = False
+        store.update("file", {"web": Group("web", endpoints(1, 2))})
+        await wait_for(lambda: health(store, "web"), lambda h: h[2] == Health.UNHEALTHY, timeout=5)
+        assert script.calls[2] == SPEC.unhealthy_threshold  # checked at once, then every interval
+
+
+async def test_every_check_failing_at_once_is_the_checker_cut_off() -> None:
+    async with running({"web": Group("web", endpoints(1, 2)), "api": Group("api", endpoints(3))}) as (
+        store, checker, script,
+    ):  # fmt: skip
+        await wait_for(lambda: health(store, "web") | health(store, "api"),
+                       lambda h: set(h.values()) == {Health.HEALTHY}, timeout=5)  # fmt: skip
+        script.up.update({1: False, 2: False, 3: False})  # the checker's network gone
+        await wait_for(checker.status, lambda s: s["last_error"], timeout=5)
+        await wait_for(lambda: min(script.calls.values()), lambda n: n >= 8, timeout=5)
+        assert set((health(store, "web") | health(store, "api")).values()) == {Health.HEALTHY}
+        assert "cut off" in checker.status()["last_error"]
+        script.up.update({1: True, 3: True})  # back: port 2 really is down, and now says so
+        await wait_for(lambda: health(store, "web")[2], lambda h: h == Health.UNHEALTHY, timeout=5)
+        assert checker.status()["last_error"] is None
+        assert health(store, "web")[1] == Health.HEALTHY and health(store, "api")[3] == Health.HEALTHY
+
+
+async def test_a_starved_loop_is_not_the_backends_fault() -> None:
+    async with running({"web": Group("web", endpoints(1, 2))}) as (store, checker, script):
+        await wait_for(lambda: health(store, "web"), lambda h: set(h.values()) == {Health.HEALTHY}, timeout=5)
+        script.late.add(1)
+        await wait_for(lambda: checker.checks[("http", "starved")], lambda n: n >= 4, timeout=5)
+        assert health(store, "web")[1] == Health.HEALTHY
+
+
+async def test_an_edited_check_keeps_the_endpoints_checked_health() -> None:
+    async with running({"web": Group("web", endpoints(1, 2))}) as (store, checker, script):
+        script.up[2] = False
+        await wait_for(lambda: health(store, "web")[2], lambda h: h == Health.UNHEALTHY, timeout=5)
+        slower = dataclasses.replace(SPEC, interval=0.2)
+        store.update("file", {"web": Group("web", endpoints(1, 2, check=slower))})
+        await wait_for(lambda: {k[2] for k in checker.targets()}, lambda s: s == {slower}, timeout=5)
+        assert health(store, "web")[2] == Health.UNHEALTHY  # not back to the source's health meanwhile
