@@ -8,13 +8,16 @@ and after the heal TCP's retransmissions deliver what was sent). Only 127.0.0.1 
 etcd's watches can be singled out: a connection that carries `POST /v3/watch` (a watch holds its
 connection until it ends) is a watch's. `freeze_watches()` holds what etcd sends on them, `cut_watches()`
 resets them and every new one, until `heal()`; the other calls (writes, reads, leases) still go
-through, so a replica's writes succeed while its view stands still.
+through, so a replica's writes succeed while its view stands still. `lose_answers(share)` resets, until
+`heal()`, that share of the other connections just as etcd's answer arrives (the request was
+served, the answer never comes: a change that may or may not have been made, as clients see it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import struct
 from collections.abc import Sequence
@@ -26,6 +29,9 @@ class TcpProxy:
         self.ports: list[int] = []  # where the proxy listens, one per target, in the same order
         self.mode = "pass"
         self.watch_mode = "pass"  # or "freeze", "cut": for watch connections only
+        self.losing = 0.0  # the share of answers (not a watch's) lost, by a reset as they arrive
+        self.lost_answers = 0
+        self._rng = random.Random(0)
         self.connections = 0
         self.watch_connections = 0
         self.resets = 0
@@ -77,9 +83,14 @@ class TcpProxy:
             _abort(writer)
             self.resets += 1
 
+    def lose_answers(self, share: float, seed: int = 0) -> None:
+        self.losing = share
+        self._rng = random.Random(seed)
+
     def heal(self) -> None:
         self.mode = "pass"
         self.watch_mode = "pass"
+        self.losing = 0.0
         self._flowing.set()
         self._watches_flowing.set()
 
@@ -127,6 +138,11 @@ class TcpProxy:
                 watch = ends[0] in self._watches
                 if watch and self.watch_mode == "cut":
                     self.resets += 1
+                    for end in ends:
+                        _abort(end)
+                    return
+                if back and not watch and self.losing and self._rng.random() < self.losing:
+                    self.lost_answers += 1
                     for end in ends:
                         _abort(end)
                     return

@@ -93,3 +93,18 @@ async def test_freezes_or_cuts_only_the_connections_that_carry_a_watch() -> None
         for w in (call_w, watch_w, again_w):
             with contextlib.suppress(OSError, ValueError):
                 w.close()
+
+
+async def test_loses_a_share_of_the_answers_after_the_request_went_through() -> None:
+    async with echo_server() as port, TcpProxy([port]) as proxy:
+        proxy.lose_answers(1.0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        writer.write(b"POST /v3/kv/txn HTTP/1.1\r\n")
+        await writer.drain()
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert proxy.lost_answers == 1
+        proxy.heal()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        assert await roundtrip(reader, writer, b"answered") == b"answered"
+        writer.close()
