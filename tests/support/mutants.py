@@ -222,8 +222,11 @@ def run(name: str | None) -> Outcome:
     lines = [line for line in out.splitlines() if line.startswith("history seed=")]
     errors = [line[4:].strip() for line in out.splitlines() if line.startswith("E   ")]
     why = errors[0] if errors else ""
-    if re.search(r"keys not linearizable: [1-9]", out):
-        why = "not linearizable: " + next(line for line in lines if re.search(r"not linearizable: [1-9]", line))
+    failed = [line for line in lines if re.search(r"keys not linearizable: [1-9]", line)]
+    if failed:
+        seed = failed[0].split()[1]
+        why = f"{seed}: " + ("NOT linearizable" if "(NOT linearizable)" in failed[0] else
+                             "the search ran out of budget (no verdict: the test fails)")  # fmt: skip
     if done.returncode not in (0, 1):
         raise RuntimeError(f"pytest exited with {done.returncode}:\n{out[-4000:]}")
     sys.stderr.write(out if done.returncode and not name else "\n".join(lines) + "\n")
