@@ -11,7 +11,8 @@ again in its module; the rest replace a function.
 
     python -m tests.support.mutants [NAME ...]   # or: make test-mutants
 
-runs the control, then each mutant, with a fixed budget (MUTANT_SEEDS, MUTANT_SECONDS), and prints a
+runs the control, then each mutant, with a fixed budget (MUTANT_SEEDS, MUTANT_SECONDS; failed runs'
+histories and logs kept under /tmp/eds-mutant-runs, EDS_HISTORY_DIR), and prints a
 table: killed (the test failed, and why) or SURVIVED. Exit status 1 if the control failed or a mutant
 survived.
 """
@@ -209,7 +210,8 @@ class Outcome:
 
 def run(name: str | None) -> Outcome:
     """The history test once, with `name` put back (None: the control)."""
-    env = {**os.environ, "EDS_HISTORY_SEEDS": MUTANT_SEEDS, "EDS_HISTORY_SECONDS": MUTANT_SECONDS}
+    env = {"EDS_HISTORY_DIR": "/tmp/eds-mutant-runs", **os.environ, "EDS_HISTORY_SEEDS": MUTANT_SEEDS,
+           "EDS_HISTORY_SECONDS": MUTANT_SECONDS}  # fmt: skip
     env.pop("EDS_HISTORY_MUTANT", None)
     if name:
         env["EDS_HISTORY_MUTANT"] = name

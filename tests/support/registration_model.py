@@ -22,6 +22,11 @@ there until that PUT's call + TTL, and must be gone once `gone_by(answer, ttl)` 
 answer + TTL + a bound, which the history test stretches over the faults that may delay a lease's
 end). Expiry is a step the search may take before any operation whose interval allows it; a write
 whose answer was lost never has to expire (it may have been applied at any time later).
+`paused`: windows (from an etcd member's SIGSTOP to a bound past its SIGCONT) in which etcd's leases
+are not linearizable: a leader resumed from SIGSTOP still answers keep-alives from its own lease
+table, and revokes what it believes expired, until it learns another leader took over. A renewal
+made in such a window promises nothing, and a lease set before one closed may end at any time after
+it opened, until it is set again.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ from dataclasses import dataclass, field, replace
 from tests.support.linearizability import INFINITY, Model, Operation
 
 Value = tuple[int, int | None]  # (port, ttl): what a client PUT and what a GET shows
-# (port, ttl, renewed, answered): the registration, the call and answer times of the write or renewal
-# that last set its lease (answered: INFINITY when that answer was lost); None: nothing under the key
-State = tuple[int, int | None, float, float] | None
+# (port, ttl, granted, renewed, answered): the registration, the call of the write that may have
+# granted its lease, the call and answer times of the write or renewal that last set it (answered:
+# INFINITY when that answer was lost); None: nothing under the key
+State = tuple[int, int | None, float, float, float] | None
 ALWAYS = (-math.inf, math.inf)
 EXPIRY_BOUND = 3.0  # seconds past answer + TTL by which etcd has ended a lease (its lessor looks every 0.5 s)
 
@@ -76,22 +82,35 @@ def default_gone_by(answered: float, ttl: int) -> float:
     return answered + ttl + EXPIRY_BOUND
 
 
-def stepper(gone_by: Callable[[float, int], float]) -> Callable[[State, Input, object], Iterable[State]]:
+def stepper(gone_by: Callable[[float, int], float], paused: Sequence[tuple[float, float]] = (),
+            ) -> Callable[[State, Input, object], Iterable[State]]:  # fmt: skip
     """The model's step, with `gone_by(answered, ttl)`: the time by which a lease set by a write
-    answered at `answered` must have ended."""
+    answered at `answered` must have ended, and `paused` (see the module's docstring)."""
 
     def before(state: State, window: tuple[float, float]) -> list[State]:
         """What the key may hold when an operation within `window` takes effect: expired or not."""
         if state is None or state[1] is None:
             return [state]
-        _, ttl, renewed, answered = state
+        _, ttl, granted, renewed, answered = state
         called, returned = window
-        may = renewed + ttl <= returned  # the lease may have ended before the operation's answer
+        # the lease may have ended before the operation's answer: in time, or early (a paused leader)
+        may = renewed + ttl <= returned or any(granted < end and renewed < end and start <= returned
+                                               for start, end in paused)  # fmt: skip
         must = called > gone_by(answered, ttl)  # it ended before the operation was made
         return [None] if must else [state, None] if may else [state]
 
     def step(state: State, input: Input, output: object) -> Iterable[State]:
-        return [s for held in before(state, input.window) for s in after(held, input, output)]
+        for held in before(state, input.window):
+            for new in after(held, input, output):
+                if (
+                    new is not None
+                    and held is not None
+                    and new[:2] == held[:2]
+                    and new[1] is not None
+                    and any(input.window[0] < end and start < input.window[1] for start, end in paused)
+                ):
+                    new = (*new[:3], held[3], new[4])  # a renewal in a paused window: not trusted to renew
+                yield new
 
     return step
 
@@ -99,7 +118,9 @@ def stepper(gone_by: Callable[[float, int], float]) -> Callable[[State, Input, o
 def after(state: State, input: Input, output: object) -> Iterable[State]:
     if isinstance(input, Put):
         called, returned = input.window
-        new = (input.port, input.ttl, called, math.inf if output == UNKNOWN else returned)
+        # the same registration again may be a renewal of the lease it is on: granted when that was
+        granted = state[2] if state is not None and state[:2] == (input.port, input.ttl) else called
+        new = (input.port, input.ttl, granted, called, math.inf if output == UNKNOWN else returned)
         if output == UNKNOWN:
             return [new]  # "did not happen" is the same operation linearized after everything
         if output == 201:
@@ -133,8 +154,8 @@ def by_key(history: Sequence[Operation]) -> list[list[Operation]]:
 def describe_state(state: State | Value) -> str:
     if state is None:
         return "<nothing>"
-    if len(state) == 4 and state[1] is not None:
-        return f"<port {state[0]} ttl {state[1]}, lease set in [{state[2]:.3f}, {state[3]:.3f}]>"
+    if len(state) == 5 and state[1] is not None:
+        return f"<port {state[0]} ttl {state[1]}, lease set in [{state[3]:.3f}, {state[4]:.3f}]>"
     return f"<port {state[0]} ttl {state[1]}>"
 
 
@@ -194,8 +215,9 @@ def checkable(records: Sequence[Record], stale_read_bound: float) -> list[Operat
     return ops
 
 
-def registration_model(gone_by: Callable[[float, int], float] = default_gone_by) -> Model[State]:
-    return Model(init=None, step=stepper(gone_by), partition=by_key, describe_operation=describe_operation,
+def registration_model(gone_by: Callable[[float, int], float] = default_gone_by,
+                       paused: Sequence[tuple[float, float]] = ()) -> Model[State]:  # fmt: skip
+    return Model(init=None, step=stepper(gone_by, paused), partition=by_key, describe_operation=describe_operation,
                  describe_state=describe_state)  # fmt: skip
 
 

@@ -33,6 +33,7 @@ from tests.support.registration_model import (
     Record,
     Value,
     checkable,
+    registration_model,
 )
 from tests.support.strategies import examples
 
@@ -260,6 +261,14 @@ def test_the_registration_model_judges_expiry_from_the_lease_a_write_or_renewal_
     # a renewal whose answer was lost may have kept it alive at any time since
     lost = Record("c3", "A", Put(k, 9001, ttl), UNKNOWN, 4.0, 4.1)
     assert verdict(lost, Record("c2", "C", Get(k), Read(200, (9001, ttl)), late, late + 0.1)) is Verdict.OK
+    # a renewal while an etcd leader was paused (from 2.9 to 3.2, and a bound) promises nothing, and
+    # a lease set before may end at any time after that began, until it is set again
+    paused = registration_model(paused=[(2.9, 3.2)])
+    early = checkable([*written, Record("c2", "C", Get(k), Read(404), 6.0, 6.5)], stale_read_bound=0)
+    assert check(paused, early).verdict is Verdict.OK
+    again = Record("c1", "B", Put(k, 9001, ttl), 200, 4.0, 4.1)  # renewed after the window: kept again
+    early = checkable([*written, again, Record("c2", "C", Get(k), Read(404), 6.0, 6.5)], stale_read_bound=0)
+    assert check(paused, early).verdict is Verdict.ILLEGAL
     # no TTL: never expires
     forever = [Record("c0", "A", Put(k, 9001, None), 201, 0.0, 0.5),
                Record("c1", "B", Get(k), Read(200, (9001, None)), 100.0, 100.5)]  # fmt: skip

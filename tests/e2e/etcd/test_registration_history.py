@@ -105,6 +105,7 @@ PORTS_PER_KEY = 6  # values to choose from: enough that a stale read rarely show
 TTL = 4  # seconds: leases end during a run (etcd's least is 2 s), and the model judges when
 # a key must be gone: its last acknowledged write or renewal's answer + TTL + EXPIRY_BOUND, + one more TTL
 # (a leader elected on a busy host restarts every lease), stretched over the faults in DELAYING_KINDS
+RESUMED_BOUND = 2.0  # seconds after SIGCONT a resumed etcd leader may still act as one
 EXPIRE_SECONDS = 2 * TTL + EXPIRY_BOUND + 10.0  # after the load: every TTL key gone within this
 # per seed with the nemesis: a seventh of what a 2-core host busy with other work does in the first
 # round of faults (about 2,200 and 1,000)
@@ -399,6 +400,15 @@ def gone_by(faults: list[Fault]) -> Callable[[float, int], float]:
     return by
 
 
+def paused(faults: list[Fault]) -> list[tuple[float, float]]:
+    """From each SIGSTOP of an etcd member to RESUMED_BOUND after its SIGCONT: a leader resumed from
+    SIGSTOP still serves keep-alives from its own lease table, and revokes the leases it believes
+    expired, until it learns of the new leader; etcd's leases are not linearizable there. (Without
+    this, a control run failed once: a renewal answered 200, then its key gone 1.2 s later, in a
+    seed with paused members.)"""
+    return [(f.start, f.end + RESUMED_BOUND) for f in faults if f.kind in ("stop-leader", "stop-member")]
+
+
 def history(rig: Rig, final: dict[str, Value], at: float) -> list[Operation]:
     """The records as the checker takes them, then etcd's own linearizable read of each key."""
     ops = checkable(rig.records, STALE_READ_SECONDS)
@@ -498,7 +508,7 @@ async def run(r: Rig, seconds: float, nemesis: bool) -> None:
     ops = history(r, final, time.monotonic())
     # a first look at every key (an anomaly is usually found within it), then the time left for any
     # key that needs a longer search to be proved linearizable
-    result = check(registration_model(gone_by(r.faults)), ops, max_steps=300_000, timeout=120)
+    result = check(registration_model(gone_by(r.faults), paused(r.faults)), ops, max_steps=300_000, timeout=120)
     outputs = collections.Counter(
         "failed" if rec.output is None else "unknown" if rec.output == UNKNOWN else "ok" for rec in r.records
     )
