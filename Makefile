@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-stock test-history lint protos bench wheel clean
+.PHONY: setup demo test test-fast test-stock test-history test-mutants lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "make setup: creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
@@ -33,6 +33,9 @@ test-stock: $(STAMP)  ## the gRPC, Envoy, frame guard, admission and HTTP/2 atta
 test-history: $(STAMP)  ## the registration history under faults, long: seeds 1-20, 60 s of load each (about 25 minutes; docs/registration-api.md)
 	EDS_HISTORY_SEEDS=$${EDS_HISTORY_SEEDS:-1-20} EDS_HISTORY_SECONDS=$${EDS_HISTORY_SECONDS:-60} \
 	EDS_HISTORY_DIR=$${EDS_HISTORY_DIR:-/tmp/eds-history-runs} $(PY) -m pytest -s tests/e2e/etcd/test_registration_history.py
+
+test-mutants: $(STAMP)  ## known etcd registration bugs put back one at a time (MUTANTS="a b" for some): the history test must fail on each, the control pass (tests/support/mutants.py)
+	$(PY) -m tests.support.mutants $(MUTANTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -52,8 +52,11 @@ class EdsServerProcess:
         workdir: Path | None = None,
         user: RunAs | None = None,
         open_files: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`open_files`: the server's open-file limit, soft and hard (util-linux ``prlimit``)."""
+        """`open_files`: the server's open-file limit, soft and hard (util-linux ``prlimit``); `env`:
+        the server's environment (default: the tests')."""
+        self.env = env
         self.upstreams = upstreams
         self.user = user
         self.open_files = open_files
@@ -78,7 +81,7 @@ class EdsServerProcess:
             "--admin", f"127.0.0.1:{self.admin_port}",
             *([] if "--log-level" in self.extra_args else ["--log-level", "debug"]),  # a flag is given once
             *self.extra_args,
-            stdout=self._log, stderr=self._log,
+            stdout=self._log, stderr=self._log, env=self.env,
         )  # fmt: skip
         if wait_ready:
             await self.wait_ready()

@@ -4,12 +4,20 @@ Each listener forwards to one target (127.0.0.1:port). `reset()` resets every co
 new one until `heal()` (a peer that went away, a firewall that rejects); `black_hole()` holds every
 byte, both ways, until `heal()`, then delivers it (a partition: nothing is refused, nothing arrives,
 and after the heal TCP's retransmissions deliver what was sent). Only 127.0.0.1 is ever connected to.
+
+etcd's watches can be singled out: a connection that carries `POST /v3/watch` (a watch holds its
+connection until it ends) is a watch's. `freeze_watches()` holds what etcd sends on them, `cut_watches()`
+resets them and every new one, until `heal()`; the other calls (writes, reads, leases) still go
+through, so a replica's writes succeed while its view stands still. `lose_answers(share)` resets, until
+`heal()`, that share of the other connections just as etcd's answer arrives (the request was
+served, the answer never comes: a change that may or may not have been made, as clients see it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import struct
 from collections.abc import Sequence
@@ -20,10 +28,18 @@ class TcpProxy:
         self.target_ports = list(target_ports)
         self.ports: list[int] = []  # where the proxy listens, one per target, in the same order
         self.mode = "pass"
+        self.watch_mode = "pass"  # or "freeze", "cut": for watch connections only
+        self.losing = 0.0  # the share of answers (not a watch's) lost, by a reset as they arrive
+        self.lost_answers = 0
+        self._rng = random.Random(0)
         self.connections = 0
+        self.watch_connections = 0
         self.resets = 0
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._watches_flowing = asyncio.Event()
+        self._watches_flowing.set()
+        self._watches: set[asyncio.StreamWriter] = set()  # both ends of each watch connection
         self._servers: list[asyncio.Server] = []
         self._open: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -56,9 +72,27 @@ class TcpProxy:
         self.mode = "black-hole"
         self._flowing.clear()
 
+    def freeze_watches(self) -> None:
+        self.watch_mode = "freeze"
+        self._watches_flowing.clear()
+
+    def cut_watches(self) -> None:
+        self.watch_mode = "cut"
+        self._watches_flowing.set()
+        for writer in list(self._watches):
+            _abort(writer)
+            self.resets += 1
+
+    def lose_answers(self, share: float, seed: int = 0) -> None:
+        self.losing = share
+        self._rng = random.Random(seed)
+
     def heal(self) -> None:
         self.mode = "pass"
+        self.watch_mode = "pass"
+        self.losing = 0.0
         self._flowing.set()
+        self._watches_flowing.set()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: int) -> None:
         if self.mode == "reset":
@@ -72,9 +106,10 @@ class TcpProxy:
             _abort(writer)
             return
         self._open |= {writer, up_writer}
+        ends = (writer, up_writer)
         try:
-            ways = ((reader, up_writer), (up_reader, writer))
-            pumps = [asyncio.create_task(self._pump(src, dst)) for src, dst in ways]
+            ways = ((reader, up_writer, False), (up_reader, writer, True))
+            pumps = [asyncio.create_task(self._pump(src, dst, ends, back)) for src, dst, back in ways]
             self._tasks.update(pumps)
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             for task in pumps:
@@ -84,17 +119,36 @@ class TcpProxy:
         finally:
             for w in (writer, up_writer):
                 self._open.discard(w)
+                self._watches.discard(w)
                 with contextlib.suppress(OSError, RuntimeError):
                     w.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    ends: tuple[asyncio.StreamWriter, asyncio.StreamWriter], back: bool) -> None:  # fmt: skip
+        """One way of a connection; `back`: etcd's answers (what a frozen watch holds)."""
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             for _ in range(1 << 40):  # until the connection ends
                 await self._flowing.wait()  # black-holed: read nothing, so the sender's buffers fill
                 data = await reader.read(65536)
                 if not data:
                     return
+                if not back and ends[0] not in self._watches and b"POST /v3/watch" in data:
+                    self._watches.update(ends)
+                    self.watch_connections += 1
+                watch = ends[0] in self._watches
+                if watch and self.watch_mode == "cut":
+                    self.resets += 1
+                    for end in ends:
+                        _abort(end)
+                    return
+                if back and not watch and self.losing and self._rng.random() < self.losing:
+                    self.lost_answers += 1
+                    for end in ends:
+                        _abort(end)
+                    return
                 await self._flowing.wait()  # what was read before the cut waits for the heal too
+                if watch and back:
+                    await self._watches_flowing.wait()  # a frozen watch: nothing of it arrives
                 writer.write(data)
                 await writer.drain()
 

@@ -22,6 +22,7 @@ from tests.support.linearizability import (
     deterministic,
 )
 from tests.support.registration_model import (
+    EXPIRY_BOUND,
     REGISTRATION_MODEL,
     UNKNOWN,
     Delete,
@@ -30,8 +31,9 @@ from tests.support.registration_model import (
     Put,
     Read,
     Record,
-    State,
+    Value,
     checkable,
+    registration_model,
 )
 from tests.support.strategies import examples
 
@@ -237,6 +239,50 @@ def test_an_operation_cannot_return_before_it_is_called() -> None:
     assert math.isinf(w(0, 1, 0).ret)
 
 
+def test_the_registration_model_judges_expiry_from_the_lease_a_write_or_renewal_set() -> None:
+    """A TTL of 4 s: a key must be there until its last acknowledged renewal's call + 4 s and gone
+    by that renewal's answer + 4 s + the bound; in between either is linearizable."""
+    k, ttl = "web/a", 4
+    written = [
+        Record("c0", "A", Put(k, 9001, ttl), 201, 0.0, 0.5),
+        Record("c1", "B", Put(k, 9001, ttl), 200, 3.0, 3.5),  # a renewal: the lease now ends in [7, 7.5]
+    ]
+
+    def verdict(*later: Record) -> Verdict:
+        return check(REGISTRATION_MODEL, checkable([*written, *later], stale_read_bound=0)).verdict
+
+    assert verdict(Record("c2", "C", Get(k), Read(200, (9001, ttl)), 6.0, 6.5)) is Verdict.OK
+    assert verdict(Record("c2", "C", Get(k), Read(404), 6.0, 6.5)) is Verdict.ILLEGAL  # the renewal not kept
+    assert verdict(Record("c2", "C", Put(k, 9002, ttl), 201, 5.0, 5.5)) is Verdict.ILLEGAL
+    assert verdict(Record("c2", "C", Get(k), Read(404), 7.2, 7.4)) is Verdict.OK  # expired, in time
+    assert verdict(Record("c2", "C", Get(k), Read(200, (9001, ttl)), 9.0, 9.5)) is Verdict.OK  # within the bound
+    late = 3.5 + ttl + EXPIRY_BOUND + 0.1
+    assert verdict(Record("c2", "C", Get(k), Read(200, (9001, ttl)), late, late + 0.1)) is Verdict.ILLEGAL
+    # a renewal whose answer was lost may have kept it alive at any time since
+    lost = Record("c3", "A", Put(k, 9001, ttl), UNKNOWN, 4.0, 4.1)
+    assert verdict(lost, Record("c2", "C", Get(k), Read(200, (9001, ttl)), late, late + 0.1)) is Verdict.OK
+    # a renewal while an etcd leader was paused (from 2.9 to 3.2, and a bound) promises nothing, and
+    # a lease set before may end at any time after that began, until it is set again
+    paused = registration_model(paused=[(2.9, 3.2)])
+    early = checkable([*written, Record("c2", "C", Get(k), Read(404), 6.0, 6.5)], stale_read_bound=0)
+    assert check(paused, early).verdict is Verdict.OK
+    again = Record("c1", "B", Put(k, 9001, ttl), 200, 4.0, 4.1)  # renewed after the window: kept again
+    early = checkable([*written, again, Record("c2", "C", Get(k), Read(404), 6.0, 6.5)], stale_read_bound=0)
+    assert check(paused, early).verdict is Verdict.ILLEGAL
+    # no TTL: never expires
+    forever = [Record("c0", "A", Put(k, 9001, None), 201, 0.0, 0.5),
+               Record("c1", "B", Get(k), Read(200, (9001, None)), 100.0, 100.5)]  # fmt: skip
+    assert check(REGISTRATION_MODEL, checkable(forever, stale_read_bound=0)).verdict is Verdict.OK
+
+
+def test_the_registration_model_rejects_answers_it_does_not_know() -> None:
+    """Not "no change": a 409, 422 or 500 on a write is not an answer the clients should ever get."""
+    k = "web/a"
+    for status in (400, 409, 422, 500):
+        ops = [Operation("c0", Put(k, 9001, None), 201, 0, 1), Operation("c1", Put(k, 9002, None), status, 2, 3)]
+        assert check(REGISTRATION_MODEL, ops).verdict is Verdict.ILLEGAL
+
+
 def simulate(seed: int, operations: int, lag: float, frozen: tuple[float, float] | None = None) -> list[Record]:
     """What the fault test records from a correct store: six clients, three replicas, two keys; each
     write takes effect at one point of its call, in one order; a replica's view is up to `lag`
@@ -254,7 +300,7 @@ def simulate(seed: int, operations: int, lag: float, frozen: tuple[float, float]
         key = rng.choice(["g/a", "g/b"])
         op: Input = rng.choice([Put(key, rng.choice([1, 2]), rng.choice([None, 60])), Delete(key), Get(key)])
         planned.append((rng.uniform(call, ret), f"c{client}", rng.choice("ABC"), op, call, ret))
-    changes: dict[str, list[tuple[float, State]]] = {"g/a": [(-math.inf, None)], "g/b": [(-math.inf, None)]}
+    changes: dict[str, list[tuple[float, Value | None]]] = {"g/a": [(-math.inf, None)], "g/b": [(-math.inf, None)]}
     acked: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (replica, key) -> (point, return)
     records = []
     for point, client, replica, op, call, ret in sorted(planned, key=lambda p: p[0]):
@@ -271,7 +317,7 @@ def simulate(seed: int, operations: int, lag: float, frozen: tuple[float, float]
         lost = rng.random() < 0.05
         if isinstance(op, Put):
             status = 201 if now is None else 200
-            after: State = (op.port, op.ttl)
+            after: Value | None = (op.port, op.ttl)
         else:
             status = 204 if now is not None else 404
             after = None
@@ -290,11 +336,11 @@ def test_a_correct_store_with_lagging_views_passes_as_the_fault_test_records_it(
     and rejects a view that stood still for longer than the bound."""
     records = simulate(seed, 1500, lag=0.5)
     for bound in (0.5, 6.0):  # 6 s: the fault test's, where each read may go before hundreds of writes
-        ops, _ = checkable(records, stale_read_bound=bound)
+        ops = checkable(records, stale_read_bound=bound)
         result = check(REGISTRATION_MODEL, ops, timeout=60)
         assert result.verdict is Verdict.OK, result.explain()
     stale = simulate(seed, 1500, lag=0.5, frozen=(2.0, 4.0))
-    assert check(REGISTRATION_MODEL, checkable(stale, stale_read_bound=0.5)[0], timeout=60).verdict is Verdict.ILLEGAL
+    assert check(REGISTRATION_MODEL, checkable(stale, stale_read_bound=0.5), timeout=60).verdict is Verdict.ILLEGAL
 
 
 def test_a_part_that_runs_out_of_steps_gets_ten_times_as_many_in_the_time_left() -> None:

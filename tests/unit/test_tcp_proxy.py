@@ -65,3 +65,46 @@ async def test_a_reset_ends_every_connection_and_refuses_new_ones_until_the_heal
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
         assert await roundtrip(reader, writer, b"again") == b"again"
         writer.close()
+
+
+async def test_freezes_or_cuts_only_the_connections_that_carry_a_watch() -> None:
+    async with echo_server() as port, TcpProxy([port]) as proxy:
+        call_r, call_w = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        watch_r, watch_w = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        assert await roundtrip(watch_r, watch_w, b"POST /v3/watch HTTP/1.1\r\n") == b"POST /v3/watch HTTP/1.1\r\n"
+        assert proxy.watch_connections == 1
+        proxy.freeze_watches()
+        assert await roundtrip(call_r, call_w, b"POST /v3/kv/txn HTTP/1.1\r\n") == b"POST /v3/kv/txn HTTP/1.1\r\n"
+        watch_w.write(b"more")
+        await watch_w.drain()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(watch_r.readexactly(4), 0.3)
+        proxy.heal()
+        assert await asyncio.wait_for(watch_r.readexactly(4), 5) == b"more"  # held, then delivered
+        proxy.cut_watches()
+        with contextlib.suppress(ConnectionResetError):  # reset: no bytes either way
+            assert await asyncio.wait_for(watch_r.read(), 5) == b""
+        assert await roundtrip(call_r, call_w, b"still") == b"still"
+        again_r, again_w = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        again_w.write(b"POST /v3/watch HTTP/1.1\r\n")
+        await again_w.drain()
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(again_r.read(), 5) == b""
+        for w in (call_w, watch_w, again_w):
+            with contextlib.suppress(OSError, ValueError):
+                w.close()
+
+
+async def test_loses_a_share_of_the_answers_after_the_request_went_through() -> None:
+    async with echo_server() as port, TcpProxy([port]) as proxy:
+        proxy.lose_answers(1.0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        writer.write(b"POST /v3/kv/txn HTTP/1.1\r\n")
+        await writer.drain()
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert proxy.lost_answers == 1
+        proxy.heal()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.ports[0])
+        assert await roundtrip(reader, writer, b"answered") == b"answered"
+        writer.close()
