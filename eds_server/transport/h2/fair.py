@@ -51,6 +51,9 @@ BYTE_ESTIMATE = 1e-7
 STREAM_ESTIMATE = 150e-6
 BUFFER_WATERMARK = 128 * 1024 * 1024  # bytes held unread server-wide before the largest holder is shed
 PREFACE = 24  # the client's connection preface, before its first frame
+# seconds until a deadline is checked again while the connection's input waits in the queue here:
+# a request (or a frame's rest) held by us is not late, whatever the clock says
+HELD_RECHECK = 0.1
 
 _LENGTH = struct.Struct(">I")  # a frame header's 24-bit length, read with the byte before it
 _DECAY = math.log(2) / COST_HALF_LIFE
@@ -74,12 +77,17 @@ class FrameCutter:
 
     def measured(self, seconds: float) -> None:
         """The last slice took `seconds`: the next may hold as many frames as that cost says fit in
-        SLICE_SECONDS (never fewer than SLICE_FRAMES, never more than SLICE_MAX_FRAMES)."""
+        SLICE_SECONDS (never fewer than SLICE_FRAMES, never more than SLICE_MAX_FRAMES). It grows
+        only from a full slice, and at most twice as big a slice: a connection's first cheap
+        frames (its SETTINGS) do not buy a burst of HEADERS a slice of hundreds."""
         count = self.count
-        if count:
-            fit = int(SLICE_SECONDS * count / seconds) if seconds > 0 else SLICE_MAX_FRAMES
-            self.frames = max(SLICE_FRAMES, min(SLICE_MAX_FRAMES, fit))
-            self.most = SLICE_BYTES if self.frames == SLICE_FRAMES else SLICE_MAX_BYTES
+        if not count:
+            return
+        fit = int(SLICE_SECONDS * count / seconds) if seconds > 0 else SLICE_MAX_FRAMES
+        if count < self.frames:
+            fit = min(fit, self.frames)  # a partial slice says nothing of a bigger one
+        self.frames = max(SLICE_FRAMES, min(SLICE_MAX_FRAMES, fit, 2 * self.frames))
+        self.most = SLICE_BYTES if self.frames == SLICE_FRAMES else SLICE_MAX_BYTES
 
     def cut(self, buf: bytes | bytearray, start: int) -> int:
         """The end of the next slice of `buf[start:]`: `start` when nothing can go yet."""
@@ -250,7 +258,7 @@ class ReadScheduler:
         self.turn_budget = turn_budget
         self.watermark = watermark
         self.clock = clock
-        self._call_soon = call_soon
+        self.call_soon = call_soon  # how a turn of the loop is asked for (None: the running loop's call_soon)
         self.spent = 0.0  # seconds of reading in this turn of the loop
         self.held = 0  # bytes received and not yet handed on, every connection's
         self._queue: list[tuple[float, int, MeteredInput]] = []
@@ -305,7 +313,7 @@ class ReadScheduler:
     def _turn(self) -> None:
         if not self._tick_due:
             self._tick_due = True
-            call_soon = self._call_soon or asyncio.get_running_loop().call_soon
+            call_soon = self.call_soon or asyncio.get_running_loop().call_soon
             call_soon(self._tick)
 
     def _tick(self) -> None:

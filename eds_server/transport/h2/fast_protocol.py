@@ -35,7 +35,7 @@ from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
 from .direct import window_update
-from .fair import STREAM_ESTIMATE, MeteredInput, TransportReading
+from .fair import HELD_RECHECK, STREAM_ESTIMATE, MeteredInput, TransportReading
 from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
@@ -142,6 +142,9 @@ class FastProtocol(TransportReading, H2Protocol):
         self._stall = None
         guard = self._guard
         if self._dead or guard.between_frames:
+            return
+        if self._input is not None and self._input.held:  # the rest may wait in our own queue
+            self._stall = asyncio.get_running_loop().call_later(HELD_RECHECK, self._check_stall, frames)
             return
         if guard.frames != frames:
             self._stall = asyncio.get_running_loop().call_later(
@@ -266,6 +269,9 @@ class FastProtocol(TransportReading, H2Protocol):
         h2 = self.h2
         timeout = self.gate.limits.request_timeout
         loop = asyncio.get_running_loop()
+        if self._input is not None and self._input.held:  # their requests may wait in our own queue
+            self._sweep = loop.call_later(HELD_RECHECK, self._sweep_held)
+            return
         now = loop.time()
         expired: list[int] = []
         for sid, (_, since) in h2.held.items():  # in opening order: the oldest first

@@ -35,7 +35,7 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .fair import STREAM_ESTIMATE, MeteredInput, TransportReading
+from .fair import HELD_RECHECK, STREAM_ESTIMATE, MeteredInput, TransportReading
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
@@ -350,6 +350,9 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             return
         limits, ledger = self.gate.limits, self._ledger
         tick = min(limits.request_timeout, limits.idle_timeout)
+        if self._input is not None and self._input.held:  # what is late may wait in our own queue
+            self._timer = asyncio.get_running_loop().call_later(HELD_RECHECK, self._check)
+            return
         if not self._guard.between_frames:  # a frame or header block begun: the same one as at the last check?
             same = self._stalled >= 0 and self._guard.frames == self._frames_at_check
             self._stalled = self._stalled + tick if same else 0.0

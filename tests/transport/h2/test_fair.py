@@ -191,15 +191,22 @@ def test_a_connection_of_cheap_frames_gets_bigger_slices_and_a_costly_one_small_
     slice that cost its frames dearly (HEADERS opening streams) brings the next back to SLICE_FRAMES."""
     cutter = FrameCutter(preface=0)
     data = b"".join(frame(DATA, 0, 1, b"x" * 20) for _ in range(300))
+    cutter.count = 1
+    cutter.measured(1e-6)  # one cheap frame (a SETTINGS) is no full slice: nothing grows
+    assert cutter.frames == SLICE_FRAMES
     assert cutter.cut(data, 0) == SLICE_FRAMES * 29 and cutter.count == SLICE_FRAMES
-    cutter.measured(SLICE_FRAMES * 2e-6)  # 2 us a frame
-    assert cutter.frames == SLICE_MAX_FRAMES
+    sizes = []
+    for _ in range(6):  # 2 us a frame: twice as big a slice each time, up to the most
+        cutter.count = cutter.frames
+        cutter.measured(cutter.frames * 2e-6)
+        sizes.append(cutter.frames)
+    assert sizes == [64, 128, 256, SLICE_MAX_FRAMES, SLICE_MAX_FRAMES, SLICE_MAX_FRAMES]
     assert cutter.cut(data, 0) == len(data) and cutter.count == 300
     cutter.measured(300 * 50e-6)  # 50 us a frame
     assert cutter.frames == SLICE_FRAMES
-    cutter.count = 100
-    cutter.measured(100 * SLICE_SECONDS / 100)  # exactly SLICE_SECONDS for 100 frames
-    assert cutter.frames == 100
+    cutter.count = 32
+    cutter.measured(32 * SLICE_SECONDS / 48)  # 48 frames' worth fit: grows to that, not to twice
+    assert cutter.frames == 48
 
 
 def test_work_charged_for_later_counts_in_the_slice_size() -> None:

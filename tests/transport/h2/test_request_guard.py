@@ -7,6 +7,7 @@ canary keeps getting its changes."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import types
@@ -16,7 +17,17 @@ import pytest
 from eds_server.transport.h2.limits import ConnectionLimits
 from tests.support.grpc_harness import serving
 from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc
-from tests.support.h2frames import END_HEADERS, GOAWAY, HEADERS, RST_STREAM, SETTINGS, WINDOW_UPDATE, frame, read_frames
+from tests.support.h2frames import (
+    END_HEADERS,
+    GOAWAY,
+    HEADERS,
+    PING,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+    read_frames,
+)
 from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, Conn, headers
 
 REFUSED_STREAM = 7
@@ -394,3 +405,24 @@ async def test_an_empty_data_frame_before_the_request_is_nothing(caplog: pytest.
         await client.response(sid, 1)
         assert client.status(sid) is None
     no_server_errors(caplog)
+
+
+async def test_a_request_waiting_in_our_own_read_queue_is_not_late() -> None:
+    """A stream whose HEADERS were read in one slice and whose request waits in the read scheduler's
+    queue (turns of the loop a second apart here, the request timeout half that) is served, not
+    timed out: what waits on our side is not the client's delay."""
+    async with serving(ConnectionLimits(request_timeout=0.5)) as (server, _, port), client_of(port) as client:
+        loop = asyncio.get_running_loop()
+        reads = server.gate.reads
+        reads.turn_budget = 1e-9  # one slice a turn
+        reads.call_soon = lambda f: loop.call_later(1.0, f)
+        sids, chunks = [], [frame(PING, 0, 0, b"12345678")]  # one frame first: a slice ends between a pair
+        for i in range(40):  # past one slice of frames: a stream's HEADERS in one, its request in the next
+            sid, opening = client.new_stream()
+            sids.append(sid)
+            chunks.append(opening + data(sid, grpc(first_request(f"n{i}", "web"))))
+        await client.send(b"".join(chunks))
+        assert await client.until(lambda: all(client.messages.get(s) for s in sids), wait=15), {
+            s: client.trailers.get(s) for s in sids if not client.messages.get(s)
+        }
+        assert server.refused["no_request"] == 0 and reads.deferred >= 1
