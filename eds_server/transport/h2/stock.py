@@ -37,6 +37,7 @@ from ...ratelimit import Bucket
 from .base import Framed, plain_status
 from .fair import STREAM_ESTIMATE, MeteredInput, TransportReading
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
+from .handlers import releasing
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 from .overload import STREAM_MEMORY
@@ -175,8 +176,9 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
                                  control=control, drop_unknown=True, on_frame=self._received,
                                  on_block=self._block, on_data=self._data, on_small=self._small)  # fmt: skip
         self._windows = SendWindows()
-        outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
-        self._tap = _Tap(self._transport, outbound)
+        self._outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False,
+                                    on_frame=self._sent)  # fmt: skip
+        self._tap = _Tap(self._transport, self._outbound)
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
@@ -432,6 +434,11 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self.inner.connection_lost(exc)
+        # what holds this protocol's methods, and is held by it (cycles), is let go: it all goes now
+        self._input = None
+        if self.peer is not None:
+            self._guard.unhook()
+            self._outbound.unhook()
 
 
 class StockServer(grpclib.server.Server):
@@ -454,7 +461,9 @@ class StockServer(grpclib.server.Server):
                         "its per-client limits (docs/limits.md)")  # fmt: skip
 
     def _protocol_factory(self) -> Any:  # grpclib's own, below the guard
-        return GuardedProtocol(super()._protocol_factory(), self.gate, self.max_message_size, self.budget)
+        inner = super()._protocol_factory()
+        inner.handler = releasing(self, inner.handler)
+        return GuardedProtocol(inner, self.gate, self.max_message_size, self.budget)
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StockIO:
         return StockIO(stream)
