@@ -10,7 +10,10 @@ tests/hostile/test_memory.py). And each call ended by a reset or by its connecti
 closing leaves a cycle, the stream's Wrapper holding the error it raised (`_error`), whose traceback
 holds the frame holding the Wrapper: freed only by a full collection, which a quiet server rarely
 runs. Here each task is dropped as it ends, with that error, and the Handler leaves the server's set
-once closed with no task left. Touches grpclib internals (private.py lists them).
+once closed with no task left. A call's task cancelled before it ran (its stream reset in the read
+that opened it) never released its stream: the request data it never read stayed charged to the
+connection's window (a client resetting such streams ran it dry for all its streams) and the stream
+in grpclib's table; it is released here. Touches grpclib internals (private.py lists them).
 """
 
 from __future__ import annotations
@@ -35,12 +38,17 @@ class ReleasingHandler(grpclib.server.Handler):
         self.server = server
 
     def accept(self, stream: grpclib.protocol.Stream, headers: _Headers, release_stream: Callable[[], Any]) -> None:
-        super().accept(stream, headers, release_stream)
-        self._tasks[stream].add_done_callback(functools.partial(self.ended, stream))
+        release = Release(release_stream)
+        super().accept(stream, headers, release)
+        self._tasks[stream].add_done_callback(functools.partial(self.ended, stream, release))
 
-    def ended(self, stream: grpclib.protocol.Stream, task: asyncio.Task[None]) -> None:
-        """A call's task ended: neither its stream nor the task are held any longer, nor the error
-        its Wrapper raised (a cycle through that error's traceback)."""
+    def ended(self, stream: grpclib.protocol.Stream, release: Release, task: asyncio.Task[None]) -> None:
+        """A call's task ended: its stream is released if the task never did (a task cancelled
+        before it ran, its stream reset in the same read that opened it: the request data it never
+        read was not given back to the connection's window, and the stream stayed in grpclib's
+        table); neither the stream nor the task are held any longer, nor the error its Wrapper
+        raised (a cycle through that error's traceback)."""
+        release()
         if self._tasks.get(stream) is task:
             del self._tasks[stream]
         self._cancelled.discard(task)
@@ -57,6 +65,21 @@ class ReleasingHandler(grpclib.server.Handler):
     def leave_if_done(self) -> None:
         if self.closing and not self._tasks and not self._cancelled:
             self.server._handlers.discard(self)
+
+
+class Release:
+    """grpclib's release_stream, called once: by the call's task as it ends, or after it."""
+
+    __slots__ = ("done", "release_stream")
+
+    def __init__(self, release_stream: Callable[[], Any]) -> None:
+        self.release_stream = release_stream
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.release_stream()
 
 
 def releasing(server: grpclib.server.Server, handler: grpclib.protocol.AbstractHandler) -> ReleasingHandler:
