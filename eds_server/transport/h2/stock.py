@@ -45,6 +45,12 @@ from .overload import STREAM_MEMORY
 log = logging.getLogger("eds_server.grpc")
 STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
 STOCK_MAX_STREAMS = 100  # h2's default SETTINGS_MAX_CONCURRENT_STREAMS, which grpclib's connections announce
+# streams of one address awaiting their first request, at most (below ConnectionLimits.pending_streams):
+# sixteen connections' worth here, as that limit is on the fast path. grpclib starts a handler (and
+# the EDS service a session) for each stream as it opens, ~10 KB a stream where the fast path holds an
+# h2 stream alone until the request begins: 150 connections of idle streams from one address took
+# the server to 200-330 MB, held until they timed out
+STOCK_PENDING_STREAMS = 16 * STOCK_MAX_STREAMS
 MAX_HEADER_LIST = 1 << 16  # bytes of a decoded header list: h2's own limit (its decoder's default)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
 _HEADERS, _RST, _SETTINGS = HeadersFrame.type, RstStreamFrame.type, SettingsFrame.type
@@ -271,7 +277,8 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             if why is not None:
                 return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
             peer = self.peer
-            if peer is not None and peer.pending > (most := peer.pending_room(self.gate.limits.pending_streams)):
+            bound = min(self.gate.limits.pending_streams, STOCK_PENDING_STREAMS)
+            if peer is not None and peer.pending > (most := peer.pending_room(bound)):
                 why = f"{peer.pending - 1} of its streams await a request (limit {most})"
                 return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)
         elif self._ledger.receiving(sid):  # trailers; HEADERS on a stream ended or closed are h2's to refuse
