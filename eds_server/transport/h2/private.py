@@ -112,8 +112,8 @@ TOUCHES: tuple[Touch, ...] = (
         "a call ended by a reset or its connection closing leaves its Wrapper's `_error` in a cycle "
         "through its traceback. Each task is dropped as it ends, and the Handler once it is closed",
         "memory: 100 connections of 100 request streams, opened and closed round after round, left "
-        "the server at 53 -> 275 -> 479 MB (fast) and 53 -> 285 -> 495 MB (stock) without it, "
-        "53 -> 237 -> 254 -> 255 and 53 -> 250 -> 267 -> 211 MB with it; "
+        "the server at 53 -> 274 -> 479 -> 462 MB (fast) and 53 -> 284 -> 495 -> 477 MB (stock) "
+        "without it, 53 -> 240 -> 256 -> 255 and 52 -> 256 -> 268 -> 265 MB with it; "
         "tests/transport/h2/test_closed_connections.py and tests/hostile/test_memory.py fail without it",
     ),
     Touch(
