@@ -28,7 +28,7 @@ test-fast: $(STAMP)  ## the inner loop (under a minute): all but real Envoy, Doc
 	EDS_HYPOTHESIS_SCALE=$${EDS_HYPOTHESIS_SCALE:-0.2} $(PY) -m pytest -q -n auto -m "$(FAST)"
 
 test-stock: $(STAMP)  ## the gRPC, Envoy, frame guard, admission and HTTP/2 attack tests again, on the stock HTTP/2 path (docs/limits.md)
-	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py
+	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py tests/hostile/test_memory.py tests/transport/h2/test_closed_connections.py
 
 test-history: $(STAMP)  ## the registration history under faults, long: seeds 1-20, 60 s of load each (about 25 minutes; docs/registration-api.md)
 	EDS_HISTORY_SEEDS=$${EDS_HISTORY_SEEDS:-1-20} EDS_HISTORY_SECONDS=$${EDS_HISTORY_SECONDS:-60} \

@@ -392,12 +392,8 @@ class _Session(SessionDriver):
                     return
                 self.state = _SENDING
                 ended = reader.done()
-                if ended:
-                    exc = reader.exception()
-                    if isinstance(exc, ProtocolError):
-                        raise GRPCError(Status[exc.status], exc.message)
-                    if exc is not None:
-                        raise exc
+                if ended and (failure := _failure(reader)) is not None:
+                    raise failure
                 if self._handed is not None:
                     handed, self._handed = self._handed, None
                     await self._send(*handed)
@@ -411,6 +407,11 @@ class _Session(SessionDriver):
             reader.cancel()
             if reader.done() and not reader.cancelled():
                 reader.exception()  # retrieved: raised above, or moot once the call ends
+            # A failed or cancelled reader keeps its error, whose traceback holds the frames that
+            # hold this session (and, raised here, this frame too): no reference back to the task,
+            # so the stream's objects go as the call ends, not at the collector's next full pass.
+            self._reader = self._handed = None
+            reader = failure = None  # type: ignore[assignment]
 
     def _reader_done(self, _: asyncio.Task[None]) -> None:
         """The reader ended (the client's side closed, or it failed): the task finds out which."""
@@ -429,6 +430,14 @@ class _Session(SessionDriver):
             self.service.observers.stopped_reading(self)
             raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
         self.service.observers.responded(self, resources)
+
+
+def _failure(reader: asyncio.Task[None]) -> BaseException | None:
+    """What a finished reader failed with, as the call should end."""
+    exc = reader.exception()
+    if isinstance(exc, ProtocolError):
+        return GRPCError(Status[exc.status], exc.message)
+    return exc
 
 
 class _HeapTrimOnFirstRequest(StreamObserver):

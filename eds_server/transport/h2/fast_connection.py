@@ -119,10 +119,12 @@ class GuardedH2Connection(H2Connection):
                     self.on_calm(str(e))
 
     def forget(self) -> None:
-        """The connection is gone: its streams no longer await a request."""
+        """The connection is gone: its streams no longer await a request, and its hooks (bound to
+        the protocol, which holds this connection: a cycle) are let go, so both go as it closes."""
         self.peer.pending -= len(self.awaiting)
         self.awaiting.clear()
         self.held.clear()
+        self.on_calm, self.on_active, self.on_shed = None, _nothing, _ignore
 
     def _charge(self, frame: Frame) -> None:
         peer = self.peer

@@ -492,6 +492,7 @@ class FastProtocol(TransportReading, H2Protocol):
             self.open.discard(self)
         if self._input is not None:
             self._input.close()
+            self._input = None  # it holds this protocol (a cycle)
         if self._peer_budgets is None:
             return
         h2 = self.h2

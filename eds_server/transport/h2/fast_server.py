@@ -43,6 +43,7 @@ from .fast_writer import (
     queue_message,
     send_frames,
 )
+from .handlers import releasing
 from .limits import ConnectionLimits, Gate, fit_to_file_limit
 
 __all__ = ["FastIO", "MessageReader", "Server", "limited_handler", "short_frame_reprs"]
@@ -130,7 +131,7 @@ class Server(grpclib.server.Server):
 
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
-        mine = FastProtocol(protocol.handler, protocol.config, protocol.h2_config)
+        mine = FastProtocol(releasing(self, protocol.handler), protocol.config, protocol.h2_config)
         mine.gate = self.gate
         mine.flusher = self.flusher
         mine.open = self.open  # joined once admitted (a failed TLS handshake never is, nor ever leaves)

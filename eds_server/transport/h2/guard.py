@@ -143,6 +143,11 @@ class FrameGuard:
         self._small_frame: tuple[int, int, int] | None = None  # the one being read
         self._small = bytearray()
 
+    def unhook(self) -> None:
+        """The connection is gone: its hooks (bound to the protocol that holds this guard, a cycle)
+        are let go, so both go as it closes."""
+        self.on_frame = self.on_block = self.on_data = self.on_small = None
+
     def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes | bytearray | memoryview, Refusal | None]:
         """What to pass on of `data` (`data` itself unless frames are left out, or a frame header
         split across reads is held back until its type is known), and the refusal if a frame

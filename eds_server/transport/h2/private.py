@@ -105,6 +105,19 @@ TOUCHES: tuple[Touch, ...] = (
     ),
     Touch(
         "grpclib",
+        ("_handlers", "_tasks", "_cancelled", "_error"),
+        ("handlers",),
+        "grpclib keeps each connection's Handler in its server's `_handlers`, and the Handler its "
+        "calls' tasks in `_tasks` and `_cancelled`, pruned only every tenth new connection or call; "
+        "a call ended by a reset or its connection closing leaves its Wrapper's `_error` in a cycle "
+        "through its traceback. Each task is dropped as it ends, and the Handler once it is closed",
+        "memory: 100 connections of 100 request streams, opened and closed round after round, left "
+        "the server at 53 -> 274 -> 479 -> 462 MB (fast) and 53 -> 284 -> 495 -> 477 MB (stock) "
+        "without it, 53 -> 240 -> 256 -> 255 and 52 -> 256 -> 268 -> 265 MB with it; "
+        "tests/transport/h2/test_closed_connections.py and tests/hostile/test_memory.py fail without it",
+    ),
+    Touch(
+        "grpclib",
         ("_server", "_server_closed_fut"),
         ("fast_server",),
         "start() as grpclib's, plus a TLS handshake timeout and a listening socket handed over by "

@@ -37,6 +37,7 @@ from ...ratelimit import Bucket
 from .base import Framed, plain_status
 from .fair import HELD_RECHECK, STREAM_ESTIMATE, MeteredInput, TransportReading
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
+from .handlers import releasing
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 from .overload import STREAM_MEMORY
@@ -44,6 +45,12 @@ from .overload import STREAM_MEMORY
 log = logging.getLogger("eds_server.grpc")
 STOCK_MAX_FRAME = 16_384  # h2's default SETTINGS_MAX_FRAME_SIZE, which grpclib's connections announce
 STOCK_MAX_STREAMS = 100  # h2's default SETTINGS_MAX_CONCURRENT_STREAMS, which grpclib's connections announce
+# streams of one address awaiting their first request, at most (below ConnectionLimits.pending_streams):
+# sixteen connections' worth here, as that limit is on the fast path. grpclib starts a handler (and
+# the EDS service a session) for each stream as it opens, ~10 KB a stream where the fast path holds an
+# h2 stream alone until the request begins: 150 connections of idle streams from one address took
+# the server to 200-330 MB, held until they timed out
+STOCK_PENDING_STREAMS = 16 * STOCK_MAX_STREAMS
 MAX_HEADER_LIST = 1 << 16  # bytes of a decoded header list: h2's own limit (its decoder's default)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
 _HEADERS, _RST, _SETTINGS = HeadersFrame.type, RstStreamFrame.type, SettingsFrame.type
@@ -175,8 +182,9 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
                                  control=control, drop_unknown=True, on_frame=self._received,
                                  on_block=self._block, on_data=self._data, on_small=self._small)  # fmt: skip
         self._windows = SendWindows()
-        outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
-        self._tap = _Tap(self._transport, outbound)
+        self._outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False,
+                                    on_frame=self._sent)  # fmt: skip
+        self._tap = _Tap(self._transport, self._outbound)
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
@@ -269,7 +277,8 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             if why is not None:
                 return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
             peer = self.peer
-            if peer is not None and peer.pending > (most := peer.pending_room(self.gate.limits.pending_streams)):
+            bound = min(self.gate.limits.pending_streams, STOCK_PENDING_STREAMS)
+            if peer is not None and peer.pending > (most := peer.pending_room(bound)):
                 why = f"{peer.pending - 1} of its streams await a request (limit {most})"
                 return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)
         elif self._ledger.receiving(sid):  # trailers; HEADERS on a stream ended or closed are h2's to refuse
@@ -435,6 +444,11 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self.inner.connection_lost(exc)
+        # what holds this protocol's methods, and is held by it (cycles), is let go: it all goes now
+        self._input = None
+        if self.peer is not None:
+            self._guard.unhook()
+            self._outbound.unhook()
 
 
 class StockServer(grpclib.server.Server):
@@ -457,7 +471,9 @@ class StockServer(grpclib.server.Server):
                         "its per-client limits (docs/limits.md)")  # fmt: skip
 
     def _protocol_factory(self) -> Any:  # grpclib's own, below the guard
-        return GuardedProtocol(super()._protocol_factory(), self.gate, self.max_message_size, self.budget)
+        inner = super()._protocol_factory()
+        inner.handler = releasing(self, inner.handler)
+        return GuardedProtocol(inner, self.gate, self.max_message_size, self.budget)
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StockIO:
         return StockIO(stream)

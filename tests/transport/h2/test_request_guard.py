@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import types
 
 import pytest
 
 from eds_server.transport.h2.limits import ConnectionLimits
+from eds_server.transport.h2.stock import STOCK_MAX_STREAMS, STOCK_PENDING_STREAMS
 from tests.support.grpc_harness import serving
 from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc
 from tests.support.h2frames import (
@@ -29,6 +31,7 @@ from tests.support.h2frames import (
     read_frames,
 )
 from tests.support.hostile_clients import MALFORMED, PROTOCOL_ERROR, Conn, headers
+from tests.support.waiting import wait_for
 
 REFUSED_STREAM = 7
 ENHANCE_YOUR_CALM = 11
@@ -426,3 +429,25 @@ async def test_a_request_waiting_in_our_own_read_queue_is_not_late() -> None:
             s: client.trailers.get(s) for s in sids if not client.messages.get(s)
         }
         assert server.refused["no_request"] == 0 and reads.deferred >= 1
+
+
+@pytest.mark.skipif(os.environ.get("EDS_HTTP2") != "stock", reason="the stock path's own bound (make test-stock)")
+async def test_the_stock_path_holds_sixteen_connections_of_streams_awaiting_a_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the stock path grpclib starts a handler, and the service a session, for each stream as it
+    opens: an address's streams awaiting a request are bounded by sixteen connections' worth there
+    (1,600), not the fast path's 16,384, where each costs an h2 stream alone. The budgets' clock is
+    the test's (a loaded host's pauses refill nothing); the stream budget is large, so that the bound
+    does not shrink as the refused streams are charged."""
+    monkeypatch.setattr("eds_server.ratelimit.time", types.SimpleNamespace(monotonic=lambda: 1000.0))
+    async with serving(ConnectionLimits(stream_budget=100_000)) as (server, _, port):
+        conns = [await Conn.open(port, "127.0.0.9") for _ in range(STOCK_PENDING_STREAMS // STOCK_MAX_STREAMS + 1)]
+        try:
+            for conn in conns:
+                await conn.send(b"".join(conn.open_stream()[1] for _ in range(STOCK_MAX_STREAMS)))
+            await wait_for(lambda: server.refused["pending_streams"] == STOCK_MAX_STREAMS, what=str(server.refused))
+            assert server.gate.peers["127.0.0.9"].pending == STOCK_PENDING_STREAMS
+        finally:
+            for conn in conns:
+                conn.close()
