@@ -423,6 +423,9 @@ class FastProtocol(TransportReading, H2Protocol):
         if not self._dead:
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
 
+    def awaiting(self) -> int:
+        return len(self.h2.awaiting) if self._peer_budgets is not None else 0
+
     def memory(self) -> int:
         """Bytes it holds, as estimated (for the memory watermark's choice of whom to close)."""
         if self._peer_budgets is None or self._transport is None:

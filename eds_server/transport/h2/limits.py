@@ -100,6 +100,9 @@ class Holder(Protocol):
     def memory(self) -> int:
         """Bytes it holds, as estimated: unread input, unsent output, its streams (overload.py)."""
 
+    def awaiting(self) -> int:
+        """Its streams opened that have sent no request yet (overload.py)."""
+
 
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""

@@ -12,6 +12,12 @@ for the one resource that kills us:
   a spent stream budget does), until memory is below PRESSURE again;
 - at the limit, that address's heaviest connection is closed (GOAWAY NO_ERROR), one per check,
   while memory stays above it.
+Streams opened that have sent no request yet are bounded server-wide the same way: each is an h2
+stream (and on the stock path a handler) held for nothing, and thousands of fresh addresses each
+under their own bound held half a million of them (350 MB). Past AWAITING_WATERMARK the connection
+holding the most gives way (GOAWAY NO_ERROR), until the total is under it again; an Envoy sends its
+request with its stream, so it holds few.
+
 Each action is logged and counted as `overload` with the address it hit. Sans-IO: the clock is the
 caller's (App.start checks every CHECK_INTERVAL), the resident size comes from a function.
 """
@@ -27,6 +33,9 @@ from .limits import Gate, PeerBudgets
 CHECK_INTERVAL = 0.5  # seconds between checks of the resident size
 PRESSURE = 0.85  # of the limit: the heaviest address opens no new stream
 STREAM_MEMORY = 16 * 1024  # bytes a stream holds, as estimated (the bench measures ~20 KB per stream)
+# streams awaiting their first request, server-wide: two addresses' worth of the per-address bound
+# (16,384), where an Envoy's streams carry their request from the start
+AWAITING_WATERMARK = 32_768
 
 
 def process_rss() -> int:
@@ -62,9 +71,11 @@ def weight(peer: PeerBudgets) -> int:
 class MemoryWatermark:
     """One server's watermark (see the module's docstring)."""
 
-    def __init__(self, gate: Gate, limit: int, rss: Callable[[], int] = process_rss) -> None:
+    def __init__(self, gate: Gate, limit: int, rss: Callable[[], int] = process_rss,
+                 awaiting_watermark: int = AWAITING_WATERMARK) -> None:  # fmt: skip
         self.gate = gate
         self.limit = limit
+        self.awaiting_watermark = awaiting_watermark
         self.rss = rss
         self.throttled: PeerBudgets | None = None
         # what it did: addresses refused new streams, connections closed
@@ -72,6 +83,7 @@ class MemoryWatermark:
         self.closed = 0
 
     def check(self) -> None:
+        self._streams()
         rss = self.rss()
         if rss < self.limit * PRESSURE:
             self._throttle(None)
@@ -97,6 +109,24 @@ class MemoryWatermark:
             why = f"server memory at {mb:.0f} MB, over its limit, and {heaviest.ip} holds the most"
             self.gate.release(heaviest, holder)
             self.gate.shed("overload", heaviest.ip, f"closing its heaviest connection (GOAWAY): {why}")
+            holder.give_way(why)
+
+    def _streams(self) -> None:
+        """Past the watermark of streams awaiting a request, the connections holding the most of
+        them give way, the heaviest first, until the total is under it."""
+        peers = self.gate.peers.values()
+        total = sum(p.pending for p in peers)
+        if total <= self.awaiting_watermark:
+            return
+        holders = sorted(((h.awaiting(), peer, h) for peer in peers for h in peer.held), key=lambda x: -x[0])
+        for held, peer, holder in holders:
+            if total <= self.awaiting_watermark or not held:
+                break
+            total -= held
+            self.closed += 1
+            why = f"{total + held} streams await a request server-wide (limit {self.awaiting_watermark})"
+            self.gate.release(peer, holder)
+            self.gate.shed("overload", peer.ip, f"closing its connection holding {held} of them (GOAWAY): {why}")
             holder.give_way(why)
 
     def _throttle(self, peer: PeerBudgets | None) -> None:

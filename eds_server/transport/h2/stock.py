@@ -152,6 +152,9 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
     def give_way(self, why: str) -> None:
         self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
 
+    def awaiting(self) -> int:
+        return len(self._ledger.awaiting) if self.peer is not None else 0
+
     def memory(self) -> int:
         if self._transport is None or self.peer is None:
             return 0

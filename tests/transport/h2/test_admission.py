@@ -49,6 +49,9 @@ class FakeConnection:
     def memory(self) -> int:
         return 0
 
+    def awaiting(self) -> int:
+        return 0
+
     def __repr__(self) -> str:
         return self.name
 

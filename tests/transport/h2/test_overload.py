@@ -13,8 +13,8 @@ MB = 1 << 20
 
 
 class Holding:
-    def __init__(self, memory: int) -> None:
-        self.held, self.gone = memory, ""
+    def __init__(self, memory: int, awaiting: int = 0) -> None:
+        self.held, self.gone, self.streams = memory, "", awaiting
 
     def busy(self) -> bool:
         return True
@@ -24,6 +24,9 @@ class Holding:
 
     def memory(self) -> int:
         return self.held
+
+    def awaiting(self) -> int:
+        return self.streams
 
 
 def test_the_heaviest_address_opens_no_stream_under_pressure_and_gives_way_past_the_limit() -> None:
@@ -51,6 +54,23 @@ def test_the_heaviest_address_opens_no_stream_under_pressure_and_gives_way_past_
     rss[0] = 10 * MB
     watermark.check()
     assert not attacker.throttled and attacker.may_open()
+
+
+def test_past_the_watermark_of_streams_awaiting_a_request_the_connections_holding_most_give_way() -> None:
+    gate = Gate(ConnectionLimits())
+    envoy = Holding(0, awaiting=5)
+    fresh = [Holding(0, awaiting=n) for n in (3000, 9000, 6000, 100)]
+    gate.admit("127.0.0.1", envoy).pending = 5
+    for i, holder in enumerate(fresh):  # each from an address of its own, each under its own bound
+        gate.admit(f"127.1.0.{i}", holder).pending = holder.streams
+    watermark = MemoryWatermark(gate, 100 * MB, rss=lambda: 10 * MB, awaiting_watermark=10_000)
+    watermark.check()
+    assert [bool(h.gone) for h in fresh] == [False, True, False, False]  # 18,105 less 9,000: under
+    assert "await a request" in fresh[1].gone and not envoy.gone
+    assert gate.refused["overload"] == 1
+    gate.peers["127.1.0.1"].pending = 0  # its connection gone
+    watermark.check()
+    assert gate.refused["overload"] == 1  # under the watermark: nothing more
 
 
 def test_memory_the_server_holds_itself_closes_nobody() -> None:
