@@ -8,7 +8,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from eds_server.serving_state import serving_state
 from eds_server.sources.containers import DockerOptions, container_endpoints
 from tests.support.backends import Backend, http_backends
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
+from tests.support.paths import ROOT
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
 from tests.support.waiting import wait_for
@@ -158,6 +161,63 @@ async def test_a_file_broken_after_a_good_load_turns_the_badge_amber(tmp_path: P
     sources = _section(page, "sources", "groups")
     assert "last load failed" in sources and '<tr class="nack">' in sources
     assert "127.0.0.1:8080" in _group(page, "web")  # the last good state is what is shown and served
+
+
+# scripts/status_page_picture.sh sets it: the demo's page, as the test below sees it, becomes docs/status-page.png
+WRITE_PICTURE = os.environ.get("EDS_WRITE_STATUS_PICTURE") == "1"
+PICTURE = ROOT / "docs" / "status-page.png"
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="needs Debian's chromium (apt-get install chromium; .ci/run does)",
+)
+async def test_the_demos_status_page_is_the_picture_the_docs_show(tmp_path: Path) -> None:
+    """The README's picture is `eds-server demo` with its Envoy connected, taken here: the run that
+    checks the page can also write docs/status-page.png, so the picture follows the page."""
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "eds_server", "demo", "--free-ports",
+                                                    stdout=out, stderr=out, cwd=tmp_path)  # fmt: skip
+        try:
+            found = await wait_for(lambda: asyncio.sleep(0, log.read_text()),
+                                   lambda text: re.search(r"eds-server \(gRPC :\d+, admin :(\d+)\)", text),
+                                   timeout=30, what="the demo's banner")  # fmt: skip
+            port = re.search(r"eds-server \(gRPC :\d+, admin :(\d+)\)", found)
+            assert port is not None, found
+            admin = f"http://127.0.0.1:{port.group(1)}"
+            await wait_for(
+                lambda: _get_json(admin + "/v1/streams"), _both_acked, timeout=30, interval=0.2, what="Envoy's ACKs"
+            )
+            await wait_for(lambda: _get_json(admin + "/v1/groups/api"),
+                           lambda g: g["endpoints"][0].get("check", {}).get("result") == "pass",
+                           timeout=15, what="the api endpoint checked")  # fmt: skip
+            dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
+            shot = tmp_path / "status-page.png"
+            await asyncio.to_thread(chromium, tmp_path, admin + "/", f"--screenshot={shot}",
+                                    "--window-size=1000,720", "--hide-scrollbars")  # fmt: skip
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGINT)
+            code = await asyncio.wait_for(proc.wait(), 20)
+    assert code == 0, log.read_text()
+    page = dom.stdout
+    assert 'data-state="ready"' in page and page.count('<section class="group"') == 2
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    if WRITE_PICTURE:
+        shutil.copyfile(shot, PICTURE)
+
+
+async def _get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        r.raise_for_status()
+        return json.loads(await r.text())
+
+
+def _both_acked(body: dict[str, Any]) -> bool:
+    """The demo's Envoy has its two clusters' streams, each name ACKed at the version sent."""
+    names = [n for s in body["streams"] for n in s["names"].values()]
+    return len(names) == 2 and all(n.get("sent") and n.get("acked") == n["sent"] for n in names)
 
 
 def _three_streams_one_nack(body: dict[str, Any]) -> bool:
