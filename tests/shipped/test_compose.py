@@ -455,7 +455,7 @@ def test_backends_cannot_reach_eds_server() -> None:
 def test_compose_header_and_docs_set_docker_gid_the_same_way() -> None:
     """One way to give the socket's group, in .env (a stale exported DOCKER_GID would win over it)."""
     line = re.compile(r"grep -q '\^DOCKER_GID=' \.env 2>/dev/null \|\| printf .*>> \.env")
-    for path in ("compose.yaml", "README.md", "docs/docker.md"):
+    for path in ("compose.yaml", "docs/getting-started.md", "docs/docker.md"):
         text = (ROOT / path).read_text()
         assert line.search(text), f"{path}: no .env line for DOCKER_GID"
         assert "export DOCKER_GID" not in text, path

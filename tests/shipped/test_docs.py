@@ -42,10 +42,19 @@ def test_links_resolve() -> None:
     assert not broken, broken
 
 
-def test_readme_starts_with_contents_then_prerequisites_quick_start_and_envoy() -> None:
-    headings = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.M)
-    assert headings[:5] == ["Contents", "Prerequisites", "Quick start", "Install", "Point your Envoy at it"]
-    assert len((ROOT / "README.md").read_text().splitlines()) < 400
+def test_the_readme_is_a_newcomers_page() -> None:
+    """What it is, the two commands (the demo, and the test command CI runs), the picture, the
+    features, Envoy's side, then links: one short page, the rest in docs/."""
+    text = (ROOT / "README.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert headings == ["Quick start", "Features", "Point your Envoy at it", "Documentation"]
+    quick_start = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "make demo" in quick_start and "make test " in quick_start and "](docs/status-page.png)" in quick_start
+    assert "make test " in (ROOT / ".ci" / "run").read_text()  # the README's test command is CI's
+    assert "retry_back_off" in text and "Health checks" in text
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", text))
+    assert linked == {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}  # every page
+    assert len(text.splitlines()) <= 140
 
 
 def test_no_tracker_references() -> None:

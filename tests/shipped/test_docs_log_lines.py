@@ -153,10 +153,10 @@ def test_a_reworded_line_is_caught() -> None:
 
 
 def test_the_env_step_leaves_a_file_without_a_final_newline_whole(tmp_path: Path) -> None:
-    """docs/docker.md's and the README's `.env` line, run on a `.env` whose last line has no newline."""
+    """docs/docker.md's and docs/getting-started.md's `.env` line, run on a `.env` whose last line has no newline."""
     import subprocess
 
-    for page in (ROOT / "docs" / "docker.md", ROOT / "README.md"):
+    for page in (ROOT / "docs" / "docker.md", ROOT / "docs" / "getting-started.md"):
         [command] = [line.split("   #")[0].strip() for line in page.read_text().splitlines()
                      if line.strip().startswith("grep -q '^DOCKER_GID=' .env")]  # fmt: skip
         sock = tmp_path / "docker.sock"
