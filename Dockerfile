@@ -1,5 +1,5 @@
 # eds-server image: `docker build -t eds-server .`, or `docker compose up --build` (compose.yaml).
-# Runs `eds-server serve --docker` as an unprivileged user; see README "Docker and compose" for
+# Runs `eds-server serve --docker` as an unprivileged user; see docs/docker.md for
 # giving it the Docker socket (group_add) or a read-only socket proxy (DOCKER_HOST).
 
 # Pinned to a patch release; bump deliberately.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The disk sizes the README gives, measured: the wheel installed into fresh venvs (versions pinned by
+# The disk sizes docs/getting-started.md gives, measured: the wheel installed into fresh venvs (versions pinned by
 # constraints.txt) as a user installs it, server only and with each extra, and the development venv.
 # Usage: scripts/sizes.sh (a few minutes: it installs four venvs from the package index).
 set -euo pipefail

@@ -181,7 +181,7 @@ def _api_config_sources(node: Any) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("config", [*CONFIGS, DEMO_COPY], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_xds_stream_comes_back_within_2s(config: Path) -> None:
     """Envoy's own back-off for a broken xDS stream grows to 30 s: each gRPC EDS cluster's stream
-    sets its own, at most 2 s between tries (README: "Back within seconds after eds-server restarts")."""
+    sets its own, at most 2 s between tries (docs/fail-static.md: "Envoy back within seconds")."""
     sources = [s for s in _api_config_sources(yaml.safe_load(config.read_text())) if "grpc_services" in s]
     for source in sources:
         back_off = source["grpc_services"][0]["envoy_grpc"]["retry_policy"]["retry_back_off"]

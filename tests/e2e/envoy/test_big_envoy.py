@@ -34,7 +34,7 @@ COLD_START = 30.0  # seconds for every cluster to get its endpoints, from the En
 RESTART = 30.0  # seconds for every stream to be back after eds-server restarts
 POLL = 0.5  # seconds between looks at the Envoys' admin: each look costs Envoy's main thread
 # What an operator with more than 1,024 EDS clusters on one api_config_source sets on the xDS cluster
-# (README "More than 1,024 EDS clusters"): each gRPC stream is a request on it, and until the HTTP/2
+# (docs/envoy.md "More than 1,024 EDS clusters"): each gRPC stream is a request on it, and until the HTTP/2
 # connection is up each is a pending one; Envoy's defaults (1,024 each) reset the rest locally.
 XDS_BREAKERS = {"max_requests": 100_000, "max_pending_requests": 100_000}
 # Envoy re-establishes each xDS stream after a fully jittered backoff doubling from 0.5 s up to 30 s. Over
