@@ -88,12 +88,9 @@ class MemoryWatermark:
         if rss < self.limit * PRESSURE:
             self._throttle(None)
             return
-        peers = [p for p in self.gate.peers.values() if p.held]
-        if not peers:
-            return
-        heaviest = max(peers, key=weight)
-        held = weight(heaviest)
-        if not held:
+        held, heaviest = max(((weight(p), p) for p in self.gate.peers.values() if p.held),
+                             key=lambda x: x[0], default=(0, None))  # fmt: skip
+        if heaviest is None or not held:
             return  # nothing any client holds is worth closing: the memory is the server's own
         mb = rss / (1 << 20)
         if heaviest is not self.throttled:
