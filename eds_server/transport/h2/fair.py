@@ -28,6 +28,7 @@ import heapq
 import math
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -51,8 +52,8 @@ BYTE_ESTIMATE = 1e-7
 STREAM_ESTIMATE = 150e-6
 BUFFER_WATERMARK = 128 * 1024 * 1024  # bytes held unread server-wide before the largest holder is shed
 PREFACE = 24  # the client's connection preface, before its first frame
-# seconds until a deadline is checked again while the connection's input waits in the queue here:
-# a request (or a frame's rest) held by us is not late, whatever the clock says
+# seconds until a deadline is checked again while input received before it was due still waits in
+# the queue here: a request (or a frame's rest) held by us is not late, whatever the clock says
 HELD_RECHECK = 0.1
 
 _LENGTH = struct.Struct(">I")  # a frame header's 24-bit length, read with the byte before it
@@ -164,7 +165,8 @@ class MeteredInput:
     """One connection's input: held, cut into slices of whole frames, each handed to `process`
     when the scheduler says so. `process` returns False once the connection is being closed."""
 
-    __slots__ = ("_buf", "_pos", "cost", "cutter", "dead", "process", "queued", "reader", "scheduler", "waiting")
+    __slots__ = ("_arrivals", "_buf", "_in", "_out", "_pos", "cost", "cutter", "dead", "process", "queued", "reader",
+                 "scheduler", "waiting")  # fmt: skip
 
     def __init__(self, scheduler: ReadScheduler, cost: AddressCost, reader: Reader,
                  process: Callable[[bytes], bool]) -> None:  # fmt: skip
@@ -178,6 +180,10 @@ class MeteredInput:
         self.queued = False  # in the scheduler's queue (its reading paused)
         self.waiting = False  # reading paused by the scheduler
         self.dead = False
+        # when what is held arrived: (bytes ever held once this input was in, clock), oldest first
+        self._arrivals: deque[tuple[int, float]] = deque()
+        self._in = 0  # bytes ever held
+        self._out = 0  # of those, bytes handed on
 
     @property
     def held(self) -> int:
@@ -189,6 +195,7 @@ class MeteredInput:
         if self.dead:
             return
         scheduler = self.scheduler
+        arrived = scheduler.clock()
         if not self.held and not self.queued and scheduler.may_run(self, len(data)):
             end = self.cutter.cut(data, 0)
             if end == len(data):  # the common case: all of it, at once, no copy
@@ -204,6 +211,8 @@ class MeteredInput:
             self._pos = 0
         self._buf += data
         scheduler.held += len(data)
+        self._in += len(data)
+        self._arrivals.append((self._in, arrived))
         if not self.queued:
             while self._runnable() and scheduler.may_run(self):
                 before = self.held
@@ -228,11 +237,22 @@ class MeteredInput:
         chunk = bytes(buf[start:end])
         self._pos = end
         self.scheduler.held -= end - start
+        self._out += end - start
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= self._out:
+            arrivals.popleft()
         if end == len(buf):
             self._buf = bytearray()
             self._pos = 0
         self.scheduler.run(self, chunk)
         return not self.dead and self._runnable()
+
+    def waited(self) -> float:
+        """Seconds the oldest input waiting in the scheduler's queue has been here (0.0 if none
+        waits: a frame header begun and left, fewer than its nine bytes, waits on the client)."""
+        if not self.queued or not self._arrivals:
+            return 0.0
+        return self.scheduler.clock() - self._arrivals[0][1]
 
     def charge(self, seconds: float) -> None:
         """Work this input caused that runs later (a stream's handler): charged now, to the turn
@@ -247,6 +267,34 @@ class MeteredInput:
             self.scheduler.held -= self.held
             self._buf = bytearray()
             self._pos = 0
+            self._arrivals.clear()
+
+
+class Deferral:
+    """A deadline check put off while input that arrived before the check was first due still
+    waits in the scheduler's queue: that input may hold what the deadline waits for (a stream's
+    request, a frame's rest), and its wait is ours. Input that arrived later, or input that waits
+    for the client (a frame header begun and left), puts nothing off, so a client that keeps its
+    connection queued (a flood) only delays a check by as long as the queue takes to reach what it
+    had sent by then."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # loop time the check was first put off
+
+    def holds(self, metered: MeteredInput | None, now: float) -> bool:
+        """Whether the check due at `now` (loop time) waits again, for HELD_RECHECK."""
+        waited = metered.waited() if metered is not None else 0.0
+        if not waited:
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        if waited > now - self.since:
+            return True
+        self.since = None
+        return False
 
 
 class ReadScheduler:

@@ -35,7 +35,7 @@ from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
 from .direct import window_update
-from .fair import HELD_RECHECK, STREAM_ESTIMATE, MeteredInput, TransportReading
+from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, TransportReading
 from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
@@ -143,13 +143,12 @@ class FastProtocol(TransportReading, H2Protocol):
         guard = self._guard
         if self._dead or guard.between_frames:
             return
-        if self._input is not None and self._input.held:  # the rest may wait in our own queue
-            self._stall = asyncio.get_running_loop().call_later(HELD_RECHECK, self._check_stall, frames)
+        loop = asyncio.get_running_loop()
+        if self._stall_deferral.holds(self._input, loop.time()):  # the rest may wait in our own queue
+            self._stall = loop.call_later(HELD_RECHECK, self._check_stall, frames)
             return
         if guard.frames != frames:
-            self._stall = asyncio.get_running_loop().call_later(
-                self.gate.limits.request_timeout, self._check_stall, guard.frames
-            )
+            self._stall = loop.call_later(self.gate.limits.request_timeout, self._check_stall, guard.frames)
             return
         why = f"a frame not complete within {self.gate.limits.request_timeout:g}s"
         self.gate.shed("slow_input", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
@@ -269,7 +268,7 @@ class FastProtocol(TransportReading, H2Protocol):
         h2 = self.h2
         timeout = self.gate.limits.request_timeout
         loop = asyncio.get_running_loop()
-        if self._input is not None and self._input.held:  # their requests may wait in our own queue
+        if self._sweep_deferral.holds(self._input, loop.time()):  # their requests may wait in our own queue
             self._sweep = loop.call_later(HELD_RECHECK, self._sweep_held)
             return
         now = loop.time()
@@ -488,6 +487,7 @@ class FastProtocol(TransportReading, H2Protocol):
         self.connection.initialize()
         self.processor = PingCheckingProcessor(self.handler, self.connection)
         self._input = MeteredInput(self.gate.reads, admitted.cost, self, self._process)
+        self._stall_deferral, self._sweep_deferral = Deferral(), Deferral()
         self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._check_idle)
 
     def connection_lost(self, exc: BaseException | None) -> None:

@@ -35,7 +35,7 @@ from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, Settings
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
-from .fair import HELD_RECHECK, STREAM_ESTIMATE, MeteredInput, TransportReading
+from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, TransportReading
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .handlers import releasing
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
@@ -144,6 +144,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._frames_at_check = 0  # frames the guard had read at the last check
         self._stalled = -1.0  # seconds of checks the same frame stayed begun (-1: none was at the last check)
         self._input: MeteredInput | None = None
+        self._deferral = Deferral()
 
     # the gate's view (limits.Holder)
     def busy(self) -> bool:
@@ -362,7 +363,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             return
         limits, ledger = self.gate.limits, self._ledger
         tick = min(limits.request_timeout, limits.idle_timeout)
-        if self._input is not None and self._input.held:  # what is late may wait in our own queue
+        if self._deferral.holds(self._input, asyncio.get_running_loop().time()):  # what is late may wait in our queue
             self._timer = asyncio.get_running_loop().call_later(HELD_RECHECK, self._check)
             return
         if not self._guard.between_frames:  # a frame or header block begun: the same one as at the last check?

@@ -13,6 +13,7 @@ from eds_server.transport.h2.fair import (
     SLICE_SECONDS,
     STREAM_ESTIMATE,
     AddressCost,
+    Deferral,
     FrameCutter,
     MeteredInput,
     ReadScheduler,
@@ -225,3 +226,31 @@ def test_work_charged_for_later_counts_in_the_slice_size() -> None:
     loop.turn()
     assert conn.input.cutter.frames == SLICE_FRAMES
     assert {len(split(chunk)[0]) for chunk in conn.got} == {SLICE_FRAMES, 200 % SLICE_FRAMES}
+
+
+def test_a_check_waits_only_for_input_that_arrived_before_it_was_due() -> None:
+    """A deadline check is put off while input received before it was first due waits in the queue
+    (it may hold the awaited request); not for input that came later (a client keeping its
+    connection queued), nor for a frame header begun and left (the client's wait, not ours)."""
+    scheduler, clock, loop = setup()
+    flood = Conn(scheduler, clock, AddressCost(), cost=2e-6)
+    flood.input.feed(headers(10_000))  # more than a turn: queued
+    assert 0 < flood.input.waited() < 0.01  # arrived just before its first slice ran
+    deferral = Deferral()
+    clock.t += 1.0
+    assert deferral.holds(flood.input, now=50.0)  # the check due at 50.0: what arrived before waits
+    checks, turns = 1, 0
+    while deferral.holds(flood.input, now=50.0 + 0.1 * checks) and turns < 10_000:
+        flood.input.feed(headers(10))  # the flood goes on: new input, never the check's concern
+        loop.turn()
+        clock.t += 0.1
+        checks, turns = checks + 1, turns + 1
+    assert flood.input.queued and turns < 10_000  # still queued, yet the check ran
+    assert len(flood.received) >= len(headers(10_000))  # once what came before it was handed on
+    assert deferral.since is None
+
+    begun = Conn(scheduler, clock, AddressCost())
+    begun.input.feed(frame(PING, 0, 0, b"12345678")[:5])
+    assert not begun.input.queued and begun.input.held == 5
+    assert begun.input.waited() == 0.0 and not Deferral().holds(begun.input, now=60.0)
+    assert not Deferral().holds(None, now=60.0)

@@ -451,3 +451,23 @@ async def test_the_stock_path_holds_sixteen_connections_of_streams_awaiting_a_re
         finally:
             for conn in conns:
                 conn.close()
+
+
+async def test_a_frame_header_begun_and_left_does_not_hold_the_deadlines_back() -> None:
+    """A few bytes of a frame header (fewer than its nine) wait with us until the rest comes, but
+    they are the client's delay, not our queue's: a stream without a request is still timed out,
+    and a connection that opens no stream still closed, on either path."""
+    async with serving(ConnectionLimits(request_timeout=0.5)) as (server, _, port):
+        async with client_of(port) as client:
+            sid, opening = client.new_stream()
+            await client.send(opening + frame(PING, 0, 0, b"12345678")[:5])
+            assert await client.until(lambda: sid in client.resets or sid in client.trailers, wait=10), (
+                "a stream without a request outlived its timeout while five bytes of a header waited"
+            )
+            assert server.refused["no_request"] == 1, server.refused
+        async with client_of(port) as client:
+            await client.send(frame(PING, 0, 0, b"12345678")[:5])
+            assert await client.until(lambda: client.eof or client.goaway is not None, wait=10), (
+                "a connection that opened no stream outlived its timeout while five bytes of a header waited"
+            )
+            assert server.refused["no_stream"] == 1, server.refused
