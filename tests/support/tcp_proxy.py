@@ -11,6 +11,8 @@ resets them and every new one, until `heal()`; the other calls (writes, reads, l
 through, so a replica's writes succeed while its view stands still. `lose_answers(share)` resets, until
 `heal()`, that share of the other connections just as etcd's answer arrives (the request was
 served, the answer never comes: a change that may or may not have been made, as clients see it).
+`lose_next_answer(marker)` does the same to the answer of the next request that holds `marker` (a
+path), once: one chosen change made whose answer never came.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class TcpProxy:
         self.watch_mode = "pass"  # or "freeze", "cut": for watch connections only
         self.losing = 0.0  # the share of answers (not a watch's) lost, by a reset as they arrive
         self.lost_answers = 0
+        self.lose_marker: bytes | None = None  # the answer to the next request holding it is lost
+        self._losing: set[asyncio.StreamWriter] = set()  # connections whose next answer is lost
         self._rng = random.Random(0)
         self.connections = 0
         self.watch_connections = 0
@@ -87,10 +91,15 @@ class TcpProxy:
         self.losing = share
         self._rng = random.Random(seed)
 
+    def lose_next_answer(self, marker: bytes) -> None:
+        self.lose_marker = marker
+
     def heal(self) -> None:
         self.mode = "pass"
         self.watch_mode = "pass"
         self.losing = 0.0
+        self.lose_marker = None
+        self._losing.clear()
         self._flowing.set()
         self._watches_flowing.set()
 
@@ -119,6 +128,7 @@ class TcpProxy:
         finally:
             for w in (writer, up_writer):
                 self._open.discard(w)
+                self._losing.discard(w)
                 self._watches.discard(w)
                 with contextlib.suppress(OSError, RuntimeError):
                     w.close()
@@ -136,6 +146,15 @@ class TcpProxy:
                     self._watches.update(ends)
                     self.watch_connections += 1
                 watch = ends[0] in self._watches
+                if not back and self.lose_marker is not None and self.lose_marker in data:
+                    self.lose_marker = None
+                    self._losing.add(ends[0])
+                if back and ends[0] in self._losing:
+                    self._losing.discard(ends[0])
+                    self.lost_answers += 1
+                    for end in ends:
+                        _abort(end)
+                    return
                 if watch and self.watch_mode == "cut":
                     self.resets += 1
                     for end in ends:

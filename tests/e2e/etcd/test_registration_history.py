@@ -54,7 +54,7 @@ import pytest
 from tests.support import mutants
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.etcd_cluster import EtcdCluster, Member, etcd_binary
-from tests.support.linearizability import INFINITY, Operation, check
+from tests.support.linearizability import INFINITY, Operation, Verdict, check
 from tests.support.registration_model import (
     EXPIRY_BOUND,
     UNKNOWN,
@@ -100,6 +100,8 @@ KEYS = ("k0", "k1", "k2", "k3")  # written by every client, every way
 # across the TTL, so some renewals come in time and some too late: the key expired, and is created
 # again), read by every client; the keys above are replaced too often for a lease to run out
 TTL_KEYS = ("t0", "t1")
+# written only by the corners (see `corners`), before the load: one key each
+CORNER_KEYS = ("s0", "s1")
 RENEW_EVERY = (1.5, 5.5)
 PORTS_PER_KEY = 6  # values to choose from: enough that a stale read rarely shows what was written again since
 TTL = 4  # seconds: leases end during a run (etcd's least is 2 s), and the model judges when
@@ -125,7 +127,7 @@ def port_of(key: str, choice: int) -> int:
     """Each key has its own ports: two keys never hold the same address:port (that would be a 409
     across keys, which a per-key model cannot see)."""
     assert 0 <= choice < PORTS_PER_KEY <= 10
-    return 20000 + 10 * (KEYS + TTL_KEYS).index(key) + choice
+    return 20000 + 10 * (KEYS + TTL_KEYS + CORNER_KEYS).index(key) + choice
 
 
 def value_of(registration: dict[str, Any]) -> Value:
@@ -409,10 +411,12 @@ def paused(faults: list[Fault]) -> list[tuple[float, float]]:
     return [(f.start, f.end + RESUMED_BOUND) for f in faults if f.kind in ("stop-leader", "stop-member")]
 
 
-def history(rig: Rig, final: dict[str, Value], at: float) -> list[Operation]:
-    """The records as the checker takes them, then etcd's own linearizable read of each key."""
-    ops = checkable(rig.records, STALE_READ_SECONDS)
-    for key in rig.keys:
+def history(rig: Rig, final: dict[str, Value], at: float, keys: tuple[str, ...] | None = None) -> list[Operation]:
+    """The records as the checker takes them, then etcd's own linearizable read of each key (of
+    `keys` only, when given)."""
+    records = rig.records if keys is None else [rec for rec in rig.records if rec.input.key in keys]
+    ops = checkable(records, STALE_READ_SECONDS)
+    for key in (rig.keys + CORNER_KEYS) if keys is None else keys:
         value = final.get(key)
         get = Get(key, window=(at, at))
         ops.append(Operation("etcd", get, Read(200, value) if value else Read(404), at, at))
@@ -462,6 +466,59 @@ async def rig(tmp_path: Path, seed: int, names: str = "ABC", spread: bool = Fals
         await cluster.stop()
 
 
+async def corners(r: Rig) -> None:
+    """Two histories the random load reaches only by rare luck, played once, before it (each on a
+    key of its own, replica C's etcd traffic and watch through the proxy), then checked at once:
+
+    - a DELETE through C whose etcd answer is lost (the transaction applied): it may answer 503 (made
+      or not), never 404, which says the key held nothing, while a write made before it put a value
+      there and nothing else touched the key (a transaction sent again after the lost answer finds
+      its own change, and says 404);
+    - a renewal through C while C's watch is frozen, after the key was deleted and written again
+      with the same value and TTL through A (a new lease): the key must live until the renewal's
+      call + TTL (a renewal that keeps alive the lease C's stale view holds lets the new one end).
+
+    Every step is recorded like the load's and checked with the same model; a floor requires that
+    the proxy lost the answer."""
+
+    async def in_view_of_c(key: str) -> None:
+        await wait_for(lambda: r.replica_view("C"), lambda v: key in v, timeout=CONVERGE_SECONDS, interval=0.05,
+                       what=f"replica C's view holding {key}")  # fmt: skip
+
+    lost = r.proxy.lost_answers
+    key = CORNER_KEYS[0]
+    assert await r.record("corner", "A", Put(key, port_of(key, 0), None)) in (200, 201)
+    await in_view_of_c(key)
+    r.proxy.lose_next_answer(b"POST /v3/kv/txn")
+    await r.record("corner", "C", Delete(key))
+    r.proxy.heal()
+    assert r.proxy.lost_answers == lost + 1, "the corner's lost answer was never lost"
+    await r.record("corner", "A", Get(key))
+
+    key = CORNER_KEYS[1]
+    assert await r.record("corner", "A", Put(key, port_of(key, 0), TTL)) in (200, 201)
+    await in_view_of_c(key)
+    r.proxy.freeze_watches()
+    try:
+        assert await r.record("corner", "A", Delete(key)) == 204
+        assert await r.record("corner", "A", Put(key, port_of(key, 0), TTL)) == 201  # a new lease
+        await asyncio.sleep(TTL / 3)  # the new lease is that much older than the renewal
+        renewed = time.monotonic()
+        await r.record("corner", "C", Put(key, port_of(key, 0), TTL))
+    finally:
+        r.proxy.heal()
+    for _ in range(200):  # bounded: reads until past what the renewal promised
+        if time.monotonic() > renewed + TTL + 0.5:
+            break
+        await r.record("corner", "A", Get(key))
+        await asyncio.sleep(0.1)
+
+    final = {k: v for k, v in (await r.etcd_view()).items() if k in CORNER_KEYS}
+    result = check(registration_model(), history(r, final, time.monotonic(), CORNER_KEYS), timeout=60)
+    bad = sorted({op.input.key for part in result.parts if part.verdict is not Verdict.OK for op in part.operations})
+    assert result.ok, f"a corner's history is not linearizable ({', '.join(bad)}):\n{result.explain()}"
+
+
 async def run(r: Rig, seconds: float, nemesis: bool) -> None:
     """Load (and faults) for `seconds`, and until the nemesis injected every kind; then every TTL
     key must expire, every replica's view and the Envoy must equal etcd, the floors must be met and
@@ -474,6 +531,8 @@ async def run(r: Rig, seconds: float, nemesis: bool) -> None:
             await every_kind.wait()  # bounded by the nemesis: one fault of each kind
         stop.set()
 
+    if nemesis and "C" in r.replicas:
+        await corners(r)
     started = time.monotonic()
     renewers = [r.renewer(key, stop) for key in r.keys if key in TTL_KEYS]
     await asyncio.gather(time_up(), *(r.client(n, stop) for n in range(CLIENTS)), *renewers,
