@@ -101,7 +101,7 @@ KEYS = ("k0", "k1", "k2", "k3")  # written by every client, every way
 # again), read by every client; the keys above are replaced too often for a lease to run out
 TTL_KEYS = ("t0", "t1")
 # written only by the corners (see `corners`), before the load: one key each
-CORNER_KEYS = ("s0", "s1")
+CORNER_KEYS = ("s0", "s1", "s2")
 RENEW_EVERY = (1.5, 5.5)
 PORTS_PER_KEY = 6  # values to choose from: enough that a stale read rarely shows what was written again since
 TTL = 4  # seconds: leases end during a run (etcd's least is 2 s), and the model judges when
@@ -467,8 +467,8 @@ async def rig(tmp_path: Path, seed: int, names: str = "ABC", spread: bool = Fals
 
 
 async def corners(r: Rig) -> None:
-    """Two histories the random load reaches only by rare luck, played once, before it (each on a
-    key of its own, replica C's etcd traffic and watch through the proxy), then checked at once:
+    """Histories the random load reaches only by luck, played once, before it (each on a key of its
+    own, replica C's etcd traffic and watch through the proxy), then checked at once:
 
     - a DELETE through C whose etcd answer is lost (the transaction applied): it may answer 503 (made
       or not), never 404, which says the key held nothing, while a write made before it put a value
@@ -476,7 +476,10 @@ async def corners(r: Rig) -> None:
       its own change, and says 404);
     - a renewal through C while C's watch is frozen, after the key was deleted and written again
       with the same value and TTL through A (a new lease): the key must live until the renewal's
-      call + TTL (a renewal that keeps alive the lease C's stale view holds lets the new one end).
+      call + TTL (a renewal that keeps alive the lease C's stale view holds lets the new one end);
+    - a plain renewal through B, half a TTL after the key was written through A, no fault: the key
+      must live until the renewal's call + TTL (a renewal that does not reach etcd's lease, or a
+      lease shorter than the TTL, lets it end before).
 
     Every step is recorded like the load's and checked with the same model; a floor requires that
     the proxy lost the answer."""
@@ -485,14 +488,25 @@ async def corners(r: Rig) -> None:
         await wait_for(lambda: r.replica_view("C"), lambda v: key in v, timeout=CONVERGE_SECONDS, interval=0.05,
                        what=f"replica C's view holding {key}")  # fmt: skip
 
+    async def reads_until(end: float, key: str) -> None:
+        """GETs every 0.1 s through A until past `end` (what a renewal promised)."""
+        for _ in range(200):  # bounded, and by `end`
+            if time.monotonic() > end:
+                return
+            await r.record("corner", "A", Get(key))
+            await asyncio.sleep(0.1)
+
     lost = r.proxy.lost_answers
     key = CORNER_KEYS[0]
     assert await r.record("corner", "A", Put(key, port_of(key, 0), None)) in (200, 201)
     await in_view_of_c(key)
     r.proxy.lose_next_answer(b"POST /v3/kv/txn")
     await r.record("corner", "C", Delete(key))
-    r.proxy.heal()
-    assert r.proxy.lost_answers == lost + 1, "the corner's lost answer was never lost"
+    try:  # the transaction may still be on its way (a replica that answers first)
+        what = "the corner's DELETE answer lost by the proxy"
+        await wait_for(lambda: r.proxy.lost_answers == lost + 1, timeout=10, interval=0.05, what=what)
+    finally:
+        r.proxy.heal()
     await r.record("corner", "A", Get(key))
 
     key = CORNER_KEYS[1]
@@ -507,12 +521,18 @@ async def corners(r: Rig) -> None:
         await r.record("corner", "C", Put(key, port_of(key, 0), TTL))
     finally:
         r.proxy.heal()
-    for _ in range(200):  # bounded: reads until past what the renewal promised
-        if time.monotonic() > renewed + TTL + 0.5:
-            break
-        await r.record("corner", "A", Get(key))
-        await asyncio.sleep(0.1)
+    await reads_until(renewed + TTL + 0.5, key)
 
+    key = CORNER_KEYS[2]
+    assert await r.record("corner", "A", Put(key, port_of(key, 0), TTL)) in (200, 201)
+    await asyncio.sleep(TTL / 2)
+    renewed = time.monotonic()
+    await r.record("corner", "B", Put(key, port_of(key, 0), TTL))
+    await reads_until(renewed + TTL + 0.5, key)
+
+    played = [f"{rec.input} via {rec.replica} -> {rec.output}" for rec in r.records
+              if rec.client == "corner" and not isinstance(rec.input, Get)]  # fmt: skip
+    print("\ncorners: " + "; ".join(played))
     final = {k: v for k, v in (await r.etcd_view()).items() if k in CORNER_KEYS}
     result = check(registration_model(), history(r, final, time.monotonic(), CORNER_KEYS), timeout=60)
     bad = sorted({op.input.key for part in result.parts if part.verdict is not Verdict.OK for op in part.operations})
