@@ -12,6 +12,11 @@ for the one resource that kills us:
   a spent stream budget does), until memory is below PRESSURE again;
 - at the limit, that address's heaviest connection is closed (GOAWAY NO_ERROR), one per check,
   while memory stays above it.
+The event loop's lag is watched the same way: a check that comes LAG_WATERMARK late means the loop
+was held that long, every client's updates with it. Then the address that took most of the loop's
+recent reading time (more than LAG_SHARE of it, with another address to be fair to) opens no new
+stream until a check comes on time: new streams are the work it can still add (each starts a
+handler), and the fair reader already bounds what its input costs per turn.
 Streams opened that have sent no request yet are bounded server-wide the same way: each is an h2
 stream (and on the stock path a handler) held for nothing, and thousands of fresh addresses each
 under their own bound held half a million of them (350 MB). Past AWAITING_WATERMARK the connection
@@ -36,6 +41,8 @@ STREAM_MEMORY = 16 * 1024  # bytes a stream holds, as estimated (the bench measu
 # streams awaiting their first request, server-wide: two addresses' worth of the per-address bound
 # (16,384), where an Envoy's streams carry their request from the start
 AWAITING_WATERMARK = 32_768
+LAG_WATERMARK = 1.0  # seconds a check came late: the loop was held that long
+LAG_SHARE = 0.5  # of the addresses' recent cost of the loop, taken by one, for it to be the one refused
 
 
 def process_rss() -> int:
@@ -82,11 +89,12 @@ class MemoryWatermark:
         self.throttles = 0
         self.closed = 0
 
-    def check(self) -> None:
+    def check(self, lag: float = 0.0) -> None:
+        """One check; `lag`: how late it came (seconds past its interval)."""
         self._streams()
         rss = self.rss()
         if rss < self.limit * PRESSURE:
-            self._throttle(None)
+            self._lagging(lag)
             return
         held, heaviest = max(((weight(p), p) for p in self.gate.peers.values() if p.held),
                              key=lambda x: x[0], default=(0, None))  # fmt: skip
@@ -107,6 +115,25 @@ class MemoryWatermark:
             self.gate.release(heaviest, holder)
             self.gate.shed("overload", heaviest.ip, f"closing its heaviest connection (GOAWAY): {why}")
             holder.give_way(why)
+
+    def _lagging(self, lag: float) -> None:
+        """The loop held LAG_WATERMARK or more: the address that cost it most opens no new stream."""
+        costliest = None
+        if lag >= LAG_WATERMARK:
+            now = self.gate.reads.clock()
+            costs = [(p.cost.now(now), p) for p in self.gate.peers.values() if p.held]
+            total = sum(cost for cost, _ in costs)
+            top = max(costs, key=lambda x: x[0], default=None)
+            if top is not None and len(costs) > 1 and top[0] > LAG_SHARE * total:
+                costliest = top
+        if costliest is None:
+            self._throttle(None)
+            return
+        cost, peer = costliest
+        if peer is not self.throttled:
+            self._throttle(peer)
+            why = f"the event loop ran {lag:.1f} s late, and it took {cost / total:.0%} of its recent reading time"
+            self.gate.shed("overload", peer.ip, f"refusing its new streams: {why}")
 
     def _streams(self) -> None:
         """Past the watermark of streams awaiting a request, the connections holding the most of
@@ -138,6 +165,8 @@ class MemoryWatermark:
 async def watch(gate: Gate, limit: int = 0, interval: float = CHECK_INTERVAL) -> None:
     """Check `gate`'s server against the watermark every `interval` (0: the default limit), until cancelled."""
     watermark = MemoryWatermark(gate, limit or default_limit())
+    loop = asyncio.get_running_loop()
     while True:
+        started = loop.time()
         await asyncio.sleep(interval)
-        watermark.check()
+        watermark.check(lag=loop.time() - started - interval)

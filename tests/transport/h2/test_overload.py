@@ -5,7 +5,7 @@ with the resident size in the test's hands."""
 from __future__ import annotations
 
 from eds_server.transport.h2.limits import ConnectionLimits, Gate
-from eds_server.transport.h2.overload import PRESSURE, MemoryWatermark, default_limit, process_rss
+from eds_server.transport.h2.overload import LAG_WATERMARK, PRESSURE, MemoryWatermark, default_limit, process_rss
 from tests.support.grpc_harness import serving
 from tests.support.h2_client import SOURCE, ack, client_of, data, first_request, group, grpc
 
@@ -80,6 +80,37 @@ def test_memory_the_server_holds_itself_closes_nobody() -> None:
     watermark = MemoryWatermark(gate, 100 * MB, rss=lambda: 200 * MB)
     watermark.check()
     assert not idle.gone and gate.refused["overload"] == 0
+
+
+def test_a_late_loop_refuses_new_streams_to_the_address_that_cost_it_most_and_only_while_late() -> None:
+    gate = Gate(ConnectionLimits())
+    now = gate.reads.clock()
+    canary = gate.admit("127.0.0.1", Holding(0))
+    attacker = gate.admit("127.0.0.2", Holding(0))
+    canary.cost.charge(0.05, now)
+    attacker.cost.charge(2.0, now)
+    watermark = MemoryWatermark(gate, 100 * MB, rss=lambda: 10 * MB)
+    watermark.check(lag=LAG_WATERMARK / 2)
+    assert not attacker.throttled and gate.refused["overload"] == 0  # late, not that late
+    watermark.check(lag=LAG_WATERMARK)
+    assert attacker.throttled and not attacker.may_open() and canary.may_open()
+    assert gate.refused["overload"] == 1 and not canary.throttled
+    watermark.check(lag=LAG_WATERMARK)
+    assert gate.refused["overload"] == 1  # said once
+    watermark.check(lag=0.01)
+    assert not attacker.throttled and attacker.may_open()  # on time again: lifted
+
+    alone = Gate(ConnectionLimits())  # one address: nobody to be fair to, nobody refused
+    envoy = alone.admit("127.0.0.1", Holding(0))
+    envoy.cost.charge(2.0, alone.reads.clock())
+    MemoryWatermark(alone, 100 * MB, rss=lambda: 10 * MB).check(lag=5.0)
+    assert not envoy.throttled and alone.refused["overload"] == 0
+
+    even = Gate(ConnectionLimits())  # no address took most of it: nobody refused
+    for ip in ("127.0.0.1", "127.0.0.2", "127.0.0.3"):
+        even.admit(ip, Holding(0)).cost.charge(1.0, even.reads.clock())
+    MemoryWatermark(even, 100 * MB, rss=lambda: 10 * MB).check(lag=5.0)
+    assert not any(p.throttled for p in even.peers.values())
 
 
 def test_the_defaults_read_this_machine() -> None:
