@@ -36,8 +36,9 @@ from typing import Any
 
 import uvloop
 
-from eds_server.app import App, Settings
+from eds_server.app import App
 from eds_server.model import Endpoint, Group
+from eds_server.settings import AdminSettings, Settings, SourceSettings, TransportSettings
 from eds_server.transport.h2 import ConnectionLimits
 
 SOURCE = "bench"
@@ -125,7 +126,8 @@ async def main(log_level: str) -> None:
     per_ip = ConnectionLimits(
         stream_budget=1_000_000, max_connections_per_ip=10_000, partial_message_budget=1 << 33, request_timeout=300
     )
-    app = App(Settings(listen=("127.0.0.1", 0), admin=None, startup_timeout=3600.0, connection_limits=per_ip))
+    app = App(Settings(sources=SourceSettings(startup_timeout=3600.0), admin=AdminSettings(address=None),
+                       transport=TransportSettings(listen=("127.0.0.1", 0), connection_limits=per_ip)))  # fmt: skip
     app.store.add_source(SOURCE)
     await app.start()
     bench = Bench(app)

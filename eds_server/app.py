@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import socket
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any
 
@@ -15,28 +14,22 @@ from aiohttp import web
 
 from . import admin, security
 from .encode import Encoders
-from .fields import MAX_UPSTREAMS_SIZE
 from .health.checker import Checker
 from .metrics import HealthChecks, make_registry
-from .registration_api import RegistrationPolicy
 from .security import SecurityConfigError
+from .settings import Settings
 from .sources.aggregator import Aggregator
 from .sources.base import Source
-from .sources.containers import DockerOptions
 from .sources.docker import DockerSource
-from .sources.etcd_client import EtcdOptions
 from .sources.etcd_wire import is_etcd, parse_target
-from .sources.kubernetes_map import KubernetesOptions
-from .sources.registrations import MAX_REGISTRATIONS, RegistrationSource
-from .sources.relay import RelaySource, UpstreamOptions
+from .sources.registrations import RegistrationSource
+from .sources.relay import RelaySource
 from .sources.swarm import SwarmSource
 from .sources.upstreams_file import UpstreamsFileSource
 from .store import Store
 from .transport.grpc import EdsService, make_server
 from .transport.h2 import (
     FILE_HEADROOM,
-    ConnectionLimits,
-    HttpLimits,
     PassThroughCodec,
     http_runner,
     keepalive_config,
@@ -44,7 +37,6 @@ from .transport.h2 import (
     runner_port,
 )
 from .transport.rest import make_rest_app
-from .xds.common import SubscriptionLimits
 
 if TYPE_CHECKING:
     from .sources.kubernetes import KubernetesSource
@@ -58,99 +50,52 @@ log = logging.getLogger("eds_server")
 MERGE_ORDER: tuple[str, ...] = ("file", "docker", "swarm", "kubernetes", "registrations", "relay")
 
 
-@dataclass
-class Settings:
-    upstreams: str | None = None
-    max_upstreams_size: int = MAX_UPSTREAMS_SIZE
-    docker: DockerOptions | None = None  # None: no Docker discovery
-    swarm: DockerOptions | None = None  # None: no Swarm discovery (same engine options as Docker)
-    docker_host: str | None = None  # None: DOCKER_HOST, else the local socket
-    kubernetes: KubernetesOptions | None = None  # None: no Kubernetes discovery
-    debounce: float = 0.05
-    listen: tuple[str, int] = ("127.0.0.1", 18000)  # loopback unless told (as etcd, Consul): docs/security.md
-    admin: tuple[str, int] | None = ("127.0.0.1", 18001)
-    rest_listen: tuple[str, int] | None = None  # REST-JSON EDS, off unless asked for
-    metrics_listen: tuple[str, int] | None = None  # read-only /metrics, /healthz, /readyz, off unless asked for
-    admin_tls_cert: str | None = None  # the admin port over TLS (--admin-tls: --tls-cert's file)
-    admin_tls_key: str | None = None  # its key (None: in admin_tls_cert)
-    startup_timeout: float | None = None  # None: answer nobody until every source has loaded
-    max_streams_per_connection: int = 10_000
-    keepalive_time: float = 30.0
-    keepalive_timeout: float = 10.0
-    max_message_size: int = 4 * 1024 * 1024
-    max_streams: int = 100_000
-    send_timeout: float = 30.0
-    reset_budget: int = 10_000
-    limits: SubscriptionLimits = field(default_factory=SubscriptionLimits)
-    # gRPC connections and per-IP budgets (its max_streams and reset_budget: the fields above)
-    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-    http_limits: HttpLimits = field(default_factory=HttpLimits)  # admin and REST ports
-    http2: str = "auto"  # which HTTP/2 path: auto, fast or stock (transport/h2/compat.py)
-    shutdown_grace: float = 5.0  # --shutdown-timeout: SIGTERM to exit, however many streams are open
-    tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
-    tls_key: str | None = None  # PEM private key (None: it is in tls_cert)
-    tls_client_ca: str | None = None  # require client certificates issued by this CA (mTLS)
-    authz: str | None = None  # authorization file: which groups a client may read
-    state: str | None = None  # the registrations' state file or etcd:// URL (None: kept in memory only)
-    etcd: EtcdOptions = field(default_factory=EtcdOptions)  # TLS and auth for an etcd:// state
-    admin_token: str | None = None  # turns the registration API's writes on
-    max_registrations: int = MAX_REGISTRATIONS
-    registration_policy: RegistrationPolicy = field(default_factory=RegistrationPolicy)  # scoped tokens, CIDRs
-    upstream_eds: UpstreamOptions | None = None  # a relay: groups from another eds-server, no other source
-    listen_fd: int | None = None  # serve gRPC on this inherited listening socket (a worker's, bound by its owner)
-    admin_unix: str | None = None  # admin HTTP on this Unix socket instead (a worker's, read by its owner)
-    listen_unix: str | None = None  # gRPC on this Unix socket instead (an owner's, for its workers alone)
-
-
 class App:
     """One running server. `start()` refuses a bad upstreams file by raising UpstreamsError, and
     unusable TLS or authorization files by raising SecurityConfigError."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        src, reg, net = settings.sources, settings.registrations, settings.transport
         self.encoders = Encoders()  # and their caches: this server's, handed to the store, gRPC and REST
         self.store = Store(self.encoders.encode_group)
         self.aggregator = Aggregator(self.store)  # the sources' only way to the store
         # Health checks run where the sources are: not in a relay, nor in a worker (a relay of its
         # owner), so with --workers N one process checks and every worker serves the results.
-        self.checker = Checker(self.store) if settings.upstream_eds is None else None
+        self.checker = Checker(self.store) if src.upstream_eds is None else None
         feed = self.aggregator
         self.file_source = (
-            UpstreamsFileSource(
-                feed, settings.upstreams, debounce=settings.debounce, max_size=settings.max_upstreams_size
-            )
-            if settings.upstreams
+            UpstreamsFileSource(feed, src.upstreams, debounce=src.debounce, max_size=src.max_upstreams_size)
+            if src.upstreams
             else None
         )
         self.docker_source = (
-            DockerSource(feed, settings.docker, host=settings.docker_host, debounce=settings.debounce)
-            if settings.docker is not None
+            DockerSource(feed, src.docker, host=src.docker_host, debounce=src.debounce)
+            if src.docker is not None
             else None
         )
         self.swarm_source = (
-            SwarmSource(feed, settings.swarm, host=settings.docker_host, debounce=settings.debounce)
-            if settings.swarm is not None
-            else None
+            SwarmSource(feed, src.swarm, host=src.docker_host, debounce=src.debounce) if src.swarm is not None else None
         )
         self.kubernetes_source: KubernetesSource | None = None
-        if settings.kubernetes is not None:
+        if src.kubernetes is not None:
             from .sources.kubernetes import KubernetesSource
 
-            self.kubernetes_source = KubernetesSource(feed, settings.kubernetes, debounce=settings.debounce)
+            self.kubernetes_source = KubernetesSource(feed, src.kubernetes, debounce=src.debounce)
         self.registrations: RegistrationSource | EtcdRegistrationSource | None = None
-        if is_etcd(settings.state):
+        if is_etcd(reg.state):
             from .sources.registrations_etcd import EtcdRegistrationSource
 
-            assert settings.state is not None
-            self.registrations = EtcdRegistrationSource(feed, parse_target(settings.state), settings.etcd,
-                                                        max_registrations=settings.max_registrations)  # fmt: skip
-        elif settings.state or settings.admin_token or settings.registration_policy.scoped_tokens:
-            self.registrations = RegistrationSource(feed, settings.state,
-                                                    max_registrations=settings.max_registrations)  # fmt: skip
+            assert reg.state is not None
+            self.registrations = EtcdRegistrationSource(feed, parse_target(reg.state), reg.etcd,
+                                                        max_registrations=reg.max_registrations)  # fmt: skip
+        elif reg.wanted:
+            self.registrations = RegistrationSource(feed, reg.state,
+                                                    max_registrations=reg.max_registrations)  # fmt: skip
         self.relay = None
-        if settings.upstream_eds is not None:  # its client: bytes as they are, keepalive every 30 s
+        if src.upstream_eds is not None:  # its client: bytes as they are, keepalive every 30 s
             config = keepalive_config(30.0, 10.0, server=False)
-            self.relay = RelaySource(feed, settings.upstream_eds, codec=PassThroughCodec(), config=config)
+            self.relay = RelaySource(feed, src.upstream_eds, codec=PassThroughCodec(), config=config)
         by_kind: dict[str, Source | None] = {
             "file": self.file_source, "docker": self.docker_source, "swarm": self.swarm_source,
             "kubernetes": self.kubernetes_source, "registrations": self.registrations, "relay": self.relay,
@@ -159,22 +104,22 @@ class App:
         self.aggregator.declare([s.name for s in self.sources])
         self.service = EdsService(
             self.store,
-            settings.limits,
-            send_timeout=settings.send_timeout,
-            max_streams=settings.max_streams,
+            net.limits,
+            send_timeout=net.send_timeout,
+            max_streams=net.max_streams,
             responses=self.encoders.responses,
         )
         self.grpc = make_server(
             self.service,
-            max_streams_per_connection=settings.max_streams_per_connection,
-            keepalive_time=settings.keepalive_time,
-            keepalive_timeout=settings.keepalive_timeout,
-            max_message_size=settings.max_message_size,
-            reset_budget=settings.reset_budget,
+            max_streams_per_connection=net.max_streams_per_connection,
+            keepalive_time=net.keepalive_time,
+            keepalive_timeout=net.keepalive_timeout,
+            max_message_size=net.max_message_size,
+            reset_budget=net.reset_budget,
             limits=dataclasses.replace(  # the admin and REST ports' descriptors kept out of the gRPC port's
-                settings.connection_limits, file_reserve=2 * settings.http_limits.max_connections + FILE_HEADROOM
+                net.connection_limits, file_reserve=2 * net.http_limits.max_connections + FILE_HEADROOM
             ),
-            http2=settings.http2,
+            http2=net.http2,
         )
         # an observer of the streams from the first one on (made before anything serves)
         self.registry = make_registry(self.store, self.service.counters, self.service.observers, self.source_status,
@@ -211,58 +156,57 @@ class App:
         }
 
     async def start(self) -> None:
+        net, adm, own = self.settings.transport, self.settings.admin, self.settings.workers
         ssl = self._security()
         admin_ssl = self._admin_ssl()  # before anything starts: unusable files refuse the start
-        self.admin_ssl = admin_ssl if self.settings.admin_unix is None else None  # a worker's admin is its owner's
+        self.admin_ssl = admin_ssl if own.admin_unix is None else None  # a worker's admin is its owner's
         for source in self.sources:
             await source.start()  # raises UpstreamsError, RegistrationStateError: refuse to start
         for source in self.sources:
             self._spawn(source.run(self._stop_sources), f"source {source.name}", source.name)
         if self.checker is not None:
             self._spawn(self.checker.run(self._stop_sources), "health checks")
-        if self.settings.startup_timeout is not None:
-            self._spawn(self._startup_deadline(self.settings.startup_timeout), "startup deadline")
-        host, port = self.settings.listen
+        if self.settings.sources.startup_timeout is not None:
+            self._spawn(self._startup_deadline(self.settings.sources.startup_timeout), "startup deadline")
+        host, port = net.listen
         if ssl is not None:
             self.grpc.ssl = ssl
-        if self.settings.listen_unix is not None:
-            await self.grpc.start(path=self.settings.listen_unix)
+        if own.listen_unix is not None:
+            await self.grpc.start(path=own.listen_unix)
             self.grpc_port = 0
-            log.info("serving EDS (gRPC) to the workers on %s", self.settings.listen_unix)
+            log.info("serving EDS (gRPC) to the workers on %s", own.listen_unix)
         else:
-            sock = socket.socket(fileno=self.settings.listen_fd) if self.settings.listen_fd is not None else None
+            sock = socket.socket(fileno=own.listen_fd) if own.listen_fd is not None else None
             await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
-        self._spawn(overload.watch(self.grpc.gate, self.settings.connection_limits.memory_limit), "memory watermark")
-        if self.settings.admin is not None or self.settings.admin_unix is not None:
+        self._spawn(overload.watch(self.grpc.gate, net.connection_limits.memory_limit), "memory watermark")
+        if adm.address is not None or own.admin_unix is not None:
             app = admin.make_app(
                 self.store, self.source_status, self.stats,
                 self.service.describe_streams, self.registry,
-                self.registrations, self.settings.admin_token, self.settings.registration_policy,
-                self.workers, self._shed if self.settings.admin_unix is not None else None,
+                self.registrations, self.settings.registrations.admin_token, self.settings.registrations.policy,
+                self.workers, self._shed if own.admin_unix is not None else None,
                 checks=self.checker.endpoint_check if self.checker is not None else None,
             )  # fmt: skip
-            if self.settings.admin_unix is not None:
-                await self._serve_unix(app, self.settings.admin_unix)
+            if own.admin_unix is not None:
+                await self._serve_unix(app, own.admin_unix)
             else:
-                assert self.settings.admin is not None
-                self.admin_port = await self._serve_http(app, self.settings.admin, "admin", admin_ssl)
-        if self.settings.metrics_listen is not None and self.settings.admin_unix is None:  # not a worker's
+                assert adm.address is not None
+                self.admin_port = await self._serve_http(app, adm.address, "admin", admin_ssl)
+        if adm.metrics_listen is not None and own.admin_unix is None:  # not a worker's
             app = admin.make_app(self.store, self.source_status, self.stats, self.service.describe_streams,
                                  self.registry, workers=self.workers, read_only_probes=True)  # fmt: skip
             self.metrics_port = await self._serve_http(
-                app, self.settings.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
+                app, adm.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
             )
-        if self.settings.rest_listen is not None:
-            app = make_rest_app(self.store, self.settings.limits, self.settings.max_message_size, self.encoders)
-            self.rest_port = await self._serve_http(app, self.settings.rest_listen, "EDS (REST)")
+        if net.rest_listen is not None:
+            app = make_rest_app(self.store, net.limits, net.max_message_size, self.encoders)
+            self.rest_port = await self._serve_http(app, net.rest_listen, "EDS (REST)")
 
     def _security(self) -> SSLContext | None:
         """The gRPC port's TLS context, and the authorization hook, from the settings."""
-        s = self.settings
-        if not s.tls_cert and (s.tls_key or s.tls_client_ca):
-            raise SecurityConfigError(["a TLS key or client CA needs a TLS certificate (--tls-cert)"])
+        s = self.settings.security  # a key or CA without a certificate: refused by SecuritySettings
         ssl = security.server_ssl_context(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert else None
         if ssl is not None:
             mtls = f"client certificates required (CA {s.tls_client_ca})" if s.tls_client_ca else "no client certs"
@@ -285,7 +229,7 @@ class App:
         """SIGHUP: read the TLS certificate and key and the authorization file again. A file that does
         not load is logged and the running one kept; what loads applies to connections (TLS) and
         streams (authorization) opened from now on. The upstreams file needs no signal: it is followed."""
-        s = self.settings
+        s = self.settings.security
         self.reload_admin_tls()
         if not s.tls_cert and not s.authz:
             if self.admin_ssl is not None:  # the --workers owner: its admin port's TLS alone
@@ -316,29 +260,29 @@ class App:
     def reload_admin_tls(self) -> None:
         """SIGHUP with --admin-tls: the admin port's certificate and key read again, for connections
         from now on; a pair that does not load is logged and the running one kept."""
-        s = self.settings
-        if self.admin_ssl is None or s.admin_tls_cert is None:
+        s = self.settings.admin
+        if self.admin_ssl is None or s.tls_cert is None:
             return
         try:
-            security.http_ssl_context(s.admin_tls_cert, s.admin_tls_key)  # the whole check, first
-            self.admin_ssl.load_cert_chain(s.admin_tls_cert, s.admin_tls_key)
-            log.info("SIGHUP: admin TLS certificate %s reloaded", s.admin_tls_cert)
+            security.http_ssl_context(s.tls_cert, s.tls_key)  # the whole check, first
+            self.admin_ssl.load_cert_chain(s.tls_cert, s.tls_key)
+            log.info("SIGHUP: admin TLS certificate %s reloaded", s.tls_cert)
         except (SecurityConfigError, OSError, ValueError) as e:
             why = "; ".join(e.problems) if isinstance(e, SecurityConfigError) else str(e)
             log.error("SIGHUP: admin TLS files not reloaded, the running ones kept: %s", why)
 
     def _admin_ssl(self) -> SSLContext | None:
-        s = self.settings
-        if s.admin_tls_cert is None or s.admin is None:
+        s = self.settings.admin
+        if s.tls_cert is None or s.address is None:
             return None
-        ssl = security.http_ssl_context(s.admin_tls_cert, s.admin_tls_key)
-        log.info("admin over TLS: certificate %s", s.admin_tls_cert)
+        ssl = security.http_ssl_context(s.tls_cert, s.tls_key)
+        log.info("admin over TLS: certificate %s", s.tls_cert)
         return ssl
 
     async def _serve_http(
         self, app: web.Application, address: tuple[str, int], what: str, ssl: SSLContext | None = None
     ) -> int:
-        runner = http_runner(app, self.settings.http_limits, self.settings.http2)
+        runner = http_runner(app, self.settings.transport.http_limits, self.settings.transport.http2)
         await runner.setup()
         self._http.append(runner)
         site = web.TCPSite(runner, *address, ssl_context=ssl)
@@ -348,7 +292,7 @@ class App:
         return port
 
     async def _serve_unix(self, app: web.Application, path: str) -> None:
-        runner = http_runner(app, self.settings.http_limits, self.settings.http2)
+        runner = http_runner(app, self.settings.transport.http_limits, self.settings.transport.http2)
         await runner.setup()
         self._http.append(runner)
         await web.UnixSite(runner, path).start()
@@ -371,7 +315,7 @@ class App:
         streams are open. Streams still open at 60% of it are cut (Envoy keeps its endpoints then
         too, and reconnects); closing the connections and the sources gets the rest."""
         loop = asyncio.get_running_loop()
-        start, budget = loop.time(), self.settings.shutdown_grace
+        start, budget = loop.time(), self.settings.transport.shutdown_grace
         streams = self.service.open_streams
         if self.grpc_port is not None:
             self.grpc.stop_accepting()  # first

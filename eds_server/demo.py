@@ -25,7 +25,8 @@ import yaml
 from aiohttp import web
 
 from . import __version__, ports, upstreams
-from .app import App, Settings
+from .app import App
+from .settings import AdminSettings, Settings, SourceSettings, TransportSettings
 
 log = logging.getLogger("eds_server.demo")
 
@@ -219,7 +220,8 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
         return 1
     backends: list[web.AppRunner] = []
     closing: str | None = None  # said once everything is down, after Ctrl-C
-    app = App(Settings(upstreams=upstreams_path, listen=grpc, admin=admin_address))
+    app = App(Settings(sources=SourceSettings(upstreams=upstreams_path), transport=TransportSettings(listen=grpc),
+                       admin=AdminSettings(address=admin_address)))  # fmt: skip
     proc: asyncio.subprocess.Process | None = None
     try:
         for group in groups.values():

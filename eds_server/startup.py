@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .admin import WorkerAnswers
-    from .app import App, Settings
+    from .app import App
     from .security import SecurityConfigError
+    from .settings import Settings
 
 log = logging.getLogger("eds_server")
 
@@ -76,10 +77,11 @@ async def start_app(
     from .security import SecurityConfigError
     from .sources.registrations import RegistrationStateError
 
-    listen = None if settings.listen_fd is not None else settings.listen  # a worker's: bound by its owner
-    taken = ports.every_unbindable([("--listen", listen), ("--admin", settings.admin),
-                                    ("--rest-listen", settings.rest_listen),
-                                    ("--metrics-listen", settings.metrics_listen), *extra_ports])  # fmt: skip
+    net, admin = settings.transport, settings.admin
+    listen = None if settings.workers.listen_fd is not None else net.listen  # a worker's: bound by its owner
+    taken = ports.every_unbindable([("--listen", listen), ("--admin", admin.address),
+                                    ("--rest-listen", net.rest_listen), ("--metrics-listen", admin.metrics_listen),
+                                    *extra_ports])  # fmt: skip
     if taken:  # every one, so that moving one busy port does not only reveal the next
         log.error("not starting: %s", "; ".join(taken))
         return None
@@ -91,7 +93,7 @@ async def start_app(
         for problem in e.problems:
             log.error("%s", problem)
         log.error("not starting: fix the upstreams file %s (check it with `eds-server check %s`)",
-                  settings.upstreams, settings.upstreams)  # fmt: skip
+                  settings.sources.upstreams, settings.sources.upstreams)  # fmt: skip
         return None
     except SecurityConfigError as e:
         refuse_security(e)

@@ -38,7 +38,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import gc_settings
-from .registration_api import RegistrationPolicy
+from .settings import RegistrationSettings, SecuritySettings
 from .sources.relay import UpstreamOptions
 from .startup import refuse_security, setup_logging, start_app
 from .worker_process import (
@@ -51,7 +51,8 @@ from .worker_process import (
 )
 
 if TYPE_CHECKING:
-    from .app import App, Settings
+    from .app import App
+    from .settings import Settings
 
 log = logging.getLogger("eds_server.workers")
 
@@ -78,18 +79,24 @@ SampleKey = tuple[str, str, tuple[tuple[str, str], ...]]  # family, sample name,
 def worker_settings(settings: Settings, owner: str, admin_unix: str) -> Settings:
     """What a worker runs: the Envoy-facing half of `settings`, fed by the owner (its listening socket
     is handed over when it starts)."""
+    relay = UpstreamOptions("localhost", 0, path=owner)
+    sources = dataclasses.replace(settings.sources, upstreams=None, docker=None, swarm=None, kubernetes=None,
+                                  startup_timeout=None, upstream_eds=relay)  # fmt: skip
     return dataclasses.replace(
-        settings, upstreams=None, docker=None, swarm=None, kubernetes=None, state=None, admin_token=None,
-        registration_policy=RegistrationPolicy(), rest_listen=None, admin=None, admin_unix=admin_unix,
-        startup_timeout=None, upstream_eds=UpstreamOptions("localhost", 0, path=owner),
+        settings, sources=sources, registrations=RegistrationSettings(),
+        transport=dataclasses.replace(settings.transport, rest_listen=None),
+        admin=dataclasses.replace(settings.admin, address=None),
+        workers=dataclasses.replace(settings.workers, admin_unix=admin_unix),
     )  # fmt: skip
 
 
 def owner_settings(settings: Settings, directory: str) -> Settings:
     """What the owner runs: the sources, the admin and REST ports, and gRPC for its workers alone, on a
     Unix socket in its private directory (TLS and authorization are the workers', facing Envoy)."""
-    return dataclasses.replace(settings, listen=("127.0.0.1", 0), listen_unix=owner_socket(directory), tls_cert=None,
-                               tls_key=None, tls_client_ca=None, authz=None)  # fmt: skip
+    return dataclasses.replace(
+        settings, transport=dataclasses.replace(settings.transport, listen=("127.0.0.1", 0)),
+        workers=dataclasses.replace(settings.workers, listen_unix=owner_socket(directory)), security=SecuritySettings(),
+    )  # fmt: skip
 
 
 def owner_socket(directory: str) -> str:
@@ -519,12 +526,13 @@ def merge_metrics(
     return generate_latest(registry).decode()
 
 
-async def serve_with_workers(settings: Settings, count: int, log_level: str, log_format: str) -> int:
+async def serve_with_workers(settings: Settings, log_level: str, log_format: str) -> int:
     """The owner process: bind `--listen` for every worker, start them and the sources; drain on
     SIGTERM or SIGINT, reload on SIGHUP; exit 1 when a worker cannot start (MAX_FAILED_STARTS)."""
     from . import __version__, ports
 
     began = time.monotonic()
+    net, count = settings.transport, settings.workers.count
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     pool: WorkerPool | None = None
@@ -535,12 +543,12 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     log.info("eds-server %s starting with %d workers (Python %s)", __version__, count, sys.version.split()[0])
     if not _security_usable(settings):
         return 1
-    taken = ports.every_unbindable([("--admin", settings.admin), ("--rest-listen", settings.rest_listen),
-                                    ("--metrics-listen", settings.metrics_listen)])  # fmt: skip
+    taken = ports.every_unbindable([("--admin", settings.admin.address), ("--rest-listen", net.rest_listen),
+                                    ("--metrics-listen", settings.admin.metrics_listen)])  # fmt: skip
     if taken:
         log.error("not starting: %s", "; ".join(taken))
         return 1
-    host, port = settings.listen
+    host, port = net.listen
     try:
         listeners = bind_listeners(host, port, count)
     except OSError as e:
@@ -552,7 +560,8 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
     directory, lock = make_private_directory()
     try:
         pool = WorkerPool(directory, log_level, log_format, listeners)
-        pool.write_settings(dataclasses.replace(settings, listen=(host, listeners[0].getsockname()[1])))
+        bound = dataclasses.replace(net, listen=(host, listeners[0].getsockname()[1]))
+        pool.write_settings(dataclasses.replace(settings, transport=bound))
         await pool.start()  # the workers start while the sources load
         app = await start_app(owner_settings(settings, directory), workers=pool)
         if app is None:
@@ -576,7 +585,7 @@ async def serve_with_workers(settings: Settings, count: int, log_level: str, log
             status = 1
         else:
             log.info("shutting down: draining the workers")
-        await pool.stop(settings.shutdown_grace + WORKER_EXIT)
+        await pool.stop(net.shutdown_grace + WORKER_EXIT)
         return status
     finally:
         if app is not None:
@@ -604,10 +613,11 @@ def _security_usable(settings: Settings) -> bool:
     from .security import SecurityConfigError
 
     try:
-        if settings.tls_cert:
-            security.server_ssl_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-        if settings.authz:
-            security.load_authz(settings.authz)
+        tls = settings.security
+        if tls.tls_cert:
+            security.server_ssl_context(tls.tls_cert, tls.tls_key, tls.tls_client_ca)
+        if tls.authz:
+            security.load_authz(tls.authz)
     except SecurityConfigError as e:
         refuse_security(e)
         return False
@@ -627,7 +637,7 @@ def worker_main(argv: list[str]) -> int:
         handler.addFilter(_Prefix(f"worker {index}: "))
     with open(os.path.join(directory, f"worker-{index}.settings"), "rb") as f:
         settings = pickle.load(f)  # written by our owner, in a directory only it (and we) may write
-    settings = dataclasses.replace(settings, listen_fd=int(listen))
+    settings = dataclasses.replace(settings, workers=dataclasses.replace(settings.workers, listen_fd=int(listen)))
     return int(uvloop.run(_work(settings, int(owner), directory, int(status), int(control))))
 
 

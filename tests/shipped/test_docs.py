@@ -178,6 +178,24 @@ def test_the_design_map_names_every_module() -> None:
     assert not [m for m in modules if f"`{m}`" not in text and f"`{m.rsplit('/', 1)[-1]}`" not in text]
 
 
+def test_the_design_page_is_a_map() -> None:
+    """docs/design.md leads a newcomer along the code: its layers, a change out to Envoy and Envoy's
+    answer back as hops of `file.py::function` (each resolved by test_every_path_the_docs_name_exists),
+    where each kind of part lives, and the test that holds the import arrows."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    sections = dict(re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S))
+    for heading in ("Layers", "A change, from the upstreams file to bytes on the wire",
+                    "An ACK or NACK, back to the state it changes", "Where each kind of part lives"):  # fmt: skip
+        assert heading in sections, heading
+    out, back = (
+        sections["A change, from the upstreams file to bytes on the wire"],
+        sections["An ACK or NACK, back to the state it changes"],
+    )
+    assert len(re.findall(r"`[\w/]+\.py::\w+`", out)) >= 10 and "`sources/upstreams_file.py::" in out
+    assert "`xds/common.py::_settle`" in back and len(re.findall(r"`[\w/]+\.py::\w+`", back)) >= 8
+    assert "tests/unit/test_import_direction.py::test_imports_point_down_the_layers" in sections["Layers"]
+
+
 NAMED_FOLDER = re.compile(r"`([A-Za-z0-9_][A-Za-z0-9_./\-]*/)`")
 
 

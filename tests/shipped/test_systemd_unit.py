@@ -71,7 +71,8 @@ def test_the_unit_has_the_usual_hardening() -> None:
 
 def test_systemd_waits_longer_than_the_shutdown_takes() -> None:
     """TimeoutStopSec is past --shutdown-timeout: systemd's SIGKILL never cuts a clean shutdown."""
-    from eds_server.cli import build_parser, duration
+    from eds_server.cli import build_parser
+    from eds_server.options.parsing import duration
 
     stop = duration(_settings(UNIT.read_text())["TimeoutStopSec"][0])
     assert stop > build_parser().parse_args(["serve"]).shutdown_timeout + 5
@@ -80,13 +81,14 @@ def test_systemd_waits_longer_than_the_shutdown_takes() -> None:
 def test_the_env_file_is_a_valid_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every variable in it is one eds-server reads, every value parses, and the upstreams file it
     names (the example, installed beside it) passes `eds-server check`."""
-    from eds_server.cli import _BAD_BOOLEANS, _SUBCOMMANDS, build_parser, env_var
+    from eds_server.cli import _SUBCOMMANDS, build_parser
+    from eds_server.options.parsing import BAD_BOOLEANS, env_var
 
     env = {k: v[0] for k, v in _settings(ENV.read_text()).items()}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     args = build_parser().parse_args(["serve"])
-    assert not _BAD_BOOLEANS
+    assert not BAD_BOOLEANS
     known = {env_var(o) for a in _SUBCOMMANDS["serve"]._actions for o in a.option_strings if o.startswith("--")}
     assert set(env) <= known, set(env) - known
     assert args.upstreams == "/etc/eds-server/upstreams.yaml" and args.log_format == "json"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eds_server.cli import duration
+from eds_server.options.parsing import duration
 from tests.support.h2_client import Client, data, first_request, grpc
 from tests.support.server_process import EdsServerProcess
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from eds_server import __version__
-from eds_server.cli import _HelpFormatter, build_parser, duration, host_port
+from eds_server.cli import build_parser
+from eds_server.options.parsing import HelpFormatter, duration, host_port
 from tests.support.paths import ROOT
 
 
@@ -128,7 +129,7 @@ def test_every_option_shows_its_environment_variable_and_default() -> None:
     for command, sub in _subparsers().items():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
-                helps[(command, action.option_strings[-1])] = _HelpFormatter("x")._get_help_string(action)
+                helps[(command, action.option_strings[-1])] = HelpFormatter("x")._get_help_string(action)
     assert len([k for k in helps if k[0] == "serve"]) >= 31
     for (command, flag), text in helps.items():
         assert "(default " in text, (command, flag, text)
@@ -269,7 +270,7 @@ def test_workers_with_an_unusable_tls_file_refuse_to_start_naming_it(tmp_path: P
 
 
 def test_workers_auto_counts_the_cores_a_cgroup_quota_allows(tmp_path: Path) -> None:
-    from eds_server.cli import usable_cores
+    from eds_server.options.workers import usable_cores
 
     cores = usable_cores(str(tmp_path / "no-cgroup"))
     assert cores >= 1
@@ -315,10 +316,11 @@ def test_booleans_from_the_environment_take_the_documented_spellings(
     monkeypatch: pytest.MonkeyPatch, value: str, on: bool
 ) -> None:
     from eds_server import cli
+    from eds_server.options.parsing import BAD_BOOLEANS
 
     monkeypatch.setenv("EDS_DOCKER", value)
     assert cli.build_parser().parse_args(["serve"]).docker is on
-    assert not cli._BAD_BOOLEANS
+    assert not BAD_BOOLEANS
 
 
 @pytest.mark.parametrize("value", ["maybe", "ture", "2"])
@@ -411,29 +413,38 @@ def test_the_command_lines_defaults_are_the_settings_defaults(monkeypatch: pytes
     """The CLI spells its defaults out (it imports only the standard library, for a fast --version
     and --help) and the settings classes have their own, for the App built in code and in tests:
     the two copies must say the same, or a server built in code is not the one operators run."""
-    from eds_server.app import Settings
-    from eds_server.transport.h2.limits import ConnectionLimits, HttpLimits
-    from eds_server.xds.common import SubscriptionLimits
+    from eds_server.settings import Settings
 
     for name in [n for n in os.environ if n.startswith("EDS_")]:
         monkeypatch.delenv(name)
     args = vars(build_parser().parse_args(["serve", "--upstreams", "x.yaml"]))
-    settings, connections, http, names = Settings(), ConnectionLimits(), HttpLimits(), SubscriptionLimits()
+    settings = Settings()
+    sources, transport, admin, registrations = (
+        settings.sources,
+        settings.transport,
+        settings.admin,
+        settings.registrations,
+    )
+    names, connections, http = transport.limits, transport.connection_limits, transport.http_limits
     pairs = {  # flag's dest: (the settings object, its field)
-        "max_upstreams_size": (settings, "max_upstreams_size"),
-        "debounce": (settings, "debounce"),
-        "listen": (settings, "listen"),
-        "admin": (settings, "admin"),
-        "shutdown_timeout": (settings, "shutdown_grace"),
-        "max_streams_per_connection": (settings, "max_streams_per_connection"),
-        "keepalive_time": (settings, "keepalive_time"),
-        "keepalive_timeout": (settings, "keepalive_timeout"),
-        "max_message_size": (settings, "max_message_size"),
-        "max_streams": (settings, "max_streams"),
-        "send_timeout": (settings, "send_timeout"),
-        "reset_budget": (settings, "reset_budget"),
-        "http2": (settings, "http2"),
-        "max_registrations": (settings, "max_registrations"),
+        "max_upstreams_size": (sources, "max_upstreams_size"),
+        "debounce": (sources, "debounce"),
+        "startup_timeout": (sources, "startup_timeout"),
+        "listen": (transport, "listen"),
+        "rest_listen": (transport, "rest_listen"),
+        "admin": (admin, "address"),
+        "metrics_listen": (admin, "metrics_listen"),
+        "shutdown_timeout": (transport, "shutdown_grace"),
+        "max_streams_per_connection": (transport, "max_streams_per_connection"),
+        "keepalive_time": (transport, "keepalive_time"),
+        "keepalive_timeout": (transport, "keepalive_timeout"),
+        "max_message_size": (transport, "max_message_size"),
+        "max_streams": (transport, "max_streams"),
+        "send_timeout": (transport, "send_timeout"),
+        "reset_budget": (transport, "reset_budget"),
+        "http2": (transport, "http2"),
+        "max_registrations": (registrations, "max_registrations"),
+        "workers": (settings.workers, "count"),
         "max_names": (names, "max_names"),
         "max_name_length": (names, "max_name_length"),
         "max_connections": (connections, "max_connections"),
@@ -450,3 +461,14 @@ def test_the_command_lines_defaults_are_the_settings_defaults(monkeypatch: pytes
     differ = {dest: (args[dest], getattr(obj, field)) for dest, (obj, field) in pairs.items()
               if args[dest] != getattr(obj, field)}  # fmt: skip
     assert not differ, differ
+
+
+def test_the_default_command_line_makes_the_default_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond each default: `serve --upstreams FILE` with nothing else set is Settings() with that file."""
+    from eds_server import options
+    from eds_server.settings import Settings, SourceSettings
+
+    for name in [n for n in os.environ if n.startswith("EDS_")]:
+        monkeypatch.delenv(name)
+    args = build_parser().parse_args(["serve", "--upstreams", "x.yaml"])
+    assert options.settings(args) == Settings(sources=SourceSettings(upstreams="x.yaml"))

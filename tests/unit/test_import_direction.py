@@ -13,10 +13,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "eds_server"
 # Top to bottom, as docs/design.md lists them. A module may import its own layer and those below;
 # a name ending in "." is a package and everything in it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__main__", "cli", "demo"),  # the commands
+    ("__main__", "cli", "demo", "options."),  # the commands, and serve's options made into Settings
     ("workers",),  # --workers N: runs Apps in processes of its own
     ("startup",),  # an App started or refused, logging: what the commands and the workers share
-    ("app",),  # assembles one server
+    ("app", "settings"),  # assembles one server, from its settings
     ("admin", "status_page", "registration_api", "transport."),  # the ports Envoy and operators use
     ("metrics",),  # an observer of the streams, read by the admin port
     ("sources.", "health.checker", "health.probes"),  # the producers of groups; health checks' IO

@@ -11,7 +11,7 @@ refusal or nothing out), no other library's internals, so it sits below both pat
 - unknown frame types, when `drop_unknown`: charged as control frames and left out of what is
   passed on (RFC 9113 section 4.1: ignored), for a library that would fail on them;
 - `on_frame` sees every other frame's header: the stock path charges its budgets there
-  (StreamLedger, from the frames' headers both ways), the fast path inside h2 (fast.py);
+  (StreamLedger, from the frames' headers both ways), the fast path inside h2 (fast_connection.py);
 - for a path that cannot refuse inside its library (stock), three more hooks: `on_block` gets
   each header block whole (held, not passed: header_blocks.py re-encodes it), `on_data` each DATA
   frame's data as it passes (MessageMeter: gRPC length prefixes), `on_small` each WINDOW_UPDATE's

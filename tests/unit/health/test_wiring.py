@@ -7,19 +7,20 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from eds_server.app import App, Settings
+from eds_server.app import App
 from eds_server.encode import encode_group
 from eds_server.health.checker import Checker, _Target
 from eds_server.health.spec import HealthSpec
 from eds_server.health.tracker import Result
 from eds_server.metrics import HealthChecks
+from eds_server.settings import Settings, SourceSettings
 from eds_server.sources.relay import UpstreamOptions
 from eds_server.store import Store
 
 
 async def test_only_an_app_that_owns_its_sources_checks() -> None:
-    assert App(Settings(upstreams=None)).checker is not None
-    relay = App(Settings(upstream_eds=UpstreamOptions("127.0.0.1", 1)))
+    assert App(Settings()).checker is not None
+    relay = App(Settings(sources=SourceSettings(upstream_eds=UpstreamOptions("127.0.0.1", 1))))
     assert relay.checker is None and relay.store.overlay is None
 
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from eds_server.app import MERGE_ORDER, App, Settings
+from eds_server.app import MERGE_ORDER, App
 from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
+from eds_server.settings import AdminSettings, RegistrationSettings, Settings, SourceSettings
 from eds_server.sources.aggregator import Aggregator
 from eds_server.sources.containers import DockerOptions
 from eds_server.store import Store
@@ -55,8 +56,9 @@ async def test_the_app_declares_its_sources_in_merge_order_not_construction_orde
     assert MERGE_ORDER == ("file", "docker", "swarm", "kubernetes", "registrations", "relay")
     upstreams = tmp_path / "upstreams.yaml"
     upstreams.write_text("groups: {}\n")
-    app = App(Settings(upstreams=str(upstreams), docker=DockerOptions(), swarm=DockerOptions(),
-                       admin_token="t" * 32, admin=None))  # fmt: skip
+    sources = SourceSettings(upstreams=str(upstreams), docker=DockerOptions(), swarm=DockerOptions())
+    app = App(Settings(sources=sources, registrations=RegistrationSettings(admin_token="t" * 32),
+                       admin=AdminSettings(address=None)))  # fmt: skip
     names = [s.name for s in app.sources]
     assert names == [f"file:{upstreams}", "docker", "swarm", "registrations"]
     assert app.aggregator.order == tuple(names) and app.store.pending_sources == tuple(names)
