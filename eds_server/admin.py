@@ -22,8 +22,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eds_server.admin")
 
-PATHS = ("/", "/healthz", "/readyz", "/v1/groups", "/v1/groups/{name}", "/v1/sources", "/v1/stats", "/v1/streams",
-         "/metrics")  # fmt: skip
+PATHS = (
+    "/",
+    "/healthz",
+    "/readyz",
+    "/v1/groups",
+    "/v1/groups/{name}",
+    "/v1/sources",
+    "/v1/stats",
+    "/v1/streams",
+    "/metrics",
+)
 PROBE_PATHS = ("/metrics", "/healthz", "/readyz")  # all that --metrics-listen serves
 REGISTRATIONS_OFF = (
     "the registration API is off: start eds-server with --state FILE and/or --admin-token TOKEN "
@@ -166,8 +175,14 @@ def make_app(
     async def group(request: web.Request) -> web.Response:
         found = store.resources().get(request.match_info["name"])
         if found is None:
-            return web.json_response({"error": "no such group", "group": request.match_info["name"],
-                                      "hint": "every group served: GET /v1/groups"}, status=404)  # fmt: skip
+            return web.json_response(
+                {
+                    "error": "no such group",
+                    "group": request.match_info["name"],
+                    "hint": "every group served: GET /v1/groups",
+                },
+                status=404,
+            )
         return web.json_response(group_json(store, found, endpoint_sources=True, checks=checks))
 
     async def sources(_: web.Request) -> web.Response:
@@ -199,13 +214,21 @@ def make_app(
             regs = [registration_json(registrations, r) for r in everyone[: status_page.MOST_GROUPS]]
             total_regs = len(everyone)
         page = status_page.render(
-            version=__version__, state=serving_state(store.ready, statuses), sources=statuses,
-            groups=[group_json(store, resources[n], endpoint_sources=True, checks=checks)
-                    for n in names[: status_page.MOST_GROUPS]],
-            total_groups=len(names), total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
-            streams=shown["streams"], total_streams=shown["total"], stats=await all_stats(),
-            registrations=regs, total_registrations=total_regs,
-        )  # fmt: skip
+            version=__version__,
+            state=serving_state(store.ready, statuses),
+            sources=statuses,
+            groups=[
+                group_json(store, resources[n], endpoint_sources=True, checks=checks)
+                for n in names[: status_page.MOST_GROUPS]
+            ],
+            total_groups=len(names),
+            total_endpoints=sum(len(r.group.endpoints) for r in resources.values()),
+            streams=shown["streams"],
+            total_streams=shown["total"],
+            stats=await all_stats(),
+            registrations=regs,
+            total_registrations=total_regs,
+        )
         return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
 
     async def metrics(_: web.Request) -> web.Response:

@@ -87,19 +87,23 @@ class App:
             from .sources.registrations_etcd import EtcdRegistrationSource
 
             assert reg.state is not None
-            self.registrations = EtcdRegistrationSource(feed, parse_target(reg.state), reg.etcd,
-                                                        max_registrations=reg.max_registrations)  # fmt: skip
+            self.registrations = EtcdRegistrationSource(
+                feed, parse_target(reg.state), reg.etcd, max_registrations=reg.max_registrations
+            )
         elif reg.wanted:
-            self.registrations = RegistrationSource(feed, reg.state,
-                                                    max_registrations=reg.max_registrations)  # fmt: skip
+            self.registrations = RegistrationSource(feed, reg.state, max_registrations=reg.max_registrations)
         self.relay = None
         if src.upstream_eds is not None:  # its client: bytes as they are, keepalive every 30 s
             config = keepalive_config(30.0, 10.0, server=False)
             self.relay = RelaySource(feed, src.upstream_eds, codec=PassThroughCodec(), config=config)
         by_kind: dict[str, Source | None] = {
-            "file": self.file_source, "docker": self.docker_source, "swarm": self.swarm_source,
-            "kubernetes": self.kubernetes_source, "registrations": self.registrations, "relay": self.relay,
-        }  # fmt: skip
+            "file": self.file_source,
+            "docker": self.docker_source,
+            "swarm": self.swarm_source,
+            "kubernetes": self.kubernetes_source,
+            "registrations": self.registrations,
+            "relay": self.relay,
+        }
         self.sources: list[Source] = [s for s in (by_kind[kind] for kind in MERGE_ORDER) if s is not None]
         self.aggregator.declare([s.name for s in self.sources])
         self.service = EdsService(
@@ -122,8 +126,13 @@ class App:
             http2=net.http2,
         )
         # an observer of the streams from the first one on (made before anything serves)
-        self.registry = make_registry(self.store, self.service.counters, self.service.observers, self.source_status,
-                                      lambda: (self.grpc.connections, self.grpc.refused))  # fmt: skip
+        self.registry = make_registry(
+            self.store,
+            self.service.counters,
+            self.service.observers,
+            self.source_status,
+            lambda: (self.grpc.connections, self.grpc.refused),
+        )
         if self.checker is not None:
             self.registry.register(HealthChecks(self.checker))
         self._http: list[web.AppRunner] = []
@@ -183,20 +192,33 @@ class App:
         self._spawn(overload.watch(self.grpc.gate, net.connection_limits.memory_limit), "memory watermark")
         if adm.address is not None or own.admin_unix is not None:
             app = admin.make_app(
-                self.store, self.source_status, self.stats,
-                self.service.describe_streams, self.registry,
-                self.registrations, self.settings.registrations.admin_token, self.settings.registrations.policy,
-                self.workers, self._shed if own.admin_unix is not None else None,
+                self.store,
+                self.source_status,
+                self.stats,
+                self.service.describe_streams,
+                self.registry,
+                self.registrations,
+                self.settings.registrations.admin_token,
+                self.settings.registrations.policy,
+                self.workers,
+                self._shed if own.admin_unix is not None else None,
                 checks=self.checker.endpoint_check if self.checker is not None else None,
-            )  # fmt: skip
+            )
             if own.admin_unix is not None:
                 await self._serve_unix(app, own.admin_unix)
             else:
                 assert adm.address is not None
                 self.admin_port = await self._serve_http(app, adm.address, "admin", admin_ssl)
         if adm.metrics_listen is not None and own.admin_unix is None:  # not a worker's
-            app = admin.make_app(self.store, self.source_status, self.stats, self.service.describe_streams,
-                                 self.registry, workers=self.workers, read_only_probes=True)  # fmt: skip
+            app = admin.make_app(
+                self.store,
+                self.source_status,
+                self.stats,
+                self.service.describe_streams,
+                self.registry,
+                workers=self.workers,
+                read_only_probes=True,
+            )
             self.metrics_port = await self._serve_http(
                 app, adm.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
             )
@@ -216,8 +238,10 @@ class App:
             self.service.authorize = policy.for_client
             log.info("authorization: %s: %d rules, default %s", s.authz, len(policy.rules), policy.default)
             if policy.uses_certificates and not s.tls_client_ca:
-                log.warning("authorization: without --tls-client-ca no client has a certificate: "
-                            "san_uri and san_dns rules match nobody")  # fmt: skip
+                log.warning(
+                    "authorization: without --tls-client-ca no client has a certificate: "
+                    "san_uri and san_dns rules match nobody"
+                )
         return ssl
 
     async def _shed(self, streams: int, one_under: int) -> dict[str, int]:
@@ -234,8 +258,9 @@ class App:
         if not s.tls_cert and not s.authz:
             if self.admin_ssl is not None:  # the --workers owner: its admin port's TLS alone
                 return
-            log.info("SIGHUP: nothing to reload (no --tls-cert, no --authz; the upstreams file is followed as it "
-                     "changes)")  # fmt: skip
+            log.info(
+                "SIGHUP: nothing to reload (no --tls-cert, no --authz; the upstreams file is followed as it changes)"
+            )
             return
         if s.tls_cert and self.grpc.ssl is not None:
             try:
@@ -254,8 +279,12 @@ class App:
                 log.error("SIGHUP: authorization not reloaded, the running rules kept: %s", "; ".join(e.problems))
             else:
                 self.service.authorize = policy.for_client
-                log.info("SIGHUP: authorization %s reloaded: %d rules, default %s (for streams opened from now on)",
-                         s.authz, len(policy.rules), policy.default)  # fmt: skip
+                log.info(
+                    "SIGHUP: authorization %s reloaded: %d rules, default %s (for streams opened from now on)",
+                    s.authz,
+                    len(policy.rules),
+                    policy.default,
+                )
 
     def reload_admin_tls(self) -> None:
         """SIGHUP with --admin-tls: the admin port's certificate and key read again, for connections
@@ -305,8 +334,9 @@ class App:
             log.warning(
                 "startup timeout (%gs): sources never loaded: %s; serving what is loaded "
                 "(Envoy drops endpoints only those sources would give)",
-                timeout, ", ".join(self.store.pending_sources),
-            )  # fmt: skip
+                timeout,
+                ", ".join(self.store.pending_sources),
+            )
             self.store.force_ready()
 
     async def stop(self) -> None:

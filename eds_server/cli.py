@@ -207,8 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _SUBCOMMANDS[args.command].unrecognized(extras)
     if args.command == "serve" and BAD_BOOLEANS:
         name, value = next(iter(BAD_BOOLEANS.items()))
-        _SUBCOMMANDS["serve"].error(f"{name}={value!r} is neither on nor off: write {', '.join(TRUE_WORDS)} "
-                                    f"for on; {', '.join(FALSE_WORDS[1:])} or nothing for off")  # fmt: skip
+        _SUBCOMMANDS["serve"].error(
+            f"{name}={value!r} is neither on nor off: write {', '.join(TRUE_WORDS)} "
+            f"for on; {', '.join(FALSE_WORDS[1:])} or nothing for off"
+        )
     if args.command == "check":
         if not (args.files or args.authz):
             print("eds-server check: give one or more upstreams FILEs and/or --authz FILE", file=sys.stderr)
@@ -222,8 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import DemoPorts, run_demo
 
-        wanted = DemoPorts(grpc=args.grpc_port, admin=args.admin_port, envoy=args.envoy_port,
-                           envoy_admin=args.envoy_admin_port, free=args.free_ports)  # fmt: skip
+        wanted = DemoPorts(
+            grpc=args.grpc_port,
+            admin=args.admin_port,
+            envoy=args.envoy_port,
+            envoy_admin=args.envoy_admin_port,
+            free=args.free_ports,
+        )
         return int(uvloop.run(run_demo(args.upstreams, args.envoy_config, wanted)))
     try:
         settings = options.settings(args)

@@ -43,8 +43,12 @@ HOST = "127.0.0.1"
 GRPC, ADMIN = (HOST, 18000), (HOST, 18001)
 ENVOY_LISTENER, ENVOY_ADMIN = 10000, 9901  # as in the shipped envoy.yaml
 # what demo calls each port it needs -> the flag that moves it (as printed by ports.every_unbindable)
-PORT_FLAG_OF = (("eds-server gRPC", "--grpc-port"), ("eds-server admin", "--admin-port"),
-                ("Envoy listener", "--envoy-port"), ("Envoy admin", "--envoy-admin-port"))  # fmt: skip
+PORT_FLAG_OF = (
+    ("eds-server gRPC", "--grpc-port"),
+    ("eds-server admin", "--admin-port"),
+    ("Envoy listener", "--envoy-port"),
+    ("Envoy admin", "--envoy-admin-port"),
+)
 
 
 def _port_hint(taken: list[str]) -> str:
@@ -75,8 +79,11 @@ class DemoPorts:
         wanted = {k: (0 if self.free else usual[k]) if getattr(self, k) is None else getattr(self, k) for k in usual}
         backends = dict.fromkeys(backend_ports, 0) if self.free else {p: p for p in backend_ports}
         free = iter(ports.free_ports(HOST, sum(1 for v in [*wanted.values(), *backends.values()] if v == 0)))
-        return replace(self, **{k: v or next(free) for k, v in wanted.items()},  # type: ignore[arg-type]
-                       backends={p: v or next(free) for p, v in backends.items()})  # fmt: skip
+        return replace(
+            self,
+            **{k: v or next(free) for k, v in wanted.items()},  # type: ignore[arg-type]
+            backends={p: v or next(free) for p, v in backends.items()},
+        )
 
 
 def find_envoy() -> str | None:
@@ -111,8 +118,10 @@ def envoy_ports(config: str) -> list[tuple[str, tuple[str, int]]]:
         with open(config) as f:
             boot: Any = yaml.safe_load(f)
         found = [("Envoy admin", boot["admin"]["address"]["socket_address"])]
-        found += [(f"Envoy listener {li.get('name', '')}".rstrip(), li["address"]["socket_address"])
-                  for li in boot.get("static_resources", {}).get("listeners", [])]  # fmt: skip
+        found += [
+            (f"Envoy listener {li.get('name', '')}".rstrip(), li["address"]["socket_address"])
+            for li in boot.get("static_resources", {}).get("listeners", [])
+        ]
         return [(what, (a["address"], int(a["port_value"]))) for what, a in found]
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
         return []
@@ -127,10 +136,14 @@ def envoy_config_on(config: str, chosen: DemoPorts, out_dir: str) -> str:
             boot: Any = yaml.safe_load(f)
         admin = boot["admin"]["address"]["socket_address"]
         listener = boot["static_resources"]["listeners"][0]["address"]["socket_address"]
-        xds = [ep["endpoint"]["address"]["socket_address"]
-               for c in boot["static_resources"]["clusters"] if "load_assignment" in c
-               for group in c["load_assignment"].get("endpoints", []) for ep in group.get("lb_endpoints", [])
-               if int(ep["endpoint"]["address"]["socket_address"].get("port_value", 0)) == GRPC[1]]  # fmt: skip
+        xds = [
+            ep["endpoint"]["address"]["socket_address"]
+            for c in boot["static_resources"]["clusters"]
+            if "load_assignment" in c
+            for group in c["load_assignment"].get("endpoints", [])
+            for ep in group.get("lb_endpoints", [])
+            if int(ep["endpoint"]["address"]["socket_address"].get("port_value", 0)) == GRPC[1]
+        ]
         moves = [(admin, chosen.envoy_admin), (listener, chosen.envoy), *((a, chosen.grpc) for a in xds)]
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError, IndexError):
         return config
@@ -209,19 +222,32 @@ async def _run_demo(envoy: str, upstreams_path: str, envoy_config: str, chosen: 
         return 1
     grpc, admin_address = (HOST, chosen.grpc or GRPC[1]), (HOST, chosen.admin or ADMIN[1])
     needed = [("eds-server gRPC", grpc), ("eds-server admin", admin_address), *envoy_ports(envoy_config)]
-    needed += [(f"backend of {g.name}", (ep.address, ep.port)) for g in groups.values() for ep in g.endpoints
-               if ep.address in ("127.0.0.1", "::1")]  # fmt: skip
+    needed += [
+        (f"backend of {g.name}", (ep.address, ep.port))
+        for g in groups.values()
+        for ep in g.endpoints
+        if ep.address in ("127.0.0.1", "::1")
+    ]
     every = ", ".join(str(port) for _, (_, port) in needed)
     taken = ports.every_unbindable(needed)
     if taken:
-        log.error("demo cannot start: %s in use or unusable: %s. `eds-server demo --free-ports` takes free ones "
-                  "(printed when it starts)%s", "this port is" if len(taken) == 1 else f"{len(taken)} ports are",
-                  "; ".join(taken), _port_hint(taken))  # fmt: skip
+        log.error(
+            "demo cannot start: %s in use or unusable: %s. `eds-server demo --free-ports` takes free ones "
+            "(printed when it starts)%s",
+            "this port is" if len(taken) == 1 else f"{len(taken)} ports are",
+            "; ".join(taken),
+            _port_hint(taken),
+        )
         return 1
     backends: list[web.AppRunner] = []
     closing: str | None = None  # said once everything is down, after Ctrl-C
-    app = App(Settings(sources=SourceSettings(upstreams=upstreams_path), transport=TransportSettings(listen=grpc),
-                       admin=AdminSettings(address=admin_address)))  # fmt: skip
+    app = App(
+        Settings(
+            sources=SourceSettings(upstreams=upstreams_path),
+            transport=TransportSettings(listen=grpc),
+            admin=AdminSettings(address=admin_address),
+        )
+    )
     proc: asyncio.subprocess.Process | None = None
     try:
         for group in groups.values():

@@ -141,8 +141,14 @@ def _endpoint_cache(size: int) -> Callable[[Endpoint], bytes]:
     def lb_endpoint_field(ep: Endpoint) -> bytes:
         if ep.wire is not None:
             return ep.wire
-        key = (ep.address, ep.port, ep.weight, ep.health, ep.hostname,
-               json.dumps(ep.metadata, sort_keys=True) if ep.metadata else "")  # fmt: skip
+        key = (
+            ep.address,
+            ep.port,
+            ep.weight,
+            ep.health,
+            ep.hostname,
+            json.dumps(ep.metadata, sort_keys=True) if ep.metadata else "",
+        )
         cached = cache.get(key)
         if cached is None:
             if len(cache) >= size:

@@ -56,9 +56,11 @@ class LatencyHistogram(Collector, StreamObserver):
             total += n
             buckets.append((bound, total))
         yield HistogramMetricFamily(
-            "eds_push_latency_seconds", "From a change entering the store to a subscribed stream being sent it",
-            buckets=buckets, sum_value=self.sum,
-        )  # fmt: skip
+            "eds_push_latency_seconds",
+            "From a change entering the store to a subscribed stream being sent it",
+            buckets=buckets,
+            sum_value=self.sum,
+        )
 
 
 class OpenStreams(StreamObserver):
@@ -77,9 +79,13 @@ class OpenStreams(StreamObserver):
 
 class _StateCollector(Collector):
     def __init__(
-        self, store: Store, counters: Counters, open_streams: OpenStreams,
-        sources: Callable[[], list[dict[str, Any]]], transport: Callable[[], tuple[int, dict[str, int]]] | None,
-    ) -> None:  # fmt: skip
+        self,
+        store: Store,
+        counters: Counters,
+        open_streams: OpenStreams,
+        sources: Callable[[], list[dict[str, Any]]],
+        transport: Callable[[], tuple[int, dict[str, int]]] | None,
+    ) -> None:
         self.store, self.counters, self.open_streams = store, counters, open_streams
         self.sources, self.transport = sources, transport
 
@@ -122,10 +128,16 @@ class _StateCollector(Collector):
         yield nacks
         resources = self.store.resources()
         yield GaugeMetricFamily("eds_groups", "Groups served", value=len(resources))
-        yield GaugeMetricFamily("eds_endpoints", "Endpoints served, in every group",
-                                value=sum(len(r.group.endpoints) for r in resources.values()))  # fmt: skip
-        yield GaugeMetricFamily("eds_groups_in_conflict", "Groups whose merged endpoints Envoy would reject (not sent)",
-                                value=len(self.store.conflicts()))  # fmt: skip
+        yield GaugeMetricFamily(
+            "eds_endpoints",
+            "Endpoints served, in every group",
+            value=sum(len(r.group.endpoints) for r in resources.values()),
+        )
+        yield GaugeMetricFamily(
+            "eds_groups_in_conflict",
+            "Groups whose merged endpoints Envoy would reject (not sent)",
+            value=len(self.store.conflicts()),
+        )
         info = GaugeMetricFamily("eds_group_info", "Current version of each group", labels=["group", "version"])
         endpoints = GaugeMetricFamily("eds_group_endpoints", "Endpoints per group", labels=["group"])
         for name, res in sorted(resources.items()):
@@ -151,9 +163,10 @@ class _StateCollector(Collector):
         yield ok
         yield GaugeMetricFamily("eds_ready", "All sources loaded (or start-up timeout passed)", value=self.store.ready)
         yield GaugeMetricFamily(
-            "eds_state", "0 not ready, 1 ready, 2 degraded (ready, but a loaded source fails: its last good state "
-            "is served)", value=serving_state(self.store.ready, statuses).value,
-        )  # fmt: skip
+            "eds_state",
+            "0 not ready, 1 ready, 2 degraded (ready, but a loaded source fails: its last good state is served)",
+            value=serving_state(self.store.ready, statuses).value,
+        )
 
 
 class HealthChecks(Collector):
@@ -169,8 +182,9 @@ class HealthChecks(Collector):
         for (kind, result), n in sorted(c.checks.items()):
             checks.add_metric([kind, result], n)
         yield checks
-        latency = HistogramMetricFamily("eds_health_check_latency_seconds", "Time each health check took",
-                                        labels=["kind"])  # fmt: skip
+        latency = HistogramMetricFamily(
+            "eds_health_check_latency_seconds", "Time each health check took", labels=["kind"]
+        )
         for kind, counts in sorted(c.latency.items()):
             buckets, total = [], 0
             for bound, n in zip((*map(floatToGoString, CHECK_BUCKETS), "+Inf"), counts, strict=True):
@@ -178,8 +192,9 @@ class HealthChecks(Collector):
                 buckets.append((bound, total))
             latency.add_metric([kind], buckets, c.latency_sum.get(kind, 0.0))
         yield latency
-        by_health = GaugeMetricFamily("eds_health_endpoints", "Checked endpoints by their checked health",
-                                      labels=["health"])  # fmt: skip
+        by_health = GaugeMetricFamily(
+            "eds_health_endpoints", "Checked endpoints by their checked health", labels=["health"]
+        )
         counted = c.by_health()
         for name in ("healthy", "unhealthy", "unchecked"):
             by_health.add_metric([name], counted.get(name, 0))

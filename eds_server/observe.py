@@ -213,27 +213,53 @@ class StreamLog(StreamObserver):
         opened, closed, dropped = self._left_out["opened"], self._left_out["closed"], self._left_out["dropped"]
         self._left_out = {"opened": 0, "closed": 0, "dropped": 0}
         if dropped:
-            log.warning("%d more streams dropped for not reading were not logged one by one (over %d lines in "
-                        "%gs); eds_clients_dropped_total counts them all", dropped, int(self._drops.capacity),
-                        self._window, extra={"event": "drop_lines_left_out", "dropped": dropped})  # fmt: skip
+            log.warning(
+                "%d more streams dropped for not reading were not logged one by one (over %d lines in "
+                "%gs); eds_clients_dropped_total counts them all",
+                dropped,
+                int(self._drops.capacity),
+                self._window,
+                extra={"event": "drop_lines_left_out", "dropped": dropped},
+            )
         if opened or closed:
             fields = {"event": "stream_lines_left_out", "opened": opened, "closed": closed}
-            log.info("%d streams opened and %d closed were not logged one by one (over %d stream lines "
-                     "in %gs); /v1/streams lists every stream", opened, closed, int(self._bucket.capacity),
-                     self._window, extra=fields)  # fmt: skip
+            log.info(
+                "%d streams opened and %d closed were not logged one by one (over %d stream lines "
+                "in %gs); /v1/streams lists every stream",
+                opened,
+                closed,
+                int(self._bucket.capacity),
+                self._window,
+                extra=fields,
+            )
 
     def opened(self, s: StreamView) -> None:
         if self._may_log("opened"):
-            log.info("%s stream opened: node=%s cluster=%s peer=%s names=%s", s.transport, s.node, s.cluster,
-                     s.peer, names_shown(s.subscribed), extra=s.fields("stream_opened"))  # fmt: skip
+            log.info(
+                "%s stream opened: node=%s cluster=%s peer=%s names=%s",
+                s.transport,
+                s.node,
+                s.cluster,
+                s.peer,
+                names_shown(s.subscribed),
+                extra=s.fields("stream_opened"),
+            )
 
     def ack(self, s: StreamView, names: Sequence[str]) -> None:
         if log.isEnabledFor(logging.DEBUG):  # names_shown is not free, and every ACK passes here
             log.debug("ACK from node=%s for %s", s.node, names_shown(names))
 
     def nack(self, s: StreamView, names: Sequence[str], groups: Sequence[str], version: str, message: str) -> None:
-        log.warning("NACK from node=%s cluster=%s peer=%s for %s version %s: %s", s.node, s.cluster, s.peer,
-                    names_shown(names), version, message, extra=s.fields("nack"))  # fmt: skip
+        log.warning(
+            "NACK from node=%s cluster=%s peer=%s for %s version %s: %s",
+            s.node,
+            s.cluster,
+            s.peer,
+            names_shown(names),
+            version,
+            message,
+            extra=s.fields("nack"),
+        )
 
     def subscribed(self, s: StreamView, added: Sequence[str], removed: Sequence[str]) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -241,9 +267,16 @@ class StreamLog(StreamObserver):
 
     def access_denied(self, s: StreamView | None, names: Sequence[str], why: str) -> None:
         if s is not None:  # a fetch logs its own line: it has no stream
-            log.warning("PERMISSION_DENIED %s stream: node=%s cluster=%s peer=%s (%s) may not read %s",
-                        s.transport, s.node, s.cluster, s.peer, why, names_shown(names),
-                        extra=s.fields("denied"))  # fmt: skip
+            log.warning(
+                "PERMISSION_DENIED %s stream: node=%s cluster=%s peer=%s (%s) may not read %s",
+                s.transport,
+                s.node,
+                s.cluster,
+                s.peer,
+                why,
+                names_shown(names),
+                extra=s.fields("denied"),
+            )
 
     def stopped_reading(self, s: StreamView) -> None:
         if self._may_log("dropped", self._drops):

@@ -73,8 +73,9 @@ class RegistrationConfigError(Exception):
 def check_token(token: str, what: str = "--admin-token") -> str:
     token = token.strip()  # e.g. EDS_ADMIN_TOKEN="$(cat file)" with a newline
     if len(token) < MIN_TOKEN_LENGTH:
-        raise RegistrationConfigError(f"{what} is {len(token)} characters; at least {MIN_TOKEN_LENGTH} are needed "
-                                      "(e.g. `openssl rand -hex 16`)")  # fmt: skip
+        raise RegistrationConfigError(
+            f"{what} is {len(token)} characters; at least {MIN_TOKEN_LENGTH} are needed (e.g. `openssl rand -hex 16`)"
+        )
     return token
 
 
@@ -103,11 +104,17 @@ class RegistrationPolicy:
             ip = ip.ipv4_mapped
         if any(ip in net for net in self.allow):
             return None
-        for kind, bad in (("loopback", ip.is_loopback), ("link-local", ip.is_link_local),
-                          ("unspecified", ip.is_unspecified), ("multicast", ip.is_multicast)):  # fmt: skip
+        for kind, bad in (
+            ("loopback", ip.is_loopback),
+            ("link-local", ip.is_link_local),
+            ("unspecified", ip.is_unspecified),
+            ("multicast", ip.is_multicast),
+        ):
             if bad:
-                return (f"{address} is a {kind} address; registering it takes --registration-allow-cidr "
-                        "(EDS_REGISTRATION_ALLOW_CIDR) holding it")  # fmt: skip
+                return (
+                    f"{address} is a {kind} address; registering it takes --registration-allow-cidr "
+                    "(EDS_REGISTRATION_ALLOW_CIDR) holding it"
+                )
         return None
 
 
@@ -146,8 +153,9 @@ def load_scoped_tokens(path: str) -> tuple[ScopedToken, ...]:
             raise RegistrationConfigError(f"{where}.token: expected a string")
         if not isinstance(groups, list) or not groups or not all(isinstance(g, str) and g for g in groups):
             raise RegistrationConfigError(f"{where}.groups: expected a list of group patterns")
-        out.append(ScopedToken(check_token(token, f"{where}.token").encode(), tuple(Glob(g) for g in groups),
-                               name.strip()))  # fmt: skip
+        out.append(
+            ScopedToken(check_token(token, f"{where}.token").encode(), tuple(Glob(g) for g in groups), name.strip())
+        )
     return tuple(out)
 
 
@@ -205,12 +213,27 @@ class _Audit:
         where = f"[{self.address}]" if self.address and ":" in self.address else self.address
         target = f"{where}:{self.port}" if self.address is not None else "-"
         audit_log.info(
-            "registration %s %s: group=%r id=%r endpoint=%s token=%s peer=%s", self.method, result, self.group,
-            self.id, target, self.token_name or "-", self.peer,
-            extra={"event": "registration", "method": self.method, "result": result, "status": response.status,
-                   "group": self.group, "id": self.id, "address": self.address, "port": self.port,
-                   "token_name": self.token_name, "peer": self.peer},
-        )  # fmt: skip
+            "registration %s %s: group=%r id=%r endpoint=%s token=%s peer=%s",
+            self.method,
+            result,
+            self.group,
+            self.id,
+            target,
+            self.token_name or "-",
+            self.peer,
+            extra={
+                "event": "registration",
+                "method": self.method,
+                "result": result,
+                "status": response.status,
+                "group": self.group,
+                "id": self.id,
+                "address": self.address,
+                "port": self.port,
+                "token_name": self.token_name,
+                "peer": self.peer,
+            },
+        )
 
 
 def audited(
@@ -219,8 +242,9 @@ def audited(
     """One audit line per answered write, whatever path the handler took to its answer."""
 
     async def wrapper(self: _Api, request: web.Request) -> web.Response:
-        audit = _Audit(request.method, request.remote or "?", request.match_info.get("group", ""),
-                       request.match_info.get("id", ""))  # fmt: skip
+        audit = _Audit(
+            request.method, request.remote or "?", request.match_info.get("group", ""), request.match_info.get("id", "")
+        )
         response = await handler(self, request, audit)
         audit.log(response)
         return response
@@ -230,9 +254,13 @@ def audited(
 
 class _Api:
     def __init__(
-        self, source: Registrations, token: str | None, max_body: int, body_timeout: float,
+        self,
+        source: Registrations,
+        token: str | None,
+        max_body: int,
+        body_timeout: float,
         policy: RegistrationPolicy,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.source = source
         token = (token or "").strip()
         # an empty token is no token: writes stay off (unless scoped tokens are given)
@@ -252,8 +280,11 @@ class _Api:
         failures = self.failures.get(peer)
         if not failures.peek():
             retry = max(1, round(failures.seconds_to_next))
-            return error(429, "too many failed authentications from this address; retry later",
-                         headers={"Retry-After": str(retry)})  # fmt: skip
+            return error(
+                429,
+                "too many failed authentications from this address; retry later",
+                headers={"Retry-After": str(retry)},
+            )
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         # surrogateescape: aiohttp hands non-UTF-8 header bytes over as surrogates; this gives them back
         given = presented.strip().encode("utf-8", "surrogateescape")
@@ -265,9 +296,13 @@ class _Api:
             return scoped
         failures.take()
         challenge = 'Bearer realm="eds-server"' + (', error="invalid_token"' if presented else "")
-        return error(401, "a valid 'Authorization: Bearer TOKEN' header is needed", headers={
-            "WWW-Authenticate": challenge,
-        })  # fmt: skip
+        return error(
+            401,
+            "a valid 'Authorization: Bearer TOKEN' header is needed",
+            headers={
+                "WWW-Authenticate": challenge,
+            },
+        )
 
     @staticmethod
     def _may_write(scoped: list[ScopedToken] | None, group: str, audit: _Audit) -> web.Response | None:
@@ -322,8 +357,10 @@ class _Api:
         try:
             value = json.loads(
                 body.decode("utf-8"),
-                object_pairs_hook=_no_duplicates, parse_constant=reject_constant, parse_float=_finite,
-            )  # fmt: skip
+                object_pairs_hook=_no_duplicates,
+                parse_constant=reject_constant,
+                parse_float=_finite,
+            )
         except _DuplicateKey as e:
             raise RegistrationError(422, "duplicate key", e.key) from None
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -395,21 +432,27 @@ class _Api:
 
     async def list_all(self, _: web.Request) -> web.Response:
         regs = sorted(self.source.registrations(), key=lambda r: (r.group, r.id))
-        return web.json_response({
-            "registrations": [registration_json(self.source, r) for r in regs],
-            "count": len(regs),
-            "max_registrations": self.source.max_registrations,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "registrations": [registration_json(self.source, r) for r in regs],
+                "count": len(regs),
+                "max_registrations": self.source.max_registrations,
+            }
+        )
 
 
 async def _write_needs_an_id(request: web.Request) -> web.Response:
     """A POST to a group's list, as many APIs take: say where a registration is written instead."""
     group = request.match_info["group"]
     return web.json_response(
-        {"error": f"{request.method} is not allowed here: a registration is written under an id of its own",
-         "field": None, "hint": f"PUT /v1/groups/{group}/endpoints/{{id}} with {{\"address\": ..., \"port\": ...}}"},
-        status=405, headers={"Allow": "GET,HEAD"},
-    )  # fmt: skip
+        {
+            "error": f"{request.method} is not allowed here: a registration is written under an id of its own",
+            "field": None,
+            "hint": f'PUT /v1/groups/{group}/endpoints/{{id}} with {{"address": ..., "port": ...}}',
+        },
+        status=405,
+        headers={"Allow": "GET,HEAD"},
+    )
 
 
 def add_routes(

@@ -68,9 +68,10 @@ def setup_logging(level: str, fmt: str) -> None:
 
 
 async def start_app(
-    settings: Settings, extra_ports: Sequence[tuple[str, tuple[str, int] | None]] = (),
+    settings: Settings,
+    extra_ports: Sequence[tuple[str, tuple[str, int] | None]] = (),
     workers: WorkerAnswers | None = None,
-) -> App | None:  # fmt: skip
+) -> App | None:
     """A started App, or None after logging why it could not start (the exit status is then 1)."""
     from . import gc_settings, ports, upstreams
     from .app import App
@@ -79,9 +80,15 @@ async def start_app(
 
     net, admin = settings.transport, settings.admin
     listen = None if settings.workers.listen_fd is not None else net.listen  # a worker's: bound by its owner
-    taken = ports.every_unbindable([("--listen", listen), ("--admin", admin.address),
-                                    ("--rest-listen", net.rest_listen), ("--metrics-listen", admin.metrics_listen),
-                                    *extra_ports])  # fmt: skip
+    taken = ports.every_unbindable(
+        [
+            ("--listen", listen),
+            ("--admin", admin.address),
+            ("--rest-listen", net.rest_listen),
+            ("--metrics-listen", admin.metrics_listen),
+            *extra_ports,
+        ]
+    )
     if taken:  # every one, so that moving one busy port does not only reveal the next
         log.error("not starting: %s", "; ".join(taken))
         return None
@@ -92,8 +99,11 @@ async def start_app(
     except upstreams.UpstreamsError as e:
         for problem in e.problems:
             log.error("%s", problem)
-        log.error("not starting: fix the upstreams file %s (check it with `eds-server check %s`)",
-                  settings.sources.upstreams, settings.sources.upstreams)  # fmt: skip
+        log.error(
+            "not starting: fix the upstreams file %s (check it with `eds-server check %s`)",
+            settings.sources.upstreams,
+            settings.sources.upstreams,
+        )
         return None
     except SecurityConfigError as e:
         refuse_security(e)

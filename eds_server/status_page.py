@@ -56,8 +56,10 @@ def _check(ep: Mapping[str, Any]) -> str:
     if check.get("result") is None:
         return ' <span class="muted check">(not checked yet)</span>'
     css = "ok" if check["result"] == "pass" else "bad"
-    return (f' <span class="{css} check" title="{_e(check.get("spec", ""))}">({_e(check.get("reason"))}, '
-            f'{_e(check.get("latency_ms"))} ms)</span>')  # fmt: skip
+    return (
+        f' <span class="{css} check" title="{_e(check.get("spec", ""))}">({_e(check.get("reason"))}, '
+        f"{_e(check.get('latency_ms'))} ms)</span>"
+    )
 
 
 def _hostname(ep: Mapping[str, Any]) -> str:
@@ -104,8 +106,13 @@ def _sources(sources: Sequence[Mapping[str, Any]]) -> str:
         else:
             live = '<span class="warn">not yet</span>'
         cls = "nack" if error or stale else ""
-        rows.append((cls, f'<td class="mono">{_e(s.get("name"))}</td><td>{loaded}</td><td>{live}</td>'
-                          f'<td class="mono">{_e(error) if error else "-"}</td>'))  # fmt: skip
+        rows.append(
+            (
+                cls,
+                f'<td class="mono">{_e(s.get("name"))}</td><td>{loaded}</td><td>{live}</td>'
+                f'<td class="mono">{_e(error) if error else "-"}</td>',
+            )
+        )
     if not rows:
         return "<p>No sources.</p>"
     return _table(("source", "state", "following", "last error"), rows)
@@ -121,8 +128,12 @@ def _nacks_by_group(streams: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapp
     return out
 
 
-def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[Mapping[str, Any]],
-            nack_counts: Mapping[str, int]) -> str:  # fmt: skip
+def _groups(
+    groups: Sequence[Mapping[str, Any]],
+    total: int,
+    streams: Sequence[Mapping[str, Any]],
+    nack_counts: Mapping[str, int],
+) -> str:
     if not groups:
         return "<p>No groups.</p>"
     nacked = _nacks_by_group(streams)
@@ -150,15 +161,19 @@ def _groups(groups: Sequence[Mapping[str, Any]], total: int, streams: Sequence[M
                 f'<span class="mono">{_e(g["error"])}</span>; serving the last accepted version</p>'
             )
         for s in nacked.get(name, [])[:5]:
-            parts.append(f'<p class="bad">NACK from {_e(s.get("node"))} ({_e(s.get("peer"))}): '
-                         f'<span class="mono">{_e(s.get("last_nack") or "")}</span></p>')  # fmt: skip
+            parts.append(
+                f'<p class="bad">NACK from {_e(s.get("node"))} ({_e(s.get("peer"))}): '
+                f'<span class="mono">{_e(s.get("last_nack") or "")}</span></p>'
+            )
         rows = []
         for ep in eps[:MOST_ENDPOINTS]:
             address = f"[{ep['address']}]" if ":" in str(ep["address"]) else str(ep["address"])
-            cells = (f'<td class="mono">{_e(address)}:{_e(ep["port"])}</td>'
-                     f'<td class="mono hostname">{_hostname(ep)}</td><td>{_health(str(ep["health"]))}{_check(ep)}</td>'
-                     f'<td>{_locality(ep)}</td><td>{_e(ep.get("weight", "-"))}</td><td>{_e(ep.get("priority", 0))}</td>'
-                     f'<td class="mono">{_e(ep.get("source") or "-")}</td>')  # fmt: skip
+            cells = (
+                f'<td class="mono">{_e(address)}:{_e(ep["port"])}</td>'
+                f'<td class="mono hostname">{_hostname(ep)}</td><td>{_health(str(ep["health"]))}{_check(ep)}</td>'
+                f"<td>{_locality(ep)}</td><td>{_e(ep.get('weight', '-'))}</td><td>{_e(ep.get('priority', 0))}</td>"
+                f'<td class="mono">{_e(ep.get("source") or "-")}</td>'
+            )
             rows.append(("", cells))
         if rows:
             parts.append(_table(("endpoint", "hostname", "health", "locality", "weight", "priority", "source"), rows))
@@ -177,20 +192,25 @@ def _streams(streams: Sequence[Mapping[str, Any]], total: int) -> str:
         for name in sorted(names)[:MOST_NAMES]:
             st = names[name]
             nack = f' <span class="bad">NACKed {_e(st["nacked"])}</span>' if st.get("nacked") else ""
-            lines.append(f'<span class="mono">{_e(name)}</span>: sent <code>{_e(st.get("sent") or "-")}</code>, '
-                         f'ACKed <code>{_e(st.get("acked") or "-")}</code>{nack}')  # fmt: skip
+            lines.append(
+                f'<span class="mono">{_e(name)}</span>: sent <code>{_e(st.get("sent") or "-")}</code>, '
+                f"ACKed <code>{_e(st.get('acked') or '-')}</code>{nack}"
+            )
         count = max(len(names), int(s.get("names_total") or 0))  # the JSON may show only some names
         if count > min(len(names), MOST_NAMES):
             lines.append(f'<span class="muted">... {count} names</span>')
         nacked = any(st.get("nacked") for st in names.values())
-        cells = (f'<td class="mono">{_e(s.get("node"))}<br><span class="muted">{_e(s.get("cluster"))}</span></td>'
-                 f'<td class="mono">{_e(s.get("peer"))}</td><td>{_e(s.get("transport"))}</td>'
-                 f'<td>{"<br>".join(lines) or "-"}</td>'
-                 f'<td class="mono">{_e(s.get("last_nack") or "-")}</td>')  # fmt: skip
+        cells = (
+            f'<td class="mono">{_e(s.get("node"))}<br><span class="muted">{_e(s.get("cluster"))}</span></td>'
+            f'<td class="mono">{_e(s.get("peer"))}</td><td>{_e(s.get("transport"))}</td>'
+            f"<td>{'<br>'.join(lines) or '-'}</td>"
+            f'<td class="mono">{_e(s.get("last_nack") or "-")}</td>'
+        )
         rows.append(("nack" if nacked else "", cells))
     head = "names: version sent / ACKed (or held when it connected) / NACKed"
-    return _table(("node (cluster)", "peer", "transport", head, "last NACK"),
-                  rows) + _cut(min(MOST_STREAMS, len(streams)), total, "/v1/streams")  # fmt: skip
+    return _table(("node (cluster)", "peer", "transport", head, "last NACK"), rows) + _cut(
+        min(MOST_STREAMS, len(streams)), total, "/v1/streams"
+    )
 
 
 def _registrations(regs: Sequence[Mapping[str, Any]] | None, total: int) -> str:
@@ -202,8 +222,13 @@ def _registrations(regs: Sequence[Mapping[str, Any]] | None, total: int) -> str:
     rows = []
     for r in regs:
         ttl = f"{r['ttl']:g} s, expires in {r['expires_in']:.0f} s" if "ttl" in r else "-"
-        rows.append(("", f'<td class="mono">{_e(r["id"])}</td><td>{_e(r["group"])}</td>'
-                         f'<td class="mono">{_e(r["address"])}:{int(r["port"])}</td><td>{_e(ttl)}</td>'))  # fmt: skip
+        rows.append(
+            (
+                "",
+                f'<td class="mono">{_e(r["id"])}</td><td>{_e(r["group"])}</td>'
+                f'<td class="mono">{_e(r["address"])}:{int(r["port"])}</td><td>{_e(ttl)}</td>',
+            )
+        )
     return (
         '<h2 id="registrations">Registrations</h2>'
         + _table(("id", "group", "endpoint", "TTL"), rows)
@@ -236,8 +261,10 @@ def render(
         said = (
             f"{DEGRADED}: serving the last good state of {', '.join(d.source for d in state.degraded)} (why: Sources)"
         )
-    badge = (f'<span class="pill {css}" id="state" data-state="{_e(state.name)}" title="{_e(state.describe())}">'
-             f"{_e(said)}</span>")  # fmt: skip
+    badge = (
+        f'<span class="pill {css}" id="state" data-state="{_e(state.name)}" title="{_e(state.describe())}">'
+        f"{_e(said)}</span>"
+    )
     paths: tuple[str, ...] = ("/v1/sources", "/v1/groups", "/v1/streams", "/v1/stats", "/readyz", "/metrics")
     if registrations is not None:
         paths += ("/v1/registrations",)
@@ -272,11 +299,11 @@ def _workers(workers: Sequence[Mapping[str, Any]] | None) -> str:
     if not workers:
         return ""
     rows = "".join(
-        f'<tr><td>{int(w["worker"])}</td><td>{_e(str(w.get("pid")))}</td>'
+        f"<tr><td>{int(w['worker'])}</td><td>{_e(str(w.get('pid')))}</td>"
         f'<td class="{"" if w.get("alive") else "bad"}">{"up" if w.get("alive") else "down"}</td>'
-        f'<td>{int(w.get("restarts") or 0)}</td><td>{_e(str(w.get("streams_open", "-")))}</td></tr>'
+        f"<td>{int(w.get('restarts') or 0)}</td><td>{_e(str(w.get('streams_open', '-')))}</td></tr>"
         for w in workers
-    )  # fmt: skip
+    )
     return (
         '<h2 id="workers">Workers</h2><table><tr><th>worker</th><th>pid</th><th>state</th>'
         f"<th>restarts</th><th>streams</th></tr>{rows}</table>"

@@ -209,9 +209,11 @@ class Store:
         self._conflicts[name] = problem
         log.warning(
             "group %s: the merged endpoints of %s are not sent, Envoy would reject them: %s; serving %s",
-            name, ", ".join(self.sources_of(name)), problem,
+            name,
+            ", ".join(self.sources_of(name)),
+            problem,
             "the last accepted version" if kept else "only the endpoints that fit",
-        )  # fmt: skip
+        )
 
     def conflict(self, name: str) -> str | None:
         """Why the merged state of `name` is not what is served (None: it is)."""

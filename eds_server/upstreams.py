@@ -102,12 +102,19 @@ class _Walker(NodeWalker):
             self.problem(node, path, "must be a single value")
             return None
         if number and node.style in ("'", '"'):
-            self.problem(node, path, f"{node.style}{node.value}{node.style} is quoted text, not a number: "
-                                     f"write it without quotes")  # fmt: skip
+            self.problem(
+                node,
+                path,
+                f"{node.style}{node.value}{node.style} is quoted text, not a number: write it without quotes",
+            )
             return None
         if number and node.tag.endswith(":int") and not _DECIMAL.fullmatch(node.value):
-            self.problem(node, path, f"{node.value} is not a decimal number (a leading 0 is octal in YAML, "
-                                     f"0x hexadecimal): write it in decimal digits")  # fmt: skip
+            self.problem(
+                node,
+                path,
+                f"{node.value} is not a decimal number (a leading 0 is octal in YAML, "
+                f"0x hexadecimal): write it in decimal digits",
+            )
             return None
         try:
             return check(self.value(node))
@@ -310,8 +317,11 @@ def _group(w: _Walker, name: str, key_node: yaml.Node, node: yaml.Node) -> Group
         w.problem(key_node, path, f"group names must be 1-{MAX_NAME_LENGTH} characters, no outer spaces")
         return None
     if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null"):
-        w.problem(key_node, path, f"empty (null): write `{name}: {{endpoints: []}}` for a group with no endpoints, "
-                                  "or remove it")  # fmt: skip
+        w.problem(
+            key_node,
+            path,
+            f"empty (null): write `{name}: {{endpoints: []}}` for a group with no endpoints, or remove it",
+        )
         return None
     if isinstance(node, yaml.SequenceNode):
         w.problem(node, path, f"must be a mapping, not a list: did you mean `{name}: {{endpoints: [...]}}`?")
@@ -421,8 +431,12 @@ def _endpoint_spec(w: _Walker, node: yaml.Node, path: str) -> Endpoint | None:
         return Endpoint(address, port)
     spaced = _spaced_address(node)
     if spaced is not None:
-        w.problem(node, path, f"`{spaced[0]}: {spaced[1]}` reads as a mapping in YAML (the space after the colon): "
-                              f"write {spaced[0]}:{spaced[1]}")  # fmt: skip
+        w.problem(
+            node,
+            path,
+            f"`{spaced[0]}: {spaced[1]}` reads as a mapping in YAML (the space after the colon): "
+            f"write {spaced[0]}:{spaced[1]}",
+        )
         return None
     spec = w.mapping(node, path, ENDPOINT_KEYS)
     if spec is None:
@@ -542,9 +556,9 @@ def read(path: str, max_size: int = MAX_UPSTREAMS_SIZE) -> bytes:
     finally:
         os.close(fd)
     if size > max_size:
-        raise UpstreamsError([Problem(
-            path, 0, "", f"larger than {max_size} bytes (raise the limit with --max-upstreams-size)"
-        )])  # fmt: skip
+        raise UpstreamsError(
+            [Problem(path, 0, "", f"larger than {max_size} bytes (raise the limit with --max-upstreams-size)")]
+        )
     return b"".join(chunks)
 
 

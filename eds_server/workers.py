@@ -58,14 +58,27 @@ log = logging.getLogger("eds_server.workers")
 
 # Metric families that count what each worker serves: summed over the workers (the owner's own
 # values count its links to the workers, not Envoys).
-SERVED = frozenset({
-    "eds_streams_open", "eds_streams_opened", "eds_requests", "eds_responses", "eds_acks", "eds_nacks",
-    "eds_clients_dropped", "eds_streams_refused", "eds_requests_denied", "eds_connections_open", "eds_refused",
-    "eds_group_nacks", "eds_push_latency_seconds",
-})  # fmt: skip
+SERVED = frozenset(
+    {
+        "eds_streams_open",
+        "eds_streams_opened",
+        "eds_requests",
+        "eds_responses",
+        "eds_acks",
+        "eds_nacks",
+        "eds_clients_dropped",
+        "eds_streams_refused",
+        "eds_requests_denied",
+        "eds_connections_open",
+        "eds_refused",
+        "eds_group_nacks",
+        "eds_push_latency_seconds",
+    }
+)
 # Summed over every process, the owner included: the host's cost of the whole server.
-WHOLE = frozenset({"process_cpu_seconds", "process_resident_memory_bytes", "process_virtual_memory_bytes",
-                   "process_open_fds"})  # fmt: skip
+WHOLE = frozenset(
+    {"process_cpu_seconds", "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds"}
+)
 RESTART_DELAY = (0.5, 30.0)  # first and longest wait before restarting a worker that died
 START_TIMEOUT = 30.0  # a worker not listening by then is killed: a failed start
 MAX_FAILED_STARTS = 3  # failed starts in a row of one worker before the owner gives up (exit status 1)
@@ -80,23 +93,34 @@ def worker_settings(settings: Settings, owner: str, admin_unix: str) -> Settings
     """What a worker runs: the Envoy-facing half of `settings`, fed by the owner (its listening socket
     is handed over when it starts)."""
     relay = UpstreamOptions("localhost", 0, path=owner)
-    sources = dataclasses.replace(settings.sources, upstreams=None, docker=None, swarm=None, kubernetes=None,
-                                  startup_timeout=None, upstream_eds=relay)  # fmt: skip
+    sources = dataclasses.replace(
+        settings.sources,
+        upstreams=None,
+        docker=None,
+        swarm=None,
+        kubernetes=None,
+        startup_timeout=None,
+        upstream_eds=relay,
+    )
     return dataclasses.replace(
-        settings, sources=sources, registrations=RegistrationSettings(),
+        settings,
+        sources=sources,
+        registrations=RegistrationSettings(),
         transport=dataclasses.replace(settings.transport, rest_listen=None),
         admin=dataclasses.replace(settings.admin, address=None),
         workers=dataclasses.replace(settings.workers, admin_unix=admin_unix),
-    )  # fmt: skip
+    )
 
 
 def owner_settings(settings: Settings, directory: str) -> Settings:
     """What the owner runs: the sources, the admin and REST ports, and gRPC for its workers alone, on a
     Unix socket in its private directory (TLS and authorization are the workers', facing Envoy)."""
     return dataclasses.replace(
-        settings, transport=dataclasses.replace(settings.transport, listen=("127.0.0.1", 0)),
-        workers=dataclasses.replace(settings.workers, listen_unix=owner_socket(directory)), security=SecuritySettings(),
-    )  # fmt: skip
+        settings,
+        transport=dataclasses.replace(settings.transport, listen=("127.0.0.1", 0)),
+        workers=dataclasses.replace(settings.workers, listen_unix=owner_socket(directory)),
+        security=SecuritySettings(),
+    )
 
 
 def owner_socket(directory: str) -> str:
@@ -166,10 +190,20 @@ class WorkerPool:
         control, told = os.pipe()  # ours to it: "stop" before an orderly SIGTERM
         try:
             worker.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", BOOTSTRAP, str(os.getpid()), self.directory, str(worker.index), self.log_level,
-                self.log_format, str(write), str(control), str(worker.listener.fileno()),
-                stdin=asyncio.subprocess.DEVNULL, pass_fds=(write, control, worker.listener.fileno()),
-            )  # fmt: skip
+                sys.executable,
+                "-c",
+                BOOTSTRAP,
+                str(os.getpid()),
+                self.directory,
+                str(worker.index),
+                self.log_level,
+                self.log_format,
+                str(write),
+                str(control),
+                str(worker.listener.fileno()),
+                stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=(write, control, worker.listener.fileno()),
+            )
         except BaseException:
             os.close(read)
             os.close(told)
@@ -211,8 +245,14 @@ class WorkerPool:
             if time.monotonic() - worker.started_at > 60:
                 delay = RESTART_DELAY[0]  # it ran a while: not a crash loop
             what = "could not start" if not started else "stopped"
-            log.error("worker %d (pid %d) %s: %s; its Envoys reconnect to the others; restarting it in %.1fs",
-                      worker.index, worker.process.pid, what, how, delay)  # fmt: skip
+            log.error(
+                "worker %d (pid %d) %s: %s; its Envoys reconnect to the others; restarting it in %.1fs",
+                worker.index,
+                worker.process.pid,
+                what,
+                how,
+                delay,
+            )
             await asyncio.sleep(delay)
             delay = min(RESTART_DELAY[1], delay * 2)
             if self._stopping:
@@ -239,8 +279,9 @@ class WorkerPool:
         try:
             line = await asyncio.wait_for(lines.readline(), START_TIMEOUT)
         except TimeoutError:
-            log.error("worker %d (pid %d) not started after %gs: killing it", worker.index, worker.process.pid,
-                      START_TIMEOUT)  # fmt: skip
+            log.error(
+                "worker %d (pid %d) not started after %gs: killing it", worker.index, worker.process.pid, START_TIMEOUT
+            )
             with contextlib.suppress(ProcessLookupError):
                 worker.process.kill()
             return False
@@ -258,8 +299,12 @@ class WorkerPool:
             if all(w.serving for w in self.workers):
                 self.all_serving.set()
             return
-        log.info("worker %d serving again (pid %s, %.2fs after its start)", worker.index,
-                 worker.process.pid if worker.process else None, took)  # fmt: skip
+        log.info(
+            "worker %d serving again (pid %s, %.2fs after its start)",
+            worker.index,
+            worker.process.pid if worker.process else None,
+            took,
+        )
         self._steer_to_serving()
         if self._rebalancing is None or self._rebalancing.done():
             self._rebalancing = asyncio.create_task(self._rebalance(worker), name=f"load back to worker {worker.index}")
@@ -293,8 +338,11 @@ class WorkerPool:
                 while await self._streams_of(fresh) < target and loop.time() < deadline:
                     await asyncio.sleep(0.1)
             counts = {w.index: stats["streams_open"] for w, stats in await self._each("/v1/stats")}
-            log.info("streams per worker after moving load to worker %d: %s", fresh.index,
-                     ", ".join(f"{i}: {n}" for i, n in sorted(counts.items())))  # fmt: skip
+            log.info(
+                "streams per worker after moving load to worker %d: %s",
+                fresh.index,
+                ", ".join(f"{i}: {n}" for i, n in sorted(counts.items())),
+            )
         except Exception as e:  # a worker gone meanwhile: the kernel's hash does the rest
             log.debug("moving load to worker %d: %r", fresh.index, e)
         finally:
@@ -392,17 +440,22 @@ class WorkerPool:
         return [w.index for w in self.workers if w.index not in answered]
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"worker": w.index, "pid": w.process.pid if w.process else None, "alive": w.alive,
-                 "restarts": w.restarts} for w in self.workers]  # fmt: skip
+        return [
+            {"worker": w.index, "pid": w.process.pid if w.process else None, "alive": w.alive, "restarts": w.restarts}
+            for w in self.workers
+        ]
 
     async def streams(self, after: int, limit: int) -> dict[str, Any]:
         """One page of every worker's streams. A stream's id here is its worker's id times the
         number of workers, plus the worker's index - 1: unique, and ordered within each worker."""
         n = len(self.workers)
-        pages = await asyncio.gather(*(
-            self._each_one(w, f"/v1/streams?after={max(0, (after - w.index + 1) // n)}&limit={limit}")
-            for w in self.workers if w.alive
-        ))  # fmt: skip
+        pages = await asyncio.gather(
+            *(
+                self._each_one(w, f"/v1/streams?after={max(0, (after - w.index + 1) // n)}&limit={limit}")
+                for w in self.workers
+                if w.alive
+            )
+        )
         streams: list[dict[str, Any]] = []
         total = 0
         for worker, page in pages:
@@ -482,9 +535,11 @@ def served_samples(text: str, kinds: dict[str, tuple[str, str]]) -> tuple[Sample
 
 
 def merge_metrics(
-    own: str, parts: Iterable[dict[SampleKey, float]], kinds: dict[str, tuple[str, str]],
+    own: str,
+    parts: Iterable[dict[SampleKey, float]],
+    kinds: dict[str, tuple[str, str]],
     described: list[dict[str, Any]],
-) -> str:  # fmt: skip
+) -> str:
     """One exposition for the whole server: the workers' samples (`parts`, one per worker, of the
     families in `kinds`) summed, WHOLE families with the owner's own, the rest the owner's."""
     from prometheus_client import CollectorRegistry, generate_latest
@@ -512,8 +567,7 @@ def merge_metrics(
     families.update(summed)
     alive = GaugeMetricFamily("eds_workers_alive", "Worker processes running (--workers)")
     alive.add_metric([], sum(1 for d in described if d["alive"]))
-    restarts = CounterMetricFamily("eds_worker_restarts", "Worker processes restarted after dying",
-                                   labels=["worker"])  # fmt: skip
+    restarts = CounterMetricFamily("eds_worker_restarts", "Worker processes restarted after dying", labels=["worker"])
     for d in described:
         restarts.add_metric([str(d["worker"])], d["restarts"])
 
@@ -543,8 +597,13 @@ async def serve_with_workers(settings: Settings, log_level: str, log_format: str
     log.info("eds-server %s starting with %d workers (Python %s)", __version__, count, sys.version.split()[0])
     if not _security_usable(settings):
         return 1
-    taken = ports.every_unbindable([("--admin", settings.admin.address), ("--rest-listen", net.rest_listen),
-                                    ("--metrics-listen", settings.admin.metrics_listen)])  # fmt: skip
+    taken = ports.every_unbindable(
+        [
+            ("--admin", settings.admin.address),
+            ("--rest-listen", net.rest_listen),
+            ("--metrics-listen", settings.admin.metrics_listen),
+        ]
+    )
     if taken:
         log.error("not starting: %s", "; ".join(taken))
         return 1
@@ -555,8 +614,12 @@ async def serve_with_workers(settings: Settings, log_level: str, log_format: str
         reason = "address in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
         log.error("not starting: --listen %s:%s: %s", host, port, reason)
         return 1
-    log.info("listening on %s:%s for %d worker processes (connections wait there until they serve)", host,
-             listeners[0].getsockname()[1], count)  # fmt: skip
+    log.info(
+        "listening on %s:%s for %d worker processes (connections wait there until they serve)",
+        host,
+        listeners[0].getsockname()[1],
+        count,
+    )
     directory, lock = make_private_directory()
     try:
         pool = WorkerPool(directory, log_level, log_format, listeners)
@@ -573,8 +636,13 @@ async def serve_with_workers(settings: Settings, log_level: str, log_format: str
         try:
             await asyncio.wait([stopped, serving, failed], return_when=asyncio.FIRST_COMPLETED)
             if serving.done() and not stopped.done() and not pool.failed.done():
-                log.info("serving EDS (gRPC) on %s:%s with %d worker processes (every worker serving %.2fs after "
-                         "start)", host, listeners[0].getsockname()[1], count, time.monotonic() - began)  # fmt: skip
+                log.info(
+                    "serving EDS (gRPC) on %s:%s with %d worker processes (every worker serving %.2fs after start)",
+                    host,
+                    listeners[0].getsockname()[1],
+                    count,
+                    time.monotonic() - began,
+                )
                 await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
@@ -598,8 +666,10 @@ async def serve_with_workers(settings: Settings, log_level: str, log_format: str
 
 
 def _reload(pool: WorkerPool | None, app: App | None) -> None:
-    log.info("SIGHUP: the workers read their TLS and authorization files again (the owner's own: its admin port's "
-             "with --admin-tls; the upstreams file is followed as it changes)")  # fmt: skip
+    log.info(
+        "SIGHUP: the workers read their TLS and authorization files again (the owner's own: its admin port's "
+        "with --admin-tls; the upstreams file is followed as it changes)"
+    )
     if pool is not None:
         pool.reload()
     if app is not None:

@@ -20,9 +20,16 @@ LOADER: Any = yaml.CSafeLoader if LIBYAML else yaml.SafeLoader
 
 # Words people write for a group's endpoints, and for other keys, that difflib would not match
 _MEANT = {
-    "hosts": "endpoints", "addresses": "endpoints", "backends": "endpoints", "servers": "endpoints",
-    "members": "endpoints", "targets": "endpoints", "ip": "address", "host": "address", "addr": "address",
-}  # fmt: skip
+    "hosts": "endpoints",
+    "addresses": "endpoints",
+    "backends": "endpoints",
+    "servers": "endpoints",
+    "members": "endpoints",
+    "targets": "endpoints",
+    "ip": "address",
+    "host": "address",
+    "addr": "address",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +124,14 @@ def _refuse_anchors(text: str, filename: str) -> None:
             return
         if isinstance(token, yaml.AnchorToken | yaml.AliasToken):
             what = "anchor" if isinstance(token, yaml.AnchorToken) else "alias"
-            raise YamlError([Problem(
-                filename, token.start_mark.line + 1, "",
-                f"YAML {what} {token.value!r}: anchors and aliases are not allowed in the upstreams file "
-                "(write the values out)",
-            )])  # fmt: skip
+            raise YamlError(
+                [
+                    Problem(
+                        filename,
+                        token.start_mark.line + 1,
+                        "",
+                        f"YAML {what} {token.value!r}: anchors and aliases are not allowed in the upstreams file "
+                        "(write the values out)",
+                    )
+                ]
+            )

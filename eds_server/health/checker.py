@@ -69,8 +69,9 @@ class _Target:
 class Checker:
     """Owns the checks of one store. Sets `store.overlay`; `run(stop)` checks until stop is set."""
 
-    def __init__(self, store: Store, *, probe: Probe = probes.check, max_running: int = 1024,
-                 log_most: int = 60) -> None:  # fmt: skip
+    def __init__(
+        self, store: Store, *, probe: Probe = probes.check, max_running: int = 1024, log_most: int = 60
+    ) -> None:
         self.store = store
         self.probe = probe
         self.max_running = max_running
@@ -242,9 +243,14 @@ class Checker:
         if not result.ok and result.latency > STARVED * spec.timeout + STARVED_SLACK:
             # Its timeout fired that late: this process's loop was starved, not the backend slow.
             self.checks[(spec.kind, "starved")] += 1
-            self._log.log(logging.WARNING, "health: check of %s not counted: it took %.2fs for a %gs timeout "
-                          "(this process was too busy to run it on time)", fields.address_port(address, port),
-                          result.latency, spec.timeout)  # fmt: skip
+            self._log.log(
+                logging.WARNING,
+                "health: check of %s not counted: it took %.2fs for a %gs timeout "
+                "(this process was too busy to run it on time)",
+                fields.address_port(address, port),
+                result.latency,
+                spec.timeout,
+            )
         else:
             self._record(target, result)
         if self._loop is None:
@@ -271,9 +277,12 @@ class Checker:
         self.cut.record(target.key, result.ok)
         if self.cut.cut_off and self.frozen_since is None:
             self.frozen_since = time.time()
-            log.warning("health checks: all %d checked endpoints fail at once (last: %s): that is this checker "
-                        "cut off, not every backend; their last health is kept until a check passes again",
-                        self.cut.counts[1], result.reason)  # fmt: skip
+            log.warning(
+                "health checks: all %d checked endpoints fail at once (last: %s): that is this checker "
+                "cut off, not every backend; their last health is kept until a check passes again",
+                self.cut.counts[1],
+                result.reason,
+            )
         if self.frozen_since is None and changed:
             self._publish(target)
 
@@ -299,10 +308,17 @@ class Checker:
         address, port, spec = target.key
         if before is not None or not healthy:  # a first pass is no news
             in_row = target.tracker.failures if not healthy else target.tracker.successes
-            self._log.log(logging.WARNING if not healthy else logging.INFO,
-                          "health: group %s endpoint %s: %s -> %s (%s, %s, %d in a row)",
-                          ",".join(sorted(target.groups)), fields.address_port(address, port), _name(before),
-                          _name(healthy), last.reason if last else "?", spec.describe(), in_row)  # fmt: skip
+            self._log.log(
+                logging.WARNING if not healthy else logging.INFO,
+                "health: group %s endpoint %s: %s -> %s (%s, %s, %d in a row)",
+                ",".join(sorted(target.groups)),
+                fields.address_port(address, port),
+                _name(before),
+                _name(healthy),
+                last.reason if last else "?",
+                spec.describe(),
+                in_row,
+            )
 
     def _flush(self) -> None:
         if self._dirty:
@@ -319,9 +335,14 @@ class Checker:
         out: dict[str, Any] = {"spec": spec.describe(), "checked": _name(self._published.get(target.key))}
         if t.last is None:
             return {**out, "result": None}
-        return {**out, "result": "pass" if t.last.ok else "fail", "reason": t.last.reason,
-                "at": t.last.at, "latency_ms": round(t.last.latency * 1000, 3),
-                "in_a_row": t.successes if t.last.ok else t.failures}  # fmt: skip
+        return {
+            **out,
+            "result": "pass" if t.last.ok else "fail",
+            "reason": t.last.reason,
+            "at": t.last.at,
+            "latency_ms": round(t.last.latency * 1000, 3),
+            "in_a_row": t.successes if t.last.ok else t.failures,
+        }
 
     def by_health(self) -> Counter[str]:
         return Counter(_name(self._published.get(key)) for key in self._targets)
@@ -331,10 +352,18 @@ class Checker:
         error = None
         if self.frozen_since is not None:
             failing, known = self.cut.counts
-            error = (f"every health check fails at once ({failing} of {known} endpoints): the checker is "
-                     "cut off, the last checked health is kept")  # fmt: skip
-        return {"name": "health-checks", "loaded": True, "live": True, "stale": False,
-                "targets": len(self._targets), "last_error": error}  # fmt: skip
+            error = (
+                f"every health check fails at once ({failing} of {known} endpoints): the checker is "
+                "cut off, the last checked health is kept"
+            )
+        return {
+            "name": "health-checks",
+            "loaded": True,
+            "live": True,
+            "stale": False,
+            "targets": len(self._targets),
+            "last_error": error,
+        }
 
     @property
     def has_targets(self) -> bool:

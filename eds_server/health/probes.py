@@ -63,8 +63,10 @@ async def check(address: str, port: int, spec: HealthSpec) -> Result:
 
 def request_head(address: str, port: int, path: str) -> bytes:
     host = f"[{address}]" if ":" in address else address
-    return (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: eds-server-health-check\r\n"
-            "Accept: */*\r\nConnection: close\r\n\r\n").encode("ascii")  # fmt: skip
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: eds-server-health-check\r\n"
+        "Accept: */*\r\nConnection: close\r\n\r\n"
+    ).encode("ascii")
 
 
 def status_of(line: bytes) -> int:

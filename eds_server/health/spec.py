@@ -126,10 +126,18 @@ def statuses(value: Any) -> tuple[tuple[int, int], ...]:
 
 
 CHECKS: dict[str, Callable[[Any], Any]] = {
-    "http": path, "tcp": flag, "grpc": grpc_service, "none": flag, "port": port,
-    "interval": duration, "timeout": duration, "healthy_threshold": threshold, "unhealthy_threshold": threshold,
-    "expected_statuses": statuses, "tls": flag,
-}  # fmt: skip
+    "http": path,
+    "tcp": flag,
+    "grpc": grpc_service,
+    "none": flag,
+    "port": port,
+    "interval": duration,
+    "timeout": duration,
+    "healthy_threshold": threshold,
+    "unhealthy_threshold": threshold,
+    "expected_statuses": statuses,
+    "tls": flag,
+}
 
 
 class SpecError(ValueError):
@@ -156,8 +164,11 @@ def build(values: Mapping[str, Any]) -> HealthSpec | None:
     kinds = [k for k in values if k in KINDS]  # as written: a second one is named where it stands
     if len(kinds) != 1:
         field = kinds[1] if len(kinds) > 1 else "http"
-        raise SpecError(field, "exactly one kind: http: /PATH, tcp: true, grpc: SERVICE or none: true"
-                        + (f" (got {', '.join(kinds)})" if kinds else ""))  # fmt: skip
+        raise SpecError(
+            field,
+            "exactly one kind: http: /PATH, tcp: true, grpc: SERVICE or none: true"
+            + (f" (got {', '.join(kinds)})" if kinds else ""),
+        )
     kind = kinds[0]
     if kind == "none":
         return None
@@ -186,9 +197,13 @@ def build(values: Mapping[str, Any]) -> HealthSpec | None:
 def to_json(spec: HealthSpec) -> dict[str, Any]:
     """The JSON form `parse` reads back (registrations, their state file, /v1/groups)."""
     kind: Any = {"http": spec.path, "tcp": True, "grpc": spec.service or True}[spec.kind]
-    out: dict[str, Any] = {spec.kind: kind, "interval": spec.interval, "timeout": spec.timeout,
-                           "healthy_threshold": spec.healthy_threshold,
-                           "unhealthy_threshold": spec.unhealthy_threshold}  # fmt: skip
+    out: dict[str, Any] = {
+        spec.kind: kind,
+        "interval": spec.interval,
+        "timeout": spec.timeout,
+        "healthy_threshold": spec.healthy_threshold,
+        "unhealthy_threshold": spec.unhealthy_threshold,
+    }
     if spec.port is not None:
         out["port"] = spec.port
     if spec.tls:

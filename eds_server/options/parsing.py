@@ -145,14 +145,20 @@ class StoreOnce(argparse._StoreAction):
     `serve --upstreams a.yaml --upstreams b.yaml` would serve b alone."""
 
     def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
         option_string: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         given: dict[str, Any] = namespace.__dict__.setdefault("_given_once", {})
         if self.dest in given:
             flag = "/".join(self.option_strings) or self.dest
-            hint = (": serve reads one upstreams file; merge them into one (`eds-server check` takes several)"
-                    if flag == "--upstreams" else ": it takes one value")  # fmt: skip
+            hint = (
+                ": serve reads one upstreams file; merge them into one (`eds-server check` takes several)"
+                if flag == "--upstreams"
+                else ": it takes one value"
+            )
             both = f" ({given[self.dest]!r}, then {values!r})" if isinstance(values, str) else ""
             parser.error(f"{flag} given twice{both}{hint}")
         given[self.dest] = values
@@ -231,8 +237,14 @@ class Option:
             group.add_argument(self.flag, metavar=self.metavar, action="append", default=values, help=self.help)
         else:
             extra: dict[str, Any] = {"choices": self.choices} if self.choices is not None else {}
-            group.add_argument(self.flag, type=self.type, metavar=self.metavar, default=env(name, self.default),
-                               help=self.help, **extra)  # fmt: skip
+            group.add_argument(
+                self.flag,
+                type=self.type,
+                metavar=self.metavar,
+                default=env(name, self.default),
+                help=self.help,
+                **extra,
+            )
 
 
 LOGGING = (

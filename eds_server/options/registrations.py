@@ -14,24 +14,47 @@ if TYPE_CHECKING:
     from ..sources.etcd_client import EtcdOptions
 
 OPTIONS = (
-    Option("--state", "where registrations are kept: a state file (one server), or etcd under PREFIX (replicas "
-           "share them) [EDS_STATE]", metavar="FILE|etcd://HOST:PORT[,HOST:PORT...]/PREFIX"),
+    Option(
+        "--state",
+        "where registrations are kept: a state file (one server), or etcd under PREFIX (replicas "
+        "share them) [EDS_STATE]",
+        metavar="FILE|etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
+    ),
     Option("--etcd-ca", "CA certificates to verify etcd's (turns TLS to etcd on) [EDS_ETCD_CA]", metavar="FILE"),
     Option("--etcd-cert", "client certificate for etcd, PEM (turns TLS to etcd on) [EDS_ETCD_CERT]", metavar="FILE"),
     Option("--etcd-key", "its private key (default: in --etcd-cert) [EDS_ETCD_KEY]", metavar="FILE"),
-    Option("--etcd-user", "etcd user (password from EDS_ETCD_PASSWORD or --etcd-password-file) [EDS_ETCD_USER]",
-           metavar="USER"),
+    Option(
+        "--etcd-user",
+        "etcd user (password from EDS_ETCD_PASSWORD or --etcd-password-file) [EDS_ETCD_USER]",
+        metavar="USER",
+    ),
     Option("--etcd-password-file", "file holding the etcd user's password [EDS_ETCD_PASSWORD_FILE]", metavar="FILE"),
-    Option("--admin-token", "bearer token for registration writes on the admin HTTP; prefer EDS_ADMIN_TOKEN, as "
-           "arguments are visible to other local users [EDS_ADMIN_TOKEN]", metavar="TOKEN"),
-    Option("--max-registrations", "most registrations kept; more are refused with 409 (default 10000)", "10000",
-           positive_int, "N"),
-    Option("--registration-tokens", "scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...], name: NAME}]`, "
-           "each may write only the groups its patterns match; audit lines call it by its (optional) name",
-           metavar="FILE"),
-    Option("--registration-allow-cidr", "allow registering addresses in these CIDRs; loopback, link-local, "
-           "unspecified and multicast addresses are refused otherwise", metavar="CIDR[,CIDR...]"),
-)  # fmt: skip
+    Option(
+        "--admin-token",
+        "bearer token for registration writes on the admin HTTP; prefer EDS_ADMIN_TOKEN, as "
+        "arguments are visible to other local users [EDS_ADMIN_TOKEN]",
+        metavar="TOKEN",
+    ),
+    Option(
+        "--max-registrations",
+        "most registrations kept; more are refused with 409 (default 10000)",
+        "10000",
+        positive_int,
+        "N",
+    ),
+    Option(
+        "--registration-tokens",
+        "scoped tokens: `tokens: [{token: ..., groups: [PATTERN, ...], name: NAME}]`, "
+        "each may write only the groups its patterns match; audit lines call it by its (optional) name",
+        metavar="FILE",
+    ),
+    Option(
+        "--registration-allow-cidr",
+        "allow registering addresses in these CIDRs; loopback, link-local, "
+        "unspecified and multicast addresses are refused otherwise",
+        metavar="CIDR[,CIDR...]",
+    ),
+)
 
 
 def settings(args: argparse.Namespace) -> RegistrationSettings:
@@ -59,8 +82,13 @@ def settings(args: argparse.Namespace) -> RegistrationSettings:
         raise Refused(str(e)) from None
     if policy.scoped_tokens and args.admin is None:
         raise Refused("--registration-tokens needs the admin HTTP, which serves the registration API: drop --admin off")
-    return RegistrationSettings(state=args.state, etcd=etcd_options(args), admin_token=args.admin_token or None,
-                                max_registrations=args.max_registrations, policy=policy)  # fmt: skip
+    return RegistrationSettings(
+        state=args.state,
+        etcd=etcd_options(args),
+        admin_token=args.admin_token or None,
+        max_registrations=args.max_registrations,
+        policy=policy,
+    )
 
 
 def etcd_options(args: argparse.Namespace) -> EtcdOptions:
@@ -70,8 +98,9 @@ def etcd_options(args: argparse.Namespace) -> EtcdOptions:
     from ..sources.etcd_client import EtcdOptions
     from ..sources.etcd_wire import is_etcd, parse_target
 
-    etcd_flags = [f for f in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
-                  if getattr(args, f)]  # fmt: skip
+    etcd_flags = [
+        f for f in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file") if getattr(args, f)
+    ]
     if not is_etcd(args.state):
         if etcd_flags:
             raise Refused(f"--{etcd_flags[0].replace('_', '-')} needs --state etcd://...")
@@ -91,8 +120,13 @@ def etcd_options(args: argparse.Namespace) -> EtcdOptions:
         raise Refused("--etcd-user needs a password: EDS_ETCD_PASSWORD or --etcd-password-file")
     if args.etcd_key and not args.etcd_cert:
         raise Refused("--etcd-key needs --etcd-cert")
-    options = EtcdOptions(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
-                          password=password if args.etcd_user else None)  # fmt: skip
+    options = EtcdOptions(
+        ca=args.etcd_ca,
+        cert=args.etcd_cert,
+        key=args.etcd_key,
+        user=args.etcd_user,
+        password=password if args.etcd_user else None,
+    )
     for flag, path in (("--etcd-ca", args.etcd_ca), ("--etcd-cert", args.etcd_cert), ("--etcd-key", args.etcd_key)):
         if path and not os.path.isfile(path):
             raise Refused(f"{flag} {path}: no such file")

@@ -12,12 +12,12 @@ if TYPE_CHECKING:
 
 OPTIONS = (
     Option("--tls-cert", "PEM certificate chain: serve gRPC over TLS (1.2+, ALPN h2) [EDS_TLS_CERT]", metavar="FILE"),
-    Option("--tls-key", "PEM private key, unencrypted (default: the key in --tls-cert) [EDS_TLS_KEY]",
-           metavar="FILE"),
-    Option("--tls-client-ca", "require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]",
-           metavar="FILE"),
+    Option("--tls-key", "PEM private key, unencrypted (default: the key in --tls-cert) [EDS_TLS_KEY]", metavar="FILE"),
+    Option(
+        "--tls-client-ca", "require client certificates issued by these CAs (mTLS) [EDS_TLS_CLIENT_CA]", metavar="FILE"
+    ),
     Option("--authz", "which groups each client may read, by certificate or node [EDS_AUTHZ]", metavar="FILE"),
-)  # fmt: skip
+)
 
 
 def settings(args: argparse.Namespace) -> SecuritySettings:
@@ -26,8 +26,9 @@ def settings(args: argparse.Namespace) -> SecuritySettings:
     from ..settings import SecuritySettings
 
     try:
-        security = SecuritySettings(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                                    authz=args.authz)  # fmt: skip
+        security = SecuritySettings(
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, authz=args.authz
+        )
     except ValueError as e:
         raise Refused(str(e)) from None
     if args.authz and args.rest_listen is not None:

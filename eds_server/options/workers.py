@@ -40,10 +40,15 @@ def count(value: str) -> int:
 
 
 OPTIONS = (
-    Option("--workers", "processes that serve Envoy on --listen (SO_REUSEPORT), fed by this one, which runs the "
-           "sources; 'auto': one per usable core [EDS_WORKERS] (default 1: this process serves)", "1", count,
-           "N|auto"),
-)  # fmt: skip
+    Option(
+        "--workers",
+        "processes that serve Envoy on --listen (SO_REUSEPORT), fed by this one, which runs the "
+        "sources; 'auto': one per usable core [EDS_WORKERS] (default 1: this process serves)",
+        "1",
+        count,
+        "N|auto",
+    ),
+)
 
 
 def settings(args: argparse.Namespace) -> WorkerSettings:

@@ -63,10 +63,16 @@ def health_of(inspect: Mapping[str, Any], draining: bool) -> Health | None:
 
 
 _LABEL_CHECKS: dict[str, Any] = {
-    "port": fields.port, "weight": fields.weight, "priority": fields.priority, "address": fields.ip,
-    "region": fields.text, "zone": fields.text, "subzone": fields.text, "hostname": fields.text,
+    "port": fields.port,
+    "weight": fields.weight,
+    "priority": fields.priority,
+    "address": fields.ip,
+    "region": fields.text,
+    "zone": fields.text,
+    "subzone": fields.text,
+    "hostname": fields.text,
     "network": fields.text,
-}  # fmt: skip
+}
 
 
 def _checked(label: str, setting: str, value: str, checks: Mapping[str, Any], what: str) -> Any:
@@ -155,17 +161,18 @@ def sidecar_check(labels: Mapping[str, str]) -> tuple[HealthSpec | None, str | N
         return None, None
     if kind == "HttpGet" and (m := _SIDECAR_URL.fullmatch(args.strip())):
         return HealthSpec("http", path=health_spec.path(m.group(1) or "/")), None
-    return None, (f"Sidecar's label HealthCheck={kind} is not run by eds-server: write eds.health.http=/PATH or "
-                  "eds.health.tcp=true (docs/health-checks.md)")  # fmt: skip
+    return None, (
+        f"Sidecar's label HealthCheck={kind} is not run by eds-server: write eds.health.http=/PATH or "
+        "eds.health.tcp=true (docs/health-checks.md)"
+    )
 
 
 def _container_port(inspect: Mapping[str, Any], settings: Mapping[str, Any], prefix: str) -> int:
     if "port" in settings:
         return int(settings["port"])
     exposed = sorted(
-        {int(p.split("/")[0]) for p in ((inspect.get("Config") or {}).get("ExposedPorts") or {})
-         if p.endswith("/tcp")}
-    )  # fmt: skip
+        {int(p.split("/")[0]) for p in ((inspect.get("Config") or {}).get("ExposedPorts") or {}) if p.endswith("/tcp")}
+    )
     if len(exposed) == 1:
         return exposed[0]
     if not exposed:

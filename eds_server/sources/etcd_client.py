@@ -93,8 +93,9 @@ class EtcdClient:
 
     async def _authenticate(self, base: str) -> None:
         opts = self.options
-        reply = await self._post(base, "/v3/auth/authenticate", {"name": opts.user, "password": opts.password},
-                                 auth=False)  # fmt: skip
+        reply = await self._post(
+            base, "/v3/auth/authenticate", {"name": opts.user, "password": opts.password}, auth=False
+        )
         token = reply.get("token")
         if not isinstance(token, str):
             raise EtcdError("authentication gave no token")
@@ -118,8 +119,9 @@ class EtcdClient:
             raise EtcdError("not a JSON object")
         return reply
 
-    async def call(self, path: str, body: dict[str, Any], *, deadline: float, member: str | None = None,
-                   once: bool = False) -> dict[str, Any]:  # fmt: skip
+    async def call(
+        self, path: str, body: dict[str, Any], *, deadline: float, member: str | None = None, once: bool = False
+    ) -> dict[str, Any]:
         """POST `body` to `path`, trying the members in turn until one answers or `deadline` (loop time)
         passes; with `member`, that member only (a probe of the one a watch is on must not succeed
         through another). Raises EtcdError for an answer that says no, EtcdUnavailable when none answered.
@@ -164,8 +166,12 @@ class EtcdClient:
             await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
         raise EtcdUnavailable(reason)
 
-    async def watch(self, body: dict[str, Any], connect_timeout: float, member: str | None = None,
-                    ) -> AsyncIterator[WatchMessage]:  # fmt: skip
+    async def watch(
+        self,
+        body: dict[str, Any],
+        connect_timeout: float,
+        member: str | None = None,
+    ) -> AsyncIterator[WatchMessage]:
         """One watch stream on `member` (default: the current one), kept in `watching`: its messages
         until it ends (raises on an error)."""
         base = self.watching = member or self.member

@@ -161,9 +161,16 @@ class KeyLayout:
 
 # -- requests ---------------------------------------------------------------------------------------
 def range_request(
-    key: bytes, end: bytes | None = None, *, count_only: bool = False, min_mod_revision: int = 0,
-    max_mod_revision: int = 0, keys_only: bool = False, serializable: bool = False, limit: int = 0,
-) -> dict[str, Any]:  # fmt: skip
+    key: bytes,
+    end: bytes | None = None,
+    *,
+    count_only: bool = False,
+    min_mod_revision: int = 0,
+    max_mod_revision: int = 0,
+    keys_only: bool = False,
+    serializable: bool = False,
+    limit: int = 0,
+) -> dict[str, Any]:
     """A range; etcd applies the mod-revision filters to the keys it returns, not to `count_only`."""
     body: dict[str, Any] = {"key": b64(key)}
     if end is not None:
@@ -185,8 +192,13 @@ def range_request(
 
 def unchanged_since(key: bytes, end: bytes, revision: int) -> dict[str, Any]:
     """Compare: no key in [key, end) was written after `revision` (true for an empty range)."""
-    return {"key": b64(key), "range_end": b64(end), "target": "MOD", "result": "LESS",
-            "mod_revision": str(revision + 1)}  # fmt: skip
+    return {
+        "key": b64(key),
+        "range_end": b64(end),
+        "target": "MOD",
+        "result": "LESS",
+        "mod_revision": str(revision + 1),
+    }
 
 
 def held_at(key: bytes, mod_revision: int) -> dict[str, Any]:
@@ -217,8 +229,11 @@ def get(key: bytes, end: bytes | None = None, *, keys_only: bool = False, min_mo
     return {"request_range": range_request(key, end, keys_only=keys_only, min_mod_revision=min_mod_revision)}
 
 
-def txn(compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]] | None = None,
-        ) -> dict[str, Any]:  # fmt: skip
+def txn(
+    compare: list[dict[str, Any]],
+    success: list[dict[str, Any]],
+    failure: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     return {"compare": compare, "success": success, "failure": failure or []}
 
 
@@ -272,9 +287,12 @@ def revision(reply: dict[str, Any]) -> int:
 
 def key_value(obj: dict[str, Any]) -> KeyValue:
     return KeyValue(
-        unb64(obj.get("key", "")), unb64(obj.get("value", "")), _int(obj.get("mod_revision")),
-        _int(obj.get("create_revision")), _int(obj.get("lease")),
-    )  # fmt: skip
+        unb64(obj.get("key", "")),
+        unb64(obj.get("value", "")),
+        _int(obj.get("mod_revision")),
+        _int(obj.get("create_revision")),
+        _int(obj.get("lease")),
+    )
 
 
 def kvs(reply: dict[str, Any]) -> list[KeyValue]:
@@ -302,6 +320,10 @@ def watch_message(line: bytes) -> WatchMessage:
     result = obj.get("result", {})
     events = tuple(Event(e.get("type") == "DELETE", key_value(e.get("kv", {}))) for e in result.get("events", ()))
     return WatchMessage(
-        revision(result), events, bool(result.get("created")), bool(result.get("canceled")),
-        _int(result.get("compact_revision")), str(result.get("cancel_reason", "")),
-    )  # fmt: skip
+        revision(result),
+        events,
+        bool(result.get("created")),
+        bool(result.get("canceled")),
+        _int(result.get("compact_revision")),
+        str(result.get("cancel_reason", "")),
+    )

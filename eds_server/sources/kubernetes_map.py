@@ -194,14 +194,16 @@ def trim_slice(slice_: Mapping[str, Any]) -> dict[str, Any]:
                 "addresses": (e.get("addresses") or [])[:1],
                 "conditions": e.get("conditions") or {},
                 "hostname": e.get("hostname"),
-                "targetRef": {"kind": (e.get("targetRef") or {}).get("kind"),
-                              "name": (e.get("targetRef") or {}).get("name")},
+                "targetRef": {
+                    "kind": (e.get("targetRef") or {}).get("kind"),
+                    "name": (e.get("targetRef") or {}).get("name"),
+                },
                 "zone": e.get("zone"),
                 "nodeName": e.get("nodeName"),
             }
             for e in slice_.get("endpoints") or []
         ],
-    }  # fmt: skip
+    }
 
 
 def trim_service(service: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -210,9 +212,12 @@ def trim_service(service: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     ours = {k: v for k, v in (meta.get("annotations") or {}).items() if k.startswith(prefix + ".")}
     return {
         "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "annotations": ours},
-        "spec": {"ports": [{"name": p.get("name"), "port": p.get("port")}
-                           for p in (service.get("spec") or {}).get("ports") or []]},
-    }  # fmt: skip
+        "spec": {
+            "ports": [
+                {"name": p.get("name"), "port": p.get("port")} for p in (service.get("spec") or {}).get("ports") or []
+            ]
+        },
+    }
 
 
 class ClusterView:

@@ -121,8 +121,9 @@ def parse_endpoint(spec: Mapping[str, Any], allowed: tuple[str, ...] = ENDPOINT_
     if HEALTH_CHECK_KEY in spec:
         raw = spec[HEALTH_CHECK_KEY]
         if not isinstance(raw, dict):
-            raise RegistrationError(422, "must be an object, e.g. {\"http\": \"/health\", \"interval\": \"1s\"}",
-                                    HEALTH_CHECK_KEY)  # fmt: skip
+            raise RegistrationError(
+                422, 'must be an object, e.g. {"http": "/health", "interval": "1s"}', HEALTH_CHECK_KEY
+            )
         try:
             check = health_spec.parse(raw)
         except health_spec.SpecError as e:
@@ -286,8 +287,9 @@ def check_weights(group_state: State, reg: Registration) -> None:
         )
 
 
-def check_merged(feed: Feed, source: str, group: str, members: Mapping[str, Endpoint], id: str,
-                 endpoint: Endpoint) -> None:  # fmt: skip
+def check_merged(
+    feed: Feed, source: str, group: str, members: Mapping[str, Endpoint], id: str, endpoint: Endpoint
+) -> None:
     """Refuse what would make the group, merged with the other sources, one Envoy rejects. (The
     store checks again on every change: this is for a clear answer to the caller.)"""
 
@@ -349,8 +351,9 @@ class Registrations(Protocol):
     def get(self, group: str, id: str) -> Registration | None: ...
     async def read(self, group: str, id: str) -> Registration | None: ...
     def expires_in(self, reg: Registration) -> float | None: ...
-    async def put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None = None
-                  ) -> tuple[Registration, bool]: ...  # fmt: skip
+    async def put(
+        self, group: str, id: str, endpoint: Endpoint, ttl: float | None = None
+    ) -> tuple[Registration, bool]: ...
     async def delete(self, group: str, id: str) -> Registration | None: ...
 
 
@@ -455,10 +458,17 @@ class RegistrationSource:
 
     def status(self) -> SourceStatus:
         """Live once loaded; `last_error` is the last failed write of the state file."""
-        return SourceStatus(self.name, self._loaded, self._loaded, self.last_error, {
-            "state_file": self.state_path, "registrations": len(self._state.regs),
-            "max_registrations": self.max_registrations,
-        })  # fmt: skip
+        return SourceStatus(
+            self.name,
+            self._loaded,
+            self._loaded,
+            self.last_error,
+            {
+                "state_file": self.state_path,
+                "registrations": len(self._state.regs),
+                "max_registrations": self.max_registrations,
+            },
+        )
 
     async def start(self) -> None:
         self.load()
@@ -493,14 +503,18 @@ class RegistrationSource:
                     f"{path}: cannot write the state file: {e.strerror or e} (its directory must exist and be writable)"
                 ) from None
             log.info(
-                "loaded %s: %d registrations%s", path, len(state.regs),
+                "loaded %s: %d registrations%s",
+                path,
+                len(state.regs),
                 f" ({dropped} expired while the server was down)" if dropped else "",
-            )  # fmt: skip
+            )
             if len(state.regs) > self.max_registrations:
                 log.warning(
                     "%s holds %d registrations, over the limit of %d: no new ones are accepted",
-                    path, len(state.regs), self.max_registrations,
-                )  # fmt: skip
+                    path,
+                    len(state.regs),
+                    self.max_registrations,
+                )
         self._state = state
         self._loaded = True
         self._publish(set(state.touched), initial=True)
@@ -693,8 +707,14 @@ class RegistrationSource:
         ep = op.endpoint
         if old is not None and old.ttl is None and op.ttl is None and old.endpoint == ep:
             return _Outcome(old), False  # the same again: nothing to write
-        reg = _make(op.group, op.id, ep, op.ttl, None if op.ttl is None else wall + op.ttl,
-                    None if op.ttl is None else mono + op.ttl)  # fmt: skip
+        reg = _make(
+            op.group,
+            op.id,
+            ep,
+            op.ttl,
+            None if op.ttl is None else wall + op.ttl,
+            None if op.ttl is None else mono + op.ttl,
+        )
         check_put(state, reg, self.max_registrations, self.max_state_bytes)
         state.add(reg)
         return _Outcome(reg, created=old is None), True

@@ -144,13 +144,25 @@ class Subscriptions:
 
 
 def encode_request(
-    node_id: str, *, subscribe: Iterable[str] = (), unsubscribe: Iterable[str] = (),
-    initial_versions: Mapping[str, str] | None = None, nonce: str = "", error: str | None = None,
+    node_id: str,
+    *,
+    subscribe: Iterable[str] = (),
+    unsubscribe: Iterable[str] = (),
+    initial_versions: Mapping[str, str] | None = None,
+    nonce: str = "",
+    error: str | None = None,
     node: bool = False,
-) -> bytes:  # fmt: skip
+) -> bytes:
     """A DeltaDiscoveryRequest for EDS (field numbers of envoy.service.discovery.v3)."""
-    out = [length_delimited(1, string_field(1, node_id) + string_field(2, "eds-server-relay")
-                            + string_field(6, "eds-server"))] if node else []  # fmt: skip
+    out = (
+        [
+            length_delimited(
+                1, string_field(1, node_id) + string_field(2, "eds-server-relay") + string_field(6, "eds-server")
+            )
+        ]
+        if node
+        else []
+    )
     out.append(string_field(2, EDS_TYPE_URL))
     out.extend(length_delimited(3, n.encode()) for n in subscribe)
     out.extend(length_delimited(4, n.encode()) for n in unsubscribe)
@@ -232,8 +244,16 @@ def _bytes(value: int | memoryview) -> memoryview:
 class RelaySource:
     """Follows an upstream eds-server's DeltaEndpoints; the only source of its store."""
 
-    def __init__(self, feed: RelayFeed, options: UpstreamOptions, *, codec: CodecBase, config: Configuration,
-                 linger: float = LINGER, node_id: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        feed: RelayFeed,
+        options: UpstreamOptions,
+        *,
+        codec: CodecBase,
+        config: Configuration,
+        linger: float = LINGER,
+        node_id: str | None = None,
+    ) -> None:
         """`codec` and `config`: the gRPC client's, from the transport that owns them (one that sends
         `bytes` as they are, and keepalive through grpclib's private keywords)."""
         self.feed = feed
@@ -259,8 +279,15 @@ class RelaySource:
     async def start(self) -> None:
         """Unusable TLS files refuse the start, named by their flags, not the first connection."""
         o = self.options
-        given = [(flag, path) for flag, path in (("--upstream-eds-ca", o.ca), ("--upstream-eds-cert", o.cert),
-                                                 ("--upstream-eds-key", o.key)) if path]  # fmt: skip
+        given = [
+            (flag, path)
+            for flag, path in (
+                ("--upstream-eds-ca", o.ca),
+                ("--upstream-eds-cert", o.cert),
+                ("--upstream-eds-key", o.key),
+            )
+            if path
+        ]
         for flag, path in given:
             if not os.path.isfile(path):
                 raise OSError(f"{flag} {path}: no such file")
@@ -270,8 +297,7 @@ class RelaySource:
             raise OSError(f"{', '.join(f'{flag} {path}' for flag, path in given)}: cannot be used: {e}") from None
 
     def status(self) -> SourceStatus:
-        return self.liveness.status(upstream=self.options.target, names=len(self.subs.wanted),
-                                    responses=self.responses)  # fmt: skip
+        return self.liveness.status(upstream=self.options.target, names=len(self.subs.wanted), responses=self.responses)
 
     async def run(self, stop: asyncio.Event) -> None:
         from grpclib.client import Channel
@@ -283,8 +309,9 @@ class RelaySource:
         async def connect() -> str:
             channel = Channel(**where, ssl=o.ssl_context(), codec=self.codec, config=self.config)
             self._subscribed = False
-            self.heartbeat = Heartbeat(_health_check(channel), f"the upstream eds-server {o.target}",
-                                       replied=self._vouched)  # fmt: skip
+            self.heartbeat = Heartbeat(
+                _health_check(channel), f"the upstream eds-server {o.target}", replied=self._vouched
+            )
             try:
                 async with self.heartbeat.watching():
                     await self._follow(channel, stop, backoff)
@@ -292,8 +319,13 @@ class RelaySource:
             finally:
                 channel.close()
 
-        await reconnect(stop, connect, backoff=backoff, why=lambda e: str(e) if isinstance(e, Hung | Junk) else _why(e),
-                        lost=lambda reason, _: self.liveness.lost(reason))  # fmt: skip
+        await reconnect(
+            stop,
+            connect,
+            backoff=backoff,
+            why=lambda e: str(e) if isinstance(e, Hung | Junk) else _why(e),
+            lost=lambda reason, _: self.liveness.lost(reason),
+        )
 
     async def _follow(self, channel: Channel, stop: asyncio.Event, backoff: Backoff) -> None:
         from grpclib.const import Cardinality
@@ -303,8 +335,9 @@ class RelaySource:
         outbox: list[bytes] = []  # ACKs and NACKs, sent by the one writer (messages must not interleave)
         async with channel.request(DELTA_PATH, Cardinality.STREAM_STREAM, bytes, bytes) as stream:
             subscribe, _ = self.subs.request()
-            await stream.send_message(encode_request(self.node_id, subscribe=subscribe,
-                                                     initial_versions=self._held(subscribe), node=True))  # fmt: skip
+            await stream.send_message(
+                encode_request(self.node_id, subscribe=subscribe, initial_versions=self._held(subscribe), node=True)
+            )
             self._subscribed = True
             writer = asyncio.create_task(self._write(stream, stop, outbox))
             try:
@@ -349,14 +382,21 @@ class RelaySource:
                 self.feed.publish_resources(self.name, {}, removed=gone)
             subscribe, unsubscribe = self.subs.request()
             if subscribe or unsubscribe:
-                await stream.send_message(encode_request(self.node_id, subscribe=subscribe, unsubscribe=unsubscribe,
-                                                         initial_versions=self._held(subscribe)))  # fmt: skip
+                await stream.send_message(
+                    encode_request(
+                        self.node_id,
+                        subscribe=subscribe,
+                        unsubscribe=unsubscribe,
+                        initial_versions=self._held(subscribe),
+                    )
+                )
             if outbox:
                 continue
             waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
             try:
-                await asyncio.wait(waits, timeout=self.subs.next_expiry(time.monotonic()),
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                await asyncio.wait(
+                    waits, timeout=self.subs.next_expiry(time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 for w in waits:
                     w.cancel()
@@ -384,12 +424,16 @@ class RelaySource:
         except ValueError as e:
             return "", self._rejected(e)
         now = time.monotonic()
-        resources = {name: Relayed.make(name, version, body, now, decode_group)
-                     for name, version, body in received.resources}  # fmt: skip
+        resources = {
+            name: Relayed.make(name, version, body, now, decode_group) for name, version, body in received.resources
+        }
         self.responses += 1
         wanted = self.subs.wanted
-        self.feed.publish_resources(self.name, {n: r for n, r in resources.items() if n in wanted},
-                                 removed=[n for n in received.removed if n in wanted])  # fmt: skip
+        self.feed.publish_resources(
+            self.name,
+            {n: r for n, r in resources.items() if n in wanted},
+            removed=[n for n in received.removed if n in wanted],
+        )
         return received.nonce, None
 
     def _rejected(self, e: Exception) -> str:

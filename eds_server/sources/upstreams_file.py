@@ -130,8 +130,10 @@ class UpstreamsFileSource:
         changed = self.feed.publish(self.name, groups)
         log.info(
             "reloaded %s: %s, changed: %s",
-            self.path, fields.counted(len(groups), "group"), ", ".join(sorted(changed)) or "none",
-        )  # fmt: skip
+            self.path,
+            fields.counted(len(groups), "group"),
+            ", ".join(sorted(changed)) or "none",
+        )
         return bool(changed)
 
     def _error(self, message: str, level: int = logging.ERROR) -> None:

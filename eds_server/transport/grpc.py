@@ -46,8 +46,12 @@ log = logging.getLogger("eds_server.grpc")
 _refusal_log = ThrottledLog()  # a client that keeps hitting the stream limits cannot fill the log
 
 EDS_SERVICE = "envoy.service.endpoint.v3.EndpointDiscoveryService"
-SERVED = (EDS_SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-          "grpc.reflection.v1alpha.ServerReflection")  # fmt: skip
+SERVED = (
+    EDS_SERVICE,
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+)
 
 
 @dataclass
@@ -81,7 +85,7 @@ class EdsService:
             held = last[3]
             if len(held) == len(resources) and (
                 held[0] is resources[0] if len(held) == 1 else all(a is b for a, b in zip(held, resources, strict=True))
-            ):  # fmt: skip
+            ):
                 return last[4]
         framed = Framed(kind.encode(response, self.responses))
         self._framed = (kind, version, nonce, resources, framed)
@@ -141,8 +145,9 @@ class EdsService:
         while self.sessions and loop.time() < deadline:
             await asyncio.sleep(0.005)
 
-    async def shed(self, streams: int, one_under: int, goaway: Callable[[set[str], str], int],
-                   timeout: float = 5.0) -> dict[str, int]:  # fmt: skip
+    async def shed(
+        self, streams: int, one_under: int, goaway: Callable[[set[str], str], int], timeout: float = 5.0
+    ) -> dict[str, int]:
         """Ask whole connections to reconnect elsewhere (--workers: load back to a restarted worker):
         the smallest first while their streams add up to at most `streams`, or else the smallest one
         if it has fewer than `one_under`. Their streams end cleanly (status OK: Envoy keeps its
@@ -188,8 +193,9 @@ class EdsService:
 
     def _refused(self, ip: str, why: str) -> None:
         self.counters.refused += 1
-        _refusal_log.warning("refusing a stream from %s (RESOURCE_EXHAUSTED): %s (--max-streams %d)",
-                             ip, why, self.max_streams)  # fmt: skip
+        _refusal_log.warning(
+            "refusing a stream from %s (RESOURCE_EXHAUSTED): %s (--max-streams %d)", ip, why, self.max_streams
+        )
 
     def _full(self) -> GRPCError:
         return GRPCError(Status.RESOURCE_EXHAUSTED, f"server holds its limit of {self.max_streams} streams")
@@ -270,8 +276,14 @@ class EdsService:
             if refused:
                 self.observers.access_denied(None, refused, str(access))
                 node_id, cluster = shown(*fields)
-                log.warning("PERMISSION_DENIED fetch: node=%s cluster=%s peer=%s (%s) may not read %s",
-                            node_id, cluster, _peer(stream), access, names_shown(refused))  # fmt: skip
+                log.warning(
+                    "PERMISSION_DENIED fetch: node=%s cluster=%s peer=%s (%s) may not read %s",
+                    node_id,
+                    cluster,
+                    _peer(stream),
+                    access,
+                    names_shown(refused),
+                )
                 raise GRPCError(Status.PERMISSION_DENIED, f"not allowed to read {names_shown(refused)}")
         await self._ready.wait()
         names = [n for n in dict.fromkeys(req.resource_names) if n != WILDCARD]
@@ -309,8 +321,16 @@ class _Session(SessionDriver):
     SendState."""
 
     def __init__(self, service: EdsService, stream: grpclib.server.Stream[Any, bytes], io: StreamIO, kind: StreamKind):
-        super().__init__(kind, service.store, service.limits, service.nonces, service.observers,
-                         _peer(stream), stream.peer.cert, service.authorize)  # fmt: skip
+        super().__init__(
+            kind,
+            service.store,
+            service.limits,
+            service.nonces,
+            service.observers,
+            _peer(stream),
+            stream.peer.cert,
+            service.authorize,
+        )
         self.service = service
         self.stream = stream
         self.io = io
@@ -527,10 +547,16 @@ def make_server(
         for path, handler in svc.__mapping__().items()
     }
     server = build_server(
-        [service], counted, enter=service.enter_stream, leave=service.leave_stream, limits=limits,
-        config=config, max_message_size=max_message_size, mode=http2,
+        [service],
+        counted,
+        enter=service.enter_stream,
+        leave=service.leave_stream,
+        limits=limits,
+        config=config,
+        max_message_size=max_message_size,
+        mode=http2,
         mapping=lambda table: UnknownMethods(table, EDS_SERVICE),
-    )  # fmt: skip
+    )
     server.ssl = ssl  # e.g. security.server_ssl_context(...): TLS 1.2+, ALPN h2
     service.open_io = server.open_io
     return server

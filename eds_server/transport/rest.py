@@ -47,26 +47,32 @@ def make_rest_app(
             return web.json_response({"message": "sources not loaded yet"}, status=503)
         wanted = [n for n in dict.fromkeys(names) if n != WILDCARD]  # EDS has no wildcard
         if missing := store.unanswered(wanted):  # a relay: only names its streams follow are held
-            return web.json_response({"message": f"not received from the upstream eds-server: {missing[:10]}"},
-                                     status=503)  # fmt: skip
+            return web.json_response(
+                {"message": f"not received from the upstream eds-server: {missing[:10]}"}, status=503
+            )
         resources = [store.get(n) for n in wanted]
         current = response_version(resources) if resources else ""
         if version and version == current:
             return web.Response(status=304)
-        return web.json_response({
-            "versionInfo": current,
-            "resources": [resource_json(r) for r in resources],
-            "typeUrl": EDS_TYPE_URL,
-            "controlPlane": {"identifier": CONTROL_PLANE_ID},
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "versionInfo": current,
+                "resources": [resource_json(r) for r in resources],
+                "typeUrl": EDS_TYPE_URL,
+                "controlPlane": {"identifier": CONTROL_PLANE_ID},
+            }
+        )
 
     async def wrong_method(request: web.Request) -> web.Response:
         """A curl or browser GET gets JSON saying what this port serves, not aiohttp's plain `405`."""
         return web.json_response(
-            {"message": f"{request.method} {request.path}: the REST port answers only POST {PATH} "
-                        "with a DiscoveryRequest (Envoy's api_type: REST)"},
-            status=405 if request.path == PATH else 404, headers={"Allow": "POST"},
-        )  # fmt: skip
+            {
+                "message": f"{request.method} {request.path}: the REST port answers only POST {PATH} "
+                "with a DiscoveryRequest (Envoy's api_type: REST)"
+            },
+            status=405 if request.path == PATH else 404,
+            headers={"Allow": "POST"},
+        )
 
     app = web.Application(client_max_size=max_body)
     app.router.add_post(PATH, discovery)

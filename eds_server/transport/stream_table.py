@@ -99,5 +99,8 @@ class StreamRegistry(Generic[S]):
         page = heapq.nsmallest(limit + 1, (s for s in self._streams if s.id > after), key=lambda s: s.id)
         more = len(page) > limit
         page = page[:limit]
-        return {"streams": [s.describe() for s in page], "total": len(self._streams),
-                "next_after": page[-1].id if more else None}  # fmt: skip
+        return {
+            "streams": [s.describe() for s in page],
+            "total": len(self._streams),
+            "next_after": page[-1].id if more else None,
+        }

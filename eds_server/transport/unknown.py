@@ -60,6 +60,11 @@ class UnknownMethods(dict[str, grpclib.const.Handler]):
             self._warned[key] = None
             if len(self._warned) > self._most:
                 self._warned.popitem(last=False)
-            log.warning("unknown gRPC method %s from %s: %s", clip(path, 200), key[0], why,
-                        extra={"event": "unknown_method", "peer": key[0]})  # fmt: skip
+            log.warning(
+                "unknown gRPC method %s from %s: %s",
+                clip(path, 200),
+                key[0],
+                why,
+                extra={"event": "unknown_method", "peer": key[0]},
+            )
         return f"unknown method {clip(path, 200)}: {why}"

@@ -50,15 +50,19 @@ class StreamKind:
 
 
 SOTW = StreamKind(
-    "sotw", wire.sotw_request, SotwStream,
+    "sotw",
+    wire.sotw_request,
+    SotwStream,
     lambda r, enc: enc.discovery_response(r.version_info, r.resources, r.nonce),
     lambda r: r.version_info,
-)  # fmt: skip
+)
 DELTA = StreamKind(
-    "delta", wire.delta_request, DeltaStream,
+    "delta",
+    wire.delta_request,
+    DeltaStream,
     lambda r, enc: enc.delta_discovery_response(r.system_version_info, r.resources, r.nonce),
     lambda r: r.system_version_info,
-)  # fmt: skip
+)
 
 
 def decode_request(
@@ -95,9 +99,16 @@ class SessionDriver:
     the response due. It is the StreamView observers see."""
 
     def __init__(
-        self, kind: StreamKind, store: Store, limits: SubscriptionLimits, nonces: Nonces, observers: Observers,
-        peer: str, cert: Callable[[], dict[str, Any] | None], authorize: Authorize | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        kind: StreamKind,
+        store: Store,
+        limits: SubscriptionLimits,
+        nonces: Nonces,
+        observers: Observers,
+        peer: str,
+        cert: Callable[[], dict[str, Any] | None],
+        authorize: Authorize | None = None,
+    ) -> None:
         self.kind = kind
         self.store = store
         self.limits = limits
@@ -124,19 +135,34 @@ class SessionDriver:
 
     def fields(self, event: str) -> dict[str, str]:
         """Structured fields for JSON logs."""
-        return {"event": event, "transport": self.kind.name, "node": self.node, "node_cluster": self.cluster,
-                "peer": self.peer}  # fmt: skip
+        return {
+            "event": event,
+            "transport": self.kind.name,
+            "node": self.node,
+            "node_cluster": self.cluster,
+            "peer": self.peer,
+        }
 
     def describe(self) -> dict[str, Any]:
         """What /v1/streams shows of this client: at most STREAM_NAMES_SHOWN of its names."""
         names = {
-            name: {"sent": self.sm.sent.get(name), "acked": self.sm.acked_version(name),
-                   "nacked": self.sm.nacked.get(name)}
+            name: {
+                "sent": self.sm.sent.get(name),
+                "acked": self.sm.acked_version(name),
+                "nacked": self.sm.nacked.get(name),
+            }
             for name in itertools.islice(self.sm.subscribed, STREAM_NAMES_SHOWN)
-        }  # fmt: skip
-        return {"id": self.id, "node": self.node, "cluster": self.cluster, "peer": self.peer,
-                "transport": self.kind.name, "names": names, "names_total": len(self.sm.subscribed),
-                "last_nack": self.last_nack}  # fmt: skip
+        }
+        return {
+            "id": self.id,
+            "node": self.node,
+            "cluster": self.cluster,
+            "peer": self.peer,
+            "transport": self.kind.name,
+            "names": names,
+            "names_total": len(self.sm.subscribed),
+            "last_nack": self.last_nack,
+        }
 
     def on_change(self, names: frozenset[str] | None) -> None:
         """The store changed `names` (None: anything): the transport also sends what is due."""

@@ -193,9 +193,7 @@ class SotwStream(StreamState[Response]):
         self._dropped, self._unwanted = set(), set()
         got = {r.name for r in answered}
         subscribed = self.subscribed
-        again = tuple(
-            n for n in wanted if n in dropped and n in subscribed and (n in unwanted or n not in got)
-        )  # fmt: skip
+        again = tuple(n for n in wanted if n in dropped and n in subscribed and (n in unwanted or n not in got))
         for name in again:
             self.acked.pop(name, None)  # it may hold nothing (it ignored our copy)
             self._resend(name)

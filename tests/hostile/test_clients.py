@@ -92,9 +92,17 @@ async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: s
         canary = Canary(server.port, upstreams, admin_port=server.admin_port, token=TOKEN)
         before = await canary.run(BASELINE_SECONDS)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", HOSTILE, attack, str(server.port), src, str(ATTACK_SECONDS),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            HOSTILE,
+            attack,
+            str(server.port),
+            src,
+            str(ATTACK_SECONDS),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=ROOT,
+        )
         pin(proc.pid, 1)  # an attacker has its own machine: it does not take the server's CPU
         await asyncio.sleep(0.5)  # the attack is under way
         during = await canary.run(ATTACK_SECONDS)
@@ -107,11 +115,17 @@ async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: s
         log = server.log_text()
         # reported before the server is stopped: a server that fails to stop still shows what it did
         result = {
-            "attack": attack, "before": before.summary(), "during": during.summary(), "after": after.summary(),
-            "peak_rss_mb": round(peak, 1), "attacker": attacker,
-            "server": {k: stats.get(k) for k in ("calmed", "connections_refused", "timed_out", "refused",
-                                                  "partial_messages_refused")},
-        }  # fmt: skip
+            "attack": attack,
+            "before": before.summary(),
+            "during": during.summary(),
+            "after": after.summary(),
+            "peak_rss_mb": round(peak, 1),
+            "attacker": attacker,
+            "server": {
+                k: stats.get(k)
+                for k in ("calmed", "connections_refused", "timed_out", "refused", "partial_messages_refused")
+            },
+        }
         if os.environ.get("HOSTILE_REPORT"):
             with open(os.environ["HOSTILE_REPORT"], "a") as f:
                 f.write(json.dumps(result) + "\n")

@@ -44,16 +44,33 @@ async def test_a_full_table_serves_new_envoys_and_the_canary(tmp_path: Path, cas
         table, open_files, per_address = MAX_CONNECTIONS, None, 8
     else:
         limit, table, open_files, per_address = (), OPEN_FILES - 600, OPEN_FILES, 12
-    async with EdsServerProcess(upstreams, "--log-level", "info", "--admin-token", TOKEN,
-                                "--registration-allow-cidr", "127.0.0.0/8", *limit, workdir=tmp_path,
-                                open_files=open_files) as server:  # fmt: skip
+    async with EdsServerProcess(
+        upstreams,
+        "--log-level",
+        "info",
+        "--admin-token",
+        TOKEN,
+        "--registration-allow-cidr",
+        "127.0.0.0/8",
+        *limit,
+        workdir=tmp_path,
+        open_files=open_files,
+    ) as server:
         assert server.proc is not None
         pin(server.proc.pid, 0)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.support.hostile_clients", "fill_table", str(server.port), ATTACKERS,
-            str(ATTACK_SECONDS), str(per_address), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "tests.support.hostile_clients",
+            "fill_table",
+            str(server.port),
+            ATTACKERS,
+            str(ATTACK_SECONDS),
+            str(per_address),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
             cwd=ROOT,
-        )  # fmt: skip
+        )
         pin(proc.pid, 1)
         try:
 

@@ -44,16 +44,24 @@ class Canary:
         self.changed = asyncio.Event()
 
     async def run(self, names: list[str]) -> None:
-        await self.stream.send_message(DiscoveryRequest(
-            node=Node(id="canary", cluster="canary"), resource_names=names, type_url=EDS_TYPE_URL,
-        ))  # fmt: skip
+        await self.stream.send_message(
+            DiscoveryRequest(
+                node=Node(id="canary", cluster="canary"),
+                resource_names=names,
+                type_url=EDS_TYPE_URL,
+            )
+        )
         while (resp := await self.stream.recv_message()) is not None:
             self.versions.append(resp.version_info)
             self.changed.set()
-            await self.stream.send_message(DiscoveryRequest(
-                version_info=resp.version_info, resource_names=names, response_nonce=resp.nonce,
-                type_url=EDS_TYPE_URL,
-            ))  # fmt: skip
+            await self.stream.send_message(
+                DiscoveryRequest(
+                    version_info=resp.version_info,
+                    resource_names=names,
+                    response_nonce=resp.nonce,
+                    type_url=EDS_TYPE_URL,
+                )
+            )
 
     async def next_version(self, timeout: float = 30) -> str:
         """Wait for a version other than the current one (bounded)."""
@@ -98,8 +106,11 @@ async def test_hostile_files_are_refused_while_the_canary_keeps_getting_updates(
             "FIFO": lambda: (os.mkfifo(tmp_path / "fifo"), os.replace(tmp_path / "fifo", path)),
             "/dev/zero": lambda: (os.symlink("/dev/zero", tmp_path / "zero"), os.replace(tmp_path / "zero", path)),
         }
-        expected = {"alias bomb": "anchors and aliases are not allowed", "FIFO": "not a regular file",
-                    "/dev/zero": "not a regular file"}  # fmt: skip
+        expected = {
+            "alias bomb": "anchors and aliases are not allowed",
+            "FIFO": "not a regular file",
+            "/dev/zero": "not a regular file",
+        }
         for port, (what, make) in enumerate(hostile.items(), start=2):
             make()
             await wait_error(server, expected[what], timeout=20)

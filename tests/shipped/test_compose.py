@@ -107,10 +107,12 @@ def test_healthcheck_is_stdlib_python_on_the_admin_readyz(monkeypatch: pytest.Mo
     snippet = argv[2]
     tree = ast.parse(snippet)
     compile(snippet, "<HEALTHCHECK>", "exec")
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}  # fmt: skip
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module}  # fmt: skip
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
     assert imported and imported <= sys.stdlib_module_names, imported - sys.stdlib_module_names
     assert "'127.0.0.1', 18001" in snippet and "'/readyz'" in snippet
     # ...which is where the admin listens by default, and under the compose command.
@@ -161,10 +163,21 @@ def test_healthcheck_against_the_real_admin(tmp_path: Path) -> None:
     admin, log = free_port(), tmp_path / "eds.log"
     with log.open("wb") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eds_server", "serve", "--upstreams", str(ROOT / "examples/upstreams.yaml"),
-             "--listen", "127.0.0.1:0", "--admin", f"127.0.0.1:{admin}"],
-            stdout=subprocess.DEVNULL, stderr=stderr,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "eds_server",
+                "serve",
+                "--upstreams",
+                str(ROOT / "examples/upstreams.yaml"),
+                "--listen",
+                "127.0.0.1:0",
+                "--admin",
+                f"127.0.0.1:{admin}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     try:
         deadline = time.monotonic() + 15
         while run_healthcheck(admin) != 0:
@@ -235,8 +248,17 @@ def test_copied_files_exist_and_are_in_the_build_context() -> None:
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"] in sources
 
 
-@pytest.mark.parametrize("rel", [".venv/bin/python", ".git/HEAD", ".env", "tests/test_compose.py",
-                                 "eds_server/__pycache__/cli.cpython-312.pyc", "build/lib/x.py"])  # fmt: skip
+@pytest.mark.parametrize(
+    "rel",
+    [
+        ".venv/bin/python",
+        ".git/HEAD",
+        ".env",
+        "tests/test_compose.py",
+        "eds_server/__pycache__/cli.cpython-312.pyc",
+        "build/lib/x.py",
+    ],
+)
 def test_build_context_leaves_out(rel: str) -> None:
     assert dockerignored(rel)
 
@@ -326,8 +348,9 @@ def _envoy_config() -> dict[str, Any]:
 def _eds_resource_names() -> dict[str, str]:
     """Envoy cluster name -> the EDS resource (eds-server group) it asks for."""
     clusters = _envoy_config()["static_resources"]["clusters"]
-    return {c["name"]: c["eds_cluster_config"].get("service_name", c["name"])
-            for c in clusters if c.get("type") == "EDS"}  # fmt: skip
+    return {
+        c["name"]: c["eds_cluster_config"].get("service_name", c["name"]) for c in clusters if c.get("type") == "EDS"
+    }
 
 
 def test_backend_groups_are_the_ones_envoy_asks_for() -> None:
@@ -352,12 +375,13 @@ def test_backend_labels_give_an_endpoint(service: str) -> None:
     )
     network = f"{PROJECT}_default"
     inspect = {
-        "Id": "0123456789abcdef", "Name": f"/{PROJECT}-{service}-1",
+        "Id": "0123456789abcdef",
+        "Name": f"/{PROJECT}-{service}-1",
         "State": {"Status": "running", "Running": True},
         "Config": {"Labels": labels_of(SERVICES[service]), "ExposedPorts": {"80/tcp": {}}},
         "HostConfig": {"NetworkMode": network},
         "NetworkSettings": {"Networks": {network: {"IPAddress": "172.18.0.5"}}, "Ports": {"80/tcp": None}},
-    }  # fmt: skip
+    }
     found = container_endpoints(inspect, options)
     assert found.warning is None, found.warning
     assert found.endpoints == {
@@ -413,8 +437,16 @@ def test_compose_v1_accepts_the_file(tmp_path: Path) -> None:
     env = {**os.environ, "DOCKER_GID": "999"}
     env.pop("COMPOSE_PROJECT_NAME", None)
     (tmp_path / "empty.env").write_text("")  # not the checkout's .env, which may set DOCKER_GID (docs/docker.md)
-    cmd = [DOCKER_COMPOSE_V1, "--project-directory", str(ROOT), "-f", str(ROOT / "compose.yaml"),
-           "--env-file", str(tmp_path / "empty.env"), "config"]  # fmt: skip
+    cmd = [
+        DOCKER_COMPOSE_V1,
+        "--project-directory",
+        str(ROOT),
+        "-f",
+        str(ROOT / "compose.yaml"),
+        "--env-file",
+        str(tmp_path / "empty.env"),
+        "config",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)["services"]
@@ -433,8 +465,9 @@ def test_envoy_routes() -> None:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [(r["match"]["prefix"], r["route"]["cluster"]) for r in routes] == [
-        ("/api", "api-cluster"), ("/", "web"),
-    ]  # fmt: skip
+        ("/api", "api-cluster"),
+        ("/", "web"),
+    ]
 
 
 def test_backends_cannot_reach_eds_server() -> None:

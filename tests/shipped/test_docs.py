@@ -184,8 +184,12 @@ def test_the_design_page_is_a_map() -> None:
     where each kind of part lives, and the test that holds the import arrows."""
     text = (ROOT / "docs" / "design.md").read_text()
     sections = dict(re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S))
-    for heading in ("Layers", "A change, from the upstreams file to bytes on the wire",
-                    "An ACK or NACK, back to the state it changes", "Where each kind of part lives"):  # fmt: skip
+    for heading in (
+        "Layers",
+        "A change, from the upstreams file to bytes on the wire",
+        "An ACK or NACK, back to the state it changes",
+        "Where each kind of part lives",
+    ):
         assert heading in sections, heading
     out, back = (
         sections["A change, from the upstreams file to bytes on the wire"],

@@ -33,9 +33,12 @@ def log_formats() -> list[str]:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (
-                isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LEVELS
-                and node.args and (text := _text(node.args[0])) is not None
-            ):  # fmt: skip
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in LEVELS
+                and node.args
+                and (text := _text(node.args[0])) is not None
+            ):
                 found.append(text)
     return found
 
@@ -114,8 +117,12 @@ def quotes() -> list[tuple[str, str]]:
                 found += [(page.name, q) for q in re.findall(r'"([^"]{12,})"', comment)]
         prose = re.sub(r"```.*?```", "", text, flags=re.S)
         found += [(page.name, q) for q in re.findall(r"`([^`\n]{12,})`", prose)]
-        found += [(page.name, line) for block in re.findall(r"```\n(.*?)```", text, flags=re.S)
-                  for line in block.splitlines() if PREFIX.match(line)]  # fmt: skip
+        found += [
+            (page.name, line)
+            for block in re.findall(r"```\n(.*?)```", text, flags=re.S)
+            for line in block.splitlines()
+            if PREFIX.match(line)
+        ]
     return found
 
 
@@ -157,14 +164,18 @@ def test_the_env_step_leaves_a_file_without_a_final_newline_whole(tmp_path: Path
     import subprocess
 
     for page in (ROOT / "docs" / "docker.md", ROOT / "docs" / "getting-started.md"):
-        [command] = [line.split("   #")[0].strip() for line in page.read_text().splitlines()
-                     if line.strip().startswith("grep -q '^DOCKER_GID=' .env")]  # fmt: skip
+        [command] = [
+            line.split("   #")[0].strip()
+            for line in page.read_text().splitlines()
+            if line.strip().startswith("grep -q '^DOCKER_GID=' .env")
+        ]
         sock = tmp_path / "docker.sock"
         sock.write_text("")
         (tmp_path / ".env").write_text("COMPOSE_PROJECT_NAME=eds-demo")
         for _ in range(2):  # the second run adds nothing
-            subprocess.run(["bash", "-c", command.replace("/var/run/docker.sock", str(sock))], cwd=tmp_path,
-                           check=True, timeout=30)  # fmt: skip
+            subprocess.run(
+                ["bash", "-c", command.replace("/var/run/docker.sock", str(sock))], cwd=tmp_path, check=True, timeout=30
+            )
         lines = (tmp_path / ".env").read_text().splitlines()
         gid = sock.stat().st_gid
         assert [line for line in lines if line] == ["COMPOSE_PROJECT_NAME=eds-demo", f"DOCKER_GID={gid}"], page

@@ -139,8 +139,9 @@ def _demo_bootstrap(xds_port: int, retries: bool) -> dict[str, Any]:
     for sock in _socket_addresses(boot):
         port = sock["port_value"]
         sock["port_value"] = 0 if port == 9901 else xds_port if port == 18000 else free_port()
-    vhost = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]  # fmt: skip
+    vhost = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+        "virtual_hosts"
+    ][0]
     assert "retry_policy" in vhost
     if not retries:
         del vhost["retry_policy"]
@@ -155,8 +156,10 @@ async def test_a_backend_gone_before_eds_says_so_fails_no_request(retries: bool,
     async with http_backends(1, "kept") as (kept,), contextlib.AsyncExitStack() as stack:
         leaving = await stack.enter_async_context(serve_backend(Backend("leaving")))
         upstreams = tmp_path / "upstreams.yaml"
-        upstreams.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{kept.port}, 127.0.0.1:{leaving.port}]\n"
-                             f"  api:\n    endpoints: [127.0.0.1:{kept.port}]\n")  # fmt: skip
+        upstreams.write_text(
+            f"groups:\n  web:\n    endpoints: [127.0.0.1:{kept.port}, 127.0.0.1:{leaving.port}]\n"
+            f"  api:\n    endpoints: [127.0.0.1:{kept.port}]\n"
+        )
         async with EdsServerProcess(upstreams) as server, EnvoyProcess(_demo_bootstrap(server.port, retries)) as envoy:
             await envoy.wait_for(lambda: envoy.hosts("web"), lambda hosts: len(hosts) == 2, timeout=30)
             await stack.aclose()  # `leaving` stops listening; eds-server still lists it: nothing told it

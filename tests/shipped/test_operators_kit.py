@@ -53,8 +53,14 @@ def test_the_process_and_the_garbage_collector_are_on_metrics() -> None:
 
     registry = make_registry(Store(encode_group), Counters(), Observers(), list)
     scraped = {s.name for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
-    assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "process_max_fds",
-            "python_gc_collections_total", "eds_ready"} <= scraped  # fmt: skip
+    assert {
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "process_open_fds",
+        "process_max_fds",
+        "python_gc_collections_total",
+        "eds_ready",
+    } <= scraped
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -87,8 +93,13 @@ def test_dashboard_is_well_formed() -> None:
 def test_alert_rules_are_well_formed() -> None:
     rules = alert_rules()
     names = {r["alert"] for r in rules}
-    assert {"EdsServerNotReady", "EdsServerSourceDegraded", "EdsServerSourceUnhealthy", "EdsServerNacks",
-            "EdsServerStreamsDropped"} <= names  # fmt: skip
+    assert {
+        "EdsServerNotReady",
+        "EdsServerSourceDegraded",
+        "EdsServerSourceUnhealthy",
+        "EdsServerNacks",
+        "EdsServerStreamsDropped",
+    } <= names
     for rule in rules:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical")
@@ -113,20 +124,37 @@ def test_a_source_that_fails_after_loading_is_degraded_not_unhealthy(tmp_path: P
         {"series": 'eds_source_healthy{job="eds",instance="a",source="docker"}', "values": "0x10"},
     ]
     labels = {"job": "eds", "instance": "a", "severity": "warning"}
-    tests = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m", "tests": [{"interval": "1m",
-             "input_series": series, "alert_rule_test": [
-                 {"eval_time": "4m", "alertname": "EdsServerSourceDegraded",
-                  "exp_alerts": [{"exp_labels": {**labels, "source": "file"}}]},
-                 {"eval_time": "4m", "alertname": "EdsServerSourceUnhealthy", "exp_alerts": []},
-                 {"eval_time": "6m", "alertname": "EdsServerSourceUnhealthy",
-                  "exp_alerts": [{"exp_labels": {**labels, "source": "docker"}}]},
-             ]}]}  # fmt: skip
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {
+                        "eval_time": "4m",
+                        "alertname": "EdsServerSourceDegraded",
+                        "exp_alerts": [{"exp_labels": {**labels, "source": "file"}}],
+                    },
+                    {"eval_time": "4m", "alertname": "EdsServerSourceUnhealthy", "exp_alerts": []},
+                    {
+                        "eval_time": "6m",
+                        "alertname": "EdsServerSourceUnhealthy",
+                        "exp_alerts": [{"exp_labels": {**labels, "source": "docker"}}],
+                    },
+                ],
+            }
+        ],
+    }
     for check in tests["tests"][0]["alert_rule_test"]:  # promtool compares annotations too, when given
-        check["exp_alerts"] = [{**a, "exp_annotations": _annotations(check["alertname"], a["exp_labels"])}
-                               for a in check["exp_alerts"]]  # fmt: skip
+        check["exp_alerts"] = [
+            {**a, "exp_annotations": _annotations(check["alertname"], a["exp_labels"])} for a in check["exp_alerts"]
+        ]
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(tests))
-    out = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "test.yaml")], capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [PROMTOOL, "test", "rules", str(tmp_path / "test.yaml")], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -149,8 +177,10 @@ async def _get(session: aiohttp.ClientSession, url: str, **params: str) -> Any:
 async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> None:
     async with http_backends(2) as backends:
         path = tmp_path / "upstreams.yaml"
-        path.write_text(f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}]\n"
-                        f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n")  # fmt: skip
+        path.write_text(
+            f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}]\n"
+            f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n"
+        )
         token = "kit-test-token-0123456789"
         async with EdsServerProcess(
             path,
@@ -165,17 +195,23 @@ async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> N
             bootstrap = envoy_bootstrap(server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")])
             async with EnvoyProcess(bootstrap) as envoy, aiohttp.ClientSession() as s:
                 await envoy.wait_live()
-                write_atomically(path, f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}, 127.0.0.1:1]\n"
-                                       f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n")  # fmt: skip
+                write_atomically(
+                    path,
+                    f"groups:\n  web:\n    endpoints: [127.0.0.1:{backends[0].port}, 127.0.0.1:1]\n"
+                    f"  api:\n    endpoints: [127.0.0.1:{backends[1].port}]\n",
+                )
                 await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
                 # a registration that fits, then a file edit that no longer fits with it: web is held back
-                async with s.put(f"http://{admin}/v1/groups/web/endpoints/vm-1",
-                                 json={"address": "127.0.0.2", "port": 8080, "weight": 2**31},
-                                 headers={"Authorization": f"Bearer {token}"}) as r:  # fmt: skip
+                async with s.put(
+                    f"http://{admin}/v1/groups/web/endpoints/vm-1",
+                    json={"address": "127.0.0.2", "port": 8080, "weight": 2**31},
+                    headers={"Authorization": f"Bearer {token}"},
+                ) as r:
                     assert r.status == 201, await r.text()
                 await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 3)
-                write_atomically(path, path.read_text().replace("127.0.0.1:1]", "{address: 127.0.0.1, port: 1, "
-                                                                "weight: 2147483647}]"))  # fmt: skip
+                write_atomically(
+                    path, path.read_text().replace("127.0.0.1:1]", "{address: 127.0.0.1, port: 1, weight: 2147483647}]")
+                )
                 await wait_for(lambda: server.admin("/v1/groups/web"), lambda g: g.get("error"), timeout=10)
                 async with Prometheus(tmp_path, admin) as prom:
                     up = await prom.wait_for_samples(s, 'up{job="eds-server"}', lambda v: v == 1)
@@ -192,8 +228,9 @@ async def test_a_real_prometheus_scrapes_queries_and_alerts(tmp_path: Path) -> N
                         build = await _get(s, f"{prom.url}/api/v1/query", query="eds_build_info")
                         assert build["data"]["result"][0]["metric"]["version"] == __version__
                         expected = {("EdsServerNacks", "api"), ("EdsServerGroupHeldBack", "web")}
-                        firing = await wait_for(lambda: _get(s, f"{prom.url}/api/v1/alerts"),
-                                                lambda b: _firing(b) == expected, timeout=30)  # fmt: skip
+                        firing = await wait_for(
+                            lambda: _get(s, f"{prom.url}/api/v1/alerts"), lambda b: _firing(b) == expected, timeout=30
+                        )
                         assert _firing(firing) == expected
                     rules = await _get(s, f"{prom.url}/api/v1/rules")
                     evaluated = [r for g in rules["data"]["groups"] for r in g["rules"]]
@@ -209,8 +246,11 @@ def _every_named_series_is_scraped(scrape: str) -> None:
 
 
 def _firing(body: dict[str, Any]) -> set[tuple[str, str]]:
-    return {(a["labels"]["alertname"], a["labels"].get("group", "")) for a in body["data"]["alerts"]
-            if a["state"] == "firing"}  # fmt: skip
+    return {
+        (a["labels"]["alertname"], a["labels"].get("group", ""))
+        for a in body["data"]["alerts"]
+        if a["state"] == "firing"
+    }
 
 
 class Prometheus:
@@ -233,9 +273,13 @@ class Prometheus:
         assert PROMETHEUS is not None
         log = (self.dir / "prometheus.log").open("wb")
         self.proc = await asyncio.create_subprocess_exec(
-            PROMETHEUS, f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{self.port}", stdout=log, stderr=log,
-        )  # fmt: skip
+            PROMETHEUS,
+            f"--config.file={self.dir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={self.dir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            stdout=log,
+            stderr=log,
+        )
         log.close()
 
         async def ready(s: aiohttp.ClientSession) -> int:

@@ -53,8 +53,9 @@ def _eds_clusters(boot: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in boot["static_resources"]["clusters"] if c.get("type") == "EDS"]
 
 
-@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-delta.yaml", "envoy-mtls.yaml", "envoy-rest.yaml",
-                                  "compose-envoy.yaml"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["envoy.yaml", "envoy-delta.yaml", "envoy-mtls.yaml", "envoy-rest.yaml", "compose-envoy.yaml"]
+)
 def test_every_shipped_config_has_the_scale_down_settings(name: str) -> None:
     """The configs differ in how Envoy reaches eds-server, not in how it treats a leaving backend:
     the policy tested for real below with envoy.yaml is the one each of them ships."""
@@ -124,14 +125,16 @@ def _bootstrap(xds_port: int, access_log: Path, shipped: bool) -> dict[str, Any]
             for lb in ep["lb_endpoints"]:
                 lb["endpoint"]["address"]["socket_address"]["port_value"] = xds_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["access_log"] = [{
-        "name": "envoy.access_loggers.file",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-            "path": str(access_log),
-            "log_format": {"text_format_source": {"inline_string": "%RESPONSE_CODE% %RESPONSE_FLAGS%\n"}},
-        },
-    }]  # fmt: skip
+    hcm["access_log"] = [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": str(access_log),
+                "log_format": {"text_format_source": {"inline_string": "%RESPONSE_CODE% %RESPONSE_FLAGS%\n"}},
+            },
+        }
+    ]
     if not shipped:
         del _vhost(boot)["retry_policy"]["retry_back_off"]
         _vhost(boot)["retry_policy"]["num_retries"] = 2

@@ -19,11 +19,20 @@ ENV = ROOT / "deploy" / "systemd" / "eds-server.env"
 ANALYZE = shutil.which("systemd-analyze")
 needs_systemd = pytest.mark.skipif(ANALYZE is None, reason="no systemd-analyze (Debian's systemd; .ci/run installs it)")
 HARDENING = {
-    "NoNewPrivileges": "yes", "CapabilityBoundingSet": "", "ProtectSystem": "strict", "ProtectHome": "yes",
-    "PrivateTmp": "yes", "PrivateDevices": "yes", "DynamicUser": "yes", "RestrictAddressFamilies":
-    "AF_INET AF_INET6 AF_UNIX", "SystemCallFilter": "@system-service", "RestrictNamespaces": "yes",
-    "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes", "ProtectControlGroups": "yes",
-}  # fmt: skip
+    "NoNewPrivileges": "yes",
+    "CapabilityBoundingSet": "",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "PrivateDevices": "yes",
+    "DynamicUser": "yes",
+    "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
+    "SystemCallFilter": "@system-service",
+    "RestrictNamespaces": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectControlGroups": "yes",
+}
 
 
 def _settings(text: str) -> dict[str, list[str]]:
@@ -47,16 +56,21 @@ def _checkable(tmp_path: Path) -> Path:
 
 @needs_systemd
 def test_the_unit_verifies(tmp_path: Path) -> None:
-    out = subprocess.run([str(ANALYZE), "verify", "--man=no", str(_checkable(tmp_path))],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [str(ANALYZE), "verify", "--man=no", str(_checkable(tmp_path))], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
 
 
 @needs_systemd
 def test_the_units_exposure_is_low(tmp_path: Path) -> None:
     """systemd's own score of the sandbox (0 most locked down, 10 not at all): below 2 ("OK")."""
-    out = subprocess.run([str(ANALYZE), "security", "--offline=true", str(_checkable(tmp_path))],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [str(ANALYZE), "security", "--offline=true", str(_checkable(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     found = re.search(r"Overall exposure level for \S+: ([\d.]+)", out.stdout)
     assert found, out.stdout + out.stderr
     assert float(found[1]) < 2.0, out.stdout
@@ -92,6 +106,11 @@ def test_the_env_file_is_a_valid_configuration(tmp_path: Path, monkeypatch: pyte
     known = {env_var(o) for a in _SUBCOMMANDS["serve"]._actions for o in a.option_strings if o.startswith("--")}
     assert set(env) <= known, set(env) - known
     assert args.upstreams == "/etc/eds-server/upstreams.yaml" and args.log_format == "json"
-    proc = subprocess.run([sys.executable, "-m", "eds_server", "check", str(ROOT / "examples" / "upstreams.yaml")],
-                          capture_output=True, text=True, timeout=30, env={**os.environ, **env})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "eds_server", "check", str(ROOT / "examples" / "upstreams.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+    )
     assert proc.returncode == 0, proc.stderr

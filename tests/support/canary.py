@@ -67,8 +67,11 @@ class CanaryReport:
     def delay(self, q: float) -> float:
         if not self.delays:
             return float("inf")
-        return statistics.quantiles(self.delays, n=100, method="inclusive")[int(q * 100) - 1] if len(
-            self.delays) > 1 else self.delays[0]  # fmt: skip
+        return (
+            statistics.quantiles(self.delays, n=100, method="inclusive")[int(q * 100) - 1]
+            if len(self.delays) > 1
+            else self.delays[0]
+        )
 
     def fresh(self, q: float) -> float:
         if not self.fresh_latencies:
@@ -78,18 +81,28 @@ class CanaryReport:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "updates_per_s": round(self.updates_per_s, 2), "changes": self.changes, "updates": self.updates,
-            "delay_p50_ms": round(self.delay(0.5) * 1000, 1), "delay_p99_ms": round(self.delay(0.99) * 1000, 1),
-            "fresh_ok": self.fresh_ok, "fresh_failed": self.fresh_failed,
-            "fresh_p50_ms": round(self.fresh(0.5) * 1000, 1), "stream_breaks": self.stream_breaks,
-        }  # fmt: skip
+            "updates_per_s": round(self.updates_per_s, 2),
+            "changes": self.changes,
+            "updates": self.updates,
+            "delay_p50_ms": round(self.delay(0.5) * 1000, 1),
+            "delay_p99_ms": round(self.delay(0.99) * 1000, 1),
+            "fresh_ok": self.fresh_ok,
+            "fresh_failed": self.fresh_failed,
+            "fresh_p50_ms": round(self.fresh(0.5) * 1000, 1),
+            "stream_breaks": self.stream_breaks,
+        }
 
 
 class Canary:
     def __init__(
-        self, port: int, upstreams: Path, *, interval: float = 0.25, admin_port: int | None = None,
+        self,
+        port: int,
+        upstreams: Path,
+        *,
+        interval: float = 0.25,
+        admin_port: int | None = None,
         token: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Changes go through the registration API when `admin_port` and `token` are given (the
         server needs --registration-allow-cidr 127.0.0.0/8), else through the upstreams file."""
         self.port = port
@@ -165,9 +178,14 @@ class Canary:
                                         seen.add(seq)
                                         report.updates += 1
                                         report.delays.append(now - self.written[seq])
-                        await stream.send_message(DiscoveryRequest(
-                            version_info=resp.version_info, resource_names=[GROUP], response_nonce=resp.nonce,
-                            type_url=EDS_TYPE_URL))  # fmt: skip
+                        await stream.send_message(
+                            DiscoveryRequest(
+                                version_info=resp.version_info,
+                                resource_names=[GROUP],
+                                response_nonce=resp.nonce,
+                                type_url=EDS_TYPE_URL,
+                            )
+                        )
                     with contextlib.suppress(Exception):
                         await stream.cancel()
             except Exception:
@@ -183,10 +201,11 @@ class Canary:
             try:
                 stub = EndpointDiscoveryServiceStub(channel)
                 await asyncio.wait_for(
-                    stub.fetch_endpoints(DiscoveryRequest(
-                        node=Node(id="canary-fresh"), resource_names=[GROUP], type_url=EDS_TYPE_URL)),
+                    stub.fetch_endpoints(
+                        DiscoveryRequest(node=Node(id="canary-fresh"), resource_names=[GROUP], type_url=EDS_TYPE_URL)
+                    ),
                     5,
-                )  # fmt: skip
+                )
                 report.fresh_ok += 1
                 report.fresh_latencies.append(time.monotonic() - t0)
             except Exception:

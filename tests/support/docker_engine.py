@@ -704,8 +704,9 @@ async def arun_backend(engine: DockerEngine, name: str, port: int, labels: Mappi
 def swarm_init(engine: DockerEngine, port: int | None = None) -> int:
     """``swarm init`` advertising and listening on 127.0.0.1:port (default: a free one); returns the port."""
     port = port or free_port()
-    engine.cli("swarm", "init", "--advertise-addr", f"127.0.0.1:{port}", "--listen-addr", f"127.0.0.1:{port}",
-               timeout=60)  # fmt: skip
+    engine.cli(
+        "swarm", "init", "--advertise-addr", f"127.0.0.1:{port}", "--listen-addr", f"127.0.0.1:{port}", timeout=60
+    )
     return port
 
 
@@ -717,8 +718,18 @@ def swarm_join(worker: DockerEngine, manager: DockerEngine, manager_port: int, p
     """
     port = port or free_port()
     token = manager.cli("swarm", "join-token", "-q", "worker")
-    worker.cli("swarm", "join", "--token", token, "--advertise-addr", f"127.0.0.1:{port}",
-               "--listen-addr", f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", timeout=60)  # fmt: skip
+    worker.cli(
+        "swarm",
+        "join",
+        "--token",
+        token,
+        "--advertise-addr",
+        f"127.0.0.1:{port}",
+        "--listen-addr",
+        f"127.0.0.1:{port}",
+        f"127.0.0.1:{manager_port}",
+        timeout=60,
+    )
     return port
 
 
@@ -806,8 +817,12 @@ def swarm_pair() -> Iterator[tuple[DockerEngine, DockerEngine]]:
         manager.start()
         worker.start()
         swarm_join(worker, manager, swarm_init(manager))
-        wait_for_blocking(lambda: sorted(node_states(manager).values()) == ["ready", "ready"], timeout=30,
-                 what="both swarm nodes ready", retry=NOT_YET_DOCKER)  # fmt: skip
+        wait_for_blocking(
+            lambda: sorted(node_states(manager).values()) == ["ready", "ready"],
+            timeout=30,
+            what="both swarm nodes ready",
+            retry=NOT_YET_DOCKER,
+        )
     except Exception as exc:
         swarm_close(worker, manager)
         _skip_or_fail(f"two-node swarm did not start: {exc}")

@@ -291,14 +291,19 @@ class EnvoyProcess:
         tmp = Path(self._tmp.name)
         (tmp / "bootstrap.yaml").write_text(yaml.safe_dump(dict(self.bootstrap), sort_keys=False))
         args = [
-            "-c", str(tmp / "bootstrap.yaml"),
+            "-c",
+            str(tmp / "bootstrap.yaml"),
             "--disable-hot-restart",
-            "--admin-address-path", str(tmp / "admin.txt"),
-            "-l", self.log_level,
-            "--log-path", str(tmp / "envoy.log"),
-            "--concurrency", "1",
+            "--admin-address-path",
+            str(tmp / "admin.txt"),
+            "-l",
+            self.log_level,
+            "--log-path",
+            str(tmp / "envoy.log"),
+            "--concurrency",
+            "1",
             *self.extra_args,
-        ]  # fmt: skip
+        ]
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True),
             timeout=aiohttp.ClientTimeout(total=5),
@@ -306,9 +311,12 @@ class EnvoyProcess:
         try:
             with (tmp / "stdio.log").open("wb") as stdio:
                 self.proc = await asyncio.create_subprocess_exec(
-                    str(envoy_binary()), *args, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=stdio, stderr=stdio,
-                )  # fmt: skip
+                    str(envoy_binary()),
+                    *args,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=stdio,
+                    stderr=stdio,
+                )
             await self._wait_admin(tmp / "admin.txt")
         except BaseException:
             await self._stop()

@@ -70,8 +70,16 @@ class EtcdCluster:
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         for i in range(self.size):
-            self.members.append(Member(f"n{i}", free_port(), free_port(), self.root / f"n{i}",
-                                       self.root / f"etcd-n{i}.log", tls=self.tls is not None))  # fmt: skip
+            self.members.append(
+                Member(
+                    f"n{i}",
+                    free_port(),
+                    free_port(),
+                    self.root / f"n{i}",
+                    self.root / f"etcd-n{i}.log",
+                    tls=self.tls is not None,
+                )
+            )
 
     @property
     def endpoints(self) -> str:
@@ -85,17 +93,35 @@ class EtcdCluster:
         initial = ",".join(f"{x.name}=http://127.0.0.1:{x.peer_port}" for x in self.members)
         with m.log_path.open("ab") as log:
             m.proc = await asyncio.create_subprocess_exec(
-                etcd_binary(), "--name", m.name, "--data-dir", str(m.data_dir),
-                "--listen-client-urls", m.url, "--advertise-client-urls", m.url,
-                "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--initial-cluster-token", f"eds-test-{self.members[0].peer_port}",
-                "--logger", "zap", "--log-outputs", "stderr",
+                etcd_binary(),
+                "--name",
+                m.name,
+                "--data-dir",
+                str(m.data_dir),
+                "--listen-client-urls",
+                m.url,
+                "--advertise-client-urls",
+                m.url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{m.peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{m.peer_port}",
+                "--initial-cluster",
+                initial,
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                f"eds-test-{self.members[0].peer_port}",
+                "--logger",
+                "zap",
+                "--log-outputs",
+                "stderr",
                 *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else []),
                 *(["--client-cert-auth", "--trusted-ca-file", str(self.client_ca)] if self.client_ca else []),
-                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-            )  # fmt: skip
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
 
     async def start(self, timeout: float = 20.0, client: tuple[Path, Path] | None = None) -> None:
         self.client = client or self.client
@@ -150,8 +176,14 @@ class EtcdCluster:
         without a message."""
         end = bytearray(prefix.encode())
         end[-1] += 1
-        body = {"create_request": {"key": _b64(prefix.encode()), "range_end": _b64(bytes(end)), "start_revision": "1",
-                                   "prev_kv": True}}  # fmt: skip
+        body = {
+            "create_request": {
+                "key": _b64(prefix.encode()),
+                "range_end": _b64(bytes(end)),
+                "start_revision": "1",
+                "prev_kv": True,
+            }
+        }
         out: list[dict[str, Any]] = []
         m = next(m for m in self.members if m.running)
         async with aiohttp.ClientSession() as s, s.post(m.url + "/v3/watch", json=body) as r:
@@ -164,10 +196,16 @@ class EtcdCluster:
                     break
                 for e in json.loads(line).get("result", {}).get("events", ()):
                     kv, prev = e.get("kv", {}), e.get("prev_kv", {})
-                    out.append({"type": e.get("type", "PUT"), "key": base64.b64decode(kv.get("key", "")).decode(),
-                                "revision": int(kv.get("mod_revision", 0)), "lease": kv.get("lease"),
-                                "value": base64.b64decode(kv.get("value", "")).decode(errors="replace"),
-                                "prev_lease": prev.get("lease")})  # fmt: skip
+                    out.append(
+                        {
+                            "type": e.get("type", "PUT"),
+                            "key": base64.b64decode(kv.get("key", "")).decode(),
+                            "revision": int(kv.get("mod_revision", 0)),
+                            "lease": kv.get("lease"),
+                            "value": base64.b64decode(kv.get("value", "")).decode(errors="replace"),
+                            "prev_lease": prev.get("lease"),
+                        }
+                    )
         return out
 
     async def any_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -31,8 +31,10 @@ def free_port() -> int:
 
 
 def service() -> dict[str, Any]:
-    return {"metadata": {"name": "web", "namespace": NS, "annotations": {"eds.group": "web"}},
-            "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
+    return {
+        "metadata": {"name": "web", "namespace": NS, "annotations": {"eds.group": "web"}},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }
 
 
 def endpoint_slice(*ips: str, port: int = 8080) -> dict[str, Any]:
@@ -124,9 +126,15 @@ class FakeApiServer:
 
 async def run_process(*args: str) -> tuple[asyncio.subprocess.Process, int]:
     """The stand-in as its own process (stderr discarded) and its port; the caller kills it."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.support.fake_kube_api", *args,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-                                                cwd=ROOT)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.support.fake_kube_api",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     assert proc.stdout is not None
     try:
         return proc, int(await asyncio.wait_for(proc.stdout.readline(), 30))
@@ -137,12 +145,18 @@ async def run_process(*args: str) -> tuple[asyncio.subprocess.Process, int]:
 
 
 def kubeconfig(path: Path, url: str, token: str = "token-a") -> Path:
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": url}}],
-        "users": [{"name": "me", "user": {"token": token}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
-    }))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": url}}],
+                "users": [{"name": "me", "user": {"token": token}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
+            }
+        )
+    )
     return path
 
 

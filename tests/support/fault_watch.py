@@ -155,8 +155,9 @@ class FaultWatch:
         assert self._session is not None
         for port in self.backends:
             try:
-                async with self._session.get(f"http://127.0.0.1:{port}/",
-                                             timeout=aiohttp.ClientTimeout(total=0.5)) as resp:  # fmt: skip
+                async with self._session.get(
+                    f"http://127.0.0.1:{port}/", timeout=aiohttp.ClientTimeout(total=0.5)
+                ) as resp:
                     await resp.read()
                     if resp.status != 200:
                         return False
@@ -219,10 +220,18 @@ class FaultWatch:
             f"longest unready {self.longest('unready'):.1f}s" + (f"; backends down {down}" if self.backends else ""),
         ]
         lines += [f"   t={t:6.2f}s {what}" for t, what in self.events]
-        changes = [(round(s.t, 2), s.hosts, s.ready, s.stale, s.backends_up) for i, s in enumerate(self.samples)
-                   if i == 0 or (s.hosts, s.ready, s.stale, s.backends_up) != (
-                       self.samples[i - 1].hosts, self.samples[i - 1].ready, self.samples[i - 1].stale,
-                       self.samples[i - 1].backends_up)]  # fmt: skip
+        changes = [
+            (round(s.t, 2), s.hosts, s.ready, s.stale, s.backends_up)
+            for i, s in enumerate(self.samples)
+            if i == 0
+            or (s.hosts, s.ready, s.stale, s.backends_up)
+            != (
+                self.samples[i - 1].hosts,
+                self.samples[i - 1].ready,
+                self.samples[i - 1].stale,
+                self.samples[i - 1].backends_up,
+            )
+        ]
         lines += [f"   t={t:6.2f}s hosts={h} ready={r} stale={st} backends_up={b}" for t, h, r, st, b in changes]
         errors = Counter(r.error or str(r.status) for r in failed)
         lines += [f"   failed: {n} x {e}" for e, n in errors.most_common(5)]

@@ -71,10 +71,14 @@ async def grpc_harness() -> AsyncIterator[Harness]:
     store.add_source(SOURCE)
     service = EdsService(store, send_timeout=1)
     server = make_server(
-        service, max_streams_per_connection=1000, keepalive_time=30, keepalive_timeout=10,
-        max_message_size=1 << 20, limits=ConnectionLimits(stream_budget=100_000),  # tests open thousands
+        service,
+        max_streams_per_connection=1000,
+        keepalive_time=30,
+        keepalive_timeout=10,
+        max_message_size=1 << 20,
+        limits=ConnectionLimits(stream_budget=100_000),  # tests open thousands
         http2=os.environ.get("EDS_HTTP2", "auto"),
-    )  # fmt: skip
+    )
     await server.start("127.0.0.1", 0)
     port = server.port
     channel = Channel("127.0.0.1", port)
@@ -89,16 +93,21 @@ async def grpc_harness() -> AsyncIterator[Harness]:
 
 def first(*names: str, version: str = "") -> DiscoveryRequest:
     return DiscoveryRequest(
-        node=Node(id="test-node", cluster="test"), resource_names=list(names),
-        type_url=EDS_TYPE_URL, version_info=version,
-    )  # fmt: skip
+        node=Node(id="test-node", cluster="test"),
+        resource_names=list(names),
+        type_url=EDS_TYPE_URL,
+        version_info=version,
+    )
 
 
 def reply(resp: DiscoveryResponse, *names: str, error: str | None = None) -> DiscoveryRequest:
     return DiscoveryRequest(
-        version_info=resp.version_info, resource_names=list(names), response_nonce=resp.nonce,
-        type_url=EDS_TYPE_URL, error_detail=RpcStatus(code=3, message=error) if error else None,
-    )  # fmt: skip
+        version_info=resp.version_info,
+        resource_names=list(names),
+        response_nonce=resp.nonce,
+        type_url=EDS_TYPE_URL,
+        error_detail=RpcStatus(code=3, message=error) if error else None,
+    )
 
 
 async def recv(stream: Any, timeout: float = 5.0) -> DiscoveryResponse:
@@ -125,9 +134,15 @@ async def serving(limits: ConnectionLimits, **kwargs: object) -> AsyncIterator[t
     store.add_source("test")
     store.update("test", {"web": Group("web", (Endpoint("127.0.0.1", 1),))})
     service = EdsService(store)
-    settings: dict[str, Any] = {"max_streams_per_connection": 100, "keepalive_time": 30, "keepalive_timeout": 10,
-                                "max_message_size": 1 << 20, "limits": limits,
-                                "http2": os.environ.get("EDS_HTTP2", "auto"), **kwargs}  # fmt: skip
+    settings: dict[str, Any] = {
+        "max_streams_per_connection": 100,
+        "keepalive_time": 30,
+        "keepalive_timeout": 10,
+        "max_message_size": 1 << 20,
+        "limits": limits,
+        "http2": os.environ.get("EDS_HTTP2", "auto"),
+        **kwargs,
+    }
     server = make_server(service, **settings)
     await server.start("127.0.0.1", 0)
     port = server.port

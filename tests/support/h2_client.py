@@ -61,8 +61,9 @@ def first_request(node: str, *names: str) -> DiscoveryRequest:
 
 
 def ack(resp: DiscoveryResponse, *names: str) -> DiscoveryRequest:
-    return DiscoveryRequest(version_info=resp.version_info, resource_names=list(names), response_nonce=resp.nonce,
-                            type_url=EDS_TYPE_URL)  # fmt: skip
+    return DiscoveryRequest(
+        version_info=resp.version_info, resource_names=list(names), response_nonce=resp.nonce, type_url=EDS_TYPE_URL
+    )
 
 
 def tagged(tag: str, size: int = 0) -> bytes:
@@ -101,8 +102,10 @@ class Client:
     @classmethod
     async def open(cls, port: int, src: str = "127.0.0.1") -> Client:
         client = cls(await Conn.open(port, src))
-        await client.send(frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + OUR_WINDOW.to_bytes(4, "big"))
-                          + frame(WINDOW_UPDATE, 0, 0, OUR_WINDOW.to_bytes(4, "big")))  # fmt: skip
+        await client.send(
+            frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + OUR_WINDOW.to_bytes(4, "big"))
+            + frame(WINDOW_UPDATE, 0, 0, OUR_WINDOW.to_bytes(4, "big"))
+        )
         # The server's SETTINGS are in and acknowledged: nothing the client answers later can land
         # inside a frame a test leaves unfinished.
         await client.ping()
@@ -252,8 +255,9 @@ async def direct_stream(client: Client, service: EdsService, node: str, path: st
         r1 = await client.response(sid, 1)
         await client.send(data(sid, grpc(ack(r1, "web"))))
     else:
-        sid = await client.request(DeltaDiscoveryRequest(node=Node(id=node), type_url=EDS_TYPE_URL,
-                                                         resource_names_subscribe=["web"]), path)  # fmt: skip
+        sid = await client.request(
+            DeltaDiscoveryRequest(node=Node(id=node), type_url=EDS_TYPE_URL, resource_names_subscribe=["web"]), path
+        )
         r1 = await client.response(sid, 1, DeltaDiscoveryResponse)
         await client.send(data(sid, grpc(DeltaDiscoveryRequest(type_url=EDS_TYPE_URL, response_nonce=r1.nonce))))
     await client.ping()

@@ -53,8 +53,14 @@ MAX_BYTES = 2 << 30  # no attack sends more than this in total
 
 
 def headers(path: str) -> list[tuple[str, str]]:
-    return [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "eds"),
-            ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", "eds"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
 
 
 class Conn:
@@ -92,8 +98,16 @@ class Conn:
         self.writer.close()
 
 
-async def flood(port: int, src: str, seconds: float, chunk: bytes, *, setup: bytes = b"",
-                connections: int = 1, reconnect: bool = True) -> dict[str, Any]:  # fmt: skip
+async def flood(
+    port: int,
+    src: str,
+    seconds: float,
+    chunk: bytes,
+    *,
+    setup: bytes = b"",
+    connections: int = 1,
+    reconnect: bool = True,
+) -> dict[str, Any]:
     """Send `chunk` over and over (never reading), reconnecting when the server closes."""
     deadline = time.monotonic() + seconds
     stats = {"connections": 0, "bytes": 0, "closed_by_server": 0}
@@ -254,8 +268,16 @@ def fresh_addresses(src: str, most: int) -> list[str]:
     return [f"127.{b}.{1 + i // 250}.{1 + i % 250}" for i in range(most)]
 
 
-async def bursts(port: int, src: str, seconds: float, *, with_request: bool, addresses: int | None = 2000,
-                 burst: int = 256 * 1024, parallel: int = 8) -> dict[str, Any]:  # fmt: skip
+async def bursts(
+    port: int,
+    src: str,
+    seconds: float,
+    *,
+    with_request: bool,
+    addresses: int | None = 2000,
+    burst: int = 256 * 1024,
+    parallel: int = 8,
+) -> dict[str, Any]:
     """Connections that each send one burst of `burst` bytes of HEADERS opening streams (and, with
     `with_request`, a small request on each) in one write, then hold still, never reading; from
     fresh addresses (`addresses` of them, one connection each), or all from `src` when None (pooled:
@@ -422,8 +444,9 @@ async def idle_connections(port: int, src: str, seconds: float) -> dict[str, Any
             w.close()
 
 
-async def partial_messages(port: int, src: str, seconds: float, announced: int = 4 * 1024 * 1024 - 6,
-                           path: str = STREAM) -> dict[str, Any]:  # fmt: skip
+async def partial_messages(
+    port: int, src: str, seconds: float, announced: int = 4 * 1024 * 1024 - 6, path: str = STREAM
+) -> dict[str, Any]:
     """Streams that announce a big (allowed) message and send all of it but the last byte, as fast
     as the server's flow-control windows let them (an h2 client that reads the WINDOW_UPDATEs)."""
     import h2.config
@@ -518,8 +541,9 @@ PROTOCOL_ERROR, FRAME_SIZE_ERROR = 1, 6
 OUR_WINDOW = 1 << 30  # the attacker's receive windows: the server never waits on it
 
 
-def discovery_request(names: tuple[str, ...] = ("canary",), *, node: str | None = None, nonce: str = "",
-                      padding: int = 0) -> bytes:  # fmt: skip
+def discovery_request(
+    names: tuple[str, ...] = ("canary",), *, node: str | None = None, nonce: str = "", padding: int = 0
+) -> bytes:
     """A DiscoveryRequest built field by field; `padding` bytes of an unknown field (15, which the
     server skips unread) make it as big as wanted."""
     body = _field(2, _field(1, node.encode()) + _field(2, b"hostile")) if node is not None else b""
@@ -628,21 +652,31 @@ class Watcher:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def big_messages_small_frames(port: int, src: str, seconds: float, size: int = 4_190_000,
-                                    piece: int = 1024) -> dict[str, Any]:  # fmt: skip
+async def big_messages_small_frames(
+    port: int, src: str, seconds: float, size: int = 4_190_000, piece: int = 1024
+) -> dict[str, Any]:
     """On an established StreamEndpoints stream (its first request read the usual way, so its
     further DATA frames take the direct path), valid requests of ~4 MiB (under the default 4 MiB
     message size limit: a stale nonce the server ignores, padded with an unknown field) in DATA
     frames of `piece` bytes, back to back, within the flow-control windows the server grants."""
     deadline = time.monotonic() + seconds
-    stats: dict[str, Any] = {"messages": 0, "bytes": 0, "first_response": False, "goaway": None,
-                             "reset": None, "trailers": False, "stalled": 0}  # fmt: skip
+    stats: dict[str, Any] = {
+        "messages": 0,
+        "bytes": 0,
+        "first_response": False,
+        "goaway": None,
+        "reset": None,
+        "trailers": False,
+        "stalled": 0,
+    }
     conn = await Conn.open(port, src)
     watcher = Watcher(conn)
     sid, opening = conn.open_stream()
     try:
-        await conn.send(frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + OUR_WINDOW.to_bytes(4, "big"))
-                        + frame(WINDOW_UPDATE, 0, 0, (OUR_WINDOW - 65535).to_bytes(4, "big")))  # fmt: skip
+        await conn.send(
+            frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + OUR_WINDOW.to_bytes(4, "big"))
+            + frame(WINDOW_UPDATE, 0, 0, (OUR_WINDOW - 65535).to_bytes(4, "big"))
+        )
         first = grpc_message(discovery_request(node=f"hostile-{src}"))
         watcher.spend(sid, len(first))
         await conn.send(opening + frame(DATA, 0, sid, first))
@@ -688,8 +722,13 @@ async def oversize_frames(port: int, src: str, seconds: float, connections: int 
     64 KiB, then as fast as the server reads. The server is to answer GOAWAY FRAME_SIZE_ERROR from
     the header, not buffer the 16 MiB first; the attacker reconnects and does it again."""
     deadline = time.monotonic() + seconds
-    stats: dict[str, Any] = {"connections": 0, "goaway": {}, "unanswered": 0, "max_payload_before_goaway": 0,
-                             "payload_bytes": 0}  # fmt: skip
+    stats: dict[str, Any] = {
+        "connections": 0,
+        "goaway": {},
+        "unanswered": 0,
+        "max_payload_before_goaway": 0,
+        "payload_bytes": 0,
+    }
 
     async def one(i: int) -> None:
         ftype, flags = (HEADERS, END_HEADERS) if i % 2 else (DATA, 0)
@@ -738,15 +777,20 @@ MALFORMED: dict[str, list[tuple[str, str]]] = {
     "unknown pseudo-header": [*headers(STREAM), (":foo", "1")],
     "response pseudo-header": [*headers(STREAM), (":status", "200")],
     "duplicated pseudo-header": [*headers(STREAM)[:3], (":path", STREAM), *headers(STREAM)[3:]],
-    "pseudo-header after a regular one": [*headers(STREAM)[:2], ("content-type", "application/grpc"),
-                                          (":path", STREAM), (":authority", "eds"), ("te", "trailers")],
+    "pseudo-header after a regular one": [
+        *headers(STREAM)[:2],
+        ("content-type", "application/grpc"),
+        (":path", STREAM),
+        (":authority", "eds"),
+        ("te", "trailers"),
+    ],
     "connection": [*headers(STREAM), ("connection", "keep-alive")],
     "keep-alive": [*headers(STREAM), ("keep-alive", "timeout=5")],
     "proxy-connection": [*headers(STREAM), ("proxy-connection", "keep-alive")],
     "transfer-encoding": [*headers(STREAM), ("transfer-encoding", "chunked")],
     "upgrade": [*headers(STREAM), ("upgrade", "h2c")],
     "te gzip": [*_without("te"), ("te", "gzip")],
-}  # fmt: skip
+}
 
 
 async def malformed_headers(port: int, src: str, seconds: float, connections: int = 4) -> dict[str, Any]:
@@ -756,8 +800,15 @@ async def malformed_headers(port: int, src: str, seconds: float, connections: in
     Paced (20 malformed streams a second per connection): under the per-IP budget of streams opened,
     which would refuse the valid requests otherwise."""
     deadline = time.monotonic() + seconds
-    stats: dict[str, Any] = {"sent": 0, "reset": {}, "goaway": {}, "unanswered": 0, "valid_ok": 0,
-                             "valid_failed": 0, "answers": {}}  # fmt: skip
+    stats: dict[str, Any] = {
+        "sent": 0,
+        "reset": {},
+        "goaway": {},
+        "unanswered": 0,
+        "valid_ok": 0,
+        "valid_failed": 0,
+        "answers": {},
+    }
     cases = list(MALFORMED.items())
     turn = 0
 
@@ -809,8 +860,9 @@ async def malformed_headers(port: int, src: str, seconds: float, connections: in
     return stats
 
 
-async def fill_table(port: int, src: str, seconds: float, addresses: int = 50, per_address: int = 8,
-                     most: int = 5000) -> dict[str, Any]:  # fmt: skip
+async def fill_table(
+    port: int, src: str, seconds: float, addresses: int = 50, per_address: int = 8, most: int = 5000
+) -> dict[str, Any]:
     """Fill the connection table from `addresses` addresses from `src` up, `per_address` connections
     each, every one with a valid EDS stream (its request sent) and answering every PING, so no budget
     is charged; a connection the server closes is opened again (at most `most` in all)."""
@@ -857,12 +909,33 @@ async def fill_table(port: int, src: str, seconds: float, addresses: int = 50, p
 
 ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
     f.__name__: f
-    for f in (ping_flood, settings_flood, priority_flood, unknown_flood, empty_data_flood, reset_churn,
-              open_close_churn, data_after_end, idle_streams, idle_connections, partial_messages,
-              big_health_message, health_streams, big_messages_small_frames, oversize_frames,
-              malformed_headers, fill_table, header_bursts, request_bursts, pooled_bursts, window_update_flood,
-              continuation_flood, hpack_bomb, drip_frames)
-}  # fmt: skip
+    for f in (
+        ping_flood,
+        settings_flood,
+        priority_flood,
+        unknown_flood,
+        empty_data_flood,
+        reset_churn,
+        open_close_churn,
+        data_after_end,
+        idle_streams,
+        idle_connections,
+        partial_messages,
+        big_health_message,
+        health_streams,
+        big_messages_small_frames,
+        oversize_frames,
+        malformed_headers,
+        fill_table,
+        header_bursts,
+        request_bursts,
+        pooled_bursts,
+        window_update_flood,
+        continuation_flood,
+        hpack_bomb,
+        drip_frames,
+    )
+}
 
 
 async def main(name: str, port: int, src: str, seconds: float, *more: str) -> None:

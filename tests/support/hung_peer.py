@@ -36,8 +36,9 @@ async def wait_source(server: EdsServerProcess, source: str, *, stale: bool, tim
         s = found.get(source)
         return bool(s and s["loaded"] and s["stale"] == stale)
 
-    found = await wait_for(lambda: _sources(server), settled, timeout=timeout, interval=0.1,
-                           what=f"source {source} stale={stale}")  # fmt: skip
+    found = await wait_for(
+        lambda: _sources(server), settled, timeout=timeout, interval=0.1, what=f"source {source} stale={stale}"
+    )
     return found[source]
 
 

@@ -49,8 +49,15 @@ def binaries() -> tuple[Path, Path | None, Path] | str:
     return Path(kas), (Path(kcm) if os.access(kcm, os.X_OK) else None), Path(etcd)
 
 
-def _wait(url: str, check: Any, timeout: float, what: str, proc: subprocess.Popen[bytes], log: Path,
-          headers: dict[str, str] | None = None) -> None:  # fmt: skip
+def _wait(
+    url: str,
+    check: Any,
+    timeout: float,
+    what: str,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    headers: dict[str, str] | None = None,
+) -> None:
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only polling readiness on loopback
 
@@ -97,8 +104,9 @@ class KubeCluster:
                 serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
             )
         )
-        (workdir / "sa.pub").write_bytes(key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))  # fmt: skip
+        (workdir / "sa.pub").write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
         self.ca = workdir / "certs" / "apiserver.crt"  # self-signed by kube-apiserver: its own CA
         self.kubeconfig = workdir / "kubeconfig"
         self.etcd: subprocess.Popen[bytes] | None = None
@@ -112,17 +120,36 @@ class KubeCluster:
     def start(self) -> None:
         markers.require("kubernetes", "a real kube-apiserver")
         self.etcd = subprocess.Popen(
-            [str(self.etcd_bin), "--name", "default", "--data-dir", str(self.dir / "etcd-data"),
-             "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
-             "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
-             "--listen-peer-urls", f"http://127.0.0.1:{self.etcd_peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.etcd_peer}",
-             "--initial-cluster", f"default=http://127.0.0.1:{self.etcd_peer}",
-             "--quota-backend-bytes", str(2 * 1024**3)],
-            stdout=self._log("etcd"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        _wait(f"http://127.0.0.1:{self.etcd_port}/health", lambda b: '"health":"true"' in b, 30, "etcd",
-              self.etcd, self.dir / "logs" / "etcd.log")  # fmt: skip
+            [
+                str(self.etcd_bin),
+                "--name",
+                "default",
+                "--data-dir",
+                str(self.dir / "etcd-data"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{self.etcd_port}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{self.etcd_port}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{self.etcd_peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{self.etcd_peer}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{self.etcd_peer}",
+                "--quota-backend-bytes",
+                str(2 * 1024**3),
+            ],
+            stdout=self._log("etcd"),
+            stderr=subprocess.STDOUT,
+        )
+        _wait(
+            f"http://127.0.0.1:{self.etcd_port}/health",
+            lambda b: '"health":"true"' in b,
+            30,
+            "etcd",
+            self.etcd,
+            self.dir / "logs" / "etcd.log",
+        )
         self.start_apiserver()
         self.kubeconfig.write_text(self.kubeconfig_for(self.token, "test-admin"))
         self.version = json.loads(self._get("/version"))["gitVersion"]
@@ -134,29 +161,61 @@ class KubeCluster:
             return str(r.read().decode())
 
     def kubeconfig_for(self, token: str, user: str) -> str:
-        return json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": str(self.ca)}}],
-            "users": [{"name": user, "user": {"token": token}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
-        })  # fmt: skip
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": str(self.ca)}}],
+                "users": [{"name": user, "user": {"token": token}}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
+            }
+        )
 
     def start_apiserver(self, timeout: float = 120) -> None:
         self.kas = subprocess.Popen(
-            [str(self.kas_bin), "--etcd-servers", f"http://127.0.0.1:{self.etcd_port}",
-             "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(self.port),
-             "--cert-dir", str(self.dir / "certs"), "--token-auth-file", str(self.dir / "tokens.csv"),
-             "--authorization-mode", "RBAC",
-             "--service-account-issuer", self.url,
-             "--service-account-key-file", str(self.dir / "sa.pub"),
-             "--service-account-signing-key-file", str(self.dir / "sa.key"),
-             "--service-cluster-ip-range", "10.0.0.0/16",  # allocated only, never reached
-             "--disable-admission-plugins", "ServiceAccount", "--endpoint-reconciler-type", "none",
-             "--profiling=false"],
-            stdout=self._log("kube-apiserver"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        _wait(f"{self.url}/readyz", lambda b: b == "ok", timeout, "kube-apiserver", self.kas,
-              self.dir / "logs" / "kube-apiserver.log", {"Authorization": f"Bearer {self.token}"})  # fmt: skip
+            [
+                str(self.kas_bin),
+                "--etcd-servers",
+                f"http://127.0.0.1:{self.etcd_port}",
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(self.port),
+                "--cert-dir",
+                str(self.dir / "certs"),
+                "--token-auth-file",
+                str(self.dir / "tokens.csv"),
+                "--authorization-mode",
+                "RBAC",
+                "--service-account-issuer",
+                self.url,
+                "--service-account-key-file",
+                str(self.dir / "sa.pub"),
+                "--service-account-signing-key-file",
+                str(self.dir / "sa.key"),
+                "--service-cluster-ip-range",
+                "10.0.0.0/16",  # allocated only, never reached
+                "--disable-admission-plugins",
+                "ServiceAccount",
+                "--endpoint-reconciler-type",
+                "none",
+                "--profiling=false",
+            ],
+            stdout=self._log("kube-apiserver"),
+            stderr=subprocess.STDOUT,
+        )
+        _wait(
+            f"{self.url}/readyz",
+            lambda b: b == "ok",
+            timeout,
+            "kube-apiserver",
+            self.kas,
+            self.dir / "logs" / "kube-apiserver.log",
+            {"Authorization": f"Bearer {self.token}"},
+        )
 
     def stop_apiserver(self) -> None:
         _stop(self.kas)
@@ -178,10 +237,18 @@ class KubeCluster:
             pytest.skip("no kube-controller-manager next to kube-apiserver (or KUBE_CONTROLLER_MANAGER)")
         if self.kcm is None or self.kcm.poll() is not None:
             self.kcm = subprocess.Popen(
-                [str(self.kcm_bin), "--kubeconfig", str(self.kubeconfig),
-                 "--controllers", "endpointslice-controller", "--leader-elect=false", "--secure-port=0"],
-                stdout=self._log("kube-controller-manager"), stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    str(self.kcm_bin),
+                    "--kubeconfig",
+                    str(self.kubeconfig),
+                    "--controllers",
+                    "endpointslice-controller",
+                    "--leader-elect=false",
+                    "--secure-port=0",
+                ],
+                stdout=self._log("kube-controller-manager"),
+                stderr=subprocess.STDOUT,
+            )
 
     def stop(self) -> None:
         _stop(self.kcm)
@@ -220,12 +287,21 @@ class KubeApi:
         assert self.session is not None
         await self.session.close()
 
-    async def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-                      ok: tuple[int, ...] = (200, 201, 202), **params: str) -> Any:  # fmt: skip
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        ok: tuple[int, ...] = (200, 201, 202),
+        **params: str,
+    ) -> Any:
         assert self.session is not None
         data = body if isinstance(body, str | bytes) or body is None else json.dumps(body)
-        async with self.session.request(method, self.url + path, data=data, params=params, ssl=self.ssl,
-                                        headers={"Content-Type": content_type}) as r:  # fmt: skip
+        async with self.session.request(
+            method, self.url + path, data=data, params=params, ssl=self.ssl, headers={"Content-Type": content_type}
+        ) as r:
             text = await r.text()
             if r.status not in ok:
                 raise AssertionError(f"{method} {path}: {r.status}: {text[:1000]}")

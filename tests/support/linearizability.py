@@ -110,23 +110,32 @@ class PartResult:
             end = "?" if op.unknown else f"{op.ret - t0:.3f}"
             return f"[{op.call - t0:.3f}, {end}]"
 
-        lines = [f"NOT linearizable: {len(self.operations)} operations; the longest linearizable prefix "
-                 f"has {len(self.longest)}:"]  # fmt: skip
+        lines = [
+            f"NOT linearizable: {len(self.operations)} operations; the longest linearizable prefix "
+            f"has {len(self.longest)}:"
+        ]
         shown = self.longest[-limit:]
         if len(shown) < len(self.longest):
             lines.append(f"  ... {len(self.longest) - len(shown)} earlier ones")
         lines += [f"  {when(op)} {model.describe_operation(op)}" for op in shown]
         lines.append("  leaving " + " or ".join(sorted(model.describe_state(s) for s in self.states)))
         if self.blocked is not None:
-            lines.append(f"then {when(self.blocked)} {model.describe_operation(self.blocked)} returned, "
-                         "but neither it nor any operation invoked before that could take effect next:")  # fmt: skip
+            lines.append(
+                f"then {when(self.blocked)} {model.describe_operation(self.blocked)} returned, "
+                "but neither it nor any operation invoked before that could take effect next:"
+            )
             done = {id(op) for op in self.longest}
             pending = [op for op in self.operations if id(op) not in done and op.call <= self.blocked.ret]
             waiting = {o.id for o in pending if o.id is not None}
             for op in sorted(pending, key=lambda o: o.call)[:limit]:
                 possible = any(True for s in self.states for _ in model.step(s, op.input, op.output))
-                note = "  <- must follow one not placed yet" if waiting & set(op.after) else \
-                    "" if possible else "  <- impossible in that state"  # fmt: skip
+                note = (
+                    "  <- must follow one not placed yet"
+                    if waiting & set(op.after)
+                    else ""
+                    if possible
+                    else "  <- impossible in that state"
+                )
                 lines.append(f"  {when(op)} {model.describe_operation(op)}{note}")
         return "\n".join(lines)
 
@@ -166,8 +175,9 @@ class _Node:
 def _events(ops: Sequence[Operation]) -> _Node:
     """The head (a sentinel) of the list of call and return events by time; at equal times calls
     come first, so operations that touch are concurrent."""
-    order = sorted(itertools.chain(((op.call, 0, i) for i, op in enumerate(ops)),
-                                   ((op.ret, 1, i) for i, op in enumerate(ops))))  # fmt: skip
+    order = sorted(
+        itertools.chain(((op.call, 0, i) for i, op in enumerate(ops)), ((op.ret, 1, i) for i, op in enumerate(ops)))
+    )
     head = _Node(-1, False)
     calls: dict[int, _Node] = {}
     prev = head
@@ -203,8 +213,9 @@ def _unlift(call: _Node) -> None:
     call.next.prev = call
 
 
-def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_000_000,
-               deadline: float | None = None) -> PartResult:  # fmt: skip
+def check_part(
+    model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_000_000, deadline: float | None = None
+) -> PartResult:
     """One part of a history; `deadline` is a `time.monotonic()` value."""
     ops = list(ops)
     head = _events(ops)
@@ -248,8 +259,14 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
             if blocked is None and len(stack) == len(best):
                 blocked = entry.index  # the first return the longest prefix could not get past
             if not stack:
-                return PartResult(Verdict.ILLEGAL, ops, [ops[i] for i in best], best_states,
-                                  ops[blocked] if blocked is not None else None, steps)  # fmt: skip
+                return PartResult(
+                    Verdict.ILLEGAL,
+                    ops,
+                    [ops[i] for i in best],
+                    best_states,
+                    ops[blocked] if blocked is not None else None,
+                    steps,
+                )
             top, states = stack.pop()
             linearized &= ~(1 << top.index)
             _unlift(top)
@@ -257,8 +274,9 @@ def check_part(model: Model[Any], ops: Sequence[Operation], max_steps: int = 2_0
     return PartResult(Verdict.OK, ops, steps=steps)
 
 
-def check(model: Model[Any], history: Sequence[Operation], max_steps: int = 2_000_000,
-          timeout: float | None = 60.0) -> Result:  # fmt: skip
+def check(
+    model: Model[Any], history: Sequence[Operation], max_steps: int = 2_000_000, timeout: float | None = 60.0
+) -> Result:
     """Every part of `history` (as `model.partition` splits it); ILLEGAL if any part is, else
     UNKNOWN if any part ran out of budget. Each part gets `max_steps` first, so that one hard part
     does not starve the others; unless one is ILLEGAL already, the parts that ran out then get ten
@@ -271,8 +289,13 @@ def check(model: Model[Any], history: Sequence[Operation], max_steps: int = 2_00
             if part.verdict is Verdict.UNKNOWN and time.monotonic() < deadline:
                 parts[i] = check_part(model, part.operations, 10 * max_steps, deadline)
     verdicts = {p.verdict for p in parts}
-    verdict = Verdict.ILLEGAL if Verdict.ILLEGAL in verdicts else Verdict.UNKNOWN if Verdict.UNKNOWN in verdicts \
-        else Verdict.OK  # fmt: skip
+    verdict = (
+        Verdict.ILLEGAL
+        if Verdict.ILLEGAL in verdicts
+        else Verdict.UNKNOWN
+        if Verdict.UNKNOWN in verdicts
+        else Verdict.OK
+    )
     return Result(verdict, parts, model)
 
 
@@ -292,8 +315,10 @@ def check_brute_force(model: Model[Any], history: Sequence[Operation]) -> bool:
                     continue
                 # i may go next only if nothing still to go returned before i was called, or must
                 # come before it
-                if any(not done & (1 << j) and (other.ret < op.call or (other.id is not None and other.id in op.after))
-                       for j, other in enumerate(ops)):  # fmt: skip
+                if any(
+                    not done & (1 << j) and (other.ret < op.call or (other.id is not None and other.id in op.after))
+                    for j, other in enumerate(ops)
+                ):
                     continue
                 after = frozenset(itertools.chain.from_iterable(model.step(s, op.input, op.output) for s in states))
                 if after and search(done | (1 << i), after):

@@ -82,8 +82,10 @@ def default_gone_by(answered: float, ttl: int) -> float:
     return answered + ttl + EXPIRY_BOUND
 
 
-def stepper(gone_by: Callable[[float, int], float], paused: Sequence[tuple[float, float]] = (),
-            ) -> Callable[[State, Input, object], Iterable[State]]:  # fmt: skip
+def stepper(
+    gone_by: Callable[[float, int], float],
+    paused: Sequence[tuple[float, float]] = (),
+) -> Callable[[State, Input, object], Iterable[State]]:
     """The model's step, with `gone_by(answered, ttl)`: the time by which a lease set by a write
     answered at `answered` must have ended, and `paused` (see the module's docstring)."""
 
@@ -94,8 +96,9 @@ def stepper(gone_by: Callable[[float, int], float], paused: Sequence[tuple[float
         _, ttl, granted, renewed, answered = state
         called, returned = window
         # the lease may have ended before the operation's answer: in time, or early (a paused leader)
-        may = renewed + ttl <= returned or any(granted < end and renewed < end and start <= returned
-                                               for start, end in paused)  # fmt: skip
+        may = renewed + ttl <= returned or any(
+            granted < end and renewed < end and start <= returned for start, end in paused
+        )
         must = called > gone_by(answered, ttl)  # it ended before the operation was made
         return [None] if must else [state, None] if may else [state]
 
@@ -168,8 +171,9 @@ def describe_operation(op: Operation) -> str:
     else:
         what = f"GET {i.key}"
     out = op.output
-    answer = f"{out.status} {describe_state(out.value) if out.value else ''}".strip() if isinstance(out, Read) \
-        else str(out)  # fmt: skip
+    answer = (
+        f"{out.status} {describe_state(out.value) if out.value else ''}".strip() if isinstance(out, Read) else str(out)
+    )
     return f"{op.client}: {what} -> {answer}"
 
 
@@ -207,18 +211,25 @@ def checkable(records: Sequence[Record], stale_read_bound: float) -> list[Operat
             latest = max(mine, default=None)
             after = tuple(j for _, ret, j in mine if ret >= latest[0]) if latest is not None else ()
             call = max(r.call - stale_read_bound, latest[0] if latest is not None else -math.inf)
-            ops.append(Operation(client, replace(r.input, window=(call, r.ret)), r.output, call, r.ret, id=i,
-                                 after=after))  # fmt: skip
+            ops.append(
+                Operation(client, replace(r.input, window=(call, r.ret)), r.output, call, r.ret, id=i, after=after)
+            )
         else:
             ret = INFINITY if r.output == UNKNOWN else r.ret
             ops.append(Operation(client, replace(r.input, window=(r.call, ret)), r.output, r.call, ret, id=i))
     return ops
 
 
-def registration_model(gone_by: Callable[[float, int], float] = default_gone_by,
-                       paused: Sequence[tuple[float, float]] = ()) -> Model[State]:  # fmt: skip
-    return Model(init=None, step=stepper(gone_by, paused), partition=by_key, describe_operation=describe_operation,
-                 describe_state=describe_state)  # fmt: skip
+def registration_model(
+    gone_by: Callable[[float, int], float] = default_gone_by, paused: Sequence[tuple[float, float]] = ()
+) -> Model[State]:
+    return Model(
+        init=None,
+        step=stepper(gone_by, paused),
+        partition=by_key,
+        describe_operation=describe_operation,
+        describe_state=describe_state,
+    )
 
 
 REGISTRATION_MODEL: Model[State] = registration_model()

@@ -38,8 +38,15 @@ class RunAs:
 
     def command(self) -> list[str]:
         groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", groups,
-                "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]  # fmt: skip
+        return [
+            "setpriv",
+            f"--reuid={self.uid}",
+            f"--regid={self.gid}",
+            groups,
+            "--inh-caps=+dac_read_search",
+            "--ambient-caps=+dac_read_search",
+            "--",
+        ]
 
 
 class EdsServerProcess:
@@ -75,14 +82,21 @@ class EdsServerProcess:
         self.proc = await asyncio.create_subprocess_exec(
             *(["prlimit", f"--nofile={self.open_files}:{self.open_files}", "--"] if self.open_files else []),
             *(self.user.command() if self.user else []),
-            sys.executable, "-m", "eds_server", "serve",
+            sys.executable,
+            "-m",
+            "eds_server",
+            "serve",
             *(["--upstreams", str(self.upstreams)] if self.upstreams else []),
-            "--listen", f"127.0.0.1:{self.port}",
-            "--admin", f"127.0.0.1:{self.admin_port}",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--admin",
+            f"127.0.0.1:{self.admin_port}",
             *([] if "--log-level" in self.extra_args else ["--log-level", "debug"]),  # a flag is given once
             *self.extra_args,
-            stdout=self._log, stderr=self._log, env=self.env,
-        )  # fmt: skip
+            stdout=self._log,
+            stderr=self._log,
+            env=self.env,
+        )
         if wait_ready:
             await self.wait_ready()
 

@@ -38,9 +38,8 @@ CHARS = st.characters(codec="utf-8", exclude_characters="\x85\u2028\u2029")
 TEXT = st.text(CHARS, max_size=10)
 NAMES = st.text(CHARS, min_size=1, max_size=20).filter(lambda s: s == s.strip() and s != "<<")
 JSON_SCALARS = (
-    st.none() | st.booleans() | st.integers(-(2**53), 2**53)
-    | st.floats(allow_nan=False, allow_infinity=False) | TEXT
-)  # fmt: skip
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False) | TEXT
+)
 JSON_VALUES = st.recursive(
     JSON_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=4
 )
@@ -133,8 +132,12 @@ def gen_endpoints(draw: st.DrawFn) -> GenEndpoint:
         spec["health"] = pick(draw, [str.lower, str.upper, str.capitalize])(ep.health.name)
     if ep.priority or explicit:
         spec["priority"] = _number(draw, ep.priority)
-    for key, value in [("region", ep.locality.region), ("zone", ep.locality.zone),
-                       ("subzone", ep.locality.subzone), ("hostname", ep.hostname)]:  # fmt: skip
+    for key, value in [
+        ("region", ep.locality.region),
+        ("zone", ep.locality.zone),
+        ("subzone", ep.locality.subzone),
+        ("hostname", ep.hostname),
+    ]:
         if value or explicit:
             spec[key] = _text_value(draw, value)
     if ep.metadata or explicit:
@@ -148,8 +151,11 @@ def gen_groups(draw: st.DrawFn, name: str, min_endpoints: int = 0) -> GenGroup:
     weights = draw(st.dictionaries(LOCALITIES, st.integers(1, UINT32_MAX), max_size=3))
     localities = []
     for loc, w in weights.items():
-        item: dict[str, Any] = {k: v for k, v in [("region", loc.region), ("zone", loc.zone),
-                                                  ("subzone", loc.subzone)] if v or draw(st.booleans())}  # fmt: skip
+        item: dict[str, Any] = {
+            k: v
+            for k, v in [("region", loc.region), ("zone", loc.zone), ("subzone", loc.subzone)]
+            if v or draw(st.booleans())
+        }
         item["weight"] = _number(draw, w)
         localities.append(item)
     empty = pick(draw, [{}, {"endpoints": []}, {"localities": []}])  # `web:` and `endpoints:` (null) are refused
@@ -166,7 +172,9 @@ def render(draw: Draw, groups: list[GenGroup], rendered: dict[str, Any] | None =
     body = rendered if rendered is not None else {g.name: g.render() for g in groups}
     doc = {"groups": body if body else pick(draw, [None, {}])}
     return yaml.safe_dump(
-        doc, sort_keys=False, width=4096,
+        doc,
+        sort_keys=False,
+        width=4096,
         allow_unicode=draw(st.booleans()),
         default_flow_style=pick(draw, [False, None, True]),
-    )  # fmt: skip
+    )

@@ -133,8 +133,13 @@ class TcpProxy:
                 with contextlib.suppress(OSError, RuntimeError):
                     w.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    ends: tuple[asyncio.StreamWriter, asyncio.StreamWriter], back: bool) -> None:  # fmt: skip
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ends: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+        back: bool,
+    ) -> None:
         """One way of a connection; `back`: etcd's answers (what a frozen watch holds)."""
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             for _ in range(1 << 40):  # until the connection ends

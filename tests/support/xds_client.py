@@ -24,14 +24,22 @@ async def nacking_client(port: int, name: str, node_id: str, message: str) -> As
     path = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
     try:
         async with channel.request(path, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as stream:
-            await stream.send_message(DiscoveryRequest(node=Node(id=node_id, cluster="scripted"),
-                                                       resource_names=[name], type_url=EDS_TYPE_URL))  # fmt: skip
+            await stream.send_message(
+                DiscoveryRequest(
+                    node=Node(id=node_id, cluster="scripted"), resource_names=[name], type_url=EDS_TYPE_URL
+                )
+            )
             response = await asyncio.wait_for(stream.recv_message(), 10)
             assert response is not None
-            await stream.send_message(DiscoveryRequest(
-                version_info="", resource_names=[name], response_nonce=response.nonce, type_url=EDS_TYPE_URL,
-                error_detail=RpcStatus(code=3, message=message),
-            ))  # fmt: skip
+            await stream.send_message(
+                DiscoveryRequest(
+                    version_info="",
+                    resource_names=[name],
+                    response_nonce=response.nonce,
+                    type_url=EDS_TYPE_URL,
+                    error_detail=RpcStatus(code=3, message=message),
+                )
+            )
             try:
                 yield
             finally:

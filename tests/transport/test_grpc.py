@@ -155,12 +155,17 @@ async def test_generated_stub_and_fetch(harness: Harness) -> None:
 async def test_delta_stream(harness: Harness) -> None:
     harness.store.update(SOURCE, {"web": group("web", 1)})
     path = "/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints"
-    async with harness.channel.request(path, Cardinality.STREAM_STREAM, DeltaDiscoveryRequest,
-                                       DeltaDiscoveryResponse) as stream:  # fmt: skip
-        await stream.send_message(DeltaDiscoveryRequest(
-            node=Node(id="d"), type_url=EDS_TYPE_URL, resource_names_subscribe=["web", "nope"],
-            initial_resource_versions={"nope": harness.store.get("nope").version},
-        ))  # fmt: skip
+    async with harness.channel.request(
+        path, Cardinality.STREAM_STREAM, DeltaDiscoveryRequest, DeltaDiscoveryResponse
+    ) as stream:
+        await stream.send_message(
+            DeltaDiscoveryRequest(
+                node=Node(id="d"),
+                type_url=EDS_TYPE_URL,
+                resource_names_subscribe=["web", "nope"],
+                initial_resource_versions={"nope": harness.store.get("nope").version},
+            )
+        )
         r1 = await recv(stream)
         assert [r.name for r in r1.resources] == ["web"]  # "nope" was current already
         assert r1.resources[0].version == harness.store.get("web").version
@@ -220,8 +225,13 @@ async def test_streams_reset_right_after_a_response_leave_nothing_behind(harness
 async def test_keepalive_pings_close_a_silent_connection() -> None:
     """A half-open client (one that never answers PING) is dropped by the server's keepalive."""
     store = Store(encode_group)
-    server = make_server(EdsService(store), max_streams_per_connection=10, keepalive_time=0.2,
-                         keepalive_timeout=0.3, max_message_size=1 << 20)  # fmt: skip
+    server = make_server(
+        EdsService(store),
+        max_streams_per_connection=10,
+        keepalive_time=0.2,
+        keepalive_timeout=0.3,
+        max_message_size=1 << 20,
+    )
     await server.start("127.0.0.1", 0)
     port = server.port
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -258,15 +268,27 @@ async def test_keepalive_closes_a_connection_that_never_reads() -> None:
     store.add_source(SOURCE)
     store.update(SOURCE, {"web": group("web", *range(1000, 9000))})  # a response of about 200 KB
     service = EdsService(store, send_timeout=300)  # so only keepalive can end it within the test
-    server = make_server(service, max_streams_per_connection=10, keepalive_time=0.3, keepalive_timeout=0.3,
-                         max_message_size=1 << 20, http2=os.environ.get("EDS_HTTP2", "auto"))  # fmt: skip
+    server = make_server(
+        service,
+        max_streams_per_connection=10,
+        keepalive_time=0.3,
+        keepalive_timeout=0.3,
+        max_message_size=1 << 20,
+        http2=os.environ.get("EDS_HTTP2", "auto"),
+    )
     await server.start("127.0.0.1", 0)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})  # flow control never stops the server
     conn.increment_flow_control_window(1 << 24)
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
-               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", STREAM),
+        (":authority", "test"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
     conn.send_headers(1, headers)
     body = bytes(first("web"))
     conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
@@ -276,8 +298,11 @@ async def test_keepalive_closes_a_connection_that_never_reads() -> None:
         sock.connect(("127.0.0.1", server.port))
         sock.sendall(conn.data_to_send())
         await wait_for(lambda: service.open_streams == 1, what="the stream open")
-        await wait_for(lambda: server.connections == 0 and service.open_streams == 0, timeout=20,
-                       what="the connection closed by keepalive")  # fmt: skip
+        await wait_for(
+            lambda: server.connections == 0 and service.open_streams == 0,
+            timeout=20,
+            what="the connection closed by keepalive",
+        )
         assert service.counters.dropped == 0  # keepalive ended it, not the send timeout
     finally:
         sock.close()
@@ -299,8 +324,14 @@ async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 10})
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
-               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", STREAM),
+        (":authority", "test"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
     conn.send_headers(1, headers)
     body = bytes(first("web"))
     conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
@@ -330,14 +361,26 @@ async def test_reset_flood_gets_goaway() -> None:
     store = Store(encode_group)
     store.add_source(SOURCE)
     store.update(SOURCE, {})
-    server = make_server(EdsService(store), max_streams_per_connection=100, keepalive_time=30,
-                         keepalive_timeout=10, max_message_size=1 << 20, reset_budget=20)  # fmt: skip
+    server = make_server(
+        EdsService(store),
+        max_streams_per_connection=100,
+        keepalive_time=30,
+        keepalive_timeout=10,
+        max_message_size=1 << 20,
+        reset_budget=20,
+    )
     await server.start("127.0.0.1", 0)
     port = server.port
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", STREAM), (":authority", "test"),
-               ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", STREAM),
+        (":authority", "test"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
     for i in range(50):  # open and reset at once, as in an HTTP/2 rapid-reset attack
         conn.send_headers(1 + 2 * i, headers)
         conn.reset_stream(1 + 2 * i)
@@ -448,8 +491,9 @@ async def test_reflection_lists_and_describes_the_services(harness: Harness, ver
     from eds_server.pb.grpc.reflection.v1 import ServerReflectionRequest, ServerReflectionResponse
 
     path = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
-    async with harness.channel.request(path, Cardinality.STREAM_STREAM, ServerReflectionRequest,
-                                       ServerReflectionResponse) as stream:  # fmt: skip
+    async with harness.channel.request(
+        path, Cardinality.STREAM_STREAM, ServerReflectionRequest, ServerReflectionResponse
+    ) as stream:
         await stream.send_message(ServerReflectionRequest(list_services=""))
         listed = await recv(stream)
         assert EDS_SERVICE in [s.name for s in listed.list_services_response.service]
@@ -467,14 +511,14 @@ async def test_reflection_lists_and_describes_the_services(harness: Harness, ver
     service = pool.FindServiceByName(EDS_SERVICE)
     method = service.methods_by_name["StreamEndpoints"]
     assert method.input_type.full_name == "envoy.service.discovery.v3.DiscoveryRequest"
-    assert "lb_endpoints" in pool.FindMessageTypeByName(
-        "envoy.config.endpoint.v3.LocalityLbEndpoints").fields_by_name  # fmt: skip
+    assert "lb_endpoints" in pool.FindMessageTypeByName("envoy.config.endpoint.v3.LocalityLbEndpoints").fields_by_name
 
 
 async def test_a_client_that_half_closes_still_gets_its_answer(harness: Harness) -> None:
     harness.store.update(SOURCE, {"web": group("web", 1)})
-    async with harness.channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
-                                       DiscoveryResponse) as stream:  # fmt: skip
+    async with harness.channel.request(
+        STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse
+    ) as stream:
         await stream.send_message(first("web"), end=True)
         resp = await recv(stream)
         assert cla_of(resp).cluster_name == "web"
@@ -526,8 +570,10 @@ async def test_a_stream_shows_who_sends_and_metrics_count_it_through_the_observe
     registry = make_registry(harness.store, harness.service.counters, harness.service.observers, list)
 
     def open_streams() -> tuple[float | None, float | None]:
-        return (registry.get_sample_value("eds_streams_open", {"transport": "sotw"}),
-                registry.get_sample_value("eds_streams_open", {"transport": "delta"}))  # fmt: skip
+        return (
+            registry.get_sample_value("eds_streams_open", {"transport": "sotw"}),
+            registry.get_sample_value("eds_streams_open", {"transport": "delta"}),
+        )
 
     harness.store.update(SOURCE, {"web": group("web", 1)})
     async with harness.stream() as stream:

@@ -61,9 +61,13 @@ async def test_not_ready_is_503_then_200_then_304(rest: tuple[Store, str]) -> No
 
 @pytest.mark.parametrize(
     "body",
-    ["not json", {**REQ, "typeUrl": "type.googleapis.com/envoy.config.cluster.v3.Cluster"},
-     {**REQ, "resourceNames": "web"}, {**REQ, "resourceNames": [f"n{i}" for i in range(11)]}],
-)  # fmt: skip
+    [
+        "not json",
+        {**REQ, "typeUrl": "type.googleapis.com/envoy.config.cluster.v3.Cluster"},
+        {**REQ, "resourceNames": "web"},
+        {**REQ, "resourceNames": [f"n{i}" for i in range(11)]},
+    ],
+)
 async def test_bad_requests_are_400(rest: tuple[Store, str], body: object) -> None:
     store, url = rest
     store.update("t", {})

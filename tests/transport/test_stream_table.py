@@ -40,5 +40,8 @@ def test_the_registry_gives_ids_in_opening_order_and_pages_by_them() -> None:
     last = registry.describe(after=3, limit=2)
     assert [s["id"] for s in last["streams"]] == [4, 5] and last["next_after"] is None
     assert {peer: [s.id for s in group] for peer, group in registry.by_peer().items()} == {
-        "10.0.0.0:50": [1], "10.0.0.0:52": [3], "10.0.0.1:53": [4], "10.0.0.0:54": [5],
-    }  # fmt: skip
+        "10.0.0.0:50": [1],
+        "10.0.0.0:52": [3],
+        "10.0.0.1:53": [4],
+        "10.0.0.0:54": [5],
+    }

@@ -49,18 +49,25 @@ async def delta_stream(h: Harness) -> AsyncIterator[Any]:
 
 def delta_first(*names: str, initial: dict[str, str] | None = None) -> DeltaDiscoveryRequest:
     return DeltaDiscoveryRequest(
-        node=Node(id="delta-node"), type_url=EDS_TYPE_URL, resource_names_subscribe=list(names),
+        node=Node(id="delta-node"),
+        type_url=EDS_TYPE_URL,
+        resource_names_subscribe=list(names),
         initial_resource_versions=initial or {},
-    )  # fmt: skip
+    )
 
 
-def delta_reply(resp: DeltaDiscoveryResponse, error: str | None = None, subscribe: tuple[str, ...] = (),
-                unsubscribe: tuple[str, ...] = ()) -> DeltaDiscoveryRequest:  # fmt: skip
+def delta_reply(
+    resp: DeltaDiscoveryResponse,
+    error: str | None = None,
+    subscribe: tuple[str, ...] = (),
+    unsubscribe: tuple[str, ...] = (),
+) -> DeltaDiscoveryRequest:
     return DeltaDiscoveryRequest(
-        response_nonce=resp.nonce, resource_names_subscribe=list(subscribe),
+        response_nonce=resp.nonce,
+        resource_names_subscribe=list(subscribe),
         resource_names_unsubscribe=list(unsubscribe),
         error_detail=RpcStatus(code=3, message=error) if error else None,
-    )  # fmt: skip
+    )
 
 
 def delta_names(resp: DeltaDiscoveryResponse) -> list[str]:

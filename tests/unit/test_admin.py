@@ -45,19 +45,31 @@ async def test_the_metrics_listener_serves_the_probes_and_nothing_else(tmp_path:
     path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
     port = free_port()
     async with (
-        EdsServerProcess(path, "--metrics-listen", f"127.0.0.1:{port}", "--state", str(tmp_path / "state.json"),
-                         "--admin-token", "t" * 32) as server,
+        EdsServerProcess(
+            path,
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+            "--state",
+            str(tmp_path / "state.json"),
+            "--admin-token",
+            "t" * 32,
+        ) as server,
         aiohttp.ClientSession() as s,
-    ):  # fmt: skip
+    ):
         base = f"http://127.0.0.1:{port}"
         async with s.get(base + "/metrics") as r:
             assert r.status == 200 and "eds_streams_open" in await r.text()
         for where in ("/healthz", "/readyz"):
             async with s.get(base + where) as r:
                 assert r.status == 200, where
-        for method, where in [("GET", "/"), ("GET", "/v1/groups"), ("GET", "/v1/streams"),
-                              ("GET", "/v1/registrations"), ("PUT", "/v1/groups/web/endpoints/vm-1"),
-                              ("POST", "/metrics")]:  # fmt: skip
+        for method, where in [
+            ("GET", "/"),
+            ("GET", "/v1/groups"),
+            ("GET", "/v1/streams"),
+            ("GET", "/v1/registrations"),
+            ("PUT", "/v1/groups/web/endpoints/vm-1"),
+            ("POST", "/metrics"),
+        ]:
             async with s.request(method, base + where, headers={"Authorization": "Bearer " + "t" * 32}) as r:
                 assert r.status in (404, 405), (method, where, r.status)
                 body = await r.json()
@@ -125,8 +137,17 @@ async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path)
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
     probes = free_port()
-    server = EdsServerProcess(path, "--tls-cert", str(cert), "--tls-key", str(key), "--admin-tls",
-                              "--metrics-listen", f"127.0.0.1:{probes}", workdir=tmp_path)  # fmt: skip
+    server = EdsServerProcess(
+        path,
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+        "--admin-tls",
+        "--metrics-listen",
+        f"127.0.0.1:{probes}",
+        workdir=tmp_path,
+    )
     await server.start(wait_ready=False)  # its readiness check speaks plain HTTP to the admin port
     try:
         async with aiohttp.ClientSession() as s:
@@ -147,8 +168,10 @@ async def test_the_admin_port_over_tls_with_the_grpc_certificate(tmp_path: Path)
             assert plain in (None, 400)  # plain HTTP gets no answer from the TLS port
 
             def admin_name() -> str:
-                with socket.create_connection(("127.0.0.1", server.admin_port), timeout=10) as raw, \
-                        trusting.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+                with (
+                    socket.create_connection(("127.0.0.1", server.admin_port), timeout=10) as raw,
+                    trusting.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+                ):
                     return str(dict(x[0] for x in tls.getpeercert()["subject"])["commonName"])
 
             assert await asyncio.to_thread(admin_name) == "first"
@@ -167,7 +190,11 @@ def test_admin_tls_without_a_certificate_is_one_line() -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml",
-                          "--admin-tls"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "eds_server", "serve", "--upstreams", "examples/upstreams.yaml", "--admin-tls"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "--admin-tls needs --tls-cert" in out.stderr
     assert out.stderr.count("\n") == 1

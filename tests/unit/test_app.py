@@ -21,8 +21,15 @@ async def readyz(server: EdsServerProcess) -> int:
 async def test_unreachable_source_holds_readiness_until_the_timeout(tmp_path: Path) -> None:
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:1]\n")
-    server = EdsServerProcess(path, "--docker", "--docker-host", f"unix://{tmp_path}/no-engine.sock",
-                              "--startup-timeout", "2s", workdir=tmp_path)  # fmt: skip
+    server = EdsServerProcess(
+        path,
+        "--docker",
+        "--docker-host",
+        f"unix://{tmp_path}/no-engine.sock",
+        "--startup-timeout",
+        "2s",
+        workdir=tmp_path,
+    )
     await server.start(wait_ready=False)
     try:
         statuses: list[int] = []
@@ -45,8 +52,7 @@ async def test_unreachable_source_holds_readiness_until_the_timeout(tmp_path: Pa
 async def test_by_default_a_source_that_never_loaded_keeps_the_server_unready(tmp_path: Path) -> None:
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:1]\n")
-    server = EdsServerProcess(path, "--docker", "--docker-host", f"unix://{tmp_path}/no-engine.sock",
-                              workdir=tmp_path)  # fmt: skip
+    server = EdsServerProcess(path, "--docker", "--docker-host", f"unix://{tmp_path}/no-engine.sock", workdir=tmp_path)
     await server.start(wait_ready=False)
     try:
         bodies = []

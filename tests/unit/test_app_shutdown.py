@@ -55,8 +55,10 @@ async def test_shutdown_with_thousands_of_streams_is_bounded(tmp_path: Path, tim
         began = loop.time()
         server.proc.send_signal(signal.SIGTERM)
         # the clients read their trailers meanwhile (a client that reads nothing is the cut case)
-        readers = [asyncio.create_task(c.until(lambda c=c, s=s: all(x in c.trailers for x in s) or c.eof, wait=30))
-                   for c, s in clients]  # fmt: skip
+        readers = [
+            asyncio.create_task(c.until(lambda c=c, s=s: all(x in c.trailers for x in s) or c.eof, wait=30))
+            for c, s in clients
+        ]
         bound = duration(timeout) + 10.0  # the stated bound, and the interpreter's own exit (freeing the heap)
         code = await asyncio.wait_for(server.proc.wait(), bound)
         took = loop.time() - began

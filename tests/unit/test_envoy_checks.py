@@ -39,8 +39,9 @@ def test_fit_is_always_accepted_and_keeps_what_already_fits(eps: list[Endpoint],
 def test_the_limits_found_with_envoy() -> None:
     a, b = LOCALITIES[:2]
     assert envoy_checks.problems(Group("g", (Endpoint("127.0.0.1", 1, weight=MAX),))) == []
-    two_localities = Group("g", (Endpoint("127.0.0.1", 1, weight=MAX, locality=a),
-                                 Endpoint("127.0.0.1", 2, locality=b)))  # fmt: skip
+    two_localities = Group(
+        "g", (Endpoint("127.0.0.1", 1, weight=MAX, locality=a), Endpoint("127.0.0.1", 2, locality=b))
+    )
     assert envoy_checks.problems(two_localities) == [
         "endpoint weights in priority 0 add up to 4294967296, over Envoy's limit of 4294967295"
     ]

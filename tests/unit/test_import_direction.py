@@ -21,10 +21,24 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("metrics",),  # an observer of the streams, read by the admin port
     ("sources.", "health.checker", "health.probes"),  # the producers of groups; health checks' IO
     ("store", "xds.", "observe", "encode", "decode", "serving_state", "heap"),  # serving, without IO
-    ("model", "fields", "upstreams", "yaml_nodes", "security", "envoy_checks", "protowire", "ratelimit",
-     "ports", "worker_process", "gc_settings", "health", "health.spec", "health.tracker"),
+    (
+        "model",
+        "fields",
+        "upstreams",
+        "yaml_nodes",
+        "security",
+        "envoy_checks",
+        "protowire",
+        "ratelimit",
+        "ports",
+        "worker_process",
+        "gc_settings",
+        "health",
+        "health.spec",
+        "health.tracker",
+    ),
     # ^ plain data, file formats, small helpers
-)  # fmt: skip
+)
 
 # Known arrows that point up, each with why it is still there. Remove a line when its arrow goes.
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -33,8 +47,14 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # Inside transport/h2/, the fast path's modules, each importing only those after it (and the
 # path-independent ones: base, guard, headers, limits): server on protocol, reader and writer;
 # the h2 connection subclass at the bottom.
-FAST_PATH = ("transport.h2.fast_server", "transport.h2.fast_protocol", "transport.h2.fast_reader",
-             "transport.h2.direct", "transport.h2.fast_writer", "transport.h2.fast_connection")  # fmt: skip
+FAST_PATH = (
+    "transport.h2.fast_server",
+    "transport.h2.fast_protocol",
+    "transport.h2.fast_reader",
+    "transport.h2.direct",
+    "transport.h2.fast_writer",
+    "transport.h2.fast_connection",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -75,8 +95,10 @@ def imports_of(name: str) -> set[str]:
             else:
                 continue
             # `from . import store` names the module store; `from .store import Store`, the module store
-            names = [f"{base}.{a.name}".lstrip(".") if f"{base}.{a.name}".lstrip(".") in MODULES else base
-                     for a in node.names]  # fmt: skip
+            names = [
+                f"{base}.{a.name}".lstrip(".") if f"{base}.{a.name}".lstrip(".") in MODULES else base
+                for a in node.names
+            ]
         else:
             continue
         found.update(m for m in map(_resolve, names) if m is not None and m != name)
@@ -149,9 +171,11 @@ def test_no_import_cycles() -> None:
 
 def test_imports_point_down_the_layers() -> None:
     upward = sorted(
-        (name, target) for name, targets in GRAPH.items() for target in targets
+        (name, target)
+        for name, targets in GRAPH.items()
+        for target in targets
         if layer(target) < layer(name) and (name, target) not in KNOWN_UPWARD
-    )  # fmt: skip
+    )
     assert not upward, "\n".join(f"eds_server/{a} imports {b}, a layer above it" for a, b in upward)
 
 
@@ -176,10 +200,12 @@ def test_sources_reach_the_store_only_through_the_aggregator() -> None:
     """Sources are providers: each publishes to a Feed (docs/design.md). Only the aggregator, which
     the App owns, names the Store; a source may name the store's plain types (Resource, Relayed)."""
     naming = sorted(
-        name for name in MODULES
+        name
+        for name in MODULES
         if name.startswith("sources.") and name != "sources.aggregator"
         for node in ast.walk(ast.parse(MODULES[name].read_text()))
-        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("store")
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").endswith("store")
         and any(a.name == "Store" for a in node.names)
-    )  # fmt: skip
+    )
     assert not naming, f"sources that import the Store itself: {naming}"

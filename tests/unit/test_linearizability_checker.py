@@ -151,8 +151,11 @@ def test_the_registration_model_on_what_the_api_answers() -> None:
     ]
     assert check(REGISTRATION_MODEL, kept).verdict is Verdict.ILLEGAL
     # keys are independent: each is checked alone
-    two = [Operation("c0", Put("web/a", 1, None), 201, 0, 10), Operation("c1", Put("web/b", 2, None), 201, 0, 10),
-           Operation("c0", Get("web/b"), Read(200, (2, None)), 20, 30)]  # fmt: skip
+    two = [
+        Operation("c0", Put("web/a", 1, None), 201, 0, 10),
+        Operation("c1", Put("web/b", 2, None), 201, 0, 10),
+        Operation("c0", Get("web/b"), Read(200, (2, None)), 20, 30),
+    ]
     result = check(REGISTRATION_MODEL, two)
     assert result.verdict is Verdict.OK and len(result.parts) == 2
 
@@ -270,8 +273,10 @@ def test_the_registration_model_judges_expiry_from_the_lease_a_write_or_renewal_
     early = checkable([*written, again, Record("c2", "C", Get(k), Read(404), 6.0, 6.5)], stale_read_bound=0)
     assert check(paused, early).verdict is Verdict.ILLEGAL
     # no TTL: never expires
-    forever = [Record("c0", "A", Put(k, 9001, None), 201, 0.0, 0.5),
-               Record("c1", "B", Get(k), Read(200, (9001, None)), 100.0, 100.5)]  # fmt: skip
+    forever = [
+        Record("c0", "A", Put(k, 9001, None), 201, 0.0, 0.5),
+        Record("c1", "B", Get(k), Read(200, (9001, None)), 100.0, 100.5),
+    ]
     assert check(REGISTRATION_MODEL, checkable(forever, stale_read_bound=0)).verdict is Verdict.OK
 
 

@@ -135,12 +135,67 @@ def test_upstreams_one_bad_field_is_one_problem_with_file_line_and_path(case: tu
 
 # YAML-shaped noise: the tokens of the format, structure and scalars of every kind
 FRAGMENTS = [
-    "groups:", "groups: ", "\n", "\n  ", "\n    ", "\n      ", "- ", "{", "}", "[", "]", ", ", ": ", "? ",
-    "endpoints", "localities", "address", "port", "weight", "health", "priority", "region", "zone",
-    "subzone", "hostname", "metadata", "web", "10.0.0.1", "::1", "[::1]:80", "10.0.0.1:80", "80", "0", "-1",
-    "4294967296", "1e3", "1.5", "null", "~", "true", "yes", "draining", "'", '"', "&a ", "*a", "<<: ", "#",
-    "---", "...", "%YAML 1.1\n", "|", ">", "\t", "2001-01-01", ".inf", "0x10", "0o7", "\\u00e9", "\\ud800",
-]  # fmt: skip
+    "groups:",
+    "groups: ",
+    "\n",
+    "\n  ",
+    "\n    ",
+    "\n      ",
+    "- ",
+    "{",
+    "}",
+    "[",
+    "]",
+    ", ",
+    ": ",
+    "? ",
+    "endpoints",
+    "localities",
+    "address",
+    "port",
+    "weight",
+    "health",
+    "priority",
+    "region",
+    "zone",
+    "subzone",
+    "hostname",
+    "metadata",
+    "web",
+    "10.0.0.1",
+    "::1",
+    "[::1]:80",
+    "10.0.0.1:80",
+    "80",
+    "0",
+    "-1",
+    "4294967296",
+    "1e3",
+    "1.5",
+    "null",
+    "~",
+    "true",
+    "yes",
+    "draining",
+    "'",
+    '"',
+    "&a ",
+    "*a",
+    "<<: ",
+    "#",
+    "---",
+    "...",
+    "%YAML 1.1\n",
+    "|",
+    ">",
+    "\t",
+    "2001-01-01",
+    ".inf",
+    "0x10",
+    "0o7",
+    "\\u00e9",
+    "\\ud800",
+]
 YAMLISH = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=6), max_size=30).map("".join)
 
 
@@ -249,12 +304,13 @@ NETWORK, NETWORK_IP, EXPOSED = "shop_default", "172.20.0.5", 8080
 def inspect(labels: dict[str, str]) -> dict[str, Any]:
     """A running container that would be fine without labels: one network, one exposed port."""
     return {
-        "Id": "0123456789abcdef", "Name": "/" + CONTAINER,
+        "Id": "0123456789abcdef",
+        "Name": "/" + CONTAINER,
         "State": {"Status": "running", "Running": True},
         "Config": {"Labels": labels, "ExposedPorts": {f"{EXPOSED}/tcp": {}}},
         "HostConfig": {"NetworkMode": "bridge"},
         "NetworkSettings": {"Networks": {NETWORK: {"IPAddress": NETWORK_IP}}, "Ports": {}},
-    }  # fmt: skip
+    }
 
 
 LABEL_GROUPS = st.from_regex(r"[a-z][a-z0-9_-]{0,6}(\.[a-z0-9]{1,3})?", fullmatch=True)
@@ -287,8 +343,9 @@ def _label_named(warning: str, labels: dict[str, str]) -> bool:
     st.one_of(st.none(), st.text(CHARS, max_size=10), st.lists(LABEL_GROUPS, min_size=1, max_size=3).map(",".join)),
     st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2),
 )
-def test_containers_arbitrary_labels_never_raise(labels: dict[str, str], group: str | None,
-                                                 other: dict[str, str]) -> None:  # fmt: skip
+def test_containers_arbitrary_labels_never_raise(
+    labels: dict[str, str], group: str | None, other: dict[str, str]
+) -> None:
     if group is not None:
         labels["eds.group"] = group
     labels = {**other, **labels}
@@ -307,11 +364,14 @@ SETTINGS = st.fixed_dictionaries(
         "port": st.integers(1, 65535).map(str),
         "weight": st.integers(1, UINT32_MAX).map(str),
         "priority": st.integers(0, 128).map(str),
-        "region": TEXT, "zone": TEXT, "subzone": TEXT, "hostname": TEXT,
+        "region": TEXT,
+        "zone": TEXT,
+        "subzone": TEXT,
+        "hostname": TEXT,
         "address": st.ip_addresses().map(str),
         "metadata": st.dictionaries(TEXT, TEXT, max_size=2),
     },
-)  # fmt: skip
+)
 
 
 def _flatten(settings_: dict[str, Any], prefix: str) -> dict[str, str]:
@@ -399,13 +459,18 @@ def _summary(cla: endpoint_pb2.ClusterLoadAssignment) -> tuple[str, list[Any]]:
     out = []
     for lle in cla.endpoints:
         eps = sorted(
-            (e.endpoint.address.socket_address.address, e.endpoint.address.socket_address.port_value,
-             e.endpoint.hostname, e.health_status,
-             e.load_balancing_weight.value if e.HasField("load_balancing_weight") else None,
-             e.metadata.filter_metadata[LB_METADATA_KEY].SerializeToString(deterministic=True)
-             if e.HasField("metadata") else None)
+            (
+                e.endpoint.address.socket_address.address,
+                e.endpoint.address.socket_address.port_value,
+                e.endpoint.hostname,
+                e.health_status,
+                e.load_balancing_weight.value if e.HasField("load_balancing_weight") else None,
+                e.metadata.filter_metadata[LB_METADATA_KEY].SerializeToString(deterministic=True)
+                if e.HasField("metadata")
+                else None,
+            )
             for e in lle.lb_endpoints
-        )  # fmt: skip
+        )
         weight = lle.load_balancing_weight.value if lle.HasField("load_balancing_weight") else None
         out.append((lle.priority, lle.locality.region, lle.locality.zone, lle.locality.sub_zone, weight, eps))
     return cla.cluster_name, sorted(out, key=repr)
@@ -418,8 +483,10 @@ def _expected_summary(g: Group) -> tuple[str, list[Any]]:
         buckets.setdefault((e.priority, e.locality), []).append(
             (e.address, e.port, e.hostname, int(e.health), e.weight, md)
         )
-    out = [(prio, loc.region, loc.zone, loc.subzone, g.locality_weights.get(loc), sorted(eps))
-           for (prio, loc), eps in buckets.items()]  # fmt: skip
+    out = [
+        (prio, loc.region, loc.zone, loc.subzone, g.locality_weights.get(loc), sorted(eps))
+        for (prio, loc), eps in buckets.items()
+    ]
     return g.name, sorted(out, key=repr)
 
 
@@ -493,8 +560,16 @@ ACK = st.tuples(st.just("ack"), CHANGE)
 NACK = st.tuples(st.just("nack"), CHANGE)
 STALE = st.tuples(st.just("stale"), st.integers(0, 5), CHANGE)
 POLL = st.just(("poll",))
-OP_KINDS = {"set": SET, "remove": REMOVE, "ready": st.just(("ready",)), "sub": SUB, "ack": ACK, "nack": NACK,
-            "stale": STALE, "poll": POLL}  # fmt: skip
+OP_KINDS = {
+    "set": SET,
+    "remove": REMOVE,
+    "ready": st.just(("ready",)),
+    "sub": SUB,
+    "ack": ACK,
+    "nack": NACK,
+    "stale": STALE,
+    "poll": POLL,
+}
 # repeated kinds weigh the choice: an answer needs a response polled first
 WEIGHTED_KINDS = ["set", "set", "remove", "ready", "sub", "sub", "ack", "ack", "nack", "nack", "stale"] + ["poll"] * 4
 OPS = st.sampled_from(WEIGHTED_KINDS).flatmap(OP_KINDS.__getitem__)
@@ -664,8 +739,11 @@ class SotwHarness(Harness):
         self.claimed = claimed
 
     def send(self, names: tuple[str, ...], nonce: str, error: str | None = None) -> None:
-        events = self.s.receive(Request(version_info="v", resource_names=names, response_nonce=nonce,
-                                        type_url=EDS_TYPE_URL, error_message=error))  # fmt: skip
+        events = self.s.receive(
+            Request(
+                version_info="v", resource_names=names, response_nonce=nonce, type_url=EDS_TYPE_URL, error_message=error
+            )
+        )
         assert not any(isinstance(e, StaleNonce) for e in events)
         for gone in [n for n in self.c.subscribed if n not in names]:
             self.c.unsubscribe(gone)
@@ -723,15 +801,19 @@ class DeltaHarness(Harness):
         super().__init__(view, DeltaStream(view), "delta")
         names, how = first
         claimed = _claimed(view, names, how) if how != "junk" else dict.fromkeys(names, "junk")
-        self.s.receive(DeltaRequest(has_node=True, type_url=EDS_TYPE_URL, subscribe=(*names, "*"),
-                                    initial_versions=claimed))  # fmt: skip
+        self.s.receive(
+            DeltaRequest(has_node=True, type_url=EDS_TYPE_URL, subscribe=(*names, "*"), initial_versions=claimed)
+        )
         self.c.subscribed = dict.fromkeys(names)
         self.c.accepted = dict(claimed)
 
     def send(self, nonce: str, change: Any, error: str | None = None) -> list[Any]:
         sub, unsub = change or ((), ())
-        events = self.s.receive(DeltaRequest(type_url=EDS_TYPE_URL, subscribe=sub, unsubscribe=unsub,
-                                             response_nonce=nonce, error_message=error))  # fmt: skip
+        events = self.s.receive(
+            DeltaRequest(
+                type_url=EDS_TYPE_URL, subscribe=sub, unsubscribe=unsub, response_nonce=nonce, error_message=error
+            )
+        )
         for name in sub:  # subscribes first, then unsubscribes
             self.c.subscribed[name] = None
             self.c.blocked.pop(name, None)  # subscribed again: provided again
@@ -842,12 +924,20 @@ def drive(s: SotwStream | DeltaStream, steps: list[Any]) -> None:
 @examples(200)
 @given(
     st.lists(
-        st.builds(DeltaRequest, st.booleans(), ANY_TYPE, ANY_NAMES, ANY_NAMES,
-                  st.dictionaries(st.text(max_size=11), st.text(max_size=3), max_size=3), ANY_NONCE, ANY_ERROR)
+        st.builds(
+            DeltaRequest,
+            st.booleans(),
+            ANY_TYPE,
+            ANY_NAMES,
+            ANY_NAMES,
+            st.dictionaries(st.text(max_size=11), st.text(max_size=3), max_size=3),
+            ANY_NONCE,
+            ANY_ERROR,
+        )
         | st.sampled_from(["poll", "change", "all"]),
         max_size=12,
     )
-)  # fmt: skip
+)
 def test_delta_receive_only_raises_protocol_error(steps: list[Any]) -> None:
     drive(DeltaStream(View(True), LIMITS), steps)
 
@@ -912,8 +1002,10 @@ def test_string_fields_finds_the_last_of_each_wanted_field(fields_: list[Any], w
     assert protowire.string_fields(memoryview(data), wanted) == expected
     ordered = sorted(fields_, key=lambda f: f[0])  # as every serializer writes them
     if wanted and all(number not in wanted or wire_type == 2 for number, wire_type, _, _ in ordered):
-        data = b"".join(protowire.length_delimited(number, text.encode()) if wire_type == 2 else b""
-                        for number, wire_type, _, text in ordered)  # fmt: skip
+        data = b"".join(
+            protowire.length_delimited(number, text.encode()) if wire_type == 2 else b""
+            for number, wire_type, _, text in ordered
+        )
         last = {number: text for number, wire_type, _, text in ordered if wire_type == 2 and number in wanted}
         assert protowire.string_fields(data, wanted, in_order=True) == last
 
@@ -936,20 +1028,23 @@ def _with_node_and_error(draw: st.DrawFn, req: Any) -> Any:
 @st.composite
 def sotw_requests(draw: st.DrawFn) -> discovery_pb2.DiscoveryRequest:
     req = discovery_pb2.DiscoveryRequest(
-        version_info=draw(ANY_TEXT), resource_names=draw(st.lists(ANY_TEXT, max_size=4)),
-        type_url=draw(ANY_TYPE), response_nonce=draw(ANY_TEXT),
-    )  # fmt: skip
+        version_info=draw(ANY_TEXT),
+        resource_names=draw(st.lists(ANY_TEXT, max_size=4)),
+        type_url=draw(ANY_TYPE),
+        response_nonce=draw(ANY_TEXT),
+    )
     return _with_node_and_error(draw, req)
 
 
 @st.composite
 def delta_requests(draw: st.DrawFn) -> discovery_pb2.DeltaDiscoveryRequest:
     req = discovery_pb2.DeltaDiscoveryRequest(
-        type_url=draw(ANY_TYPE), response_nonce=draw(ANY_TEXT),
+        type_url=draw(ANY_TYPE),
+        response_nonce=draw(ANY_TEXT),
         resource_names_subscribe=draw(st.lists(ANY_TEXT, max_size=4)),
         resource_names_unsubscribe=draw(st.lists(ANY_TEXT, max_size=4)),
         initial_resource_versions=draw(st.dictionaries(ANY_TEXT, ANY_TEXT, max_size=3)),
-    )  # fmt: skip
+    )
     return _with_node_and_error(draw, req)
 
 

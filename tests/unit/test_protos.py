@@ -919,15 +919,21 @@ def _unpacked(value: AnyType) -> AnyType:
 CASES: list[tuple[str, Callable[[], AnyType], str, dict[str, AnyType]]] = [
     ("cla", make_cla, "envoy.config.endpoint.v3.ClusterLoadAssignment", CLA_JSON),
     ("node", make_node, "envoy.config.core.v3.Node", node_json()),
-    ("discovery_request", make_discovery_request, "envoy.service.discovery.v3.DiscoveryRequest",
-     DISCOVERY_REQUEST_JSON),
-    ("discovery_response", make_discovery_response, "envoy.service.discovery.v3.DiscoveryResponse",
-     DISCOVERY_RESPONSE_JSON),
-    ("delta_request", make_delta_request, "envoy.service.discovery.v3.DeltaDiscoveryRequest",
-     DELTA_REQUEST_JSON),
-    ("delta_response", make_delta_response, "envoy.service.discovery.v3.DeltaDiscoveryResponse",
-     DELTA_RESPONSE_JSON),
-]  # fmt: skip
+    (
+        "discovery_request",
+        make_discovery_request,
+        "envoy.service.discovery.v3.DiscoveryRequest",
+        DISCOVERY_REQUEST_JSON,
+    ),
+    (
+        "discovery_response",
+        make_discovery_response,
+        "envoy.service.discovery.v3.DiscoveryResponse",
+        DISCOVERY_RESPONSE_JSON,
+    ),
+    ("delta_request", make_delta_request, "envoy.service.discovery.v3.DeltaDiscoveryRequest", DELTA_REQUEST_JSON),
+    ("delta_response", make_delta_response, "envoy.service.discovery.v3.DeltaDiscoveryResponse", DELTA_RESPONSE_JSON),
+]
 CASE_IDS = [case[0] for case in CASES]
 
 

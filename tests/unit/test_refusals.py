@@ -173,7 +173,7 @@ async def _holder(state: Path) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "eds_server", *serve(state=str(state)), cwd=ROOT,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    )
     assert proc.stderr is not None
     async with asyncio.timeout(30):
         while b"serving EDS" not in (line := await proc.stderr.readline()):
@@ -191,7 +191,7 @@ async def _run(row: Refusal, d: Path, port: int, gate: asyncio.Semaphore) -> tup
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "eds_server", *(_fill(a, d, port) for a in row.args), cwd=ROOT, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         try:
             async with asyncio.timeout(30):
                 out, err = await proc.communicate()

@@ -94,8 +94,9 @@ def first(*names: str, node: str = "test-node", cluster: str = "test") -> Discov
 
 
 def reply(resp: DiscoveryResponse, *names: str) -> DiscoveryRequest:
-    return DiscoveryRequest(version_info=resp.version_info, resource_names=list(names), response_nonce=resp.nonce,
-                            type_url=EDS_TYPE_URL)  # fmt: skip
+    return DiscoveryRequest(
+        version_info=resp.version_info, resource_names=list(names), response_nonce=resp.nonce, type_url=EDS_TYPE_URL
+    )
 
 
 async def recv(stream: Any, timeout: float = 5.0) -> Any:
@@ -154,10 +155,10 @@ def test_rules_union_of_matching_rules_and_default() -> None:
 
 def test_patterns_star_only_dns_case_insensitive() -> None:
     policy = parse_authz(
-        'rules:\n'
+        "rules:\n"
         '  - {match: {san_dns: "*.Shop.example"}, groups: ["a?b", "x.*"]}\n'
         '  - {match: {san_uri: "spiffe://example.org/*"}, groups: ["*"]}\n'
-    )  # fmt: skip
+    )
     dns = policy.for_client(cert_with(("DNS", "envoy-1.shop.EXAMPLE")), "", "")
     assert dns("a?b") and not dns("acb") and dns("x.anything/at all") and not dns("xyz")
     assert not policy.for_client(cert_with(("DNS", "shop.example")), "", "")("a?b")  # `*.` needs a label
@@ -216,8 +217,13 @@ def test_tls_files_that_cannot_be_loaded_are_named(pki: Pki, tmp_path: Path) -> 
     assert problem(cert, key, key) == f"TLS client CA {key}: no PEM certificate in it"
     encrypted = tmp_path / "encrypted-key.pem"
     private = load_pem_private_key(pki.server.key.read_bytes(), None)
-    encrypted.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                serialization.BestAvailableEncryption(b"secret")))  # fmt: skip
+    encrypted.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     assert problem(cert, str(encrypted)) == f"TLS key {encrypted}: encrypted; give an unencrypted key"
     both = tmp_path / "both.pem"
     both.write_bytes(pki.server.cert.read_bytes() + pki.server.key.read_bytes())
@@ -266,8 +272,14 @@ async def serving(ssl: SSLContext | None, authz: str | None) -> AsyncIterator[Ha
     service = EdsService(store, send_timeout=1)
     if authz is not None:
         service.authorize = parse_authz(authz).for_client
-    server = make_server(service, max_streams_per_connection=100, keepalive_time=30, keepalive_timeout=10,
-                         max_message_size=1 << 20, ssl=ssl)  # fmt: skip
+    server = make_server(
+        service,
+        max_streams_per_connection=100,
+        keepalive_time=30,
+        keepalive_timeout=10,
+        max_message_size=1 << 20,
+        ssl=ssl,
+    )
     await server.start("127.0.0.1", 0)
     harness = Harness(store, service, server.port)  # type: ignore[union-attr]
     try:
@@ -300,8 +312,9 @@ async def test_client_refuses_a_server_its_ca_did_not_issue(pki: Pki, tmp_path: 
     async with serving(mtls(pki), None) as h:
         rogue = CertAuthority("client trusts this", tmp_path / "rogue")
         with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):  # ssl.SSLCertVerificationError
-            await asyncio.wait_for(HealthStub(h.channel(client_context(rogue.cert_path, pki.shop))).check(
-                HealthCheckRequest()), 5)  # fmt: skip
+            await asyncio.wait_for(
+                HealthStub(h.channel(client_context(rogue.cert_path, pki.shop))).check(HealthCheckRequest()), 5
+            )
 
 
 async def test_a_forbidden_name_ends_that_stream_only(pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
@@ -332,8 +345,9 @@ async def test_delta_and_fetch_are_checked(pki: Pki) -> None:
     async with serving(mtls(pki), AUTHZ) as h:
         other = h.channel(client_context(pki.ca, pki.other))  # same CA, no rule: default deny
         async with h.stream(other, DELTA, delta=True) as stream:
-            await stream.send_message(DeltaDiscoveryRequest(node=Node(id="n"), type_url=EDS_TYPE_URL,
-                                                            resource_names_subscribe=["common"]))  # fmt: skip
+            await stream.send_message(
+                DeltaDiscoveryRequest(node=Node(id="n"), type_url=EDS_TYPE_URL, resource_names_subscribe=["common"])
+            )
             await denied(stream)
         shop = EndpointDiscoveryServiceStub(h.channel(client_context(pki.ca, pki.shop)))
         resp = await asyncio.wait_for(shop.fetch_endpoints(first("common")), 5)
@@ -406,8 +420,9 @@ needs_envoy = pytest.mark.skipif(not has_envoy(), reason="no envoy binary")
 @pytest.mark.envoy
 async def test_real_envoy_over_mtls_with_authz(pki: Pki, tmp_path: Path) -> None:
     upstreams = tmp_path / "upstreams.yaml"
-    upstreams.write_text("groups:\n  shop-web: {endpoints: [127.0.0.1:9001, 127.0.0.1:9002]}\n"
-                         "  secret: {endpoints: [127.0.0.1:9003]}\n")  # fmt: skip
+    upstreams.write_text(
+        "groups:\n  shop-web: {endpoints: [127.0.0.1:9001, 127.0.0.1:9002]}\n  secret: {endpoints: [127.0.0.1:9003]}\n"
+    )
     authz = tmp_path / "authz.yaml"
     authz.write_text(AUTHZ)
     async with EdsServerProcess(upstreams, *tls_args(pki), "--authz", str(authz)) as server:
@@ -445,9 +460,11 @@ async def test_real_envoy_and_server_refuse_each_other_without_the_right_certifi
         boot = tls_bootstrap(server.port, tls_dir, ["shop-web"], client_cert=case != "no client cert")
         async with EnvoyProcess(boot) as proxy:
             # Envoy keeps trying: wait for a few failed connections, then nothing must have got through
-            stats = await proxy.wait_for(lambda: proxy.stats("^cluster.xds_cluster.(upstream_cx_connect_fail|ssl)"),
-                                         lambda s: int(s.get("cluster.xds_cluster.upstream_cx_connect_fail", 0)) >= 2,
-                                         timeout=15)  # fmt: skip
+            stats = await proxy.wait_for(
+                lambda: proxy.stats("^cluster.xds_cluster.(upstream_cx_connect_fail|ssl)"),
+                lambda s: int(s.get("cluster.xds_cluster.upstream_cx_connect_fail", 0)) >= 2,
+                timeout=15,
+            )
             assert await proxy.hosts("shop-web") == []
             assert (await server.admin("/v1/stats"))["streams_opened"] == 0
             if case == "server cert for another name":
@@ -455,8 +472,12 @@ async def test_real_envoy_and_server_refuse_each_other_without_the_right_certifi
 
 
 def serve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "eds_server", "serve", "--listen", "127.0.0.1:0",
-                           "--admin", "off", *args], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "eds_server", "serve", "--listen", "127.0.0.1:0", "--admin", "off", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_bad_files_refuse_to_start(pki: Pki, tmp_path: Path) -> None:

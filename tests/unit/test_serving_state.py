@@ -20,12 +20,15 @@ def test_every_source_loaded_and_healthy_is_ready() -> None:
 
 
 def test_a_loaded_file_whose_reload_failed_is_degraded_with_the_reason() -> None:
-    sources = [SourceStatus("file:u", True, True, "u:3: mapping values are not allowed here").as_json(),
-               SourceStatus("registrations", True, True).as_json()]  # fmt: skip
+    sources = [
+        SourceStatus("file:u", True, True, "u:3: mapping values are not allowed here").as_json(),
+        SourceStatus("registrations", True, True).as_json(),
+    ]
     state = serving_state(True, sources)
     assert state.name == "degraded" and state.value == 2
-    assert state.describe() == ("degraded: serving the last good state of file:u because "
-                                "u:3: mapping values are not allowed here")  # fmt: skip
+    assert state.describe() == (
+        "degraded: serving the last good state of file:u because u:3: mapping values are not allowed here"
+    )
 
 
 def test_a_stale_source_is_degraded_even_without_an_error() -> None:
@@ -34,14 +37,21 @@ def test_a_stale_source_is_degraded_even_without_an_error() -> None:
 
 
 def test_every_degraded_source_is_named() -> None:
-    state = serving_state(True, [SourceStatus("docker", True, False, "engine gone").as_json(),
-                                 SourceStatus("etcd", True, False, "unreachable").as_json()])  # fmt: skip
+    state = serving_state(
+        True,
+        [
+            SourceStatus("docker", True, False, "engine gone").as_json(),
+            SourceStatus("etcd", True, False, "unreachable").as_json(),
+        ],
+    )
     assert [d.source for d in state.degraded] == ["docker", "etcd"] and "; " in state.describe()
 
 
 def test_not_ready_wins_and_a_source_not_loaded_is_pending_not_degraded() -> None:
-    sources = [SourceStatus("file:u", True, True, "broken").as_json(),
-               SourceStatus("docker", False, False, "engine gone").as_json()]  # fmt: skip
+    sources = [
+        SourceStatus("file:u", True, True, "broken").as_json(),
+        SourceStatus("docker", False, False, "engine gone").as_json(),
+    ]
     state = serving_state(False, sources)
     assert (state.name, state.value, state.pending) == ("not ready", 0, ("docker",))
     assert state.describe() == "not ready: waiting for docker"

@@ -73,8 +73,7 @@ def test_removed_group_is_announced_and_served_empty() -> None:
 def test_sources_are_merged_first_source_wins() -> None:
     store, _ = make("a", "b")
     store.update("a", {"web": Group("web", (Endpoint("10.0.0.1", 80, weight=5),))})
-    store.update("b", {"web": Group("web", (Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 80)),
-                                    {Locality("r"): 2})})  # fmt: skip
+    store.update("b", {"web": Group("web", (Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 80)), {Locality("r"): 2})})
     merged = store.get("web").group
     assert [(e.address, e.weight) for e in merged.endpoints] == [("10.0.0.1", 5), ("10.0.0.2", None)]
     assert merged.locality_weights == {Locality("r"): 2}

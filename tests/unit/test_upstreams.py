@@ -44,9 +44,15 @@ def test_documented_shape() -> None:
     web = groups["web"]
     assert web.endpoints[0] == Endpoint("10.0.0.5", 8080)
     assert web.endpoints[1] == Endpoint(
-        "10.0.0.6", 8080, weight=3, health=Health.DRAINING, priority=0,
-        locality=Locality("eu-west-1", "eu-west-1a"), hostname="web-2", metadata={"version": "v2"},
-    )  # fmt: skip
+        "10.0.0.6",
+        8080,
+        weight=3,
+        health=Health.DRAINING,
+        priority=0,
+        locality=Locality("eu-west-1", "eu-west-1a"),
+        hostname="web-2",
+        metadata={"version": "v2"},
+    )
     assert web.locality_weights == {Locality("eu-west-1", "eu-west-1a"): 2}
 
 
@@ -365,8 +371,31 @@ def outcome(parse: Callable[[str, str], Any], text: str) -> object:
         return [str(p) for p in e.problems]
 
 
-SPLICE_NOISE = ["}", "{", ",", ":", " ", "#", "\n", "'", '"', "[", "]", "&a ", "*a", "!!str ", "0", "9", "weight: 2",
-                "port", "health: draining", "10.0.0.1", "::1", "\t", "- "]  # fmt: skip
+SPLICE_NOISE = [
+    "}",
+    "{",
+    ",",
+    ":",
+    " ",
+    "#",
+    "\n",
+    "'",
+    '"',
+    "[",
+    "]",
+    "&a ",
+    "*a",
+    "!!str ",
+    "0",
+    "9",
+    "weight: 2",
+    "port",
+    "health: draining",
+    "10.0.0.1",
+    "::1",
+    "\t",
+    "- ",
+]
 
 
 @examples(300)

@@ -48,8 +48,13 @@ def workers_of(owner: int) -> dict[int, str]:
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if len(argv) > 4 and argv[1] == b"-c" and argv[2] == BOOTSTRAP.encode() and argv[3] == str(owner).encode() \
-                and state != "Z":  # fmt: skip
+        if (
+            len(argv) > 4
+            and argv[1] == b"-c"
+            and argv[2] == BOOTSTRAP.encode()
+            and argv[3] == str(owner).encode()
+            and state != "Z"
+        ):
             found[int(entry)] = argv[4].decode()
     return found
 
@@ -76,8 +81,11 @@ async def test_an_owner_killed_at_any_moment_of_a_workers_start_leaves_no_proces
             server.proc.send_signal(signal.SIGKILL)
             await server.proc.wait()
             # no worker survives its owner, and the port is free for the next one
-            await wait_for(lambda o=owner: not workers_of(o) and bindable(server.port), timeout=10,
-                           what="the workers gone and the port free")  # fmt: skip
+            await wait_for(
+                lambda o=owner: not workers_of(o) and bindable(server.port),
+                timeout=10,
+                what="the workers gone and the port free",
+            )
         await server.start()  # a new eds-server on the same ports, serving
         assert await server.stop() == 0
     finally:
@@ -119,8 +127,11 @@ async def test_sighup_reloads_without_a_restart_and_sigterm_drains_and_cleans_up
         workers = workers_of(server.proc.pid)
         assert len(workers) == 2
         server.proc.send_signal(signal.SIGHUP)
-        await wait_for(lambda: server.log_text().count("SIGHUP: nothing to reload") == 2, timeout=10,
-                       what="both workers' reload lines")  # fmt: skip
+        await wait_for(
+            lambda: server.log_text().count("SIGHUP: nothing to reload") == 2,
+            timeout=10,
+            what="both workers' reload lines",
+        )
         assert workers_of(server.proc.pid) == workers  # the same processes: nothing restarted
         assert (await server.admin("/readyz"))["ready"]
         assert await server.stop() == 0
@@ -138,10 +149,13 @@ def test_the_owner_holds_the_port_from_before_it_serves(tmp_path: Path) -> None:
         with pytest.raises(OSError):
             _bind_plain(port)
         # another user, with SO_REUSEPORT: Linux lets only the group's own user join it
-        code = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
-                f"s.bind(('127.0.0.1', {port})); s.listen(1)")  # fmt: skip
-        other = subprocess.run([*RunAs(65534, 65534).command(), sys.executable, "-c", code], capture_output=True,
-                               text=True, timeout=30)  # fmt: skip
+        code = (
+            "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
+            f"s.bind(('127.0.0.1', {port})); s.listen(1)"
+        )
+        other = subprocess.run(
+            [*RunAs(65534, 65534).command(), sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+        )
         assert other.returncode == 1 and "Address already in use" in other.stderr
     finally:
         for sock in listeners:
@@ -226,8 +240,9 @@ async def test_sighup_reloads_the_authorization_file_and_keeps_the_running_rules
         assert await _first_answer(server.port) == "PERMISSION_DENIED"
         authz.write_text('rules:\n  - match: {node_id: "envoy-*"}\n    groups: ["web"]\ndefault: deny\n')
         server.proc.send_signal(signal.SIGHUP)
-        await wait_for(lambda: "authorization" in server.log_text() and "reloaded: 1 rules" in server.log_text(),
-                       timeout=10)  # fmt: skip
+        await wait_for(
+            lambda: "authorization" in server.log_text() and "reloaded: 1 rules" in server.log_text(), timeout=10
+        )
         assert await _first_answer(server.port) == "web"
 
 
@@ -266,38 +281,51 @@ async def test_sighup_gives_new_tls_connections_the_new_certificate_on_every_wor
         """The common names new connections are shown (8 connections: both workers, by the kernel's hash)."""
         seen = set()
         for _ in range(connections):
-            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw, \
-                    context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+            with (
+                socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw,
+                context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+            ):
                 subject = dict(x[0] for x in tls.getpeercert()["subject"])
                 seen.add(subject["commonName"])
         return seen
 
-    async with EdsServerProcess(upstreams(tmp_path), "--workers", "2", "--tls-cert", str(cert), "--tls-key", str(key),
-                                workdir=tmp_path) as server:  # fmt: skip
+    async with EdsServerProcess(
+        upstreams(tmp_path), "--workers", "2", "--tls-cert", str(cert), "--tls-key", str(key), workdir=tmp_path
+    ) as server:
         assert server.proc is not None
         assert await asyncio.to_thread(names) == {"first"}
         cert.write_bytes(second.cert.read_bytes())
         key.write_bytes(second.key.read_bytes())
         server.proc.send_signal(signal.SIGHUP)
-        await wait_for(lambda: server.log_text().count("SIGHUP: TLS certificate") == 2, timeout=10,
-                       what="both workers' reload lines")  # fmt: skip
+        await wait_for(
+            lambda: server.log_text().count("SIGHUP: TLS certificate") == 2,
+            timeout=10,
+            what="both workers' reload lines",
+        )
         assert await asyncio.to_thread(names) == {"second"}
 
 
 def test_worker_metrics_are_summed_and_store_metrics_are_the_owners() -> None:
-    own = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 2.0\n"
-           "# TYPE eds_ready gauge\neds_ready 1.0\n"
-           "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 100.0\n")  # fmt: skip
-    worker = ("# TYPE eds_streams_open gauge\neds_streams_open{transport=\"delta\"} 5.0\n"
-              "# TYPE eds_ready gauge\neds_ready 1.0\n"
-              "# TYPE eds_responses_total counter\neds_responses_total 7.0\n"
-              "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 10.0\n")  # fmt: skip
+    own = (
+        '# TYPE eds_streams_open gauge\neds_streams_open{transport="delta"} 2.0\n'
+        "# TYPE eds_ready gauge\neds_ready 1.0\n"
+        "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 100.0\n"
+    )
+    worker = (
+        '# TYPE eds_streams_open gauge\neds_streams_open{transport="delta"} 5.0\n'
+        "# TYPE eds_ready gauge\neds_ready 1.0\n"
+        "# TYPE eds_responses_total counter\neds_responses_total 7.0\n"
+        "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 10.0\n"
+    )
     kinds: dict[str, tuple[str, str]] = {}
     counted, gauges = served_samples(worker, kinds)
     assert "eds_ready" not in kinds  # a store figure: the owner's
-    merged = merge_metrics(own, [{**counted, **gauges}, {**counted, **gauges}], kinds,
-                           [{"worker": 1, "alive": True, "restarts": 0},
-                            {"worker": 2, "alive": False, "restarts": 3}])  # fmt: skip
+    merged = merge_metrics(
+        own,
+        [{**counted, **gauges}, {**counted, **gauges}],
+        kinds,
+        [{"worker": 1, "alive": True, "restarts": 0}, {"worker": 2, "alive": False, "restarts": 3}],
+    )
     assert 'eds_streams_open{transport="delta"} 10.0' in merged  # the workers' streams, not the owner's links
     assert "eds_responses_total 14.0" in merged
     assert "eds_ready 1.0" in merged  # the owner's alone

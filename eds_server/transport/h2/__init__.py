@@ -33,8 +33,20 @@ from . import compat
 from .base import Framed, PassThroughCodec, StreamIO, keepalive_config
 from .limits import FILE_HEADROOM, REASONS, ConnectionLimits, Gate, HttpLimits, PartialBudget
 
-__all__ = ["FILE_HEADROOM", "REASONS", "ConnectionLimits", "Framed", "GrpcServer", "HttpLimits", "PassThroughCodec",
-           "StreamIO", "build_server", "http_runner", "keepalive_config", "runner_port"]  # fmt: skip
+__all__ = [
+    "FILE_HEADROOM",
+    "REASONS",
+    "ConnectionLimits",
+    "Framed",
+    "GrpcServer",
+    "HttpLimits",
+    "PassThroughCodec",
+    "StreamIO",
+    "build_server",
+    "http_runner",
+    "keepalive_config",
+    "runner_port",
+]
 
 
 class GrpcServer(Protocol):
@@ -45,8 +57,14 @@ class GrpcServer(Protocol):
     gate: Gate  # its connections' limits and budgets, and what it refused
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StreamIO: ...
-    async def start(self, host: str | None = None, port: int | None = None, *, path: str | None = None,
-                    sock: socket.socket | None = None) -> None: ...  # fmt: skip
+    async def start(
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        path: str | None = None,
+        sock: socket.socket | None = None,
+    ) -> None: ...
     def stop_accepting(self) -> None: ...
     def goaway(self, peers: set[str], why: str) -> int: ...
     def close(self) -> None: ...
@@ -85,13 +103,24 @@ def build_server(
             max_message_size, limits.request_timeout, PartialBudget(limits.partial_message_budget, max_message_size)
         )
         others = {path: limited_handler(h, reader, enter, leave) for path, h in counted.items()}
-        return Server([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits,
-                      reader=reader, mapping=mapping)  # fmt: skip
+        return Server(
+            [*handlers, _Mapping(others)],
+            codec=PassThroughCodec(),
+            config=config,
+            limits=limits,
+            reader=reader,
+            mapping=mapping,
+        )
     from .stock import StockServer, counted_handler
 
     others = {path: counted_handler(h, enter, leave) for path, h in counted.items()}
-    return StockServer([*handlers, _Mapping(others)], codec=PassThroughCodec(), config=config, limits=limits,
-                       max_message_size=max_message_size)  # fmt: skip
+    return StockServer(
+        [*handlers, _Mapping(others)],
+        codec=PassThroughCodec(),
+        config=config,
+        limits=limits,
+        max_message_size=max_message_size,
+    )
 
 
 class _Mapping:

@@ -60,6 +60,7 @@ def fast_path(mode: str, verified: dict[str, tuple[str, ...]] = VERIFIED) -> boo
     log.warning(
         "HTTP/2: stock grpclib path (installed %s; the fast path was tested with %s only): "
         "slower fan-out and fewer per-client limits, see docs/limits.md",
-        ", ".join(others), tested,
-    )  # fmt: skip
+        ", ".join(others),
+        tested,
+    )
     return False

@@ -56,12 +56,24 @@ class ReadLimits(Protocol):
 class DirectReader:
     """One stream's request messages, cut from the DATA frames the protocol hands over."""
 
-    __slots__ = ("_buf", "_deadline", "_need", "_taken", "connection", "done", "grant_at", "h2", "limits",
-                 "messages", "on_message", "raw", "stream_id", "unacked")  # fmt: skip
+    __slots__ = (
+        "_buf",
+        "_deadline",
+        "_need",
+        "_taken",
+        "connection",
+        "done",
+        "grant_at",
+        "h2",
+        "limits",
+        "messages",
+        "on_message",
+        "raw",
+        "stream_id",
+        "unacked",
+    )
 
-    def __init__(
-        self, raw: Any, on_message: Callable[[bytes], None], limits: ReadLimits, grant_at: int
-    ) -> None:  # fmt: skip
+    def __init__(self, raw: Any, on_message: Callable[[bytes], None], limits: ReadLimits, grant_at: int) -> None:
         self.raw = raw  # grpclib's protocol.Stream
         self.connection: FlushingConnection = raw.connection
         self.h2: GuardedH2Connection = self.connection.h2

@@ -165,11 +165,25 @@ class MeteredInput:
     """One connection's input: held, cut into slices of whole frames, each handed to `process`
     when the scheduler says so. `process` returns False once the connection is being closed."""
 
-    __slots__ = ("_arrivals", "_buf", "_in", "_out", "_pos", "cost", "cutter", "dead", "process", "queued", "reader",
-                 "scheduler", "waiting")  # fmt: skip
+    __slots__ = (
+        "_arrivals",
+        "_buf",
+        "_in",
+        "_out",
+        "_pos",
+        "cost",
+        "cutter",
+        "dead",
+        "process",
+        "queued",
+        "reader",
+        "scheduler",
+        "waiting",
+    )
 
-    def __init__(self, scheduler: ReadScheduler, cost: AddressCost, reader: Reader,
-                 process: Callable[[bytes], bool]) -> None:  # fmt: skip
+    def __init__(
+        self, scheduler: ReadScheduler, cost: AddressCost, reader: Reader, process: Callable[[bytes], bool]
+    ) -> None:
         self.scheduler = scheduler
         self.cost = cost
         self.reader = reader
@@ -300,9 +314,13 @@ class Deferral:
 class ReadScheduler:
     """One server's reading, shared by all its connections (see the module's docstring)."""
 
-    def __init__(self, turn_budget: float = TURN_BUDGET, watermark: int = BUFFER_WATERMARK,
-                 clock: Callable[[], float] = time.perf_counter,
-                 call_soon: Callable[[Callable[[], None]], object] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        turn_budget: float = TURN_BUDGET,
+        watermark: int = BUFFER_WATERMARK,
+        clock: Callable[[], float] = time.perf_counter,
+        call_soon: Callable[[Callable[[], None]], object] | None = None,
+    ) -> None:
         self.turn_budget = turn_budget
         self.watermark = watermark
         self.clock = clock

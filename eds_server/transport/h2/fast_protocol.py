@@ -216,8 +216,13 @@ class FastProtocol(TransportReading, H2Protocol):
                 sid = request.stream_id
                 if h2.refused and sid in h2.refused:
                     h2.refused.discard(sid)
-                    self._refuse(h2, sid, ErrorCodes.REFUSED_STREAM, "pending_streams",
-                                 f"{h2.peer.pending} of its streams await a request")  # fmt: skip
+                    self._refuse(
+                        h2,
+                        sid,
+                        ErrorCodes.REFUSED_STREAM,
+                        "pending_streams",
+                        f"{h2.peer.pending} of its streams await a request",
+                    )
                     continue
                 problem = request_problem(request.headers)  # type: ignore[arg-type]  # str: header_encoding
                 if problem is not None:
@@ -278,15 +283,21 @@ class FastProtocol(TransportReading, H2Protocol):
                 break
             expired.append(sid)
         if expired:  # one line for them all: a connection of 1,000 idle streams is one event
-            h2.on_shed("no_request", f"DEADLINE_EXCEEDED on {len(expired)} streams ({expired[0]}...): "
-                                     f"no request within {timeout:g}s", len(expired))  # fmt: skip
+            h2.on_shed(
+                "no_request",
+                f"DEADLINE_EXCEEDED on {len(expired)} streams ({expired[0]}...): no request within {timeout:g}s",
+                len(expired),
+            )
         for sid in expired:
             del h2.held[sid]
             stream = h2.streams.get(sid)
             if stream is not None and not stream.closed:
-                trailers = [(":status", "200"), ("content-type", "application/grpc"),
-                            ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)),
-                            ("grpc-message", f"no request within {timeout:g}s")]  # fmt: skip
+                trailers = [
+                    (":status", "200"),
+                    ("content-type", "application/grpc"),
+                    ("grpc-status", str(Status.DEADLINE_EXCEEDED.value)),
+                    ("grpc-message", f"no request within {timeout:g}s"),
+                ]
                 h2.send_headers(sid, trailers, end_stream=True)
             h2.no_request(sid)
             if self._dead:
@@ -459,8 +470,11 @@ class FastProtocol(TransportReading, H2Protocol):
         h2_conn.on_calm = self._calm
         h2_conn.on_active = self._active
         h2_conn.on_shed = self._shed
-        self._guard = FrameGuard(max_frame_size=MAX_INBOUND_FRAME, max_header_block=self.gate.limits.max_header_block,
-                                 control=h2_conn.control)  # fmt: skip
+        self._guard = FrameGuard(
+            max_frame_size=MAX_INBOUND_FRAME,
+            max_header_block=self.gate.limits.max_header_block,
+            control=h2_conn.control,
+        )
         # Set before the first SETTINGS frame, so the limit holds before Envoy's ACK arrives too.
         h2_conn.local_settings = Settings(
             client=False,
@@ -481,8 +495,9 @@ class FastProtocol(TransportReading, H2Protocol):
         if self.config.http2_stream_window_size != initial:
             h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
         self.h2 = h2_conn
-        self.connection = FlushingConnection(h2_conn, cast(asyncio.Transport, transport), config=self.config,
-                                      flusher=self.flusher)  # fmt: skip
+        self.connection = FlushingConnection(
+            h2_conn, cast(asyncio.Transport, transport), config=self.config, flusher=self.flusher
+        )
         self.connection.flush()
         self.connection.initialize()
         self.processor = PingCheckingProcessor(self.handler, self.connection)

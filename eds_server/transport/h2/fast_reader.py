@@ -36,9 +36,14 @@ class MessageReader:
 
     async def read(self, stream: grpclib.server.Stream[Any, Any], message_type: Any, first: bool = False) -> Any:
         return await recv_limited(
-            stream, message_type, self.max_size, timeout=self.timeout, budget=self.budget, first=first,
+            stream,
+            message_type,
+            self.max_size,
+            timeout=self.timeout,
+            budget=self.budget,
+            first=first,
             codec=self.codec,
-        )  # fmt: skip
+        )
 
     async def direct(self, stream: grpclib.server.Stream[Any, Any], on_message: Callable[[bytes], None]) -> None:
         """Give the stream's further messages to `on_message` as their DATA frames arrive (direct.py),
@@ -62,10 +67,15 @@ class MessageReader:
 
 
 async def recv_limited(
-    stream: grpclib.server.Stream[Any, Any], message_type: Any, max_size: int, *,
-    timeout: float | None = None, budget: PartialBudget | None = None, first: bool = False,
+    stream: grpclib.server.Stream[Any, Any],
+    message_type: Any,
+    max_size: int,
+    *,
+    timeout: float | None = None,
+    budget: PartialBudget | None = None,
+    first: bool = False,
     codec: CodecBase | None = None,
-) -> Any | None:  # fmt: skip
+) -> Any | None:
     """grpclib's recv_message, but refusing an oversize message from its length prefix, and with
     deadlines: for the first message of a stream to start, and for any message's body to arrive.
 

@@ -58,9 +58,14 @@ class Server(grpclib.server.Server):
     fast = True
 
     def __init__(
-        self, handlers: list[Any], *, limits: ConnectionLimits, reader: MessageReader,
-        mapping: Callable[[dict[str, Any]], Any] | None = None, **kwargs: Any,
-    ) -> None:  # fmt: skip
+        self,
+        handlers: list[Any],
+        *,
+        limits: ConnectionLimits,
+        reader: MessageReader,
+        mapping: Callable[[dict[str, Any]], Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(handlers, **kwargs)
         self.gate = Gate(limits)
         self.reader = reader
@@ -105,9 +110,16 @@ class Server(grpclib.server.Server):
         return {**self.gate.refused, "partial_messages": budget.refused, "message_size": budget.too_big}
 
     async def start(
-        self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
-        backlog: int = 1024, path: str | None = None, sock: socket.socket | None = None, **kwargs: Any,
-    ) -> None:  # fmt: skip
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        ssl: SSLContext | None = None,
+        backlog: int = 1024,
+        path: str | None = None,
+        sock: socket.socket | None = None,
+        **kwargs: Any,
+    ) -> None:
         """grpclib's start, with a TLS handshake timeout. Over-limit connections are accepted and
         closed at once (with a GOAWAY saying why), so the accept backlog sheds rather than stalls."""
         if self._server is not None:
@@ -119,14 +131,23 @@ class Server(grpclib.server.Server):
             self._server = await loop.create_unix_server(self._protocol_factory, path, backlog=backlog)
         elif sock is not None:  # a listening socket handed over by the owner of --workers N
             self._server = await loop.create_server(
-                self._protocol_factory, sock=sock, backlog=backlog, ssl=ssl,
+                self._protocol_factory,
+                sock=sock,
+                backlog=backlog,
+                ssl=ssl,
                 ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None,
-            )  # fmt: skip
+            )
         else:
             self._server = await loop.create_server(
-                self._protocol_factory, host, cast(int, port), backlog=backlog, ssl=ssl, flags=socket.AI_PASSIVE,
-                ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None, **kwargs,
-            )  # fmt: skip
+                self._protocol_factory,
+                host,
+                cast(int, port),
+                backlog=backlog,
+                ssl=ssl,
+                flags=socket.AI_PASSIVE,
+                ssl_handshake_timeout=self.gate.limits.tls_handshake_timeout if ssl else None,
+                **kwargs,
+            )
         self._server_closed_fut = loop.create_future()
 
     def _protocol_factory(self) -> H2Protocol:
@@ -146,9 +167,11 @@ class Server(grpclib.server.Server):
 
 
 def limited_handler(
-    handler: grpclib.const.Handler, reader: MessageReader,
-    enter: Callable[[Stream], bool], leave: Callable[[Stream], None],
-) -> grpclib.const.Handler:  # fmt: skip
+    handler: grpclib.const.Handler,
+    reader: MessageReader,
+    enter: Callable[[Stream], bool],
+    leave: Callable[[Stream], None],
+) -> grpclib.const.Handler:
     """A grpclib handler whose stream reads through `reader` and counts against a stream limit
     (`enter` False: refused with RESOURCE_EXHAUSTED), for services grpclib would read unbounded."""
 
@@ -190,7 +213,7 @@ class FastIO:
 
     def __init__(
         self, stream: grpclib.server.Stream[Any, Any], reader: MessageReader, flusher: Flusher, headers: ResponseHeaders
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.stream = stream
         self._reader = reader
         self._flusher = flusher

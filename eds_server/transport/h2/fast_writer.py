@@ -186,9 +186,7 @@ class FlushingConnection(Connection):
     Holds its h2 connection and transport under names of its own, so the fast path reaches them
     through the public `Stream.connection` rather than grpclib's private attributes."""
 
-    def __init__(
-        self, h2: GuardedH2Connection, transport: asyncio.Transport, *, config: Any, flusher: Flusher
-    ) -> None:  # fmt: skip
+    def __init__(self, h2: GuardedH2Connection, transport: asyncio.Transport, *, config: Any, flusher: Flusher) -> None:
         self.h2 = h2
         self.queued = QueuedTransport(transport)
         super().__init__(h2, cast(asyncio.Transport, self.queued), config=config)

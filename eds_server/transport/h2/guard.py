@@ -98,16 +98,21 @@ class FrameGuard:
         "on_frame",
         "on_small",
         "refusal",
-    )  # fmt: skip
+    )
 
     def __init__(
-        self, *, max_frame_size: int, max_header_block: int, control: Bucket | None = None,
-        server: bool = True, drop_unknown: bool = False,
+        self,
+        *,
+        max_frame_size: int,
+        max_header_block: int,
+        control: Bucket | None = None,
+        server: bool = True,
+        drop_unknown: bool = False,
         on_frame: Callable[[int, int, int, int], Refusal | None] | None = None,
         on_block: Callable[[int, int, bytes, bytes], tuple[bytes, Refusal | None]] | None = None,
         on_data: Callable[[int, memoryview, bool], bytes] | None = None,
         on_small: Callable[[int, int, int, bytes], Refusal | None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.max_frame_size = max_frame_size
         self.max_header_block = max_header_block
         self.control = control  # the connection's control-frame budget (None: not charged here)
@@ -368,8 +373,11 @@ class FrameGuard:
 
     @staticmethod
     def _calm(what: str) -> Refusal:
-        return Refusal(ErrorCodes.ENHANCE_YOUR_CALM, "calm",
-                       f"GOAWAY ENHANCE_YOUR_CALM: over its budget of control frames ({what})")  # fmt: skip
+        return Refusal(
+            ErrorCodes.ENHANCE_YOUR_CALM,
+            "calm",
+            f"GOAWAY ENHANCE_YOUR_CALM: over its budget of control frames ({what})",
+        )
 
 
 _SMALL = frozenset((SettingsFrame.type, WindowUpdateFrame.type))  # frames whose payload on_small reads
@@ -432,8 +440,9 @@ class SendWindows:
                     stream, self.top = max(self.streams.items(), key=lambda item: item[1])  # exact, once
                     self.walks += 1
                     if value + self.top > MAX_WINDOW:
-                        return _flow_error(f"SETTINGS_INITIAL_WINDOW_SIZE of {value} takes stream {stream}'s window "
-                                           "past 2^31-1")  # fmt: skip
+                        return _flow_error(
+                            f"SETTINGS_INITIAL_WINDOW_SIZE of {value} takes stream {stream}'s window past 2^31-1"
+                        )
                 self.initial = value
         return None
 
@@ -615,9 +624,12 @@ class MessageMeter:
     __slots__ = ("budget", "clock", "max_size", "peer", "streams")
 
     def __init__(
-        self, max_size: int, budget: PartialBudget | None, peer: PeerBudgets | None,
+        self,
+        max_size: int,
+        budget: PartialBudget | None,
+        peer: PeerBudgets | None,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.max_size = max_size
         self.budget = budget
         self.peer = peer

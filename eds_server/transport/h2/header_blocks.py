@@ -85,8 +85,14 @@ class HeaderRelay:
                 frame: HeadersFrame | ContinuationFrame = HeadersFrame(sid, chunk, flags=names)
                 if self.priority is not None:
                     depends_on, weight, exclusive = self.priority
-                    frame = HeadersFrame(sid, chunk, flags={*names, "PRIORITY"}, depends_on=depends_on,
-                                         stream_weight=weight, exclusive=exclusive)  # fmt: skip
+                    frame = HeadersFrame(
+                        sid,
+                        chunk,
+                        flags={*names, "PRIORITY"},
+                        depends_on=depends_on,
+                        stream_weight=weight,
+                        exclusive=exclusive,
+                    )
             else:
                 frame = ContinuationFrame(sid, chunk)
             if last:
@@ -122,8 +128,16 @@ def _length(n: int) -> bytes:
 
 
 def _flag_names(flags: int) -> set[str]:
-    return {name for name, bit in (("END_STREAM", END_STREAM), ("END_HEADERS", END_HEADERS),
-                                   ("PADDED", PADDED), ("PRIORITY", PRIORITY)) if flags & bit}  # fmt: skip
+    return {
+        name
+        for name, bit in (
+            ("END_STREAM", END_STREAM),
+            ("END_HEADERS", END_HEADERS),
+            ("PADDED", PADDED),
+            ("PRIORITY", PRIORITY),
+        )
+        if flags & bit
+    }
 
 
 def problem(fields: Fields, request: bool) -> str | None:

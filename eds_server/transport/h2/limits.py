@@ -230,12 +230,16 @@ class Gate:
                 self._prune_at = 2 * len(self.peers)
             peer = self.peers[ip] = PeerBudgets(limits, ip)
         if peer.connections >= limits.max_connections_per_ip and 2 * self.connections >= limits.max_connections:
-            self._make_room(peer, f"{ip} holds its limit of {limits.max_connections_per_ip} connections "
-                                  "(server half full)")  # fmt: skip
+            self._make_room(
+                peer, f"{ip} holds its limit of {limits.max_connections_per_ip} connections (server half full)"
+            )
         elif self.connections >= limits.max_connections:
             top = self._top_peer()
-            self._make_room(top, f"server holds its limit of {limits.max_connections} connections, "
-                                 f"{top.ip} the most ({top.connections})")  # fmt: skip
+            self._make_room(
+                top,
+                f"server holds its limit of {limits.max_connections} connections, "
+                f"{top.ip} the most ({top.connections})",
+            )
         self._count(peer, +1)
         peer.held[holder] = None
         return peer

@@ -78,8 +78,9 @@ def weight(peer: PeerBudgets) -> int:
 class MemoryWatermark:
     """One server's watermark (see the module's docstring)."""
 
-    def __init__(self, gate: Gate, limit: int, rss: Callable[[], int] = process_rss,
-                 awaiting_watermark: int = AWAITING_WATERMARK) -> None:  # fmt: skip
+    def __init__(
+        self, gate: Gate, limit: int, rss: Callable[[], int] = process_rss, awaiting_watermark: int = AWAITING_WATERMARK
+    ) -> None:
         self.gate = gate
         self.limit = limit
         self.awaiting_watermark = awaiting_watermark
@@ -96,16 +97,21 @@ class MemoryWatermark:
         if rss < self.limit * PRESSURE:
             self._lagging(lag)
             return
-        held, heaviest = max(((weight(p), p) for p in self.gate.peers.values() if p.held),
-                             key=lambda x: x[0], default=(0, None))  # fmt: skip
+        held, heaviest = max(
+            ((weight(p), p) for p in self.gate.peers.values() if p.held), key=lambda x: x[0], default=(0, None)
+        )
         if heaviest is None or not held:
             return  # nothing any client holds is worth closing: the memory is the server's own
         mb = rss / (1 << 20)
         if heaviest is not self.throttled:
             self._throttle(heaviest)
-            self.gate.shed("overload", heaviest.ip, f"refusing its new streams: memory at {mb:.0f} MB "
-                                                    f"(limit {self.limit / (1 << 20):.0f} MB), it holds the most "
-                                                    f"(~{held / (1 << 20):.1f} MB)")  # fmt: skip
+            self.gate.shed(
+                "overload",
+                heaviest.ip,
+                f"refusing its new streams: memory at {mb:.0f} MB "
+                f"(limit {self.limit / (1 << 20):.0f} MB), it holds the most "
+                f"(~{held / (1 << 20):.1f} MB)",
+            )
         if rss >= self.limit:
             holder = max(heaviest.held, key=lambda h: h.memory(), default=None)
             if holder is None:

@@ -128,8 +128,9 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
     """grpclib's protocol for one connection, below which the gRPC port's per-client limits hold
     (docs/limits.md lists the few that need h2's insides and do not)."""
 
-    def __init__(self, inner: asyncio.Protocol, gate: Gate, max_message_size: int = 0,
-                 budget: PartialBudget | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, inner: asyncio.Protocol, gate: Gate, max_message_size: int = 0, budget: PartialBudget | None = None
+    ) -> None:
         self.inner = inner
         self.gate = gate
         self.max_message_size = max_message_size or 1 << 32  # 0: no limit (4 bytes of length prefix)
@@ -182,12 +183,18 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._settings_acked = False  # the client has our SETTINGS (MAX_CONCURRENT_STREAMS)
         self._over_cap = 0  # streams refused past that limit before it had them
         self._requested = False  # a stream has sent request data
-        self._guard = FrameGuard(max_frame_size=STOCK_MAX_FRAME, max_header_block=limits.max_header_block,
-                                 control=control, drop_unknown=True, on_frame=self._received,
-                                 on_block=self._block, on_data=self._data, on_small=self._small)  # fmt: skip
+        self._guard = FrameGuard(
+            max_frame_size=STOCK_MAX_FRAME,
+            max_header_block=limits.max_header_block,
+            control=control,
+            drop_unknown=True,
+            on_frame=self._received,
+            on_block=self._block,
+            on_data=self._data,
+            on_small=self._small,
+        )
         self._windows = SendWindows()
-        self._outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False,
-                                    on_frame=self._sent)  # fmt: skip
+        self._outbound = FrameGuard(max_frame_size=1 << 24, max_header_block=1 << 30, server=False, on_frame=self._sent)
         self._tap = _Tap(self._transport, self._outbound)
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
@@ -423,8 +430,9 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        goaway = GoAwayFrame(0, last_stream_id=self._ledger.highest, error_code=code,
-                             additional_data=why.encode()[:200])  # fmt: skip
+        goaway = GoAwayFrame(
+            0, last_stream_id=self._ledger.highest, error_code=code, additional_data=why.encode()[:200]
+        )
         transport.write(goaway.serialize())
         transport.close()
         asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
@@ -461,8 +469,9 @@ class StockServer(grpclib.server.Server):
 
     fast = False
 
-    def __init__(self, handlers: list[Any], *, limits: ConnectionLimits, max_message_size: int = 0,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self, handlers: list[Any], *, limits: ConnectionLimits, max_message_size: int = 0, **kwargs: Any
+    ) -> None:
         super().__init__(handlers, **kwargs)
         self.limits = limits
         self.max_message_size = max_message_size
@@ -471,8 +480,10 @@ class StockServer(grpclib.server.Server):
         self.ssl: SSLContext | None = None
         self._sock: socket.socket | None = None
         if not callable(getattr(grpclib.server.Server, "_protocol_factory", None)):  # then never called
-            log.warning("HTTP/2: this grpclib has no Server._protocol_factory: the stock path runs without "
-                        "its per-client limits (docs/limits.md)")  # fmt: skip
+            log.warning(
+                "HTTP/2: this grpclib has no Server._protocol_factory: the stock path runs without "
+                "its per-client limits (docs/limits.md)"
+            )
 
     def _protocol_factory(self) -> Any:  # grpclib's own, below the guard
         inner = super()._protocol_factory()
@@ -483,9 +494,15 @@ class StockServer(grpclib.server.Server):
         return StockIO(stream)
 
     async def start(
-        self, host: str | None = None, port: int | None = None, *, ssl: SSLContext | None = None,
-        path: str | None = None, sock: socket.socket | None = None, **kwargs: Any,
-    ) -> None:  # fmt: skip
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        ssl: SSLContext | None = None,
+        path: str | None = None,
+        sock: socket.socket | None = None,
+        **kwargs: Any,
+    ) -> None:
         """On `host`:`port`, a Unix socket `path`, or a listening socket handed over (a worker's)."""
         fit_to_file_limit(self.limits)
         if path is not None:  # a Unix socket: the workers' link to their owner

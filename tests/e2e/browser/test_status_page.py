@@ -45,11 +45,26 @@ def chromium(tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str
     assert CHROMIUM is not None
     profile = tmp / f"chromium-profile-{len(list(tmp.glob('chromium-profile-*')))}"
     return subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args, url],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={profile}",
+            *args,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
 
 
 def upstreams(web: list[Backend], api: list[Backend]) -> str:
@@ -78,23 +93,41 @@ async def test_status_page_in_a_real_browser(tmp_path: Path) -> None:
             path, "--state", str(state), "--admin-token", TOKEN, "--registration-allow-cidr", "127.0.0.0/8"
         ) as server:
             admin = f"http://127.0.0.1:{server.admin_port}"
-            async with aiohttp.ClientSession() as s, s.put(f"{admin}/v1/groups/web/endpoints/vm-1",
-                             json={"address": "127.0.0.2", "port": 8080, "region": "eu-west-1"},
-                             headers={"Authorization": f"Bearer {TOKEN}"}) as r:  # fmt: skip
+            async with (
+                aiohttp.ClientSession() as s,
+                s.put(
+                    f"{admin}/v1/groups/web/endpoints/vm-1",
+                    json={"address": "127.0.0.2", "port": 8080, "region": "eu-west-1"},
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                ) as r,
+            ):
                 assert r.status == 201, await r.text()
-            bootstrap = envoy_bootstrap(server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")],
-                                        free_port(), routes={"/api": "api-cluster", "/": "web"})  # fmt: skip
+            bootstrap = envoy_bootstrap(
+                server.port,
+                [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")],
+                free_port(),
+                routes={"/api": "api-cluster", "/": "web"},
+            )
             async with EnvoyProcess(bootstrap) as envoy, nacking_client(server.port, "api", HOSTILE_NODE, NACK_MESSAGE):
                 await envoy.wait_live()
                 await envoy.wait_for(lambda: server.admin("/v1/streams"), _three_streams_one_nack)
-                await wait_for(lambda: server.admin("/v1/groups/api"),
-                               lambda g: g["endpoints"][0].get("check", {}).get("result") == "pass",
-                               timeout=10, what="the api endpoint checked")  # fmt: skip
+                await wait_for(
+                    lambda: server.admin("/v1/groups/api"),
+                    lambda g: g["endpoints"][0].get("check", {}).get("result") == "pass",
+                    timeout=10,
+                    what="the api endpoint checked",
+                )
                 web_version = await envoy.version_text("web")
                 dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
                 shot = tmp_path / "status-page.png"
-                await asyncio.to_thread(chromium, tmp_path, admin + "/", f"--screenshot={shot}",
-                                        "--window-size=1280,1500", "--hide-scrollbars")  # fmt: skip
+                await asyncio.to_thread(
+                    chromium,
+                    tmp_path,
+                    admin + "/",
+                    f"--screenshot={shot}",
+                    "--window-size=1280,1500",
+                    "--hide-scrollbars",
+                )
     page = dom.stdout
     (tmp_path / "status-page.html").write_text(page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
@@ -147,13 +180,15 @@ async def test_a_file_broken_after_a_good_load_turns_the_badge_amber(tmp_path: P
         await wait_for(lambda: server.admin("/readyz"), lambda b: b["state"] == "degraded", timeout=15)
         dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
         shot = tmp_path / "status-page-degraded.png"
-        await asyncio.to_thread(chromium, tmp_path, admin + "/", f"--screenshot={shot}",
-                                "--window-size=1280,600", "--hide-scrollbars")  # fmt: skip
+        await asyncio.to_thread(
+            chromium, tmp_path, admin + "/", f"--screenshot={shot}", "--window-size=1280,600", "--hide-scrollbars"
+        )
     page = dom.stdout
     (tmp_path / "status-page-degraded.html").write_text(page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    badge = re.search(r'<span class="pill ([a-z ]+)" id="state" data-state="degraded" title="([^"]*)">(.*?)</span>',
-                      page, re.S)  # fmt: skip
+    badge = re.search(
+        r'<span class="pill ([a-z ]+)" id="state" data-state="degraded" title="([^"]*)">(.*?)</span>', page, re.S
+    )
     assert badge, page[:2000]
     assert badge.group(1) == "degraded"
     assert badge.group(3) == f"degraded: serving the last good state of file:{path} (why: Sources)"  # not the error
@@ -177,25 +212,33 @@ async def test_the_demos_status_page_is_the_picture_the_docs_show(tmp_path: Path
     checks the page can also write docs/status-page.png, so the picture follows the page."""
     log = tmp_path / "demo.log"
     with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "eds_server", "demo", "--free-ports",
-                                                    stdout=out, stderr=out, cwd=tmp_path)  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "eds_server", "demo", "--free-ports", stdout=out, stderr=out, cwd=tmp_path
+        )
         try:
-            found = await wait_for(lambda: asyncio.sleep(0, log.read_text()),
-                                   lambda text: re.search(r"eds-server \(gRPC :\d+, admin :(\d+)\)", text),
-                                   timeout=30, what="the demo's banner")  # fmt: skip
+            found = await wait_for(
+                lambda: asyncio.sleep(0, log.read_text()),
+                lambda text: re.search(r"eds-server \(gRPC :\d+, admin :(\d+)\)", text),
+                timeout=30,
+                what="the demo's banner",
+            )
             port = re.search(r"eds-server \(gRPC :\d+, admin :(\d+)\)", found)
             assert port is not None, found
             admin = f"http://127.0.0.1:{port.group(1)}"
             await wait_for(
                 lambda: _get_json(admin + "/v1/streams"), _both_acked, timeout=30, interval=0.2, what="Envoy's ACKs"
             )
-            await wait_for(lambda: _get_json(admin + "/v1/groups/api"),
-                           lambda g: g["endpoints"][0].get("check", {}).get("result") == "pass",
-                           timeout=15, what="the api endpoint checked")  # fmt: skip
+            await wait_for(
+                lambda: _get_json(admin + "/v1/groups/api"),
+                lambda g: g["endpoints"][0].get("check", {}).get("result") == "pass",
+                timeout=15,
+                what="the api endpoint checked",
+            )
             dom = await asyncio.to_thread(chromium, tmp_path, admin + "/", "--dump-dom")
             shot = tmp_path / "status-page.png"
-            await asyncio.to_thread(chromium, tmp_path, admin + "/", f"--screenshot={shot}",
-                                    "--window-size=1000,720", "--hide-scrollbars")  # fmt: skip
+            await asyncio.to_thread(
+                chromium, tmp_path, admin + "/", f"--screenshot={shot}", "--window-size=1000,720", "--hide-scrollbars"
+            )
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGINT)
@@ -255,13 +298,29 @@ def test_long_lists_are_cut_with_a_link_and_everything_is_escaped() -> None:
     """Pure rendering: bounded however much there is."""
     ep = {"address": "::1", "port": 80, "health": "<draining>", "zone": "<z>", "source": "file:<f>"}
     groups = [{"name": f"g{i}<", "version": "v<1>", "sources": ["s<"], "endpoints": [ep] * 60} for i in range(200)]
-    streams = [{"node": "n<", "cluster": "c<", "peer": "p<", "transport": "sotw", "last_nack": "<x>",
-                "names": {f"g{i}<": {"sent": "v<", "acked": None, "nacked": "v<"} for i in range(30)},
-                "names_total": 500}] * 200  # fmt: skip
+    streams = [
+        {
+            "node": "n<",
+            "cluster": "c<",
+            "peer": "p<",
+            "transport": "sotw",
+            "last_nack": "<x>",
+            "names": {f"g{i}<": {"sent": "v<", "acked": None, "nacked": "v<"} for i in range(30)},
+            "names_total": 500,
+        }
+    ] * 200
     state = serving_state(False, [{"name": "file:<p>", "loaded": False}])
-    page = status_page.render(version="1<", state=state, sources=[{"name": "<s>", "loaded": 0}],
-                              groups=groups, total_groups=300, total_endpoints=18_000, streams=streams,
-                              stats={"nacks_by_group": {"g0<": 2}}, total_streams=250)  # fmt: skip
+    page = status_page.render(
+        version="1<",
+        state=state,
+        sources=[{"name": "<s>", "loaded": 0}],
+        groups=groups,
+        total_groups=300,
+        total_endpoints=18_000,
+        streams=streams,
+        stats={"nacks_by_group": {"g0<": 2}},
+        total_streams=250,
+    )
     assert "200 of 300 shown" in page and "50 of 60 shown" in page and "200 of 250 shown" in page
     assert "... 500 names" in page and "250 streams" in page and "not ready: waiting for file:&lt;p&gt;" in page
     assert page.count('<section class="group"') == 200 and page.count("<tr") < 200 * 52 + 202
@@ -270,13 +329,27 @@ def test_long_lists_are_cut_with_a_link_and_everything_is_escaped() -> None:
 
 
 def test_a_group_held_back_shows_why() -> None:
-    group = {"name": "web", "version": "v1", "sources": ["file:u", "registrations"], "endpoints": [],
-             "error": "endpoint weights in priority 0 add up to <4294967296>"}  # fmt: skip
-    page = status_page.render(version="1", state=READY, sources=[], groups=[group], total_groups=1,
-                              total_endpoints=0, streams=[], stats={})  # fmt: skip
+    group = {
+        "name": "web",
+        "version": "v1",
+        "sources": ["file:u", "registrations"],
+        "endpoints": [],
+        "error": "endpoint weights in priority 0 add up to <4294967296>",
+    }
+    page = status_page.render(
+        version="1", state=READY, sources=[], groups=[group], total_groups=1, total_endpoints=0, streams=[], stats={}
+    )
     assert 'class="bad conflict"' in page and "add up to &lt;4294967296&gt;" in page
-    ok = status_page.render(version="1", state=READY, sources=[], groups=[{**group, "error": None}],
-                            total_groups=1, total_endpoints=0, streams=[], stats={})  # fmt: skip
+    ok = status_page.render(
+        version="1",
+        state=READY,
+        sources=[],
+        groups=[{**group, "error": None}],
+        total_groups=1,
+        total_endpoints=0,
+        streams=[],
+        stats={},
+    )
     assert "conflict" not in ok
 
 
@@ -293,19 +366,21 @@ def test_a_containers_name_is_shown_next_to_its_address() -> None:
     """With Docker, an address says little (containers come and go, IPs are reused): the page names
     the container, as the Docker source keeps it (Swarm: the task, Kubernetes: the pod)."""
     inspect = {
-        "Id": "0123456789abcdef", "Name": "/eds-server-web-2",
+        "Id": "0123456789abcdef",
+        "Name": "/eds-server-web-2",
         "State": {"Status": "running", "Running": True},
         "Config": {"Labels": {"eds.group": "web", "eds.port": "80"}},
         "HostConfig": {"NetworkMode": "eds-server_default"},
         "NetworkSettings": {"Networks": {"eds-server_default": {"IPAddress": "172.18.0.5"}}},
-    }  # fmt: skip
+    }
     found = container_endpoints(inspect, DockerOptions())
     endpoints = [{**endpoint_json(found.endpoints["web"]), "source": "docker"}]
     unnamed = {"address": "10.0.0.9", "port": 80, "health": "healthy", "source": "file:u"}
     long_name = {**unnamed, "address": "10.0.0.10", "hostname": "x" * 500}
     group = {"name": "web", "version": "v1", "sources": ["docker"], "endpoints": [*endpoints, unnamed, long_name]}
-    page = status_page.render(version="1", state=READY, sources=[], groups=[group], total_groups=1,
-                              total_endpoints=3, streams=[], stats={})  # fmt: skip
+    page = status_page.render(
+        version="1", state=READY, sources=[], groups=[group], total_groups=1, total_endpoints=3, streams=[], stats={}
+    )
     assert '172.18.0.5:80</td><td class="mono hostname">eds-server-web-2</td>' in page
     assert '10.0.0.9:80</td><td class="mono hostname"><span class="muted">-</span></td>' in page
     cut = "x" * (status_page.MOST_HOSTNAME_CHARS - 1) + "\u2026"
@@ -313,24 +388,53 @@ def test_a_containers_name_is_shown_next_to_its_address() -> None:
 
 
 def test_workers_are_listed_with_one_that_is_down_marked() -> None:
-    workers = [{"worker": 1, "pid": 10, "alive": True, "restarts": 0, "streams_open": 7},
-               {"worker": 2, "pid": 11, "alive": False, "restarts": 3, "streams_open": None}]  # fmt: skip
-    page = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
-                              streams=[], stats={"workers": workers})  # fmt: skip
+    workers = [
+        {"worker": 1, "pid": 10, "alive": True, "restarts": 0, "streams_open": 7},
+        {"worker": 2, "pid": 11, "alive": False, "restarts": 3, "streams_open": None},
+    ]
+    page = status_page.render(
+        version="1",
+        state=READY,
+        sources=[],
+        groups=[],
+        total_groups=0,
+        total_endpoints=0,
+        streams=[],
+        stats={"workers": workers},
+    )
     assert '<h2 id="workers">' in page
     assert '<td>1</td><td>10</td><td class="">up</td><td>0</td><td>7</td>' in page
     assert '<td class="bad">down</td><td>3</td>' in page
-    single = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
-                                streams=[], stats={})  # fmt: skip
+    single = status_page.render(
+        version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0, streams=[], stats={}
+    )
     assert 'id="workers"' not in single
 
 
 def test_acks_count_responses_and_a_resumed_stream_says_what_it_held() -> None:
     """After a restart Envoy reconnects saying which version it holds; nothing is resent, so nothing is
     ACKed: the header counts ACKs of responses sent, the stream shows the version held."""
-    streams = [{"node": "n", "cluster": "c", "peer": "p", "transport": "sotw", "last_nack": None,
-                "names": {"web": {"sent": "v1", "acked": "v1", "nacked": None}}, "names_total": 1}]  # fmt: skip
-    page = status_page.render(version="1", state=READY, sources=[], groups=[], total_groups=0, total_endpoints=0,
-                              streams=streams, stats={"acks": 0, "nacks": 0}, total_streams=1)  # fmt: skip
+    streams = [
+        {
+            "node": "n",
+            "cluster": "c",
+            "peer": "p",
+            "transport": "sotw",
+            "last_nack": None,
+            "names": {"web": {"sent": "v1", "acked": "v1", "nacked": None}},
+            "names_total": 1,
+        }
+    ]
+    page = status_page.render(
+        version="1",
+        state=READY,
+        sources=[],
+        groups=[],
+        total_groups=0,
+        total_endpoints=0,
+        streams=streams,
+        stats={"acks": 0, "nacks": 0},
+        total_streams=1,
+    )
     assert "0 ACKs, 0 NACKs of responses sent since start" in page
     assert "ACKed (or held when it connected)" in page and "ACKed <code>v1</code>" in page

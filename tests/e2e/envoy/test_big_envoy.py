@@ -60,11 +60,14 @@ def bootstraps(server: EdsServerProcess, envoys: int, clusters: int, api: ApiTyp
     config, as a fleet of identical Envoys on one host is; each with a node id of its own."""
     return [
         envoy_bootstrap(
-            server.port, [EdsCluster(f"c{i}", api_type=api) for i in range(clusters)],
-            xds_circuit_breakers=XDS_BREAKERS, xds_retry_back_off=XDS_BACK_OFF, node_id=f"big-{n}",
+            server.port,
+            [EdsCluster(f"c{i}", api_type=api) for i in range(clusters)],
+            xds_circuit_breakers=XDS_BREAKERS,
+            xds_retry_back_off=XDS_BACK_OFF,
+            node_id=f"big-{n}",
         )
         for n in range(envoys)
-    ]  # fmt: skip
+    ]
 
 
 async def served(envoys: Sequence[EnvoyProcess], clusters: int) -> int:
@@ -118,8 +121,10 @@ async def connections(server: EdsServerProcess, envoys: Sequence[EnvoyProcess]) 
     looks = await asyncio.gather(*(e.stats(rf"^{re.escape(key)}(active|total)$") for e in envoys))
     per_envoy = " ".join(f"{look[key + 'active']}/{look[key + 'total']}" for look in looks)
     stats, spread = await server.admin("/v1/stats"), await streams_per_connection(server)
-    return (f"Envoy xDS connections open/opened {per_envoy}; eds-server {stats['streams_open']} streams on"
-            f" {stats['connections_open']} connections, per connection {spread}")  # fmt: skip
+    return (
+        f"Envoy xDS connections open/opened {per_envoy}; eds-server {stats['streams_open']} streams on"
+        f" {stats['connections_open']} connections, per connection {spread}"
+    )
 
 
 def refusals(stats: dict[str, Any]) -> dict[str, int]:
@@ -143,15 +148,19 @@ async def cold_start(server: EdsServerProcess, envoys: Sequence[EnvoyProcess], c
         took = await wait_all_served(envoys, clusters, start, COLD_START)
     except AssertionError as e:
         stats = await server.admin("/v1/stats")
-        e.add_note(f"eds-server: {stats['streams_open']} streams open, turned away {refusals(stats)};"
-                   f" {turned_away(server.log_text())}")  # fmt: skip
+        e.add_note(
+            f"eds-server: {stats['streams_open']} streams open, turned away {refusals(stats)};"
+            f" {turned_away(server.log_text())}"
+        )
         raise
     print(f"\ncold start: {len(envoys) * clusters} clusters served in {took:.1f}s; {await connections(server, envoys)}")
     assert await streams_open(server) == len(envoys) * clusters
     await assert_nobody_turned_away(server, server.log_text())
     for envoy in envoys:  # and each its own group's endpoint, once, with the full (dearer) look
-        ports = {c["name"]: [h["address"]["socket_address"]["port_value"] for h in c.get("host_statuses", [])]
-                 for c in (await envoy.clusters())["cluster_statuses"]}  # fmt: skip
+        ports = {
+            c["name"]: [h["address"]["socket_address"]["port_value"] for h in c.get("host_statuses", [])]
+            for c in (await envoy.clusters())["cluster_statuses"]
+        }
         assert all(ports[f"c{i}"] == [10000 + i] for i in range(clusters)), envoy.bootstrap["node"]
 
 
@@ -190,8 +199,10 @@ async def restart(server: EdsServerProcess, envoys: Sequence[EnvoyProcess], clus
         watcher.cancel()
     log = server.log_text()[log_before:]
     print(f"restart: stopped in {started - stopping:.1f}s, ready {ready:.1f}s after the start; streams {counts}")
-    print(f"restart: {streams} of {want} streams back in {took:.1f}s; clusters served, fewest in"
-          f" {len(looks)} looks: {min(looks)}; {await connections(server, envoys)}")  # fmt: skip
+    print(
+        f"restart: {streams} of {want} streams back in {took:.1f}s; clusters served, fewest in"
+        f" {len(looks)} looks: {min(looks)}; {await connections(server, envoys)}"
+    )
     assert min(looks) == want, f"a cluster lost its endpoints during the restart: {min(looks)} of {want} served"
     assert streams == want and took <= RESTART, f"{streams} of {want} streams back in {took:.1f}s; {turned_away(log)}"
     await assert_nobody_turned_away(server, log)

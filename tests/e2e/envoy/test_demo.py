@@ -53,15 +53,22 @@ async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -
             busy.bind(("127.0.0.1", 9901))
             busy.listen()
         # from outside the checkout: the example and Envoy's config come from the package
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "eds_server", "demo", "--free-ports",
-                                                    stdout=out, stderr=out, cwd=tmp_path)  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "eds_server", "demo", "--free-ports", stdout=out, stderr=out, cwd=tmp_path
+        )
         try:
-            found = await wait_for(lambda: asyncio.sleep(0, log.read_text()),
-                                   lambda text: re.search(r"Edit (\S+/upstreams\.yaml)", text), timeout=30)  # fmt: skip
+            found = await wait_for(
+                lambda: asyncio.sleep(0, log.read_text()),
+                lambda text: re.search(r"Edit (\S+/upstreams\.yaml)", text),
+                timeout=30,
+            )
             copy = Path(re.search(r"Edit (\S+/upstreams\.yaml)", found).group(1))  # type: ignore[union-attr]
             assert copy != EXAMPLE and copy.exists() and "eds-demo-" in str(copy)
-            banner = re.search(r"eds-server \(gRPC :(\d+), admin :(\d+)\), 3 sample backends \(:(\d+), :(\d+), "
-                               r":(\d+)\), Envoy \(listener :(\d+), admin :(\d+)\)", found)  # fmt: skip
+            banner = re.search(
+                r"eds-server \(gRPC :(\d+), admin :(\d+)\), 3 sample backends \(:(\d+), :(\d+), "
+                r":(\d+)\), Envoy \(listener :(\d+), admin :(\d+)\)",
+                found,
+            )
             assert banner is not None, found
             grpc, admin, b1, b2, b3, listener, envoy_admin = map(int, banner.groups())
             assert envoy_admin != 9901 and len({grpc, admin, b1, b2, b3, listener, envoy_admin}) == 7
@@ -72,9 +79,13 @@ async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -
                 assert (await r.text()).startswith(
                     (f"hello from web backend 127.0.0.1:{b1}", f"hello from web backend 127.0.0.1:{b2}")
                 )
-            await wait_for(lambda: _get_json(f"http://127.0.0.1:{envoy_admin}/clusters?format=json"),
-                           lambda c: any(s["name"] == "web" and len(s.get("host_statuses", [])) == 2
-                                         for s in c["cluster_statuses"]), timeout=30)  # fmt: skip
+            await wait_for(
+                lambda: _get_json(f"http://127.0.0.1:{envoy_admin}/clusters?format=json"),
+                lambda c: any(
+                    s["name"] == "web" and len(s.get("host_statuses", [])) == 2 for s in c["cluster_statuses"]
+                ),
+                timeout=30,
+            )
             copy.write_text(copy.read_text().replace(f"      - 127.0.0.1:{b1}\n", ""))
             await wait_for(
                 lambda: _get_json(f"http://127.0.0.1:{admin}/v1/groups/web"),
@@ -86,7 +97,11 @@ async def test_demo_serves_a_copy_and_leaves_the_example_alone(tmp_path: Path) -
                 proc.send_signal(signal.SIGINT)
             code = await asyncio.wait_for(proc.wait(), 20)
     assert code == 0, log.read_text()
-    assert log.read_text().rstrip().splitlines()[-1].startswith("eds-server demo stopped: Envoy, eds-server and "
-                                                               "the 3 sample backends are down")  # fmt: skip
+    assert (
+        log.read_text()
+        .rstrip()
+        .splitlines()[-1]
+        .startswith("eds-server demo stopped: Envoy, eds-server and the 3 sample backends are down")
+    )
     assert not copy.exists() and not copy.parent.exists()
     assert hashlib.sha256(EXAMPLE.read_bytes()).hexdigest() == before

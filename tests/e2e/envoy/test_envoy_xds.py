@@ -109,7 +109,9 @@ async def test_weight_locality_health_priority_hostname(
 ) -> None:
     _, envoy, path = stack
     b0, b1, b2 = (b.port for b in backends)
-    write_atomically(path, f"""\
+    write_atomically(
+        path,
+        f"""\
 groups:
   web:
     endpoints:
@@ -127,11 +129,12 @@ groups:
         priority: 1
   api:
     endpoints: [127.0.0.1:{b2}]
-""")  # fmt: skip
+""",
+    )
     hosts = await envoy.wait_for(
-        lambda: envoy.hosts("web"), lambda hs: {h.port for h in hs} == {b0, b1} and
-        any(h.weight == 3 for h in hs),
-    )  # fmt: skip
+        lambda: envoy.hosts("web"),
+        lambda hs: {h.port for h in hs} == {b0, b1} and any(h.weight == 3 for h in hs),
+    )
     by_port: dict[int, Host] = {h.port: h for h in hosts}
     assert by_port[b0].weight == 3
     assert tuple(by_port[b0].locality) == ("eu-west-1", "eu-west-1a", "rack-1")
@@ -187,8 +190,9 @@ async def test_group_removed_and_added_back(
     stack: tuple[EdsServerProcess, EnvoyProcess, Path], backends: list[Backend]
 ) -> None:
     _, envoy, path = stack
-    write_atomically(path, "groups:\n  api:\n    endpoints: []\n"
-                     f"  later:\n    endpoints: [127.0.0.1:{backends[0].port}]\n")  # fmt: skip
+    write_atomically(
+        path, f"groups:\n  api:\n    endpoints: []\n  later:\n    endpoints: [127.0.0.1:{backends[0].port}]\n"
+    )
     await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: h == [])
     await envoy.wait_for(lambda: envoy.hosts("api-cluster"), lambda h: h == [])
     await envoy.wait_for(lambda: ports(envoy, "later"), lambda p: p == {backends[0].port})
@@ -273,9 +277,9 @@ async def test_envoy_is_back_within_seconds_after_an_outage(
 async def test_150_clusters_on_one_connection(tmp_path: Path) -> None:
     n = 150
     path = tmp_path / "upstreams.yaml"
-    path.write_text("groups:\n" + "".join(
-        f"  c{i}:\n    endpoints: [127.0.0.{1 + i // 200}:{10000 + i}]\n" for i in range(n)
-    ))  # fmt: skip
+    path.write_text(
+        "groups:\n" + "".join(f"  c{i}:\n    endpoints: [127.0.0.{1 + i // 200}:{10000 + i}]\n" for i in range(n))
+    )
     async with EdsServerProcess(path) as server:
         bootstrap = envoy_bootstrap(server.port, [EdsCluster(f"c{i}") for i in range(n)])
         async with EnvoyProcess(bootstrap) as envoy:
@@ -321,8 +325,9 @@ async def test_envoy_restart_converges_and_leaves_no_streams_behind(
 ) -> None:
     server, envoy, _ = stack
     before = len((await server.admin("/v1/streams"))["streams"])
-    async with EnvoyProcess(envoy.bootstrap | {"admin": {"address": {"socket_address":
-                            {"address": "127.0.0.1", "port_value": 0}}}}) as second:  # fmt: skip
+    async with EnvoyProcess(
+        envoy.bootstrap | {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}}
+    ) as second:
         await second.wait_live()
         assert await ports(second, "web") == {backends[0].port, backends[1].port}
         assert await second.version_text("web") == await envoy.version_text("web")

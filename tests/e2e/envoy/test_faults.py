@@ -15,13 +15,22 @@ TOKEN = "test-token-0123456789"
 
 async def test_acknowledged_registration_survives_kill_9(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    server = EdsServerProcess(None, "--state", str(state), "--admin-token", TOKEN,
-                              "--registration-allow-cidr", "127.0.0.0/8", workdir=tmp_path)  # fmt: skip
+    server = EdsServerProcess(
+        None,
+        "--state",
+        str(state),
+        "--admin-token",
+        TOKEN,
+        "--registration-allow-cidr",
+        "127.0.0.0/8",
+        workdir=tmp_path,
+    )
     await server.start()
     url = f"http://127.0.0.1:{server.admin_port}/v1/groups/web/endpoints/vm-1"
     async with aiohttp.ClientSession() as s:
-        async with s.put(url, json={"address": "127.0.0.1", "port": 9001, "weight": 4},
-                         headers={"Authorization": f"Bearer {TOKEN}"}) as r:  # fmt: skip
+        async with s.put(
+            url, json={"address": "127.0.0.1", "port": 9001, "weight": 4}, headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as r:
             assert r.status == 201
         assert server.proc is not None
         server.proc.send_signal(signal.SIGKILL)  # right after the 2xx: no chance to flush anything

@@ -23,8 +23,10 @@ from tests.support.server_process import EdsServerProcess
 from tests.support.waiting import wait_for
 
 INTERVAL, UNHEALTHY, HEALTHY = 1.0, 2, 2
-CHECK = f"{{http: /health, interval: {INTERVAL:g}s, timeout: 500ms, healthy_threshold: {HEALTHY}, " \
-        f"unhealthy_threshold: {UNHEALTHY}}}"  # fmt: skip
+CHECK = (
+    f"{{http: /health, interval: {INTERVAL:g}s, timeout: 500ms, healthy_threshold: {HEALTHY}, "
+    f"unhealthy_threshold: {UNHEALTHY}}}"
+)
 
 
 @dataclass
@@ -95,8 +97,13 @@ async def test_failing_health_endpoint_leaves_rotation_and_comes_back(tmp_path: 
             sick.sick = True
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            await wait_for(lambda: envoy_health(envoy, sick.port), lambda h: h == "UNHEALTHY",
-                           timeout=UNHEALTHY * INTERVAL + 1.0, interval=0.05, what="b0 out of rotation")  # fmt: skip
+            await wait_for(
+                lambda: envoy_health(envoy, sick.port),
+                lambda h: h == "UNHEALTHY",
+                timeout=UNHEALTHY * INTERVAL + 1.0,
+                interval=0.05,
+                what="b0 out of rotation",
+            )
             out_after = loop.time() - t0
             watch.mark("b0 out of Envoy's rotation")
             # its threshold, no sooner, and from one process only
@@ -112,15 +119,22 @@ async def test_failing_health_endpoint_leaves_rotation_and_comes_back(tmp_path: 
             sick.sick = False
             watch.mark("b0 /health answers 200 again")
             t1 = loop.time()
-            await wait_for(lambda: envoy_health(envoy, sick.port), lambda h: h == "HEALTHY",
-                           timeout=HEALTHY * INTERVAL + 1.0, interval=0.05, what="b0 back in rotation")  # fmt: skip
+            await wait_for(
+                lambda: envoy_health(envoy, sick.port),
+                lambda h: h == "HEALTHY",
+                timeout=HEALTHY * INTERVAL + 1.0,
+                interval=0.05,
+                what="b0 back in rotation",
+            )
             back_after = loop.time() - t1
             hits_when_back = sick.hits
             await wait_for(lambda: sick.hits, lambda n: n > hits_when_back + 3, timeout=5, what="traffic to b0")
         failed = watch.failed()
-        print(f"out of rotation after {out_after:.2f}s, back after {back_after:.2f}s (bound "
-              f"{UNHEALTHY * INTERVAL + 1:g}s); {len(watch.requests)} requests through Envoy, "
-              f"{len(failed)} failed")  # fmt: skip
+        print(
+            f"out of rotation after {out_after:.2f}s, back after {back_after:.2f}s (bound "
+            f"{UNHEALTHY * INTERVAL + 1:g}s); {len(watch.requests)} requests through Envoy, "
+            f"{len(failed)} failed"
+        )
         assert len(watch.requests) >= 50 and failed == [], watch.summary("health checks")
         async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{server.admin_port}/metrics") as r:
             metrics = await r.text()
@@ -136,9 +150,12 @@ async def test_checker_cut_off_keeps_the_last_health_and_fails_nothing(tmp_path:
     path = tmp_path / "upstreams.yaml"
     health_port = free_port()
     async with AsyncExitStack() as stack:
-        backends = [await stack.enter_async_context(backend(Backend(f"b{i}", address=f"127.0.0.{i + 1}",
-                                                                    health_port=health_port)))
-                    for i in range(3)]  # fmt: skip
+        backends = [
+            await stack.enter_async_context(
+                backend(Backend(f"b{i}", address=f"127.0.0.{i + 1}", health_port=health_port))
+            )
+            for i in range(3)
+        ]
         eps = "\n".join(f"      - {{address: {b.address}, port: {b.port}}}" for b in backends)
         check = CHECK.replace("{http", f"{{port: {health_port}, http")
         path.write_text(f"groups:\n  web:\n    health_check: {check}\n    endpoints:\n{eps}\n")
@@ -146,18 +163,23 @@ async def test_checker_cut_off_keeps_the_last_health_and_fails_nothing(tmp_path:
         bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
         envoy = await stack.enter_async_context(EnvoyProcess(bootstrap))
         await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: [x.health for x in h] == ["HEALTHY"] * 3)
-        await wait_for(lambda: server.admin("/v1/groups/web"),
-                       lambda g: all(e["check"]["result"] == "pass" for e in g["endpoints"]),
-                       timeout=10, what="every endpoint checked")  # fmt: skip
+        await wait_for(
+            lambda: server.admin("/v1/groups/web"),
+            lambda g: all(e["check"]["result"] == "pass" for e in g["endpoints"]),
+            timeout=10,
+            what="every endpoint checked",
+        )
         async with FaultWatch(envoy, server) as watch:
             watch.mark("every health check black-holed")
             for b in backends:
                 b.black_hole = True
-            ready = await wait_for(lambda: server.admin("/readyz"), lambda r: r["state"] == "degraded",
-                                   timeout=10, what="degraded")  # fmt: skip
+            ready = await wait_for(
+                lambda: server.admin("/readyz"), lambda r: r["state"] == "degraded", timeout=10, what="degraded"
+            )
             assert "every health check fails at once" in ready["detail"], ready
-            await wait_for(lambda: min(b.held for b in backends), lambda n: n >= 2 * UNHEALTHY + 2, timeout=15,
-                           what="checks held")  # fmt: skip
+            await wait_for(
+                lambda: min(b.held for b in backends), lambda n: n >= 2 * UNHEALTHY + 2, timeout=15, what="checks held"
+            )
             assert {h.health for h in await envoy.hosts("web")} == {"HEALTHY"}
             group = await server.admin("/v1/groups/web")
             assert {e["health"] for e in group["endpoints"]} == {"healthy"}, group
@@ -194,8 +216,9 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *a: print
 async def backend_process(name: str) -> AsyncIterator[tuple[int, asyncio.subprocess.Process]]:
     """A backend in a process of its own, to freeze with SIGSTOP."""
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", BACKEND, str(port), name,
-                                                stdout=asyncio.subprocess.PIPE)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", BACKEND, str(port), name, stdout=asyncio.subprocess.PIPE
+    )
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
@@ -220,26 +243,36 @@ async def test_frozen_backend_leaves_rotation_and_what_fails_meanwhile_is_counte
         server = await stack.enter_async_context(EdsServerProcess(path, workdir=tmp_path))
         bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
         envoy = await stack.enter_async_context(EnvoyProcess(bootstrap))
-        await wait_for(lambda: server.admin("/v1/groups/web"),
-                       lambda g: all(e["check"]["result"] == "pass" for e in g["endpoints"]),
-                       timeout=10, what="every endpoint checked")  # fmt: skip
+        await wait_for(
+            lambda: server.admin("/v1/groups/web"),
+            lambda g: all(e["check"]["result"] == "pass" for e in g["endpoints"]),
+            timeout=10,
+            what="every endpoint checked",
+        )
         frozen_port, frozen = procs[0]
         async with FaultWatch(envoy, server) as watch:
             await asyncio.sleep(1.0)
             watch.mark("b0 frozen (SIGSTOP)")
             frozen.send_signal(signal.SIGSTOP)
             t0 = asyncio.get_running_loop().time()
-            await wait_for(lambda: envoy_health(envoy, frozen_port), lambda h: h == "UNHEALTHY",
-                           timeout=UNHEALTHY * INTERVAL + 1.0, interval=0.05, what="b0 out of rotation")  # fmt: skip
+            await wait_for(
+                lambda: envoy_health(envoy, frozen_port),
+                lambda h: h == "UNHEALTHY",
+                timeout=UNHEALTHY * INTERVAL + 1.0,
+                interval=0.05,
+                what="b0 out of rotation",
+            )
             out_after = asyncio.get_running_loop().time() - t0
             watch.mark("b0 out of Envoy's rotation")
             out_at = watch.now()
             await asyncio.sleep(4.0)  # past FaultWatch's 3 s client timeout: what was sent to b0 has failed
         failed = watch.failed()
         after = [r for r in failed if r.t > out_at]
-        print(f"frozen backend out of rotation after {out_after:.2f}s (bound {UNHEALTHY * INTERVAL + 1:g}s); "
-              f"{len(watch.requests)} requests through Envoy, {len(failed)} failed before it was out "
-              f"(sent to it while frozen), {len(after)} after")  # fmt: skip
+        print(
+            f"frozen backend out of rotation after {out_after:.2f}s (bound {UNHEALTHY * INTERVAL + 1:g}s); "
+            f"{len(watch.requests)} requests through Envoy, {len(failed)} failed before it was out "
+            f"(sent to it while frozen), {len(after)} after"
+        )
         group = await server.admin("/v1/groups/web")
         mine = next(e for e in group["endpoints"] if e["port"] == frozen_port)
         assert mine["health"] == "unhealthy" and mine["check"]["reason"].startswith("timed out"), mine

@@ -46,11 +46,12 @@ async def tiers(
         relay = EdsServerProcess(None, "--upstream-eds", f"127.0.0.1:{origin.port}", workdir=tmp_path)
         async with relay:
             bootstrap = envoy_bootstrap(
-                relay.port, [EdsCluster("web", api_type=api), EdsCluster("api-cluster", service_name="api",
-                                                                         api_type=api)],
-                free_port(), routes={"/api": "api-cluster", "/": "web"},
+                relay.port,
+                [EdsCluster("web", api_type=api), EdsCluster("api-cluster", service_name="api", api_type=api)],
+                free_port(),
+                routes={"/api": "api-cluster", "/": "web"},
                 xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"},
-            )  # fmt: skip
+            )
             async with EnvoyProcess(bootstrap) as envoy:
                 await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 2)
                 yield origin, relay, envoy, path
@@ -178,18 +179,28 @@ async def test_relay_over_mtls_to_an_origin_that_requires_client_certificates(
     path.write_text(upstreams(backends[:2], backends[2:]))
     tls = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-client-ca", str(ca.cert_path)]
     async with EdsServerProcess(path, *tls, workdir=tmp_path) as origin:
-        no_cert = EdsServerProcess(None, "--upstream-eds", f"127.0.0.1:{origin.port}",
-                                   "--upstream-eds-ca", str(ca.cert_path), workdir=tmp_path)  # fmt: skip
+        no_cert = EdsServerProcess(
+            None, "--upstream-eds", f"127.0.0.1:{origin.port}", "--upstream-eds-ca", str(ca.cert_path), workdir=tmp_path
+        )
         async with contextlib.AsyncExitStack() as stack:
             await no_cert.start(wait_ready=False)
             stack.push_async_callback(no_cert.stop)
-            refused = await wait_for(lambda: no_cert.admin("/readyz"),
-                                     lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"])  # fmt: skip
+            refused = await wait_for(
+                lambda: no_cert.admin("/readyz"), lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"]
+            )
             assert not refused["ready"]  # the origin wants a certificate: nothing is served
         relay = EdsServerProcess(
-            None, "--upstream-eds", f"127.0.0.1:{origin.port}", "--upstream-eds-ca", str(ca.cert_path),
-            "--upstream-eds-cert", str(client.cert), "--upstream-eds-key", str(client.key), workdir=tmp_path,
-        )  # fmt: skip
+            None,
+            "--upstream-eds",
+            f"127.0.0.1:{origin.port}",
+            "--upstream-eds-ca",
+            str(ca.cert_path),
+            "--upstream-eds-cert",
+            str(client.cert),
+            "--upstream-eds-key",
+            str(client.key),
+            workdir=tmp_path,
+        )
         async with relay:
             envoy = EnvoyProcess(envoy_bootstrap(relay.port, [EdsCluster("web")], free_port(), routes={"/": "web"}))
             async with envoy:
@@ -208,8 +219,9 @@ async def test_relay_pointed_at_junk_is_never_ready_and_says_why_in_few_lines(
         relay = EdsServerProcess(None, "--upstream-eds", f"127.0.0.1:{junk.port}", workdir=tmp_path)
         await relay.start(wait_ready=False)
         try:
-            ready = await wait_for(lambda: relay.admin("/readyz"),
-                                   lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"])  # fmt: skip
+            ready = await wait_for(
+                lambda: relay.admin("/readyz"), lambda r: r["waiting_for"] and r["waiting_for"][0]["last_error"]
+            )
             await asyncio.sleep(8.0)  # thousands of junk messages, several reconnects
             ready = await relay.admin("/readyz")
             source = (await relay.admin("/v1/sources"))["sources"][0]

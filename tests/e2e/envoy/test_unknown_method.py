@@ -18,16 +18,22 @@ async def test_an_ads_envoy_is_told_once_per_peer(tmp_path: Path) -> None:
     path.write_text("groups:\n  web:\n    endpoints: [127.0.0.1:8081]\n")
     async with EdsServerProcess(path) as server:
         bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], initial_fetch_timeout="1s")
-        bootstrap["dynamic_resources"] = {"ads_config": {
-            "api_type": "GRPC", "transport_api_version": "V3",
-            "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
-        }}  # fmt: skip
+        bootstrap["dynamic_resources"] = {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
+            }
+        }
         web = bootstrap["static_resources"]["clusters"][-1]
         web["eds_cluster_config"]["eds_config"] = {"resource_api_version": "V3", "ads": {}}
         async with EnvoyProcess(bootstrap) as envoy:
             # Envoy retries the ADS stream with backoff: wait for a few attempts
-            await envoy.wait_for(lambda: envoy.stats(r"^cluster\.web\.update_failure$"),
-                                 lambda s: int(s.get("cluster.web.update_failure", 0)) >= 3, timeout=30)  # fmt: skip
+            await envoy.wait_for(
+                lambda: envoy.stats(r"^cluster\.web\.update_failure$"),
+                lambda s: int(s.get("cluster.web.update_failure", 0)) >= 3,
+                timeout=30,
+            )
             assert await envoy.hosts("web") == []
     log = server.log_text()
     warnings = [line for line in log.splitlines() if "unknown gRPC method" in line]
@@ -45,9 +51,13 @@ async def test_v2_and_other_methods_are_named_and_the_record_is_bounded(
 
     from eds_server.transport.unknown import UnknownMethods
 
-    for path, why in [("/envoy.api.v2.EndpointDiscoveryService/StreamEndpoints", "the v2 xDS API is not served"),
-                      ("/envoy.service.cluster.v3.ClusterDiscoveryService/StreamClusters",
-                       "serves only envoy.service.endpoint.v3.EndpointDiscoveryService")]:  # fmt: skip
+    for path, why in [
+        ("/envoy.api.v2.EndpointDiscoveryService/StreamEndpoints", "the v2 xDS API is not served"),
+        (
+            "/envoy.service.cluster.v3.ClusterDiscoveryService/StreamClusters",
+            "serves only envoy.service.endpoint.v3.EndpointDiscoveryService",
+        ),
+    ]:
         for _ in range(3):
             with pytest.raises(GRPCError) as e:
                 async with harness.channel.request(path, Cardinality.STREAM_STREAM, None, None) as stream:  # type: ignore[type-var]

@@ -83,14 +83,15 @@ async def test_connections_land_on_both_workers_and_every_envoy_gets_every_chang
         assert {s["worker"] for s in shown} == {1, 2}
         stats = await server.admin("/v1/stats")
         assert stats["streams_open"] == 20 and sum(w["streams_open"] for w in stats["workers"]) == 20
-    bootstraps = [envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"},
-                                  node_id=f"envoy-{i}") for i in range(ENVOYS)]  # fmt: skip
+    bootstraps = [
+        envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"}, node_id=f"envoy-{i}")
+        for i in range(ENVOYS)
+    ]
     async with envoy_fleet(bootstraps) as envoys:
         for envoy in envoys:
             await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 2)
         write_atomically(path, upstreams(backends))
-        changed = (await wait_for(lambda: server.admin("/v1/groups/web"),
-                                  lambda g: g["version"] != version))["version"]  # fmt: skip
+        changed = (await wait_for(lambda: server.admin("/v1/groups/web"), lambda g: g["version"] != version))["version"]
         for envoy in envoys:
             await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 3, timeout=5)
             assert await envoy.update_rejected("web") == 0
@@ -109,10 +110,17 @@ async def test_a_killed_worker_empties_no_cluster_and_its_envoys_come_back(
     two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
 ) -> None:
     server, _ = two_workers
-    bootstraps = [envoy_bootstrap(server.port, [EdsCluster("web", api_type="DELTA_GRPC")], free_port(),
-                                  routes={"/": "web"}, node_id=f"envoy-{i}",
-                                  xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"})
-                  for i in range(ENVOYS)]  # fmt: skip
+    bootstraps = [
+        envoy_bootstrap(
+            server.port,
+            [EdsCluster("web", api_type="DELTA_GRPC")],
+            free_port(),
+            routes={"/": "web"},
+            node_id=f"envoy-{i}",
+            xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"},
+        )
+        for i in range(ENVOYS)
+    ]
     async with envoy_fleet(bootstraps) as envoys:
         for envoy in envoys:
             await envoy.wait_for(lambda e=envoy: e.hosts("web"), lambda h: len(h) == 2)
@@ -127,14 +135,14 @@ async def test_a_killed_worker_empties_no_cluster_and_its_envoys_come_back(
         async with FaultWatch(envoy, server, backends=[b.port for b in backends[:2]]) as watch:
             os.kill(pid, signal.SIGKILL)
             # its Envoy reconnects, to the other worker or the restarted one
-            await wait_for(lambda: streams(server),
-                           lambda s: any(x["node"] == node for x in s), timeout=10)  # fmt: skip
+            await wait_for(lambda: streams(server), lambda s: any(x["node"] == node for x in s), timeout=10)
         assert watch.failed_while_backends_up() == []
         assert min(s.hosts for s in watch.samples if s.hosts is not None) == 2  # never emptied
         assert await envoy.version_text("web") == version
         assert (await envoy.stats(updates))[updates] == before  # nothing sent again
-        stats = await wait_for(lambda: server.admin("/v1/stats"),
-                               lambda s: all(w["alive"] for w in s["workers"]), timeout=10)  # fmt: skip
+        stats = await wait_for(
+            lambda: server.admin("/v1/stats"), lambda s: all(w["alive"] for w in s["workers"]), timeout=10
+        )
         assert sum(w["restarts"] for w in stats["workers"]) == 1
         assert "killed by signal 9" in server.log_text()
 
@@ -162,11 +170,21 @@ async def test_a_restarted_worker_gets_load_back_and_summed_counters_never_go_ba
     two_workers: tuple[EdsServerProcess, Path], backends: list[Backend]
 ) -> None:
     server, _ = two_workers
-    envoys_n, clusters = 4, [EdsCluster("web"), EdsCluster("web-b", service_name="web"),
-                             EdsCluster("web-c", service_name="web")]  # fmt: skip
-    bootstraps = [envoy_bootstrap(server.port, clusters, free_port(), routes={"/": "web"}, node_id=f"envoy-{i}",
-                                  xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"})
-                  for i in range(envoys_n)]  # fmt: skip
+    envoys_n, clusters = (
+        4,
+        [EdsCluster("web"), EdsCluster("web-b", service_name="web"), EdsCluster("web-c", service_name="web")],
+    )
+    bootstraps = [
+        envoy_bootstrap(
+            server.port,
+            clusters,
+            free_port(),
+            routes={"/": "web"},
+            node_id=f"envoy-{i}",
+            xds_retry_back_off={"base_interval": "0.2s", "max_interval": "1s"},
+        )
+        for i in range(envoys_n)
+    ]
     scrapes: list[dict[tuple[str, tuple[tuple[str, str], ...]], float]] = []
 
     async def scrape(stop: asyncio.Event) -> None:
@@ -186,13 +204,20 @@ async def test_a_restarted_worker_gets_load_back_and_summed_counters_never_go_ba
         stop = asyncio.Event()
         scraper = asyncio.create_task(scrape(stop))
         async with contextlib.AsyncExitStack() as stack:
-            watches = [await stack.enter_async_context(FaultWatch(e, server, backends=[b.port for b in backends[:2]]))
-                       for e in envoys]  # fmt: skip
+            watches = [
+                await stack.enter_async_context(FaultWatch(e, server, backends=[b.port for b in backends[:2]]))
+                for e in envoys
+            ]
             os.kill(victim["pid"], signal.SIGKILL)
             # restarted, then given load back: the streams end up even (6 and 6)
-            stats = await wait_for(lambda: server.admin("/v1/stats"),
-                                   lambda s: sorted(w["streams_open"] or 0 for w in s["workers"]) == [6, 6]
-                                   and all(w["alive"] for w in s["workers"]), timeout=40)  # fmt: skip
+            stats = await wait_for(
+                lambda: server.admin("/v1/stats"),
+                lambda s: (
+                    sorted(w["streams_open"] or 0 for w in s["workers"]) == [6, 6]
+                    and all(w["alive"] for w in s["workers"])
+                ),
+                timeout=40,
+            )
         stop.set()
         await scraper
         for watch in watches:
@@ -224,8 +249,7 @@ async def test_an_owner_killed_while_a_worker_restarts_leaves_the_port_to_the_ne
     assert server.proc is not None
     pids = [w["pid"] for w in (await server.admin("/v1/stats"))["workers"]]
     os.kill(pids[0], signal.SIGKILL)
-    await wait_for(lambda: server.log_text().count(" starting (pid ") == 3, timeout=10,
-                   what="the worker restarting")  # fmt: skip
+    await wait_for(lambda: server.log_text().count(" starting (pid ") == 3, timeout=10, what="the worker restarting")
     server.proc.send_signal(signal.SIGKILL)
     await server.proc.wait()
     await wait_for(lambda: bindable(server.port), timeout=10, what="the port free")
@@ -258,8 +282,11 @@ async def test_sighup_under_traffic_restarts_nothing_and_fails_no_request(
             for _ in range(3):
                 server.proc.send_signal(signal.SIGHUP)
                 await asyncio.sleep(0.3)
-            await wait_for(lambda: server.log_text().count("SIGHUP: nothing to reload") == 6, timeout=10,
-                           what="each worker's reload line, three times")  # fmt: skip
+            await wait_for(
+                lambda: server.log_text().count("SIGHUP: nothing to reload") == 6,
+                timeout=10,
+                what="each worker's reload line, three times",
+            )
             await wait_for(lambda: _count(watch), lambda n: n >= 20, timeout=20, what="20 requests")
         assert watch.failed_while_backends_up() == []
         assert min(s.hosts for s in watch.samples if s.hosts is not None) == 2

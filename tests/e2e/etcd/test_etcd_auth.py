@@ -115,8 +115,9 @@ async def test_a_client_certificate_for_an_etcd_that_requires_one(tmp_path: Path
     ca = CertAuthority("etcd test CA", tmp_path / "pki")
     server = ca.issue(tmp_path / "pki" / "etcd", ips=["127.0.0.1"], dns=["localhost"])
     client = ca.issue(tmp_path / "pki" / "eds-server", common_name="eds-server")
-    cluster = EtcdCluster(tmp_path / "etcd", size=1, tls=(server.cert, server.key, ca.cert_path),
-                          client_ca=ca.cert_path)  # fmt: skip
+    cluster = EtcdCluster(
+        tmp_path / "etcd", size=1, tls=(server.cert, server.key, ca.cert_path), client_ca=ca.cert_path
+    )
     try:
         await cluster.start(client=(client.cert, client.key))
         state = f"etcd://127.0.0.1:{cluster.members[0].client_port}/eds"

@@ -283,8 +283,11 @@ class Rig:
     async def fault(self, kind: str, hold: float, rng: random.Random, member: Member | None = None) -> None:
         if kind in ("stop-leader", "stop-member", "kill-member"):
             if member is None:
-                member = await self.cluster.leader() if kind == "stop-leader" or rng.random() < 0.5 else \
-                    rng.choice(self.cluster.members)  # fmt: skip
+                member = (
+                    await self.cluster.leader()
+                    if kind == "stop-leader" or rng.random() < 0.5
+                    else rng.choice(self.cluster.members)
+                )
             fault = Fault(kind, member.name, time.monotonic())
             self.faults.append(fault)
             assert member.proc is not None
@@ -306,8 +309,11 @@ class Rig:
             if kind == "lose-answers-c":  # half of etcd's answers to C lost as they arrive
                 self.proxy.lose_answers(0.5, rng.randrange(1 << 30))
             else:
-                cut = {"reset-c": self.proxy.reset, "freeze-watch-c": self.proxy.freeze_watches,
-                       "cut-watch-c": self.proxy.cut_watches}.get(kind, self.proxy.black_hole)  # fmt: skip
+                cut = {
+                    "reset-c": self.proxy.reset,
+                    "freeze-watch-c": self.proxy.freeze_watches,
+                    "cut-watch-c": self.proxy.cut_watches,
+                }.get(kind, self.proxy.black_hole)
                 cut()
             try:
                 await asyncio.sleep(hold)
@@ -347,8 +353,13 @@ class Rig:
             await self.cluster.call(member, "/v3/kv/range", {"key": "aGVhbHRo"}, timeout=1.0)  # linearizable
             return True
 
-        await wait_for(answers, timeout=30, interval=0.1, what=f"etcd member {member.name} answering",
-                       retry=(aiohttp.ClientError, OSError, TimeoutError, RuntimeError))  # fmt: skip
+        await wait_for(
+            answers,
+            timeout=30,
+            interval=0.1,
+            what=f"etcd member {member.name} answering",
+            retry=(aiohttp.ClientError, OSError, TimeoutError, RuntimeError),
+        )
 
     def save(self, ops: list[Operation], failed: bool) -> Path:
         """The history as the checker saw it, one operation a line, and the faults, for a post-mortem:
@@ -365,11 +376,23 @@ class Rig:
         path = logs / f"history-{self.seed}.jsonl"
         with path.open("w") as f:
             for fault in self.faults:
-                f.write(json.dumps({"fault": fault.kind, "target": fault.target, "start": fault.start,
-                                    "end": fault.end}) + "\n")  # fmt: skip
+                f.write(
+                    json.dumps({"fault": fault.kind, "target": fault.target, "start": fault.start, "end": fault.end})
+                    + "\n"
+                )
             for op in ops:
-                f.write(json.dumps({"client": op.client, "input": repr(op.input), "output": repr(op.output),
-                                    "call": op.call, "return": None if op.unknown else op.ret}) + "\n")  # fmt: skip
+                f.write(
+                    json.dumps(
+                        {
+                            "client": op.client,
+                            "input": repr(op.input),
+                            "output": repr(op.output),
+                            "call": op.call,
+                            "return": None if op.unknown else op.ret,
+                        }
+                    )
+                    + "\n"
+                )
         return path
 
     async def etcd_view(self) -> dict[str, Value]:
@@ -446,17 +469,22 @@ async def rig(tmp_path: Path, seed: int, names: str = "ABC", spread: bool = Fals
                 ports = member_order(proxy.ports if name == "C" else direct, seed, name, spread)
                 return f"etcd://{','.join(f'127.0.0.1:{p}' for p in ports)}/eds"
 
-            replicas = {name: EdsServerProcess(None, "--state", state(name), *common, workdir=tmp_path, env=mutant)
-                        for name in names}  # fmt: skip
+            replicas = {
+                name: EdsServerProcess(None, "--state", state(name), *common, workdir=tmp_path, env=mutant)
+                for name in names
+            }
             for server in replicas.values():
                 await stack.enter_async_context(server)
                 mutants.check_applied(server.log_text())
             envoy = await stack.enter_async_context(
                 EnvoyProcess(envoy_bootstrap(replicas[names[0]].port, [EdsCluster(GROUP)]))
             )
-            http = await stack.enter_async_context(aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT), connector=aiohttp.TCPConnector(force_close=True)
-            ))  # fmt: skip
+            http = await stack.enter_async_context(
+                aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT),
+                    connector=aiohttp.TCPConnector(force_close=True),
+                )
+            )
             await envoy.wait_live()
             yield Rig(seed, cluster, replicas, proxy, envoy, http)
     finally:
@@ -485,8 +513,13 @@ async def corners(r: Rig) -> None:
     the proxy lost the answer."""
 
     async def in_view_of_c(key: str) -> None:
-        await wait_for(lambda: r.replica_view("C"), lambda v: key in v, timeout=CONVERGE_SECONDS, interval=0.05,
-                       what=f"replica C's view holding {key}")  # fmt: skip
+        await wait_for(
+            lambda: r.replica_view("C"),
+            lambda v: key in v,
+            timeout=CONVERGE_SECONDS,
+            interval=0.05,
+            what=f"replica C's view holding {key}",
+        )
 
     async def reads_until(end: float, key: str) -> None:
         """GETs every 0.1 s through A until past `end` (what a renewal promised)."""
@@ -530,8 +563,11 @@ async def corners(r: Rig) -> None:
     await r.record("corner", "B", Put(key, port_of(key, 0), TTL))
     await reads_until(renewed + TTL + 0.5, key)
 
-    played = [f"{rec.input} via {rec.replica} -> {rec.output}" for rec in r.records
-              if rec.client == "corner" and not isinstance(rec.input, Get)]  # fmt: skip
+    played = [
+        f"{rec.input} via {rec.replica} -> {rec.output}"
+        for rec in r.records
+        if rec.client == "corner" and not isinstance(rec.input, Get)
+    ]
     print("\ncorners: " + "; ".join(played))
     final = {k: v for k, v in (await r.etcd_view()).items() if k in CORNER_KEYS}
     result = check(registration_model(), history(r, final, time.monotonic(), CORNER_KEYS), timeout=60)
@@ -555,31 +591,49 @@ async def run(r: Rig, seconds: float, nemesis: bool) -> None:
         await corners(r)
     started = time.monotonic()
     renewers = [r.renewer(key, stop) for key in r.keys if key in TTL_KEYS]
-    await asyncio.gather(time_up(), *(r.client(n, stop) for n in range(CLIENTS)), *renewers,
-                         *([r.nemesis(stop, every_kind)] if nemesis else []))  # fmt: skip
+    await asyncio.gather(
+        time_up(),
+        *(r.client(n, stop) for n in range(CLIENTS)),
+        *renewers,
+        *([r.nemesis(stop, every_kind)] if nemesis else []),
+    )
     loaded = time.monotonic() - started
 
     # healed (each fault heals itself): every lease ends, then every replica's view and the Envoy equal etcd
     await r.cluster.wait_healthy()
     diverged: list[str] = []
     try:
-        await wait_for(r.etcd_view, lambda v: all(ttl is None for _, ttl in v.values()), timeout=EXPIRE_SECONDS,
-                       interval=0.2, what="every key with a TTL expired in etcd")  # fmt: skip
+        await wait_for(
+            r.etcd_view,
+            lambda v: all(ttl is None for _, ttl in v.values()),
+            timeout=EXPIRE_SECONDS,
+            interval=0.2,
+            what="every key with a TTL expired in etcd",
+        )
     except AssertionError as e:
         diverged.append(str(e))
     healed = time.monotonic()
     final = await r.etcd_view()
     for name in sorted(r.replicas):
         try:
-            await wait_for(lambda n=name: r.replica_view(n), lambda v: v == final, timeout=CONVERGE_SECONDS,
-                           interval=0.1, what=f"replica {name}'s view equal to etcd's {final}")  # fmt: skip
+            await wait_for(
+                lambda n=name: r.replica_view(n),
+                lambda v: v == final,
+                timeout=CONVERGE_SECONDS,
+                interval=0.1,
+                what=f"replica {name}'s view equal to etcd's {final}",
+            )
         except AssertionError as e:
             diverged.append(str(e))
     converged = time.monotonic() - healed
     ports = {port for port, _ in final.values()}
     try:
-        await r.envoy.wait_for(lambda: r.envoy.hosts(GROUP), lambda hosts: {h.port for h in hosts} == ports,
-                               timeout=ENVOY_SECONDS, interval=0.1)  # fmt: skip
+        await r.envoy.wait_for(
+            lambda: r.envoy.hosts(GROUP),
+            lambda hosts: {h.port for h in hosts} == ports,
+            timeout=ENVOY_SECONDS,
+            interval=0.1,
+        )
     except AssertionError as e:
         diverged.append(f"the Envoy: {e}")
     diverged += [f"etcd changed while nothing wrote: {now}" for now in [await r.etcd_view()] if now != final]
@@ -594,13 +648,15 @@ async def run(r: Rig, seconds: float, nemesis: bool) -> None:
     acked = sum(1 for rec in r.records if rec.output in (200, 201, 204, 404))
     reads = sum(1 for rec in r.records if isinstance(rec.output, Read))
     faults = collections.Counter(f.kind for f in r.faults)
-    print(f"\nhistory seed={r.seed} replicas={''.join(sorted(r.replicas))}{mutants.shown()}: {len(r.records)} "
-          f"operations in {loaded:.0f} s ({outputs['ok']} ok: {acked} acknowledged writes, {reads} checked reads; "
-          f"{outputs['failed']} failed, {outputs['unknown']} unknown), {len(r.faults)} faults "
-          f"({', '.join(f'{k} {v}' for k, v in sorted(faults.items())) or 'none'}), "
-          f"{len(r.unexpected)} unexpected answers, "
-          f"views {'equal to etcd' if not diverged else 'NOT equal to etcd'} {converged:.2f} s after expiry, "
-          f"keys not linearizable: {len(result.illegal)} of {len(result.parts)} ({result.verdict.value})")  # fmt: skip
+    print(
+        f"\nhistory seed={r.seed} replicas={''.join(sorted(r.replicas))}{mutants.shown()}: {len(r.records)} "
+        f"operations in {loaded:.0f} s ({outputs['ok']} ok: {acked} acknowledged writes, {reads} checked reads; "
+        f"{outputs['failed']} failed, {outputs['unknown']} unknown), {len(r.faults)} faults "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(faults.items())) or 'none'}), "
+        f"{len(r.unexpected)} unexpected answers, "
+        f"views {'equal to etcd' if not diverged else 'NOT equal to etcd'} {converged:.2f} s after expiry, "
+        f"keys not linearizable: {len(result.illegal)} of {len(result.parts)} ({result.verdict.value})"
+    )
     failed = not result.ok or bool(diverged) or bool(r.unexpected)
     saved = r.save(ops, failed)
     if failed:  # etcd's own record of every change (with each key's lease before it), beside the history

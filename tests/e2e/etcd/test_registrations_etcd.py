@@ -38,8 +38,16 @@ SOAK_SECONDS = float(os.environ.get("EDS_ETCD_SOAK_SECONDS", "60"))
 
 
 def replica(cluster: EtcdCluster, tmp_path: Path) -> EdsServerProcess:
-    return EdsServerProcess(None, "--state", cluster.state(), "--admin-token", TOKEN,
-                            "--registration-allow-cidr", "127.0.0.0/8", workdir=tmp_path)  # fmt: skip
+    return EdsServerProcess(
+        None,
+        "--state",
+        cluster.state(),
+        "--admin-token",
+        TOKEN,
+        "--registration-allow-cidr",
+        "127.0.0.0/8",
+        workdir=tmp_path,
+    )
 
 
 @dataclass
@@ -118,8 +126,9 @@ async def test_a_write_through_one_replica_reaches_both_envoys_within_a_second(t
         assert len({json.loads(v)["endpoint"]["port"] for v in keys.values()}) == 20
         await r.wait_both(lambda p: p == set(range(9100, 9120)))
         # and Envoy's weight limit: two weights that fit alone, not together, through A and B at once
-        answers = await asyncio.gather(r.put(r.a, "heavy", "x", 9200, weight=3_000_000_000),
-                                       r.put(r.b, "heavy", "y", 9201, weight=3_000_000_000))  # fmt: skip
+        answers = await asyncio.gather(
+            r.put(r.a, "heavy", "x", 9200, weight=3_000_000_000), r.put(r.b, "heavy", "y", 9201, weight=3_000_000_000)
+        )
         assert sorted(status for status, _ in answers) == [201, 409], answers
         assert "over Envoy's limit" in next(body["error"] for status, body in answers if status == 409)
 
@@ -129,8 +138,10 @@ async def test_a_write_through_one_replica_reaches_both_envoys_within_a_second(t
             ("/eds/registrations/%ff/x", b"{}"),
             ("/eds/registrations/web/other", b'{"group":"api","id":"x","endpoint":{}}'),
         ]:
-            await r.cluster.any_call("/v3/kv/put", {"key": base64.b64encode(key.encode()).decode(),
-                                                    "value": base64.b64encode(value).decode()})  # fmt: skip
+            await r.cluster.any_call(
+                "/v3/kv/put",
+                {"key": base64.b64encode(key.encode()).decode(), "value": base64.b64encode(value).decode()},
+            )
         assert (await r.put(r.b, "web", "after-junk", 9300))[0] == 201
         await r.wait_both(lambda p: 9300 in p and len(p) == 21, timeout=1.0)
         for s in (r.a, r.b):
@@ -206,9 +217,11 @@ async def test_the_etcd_leader_killed_writes_resume_and_nothing_acknowledged_is_
         kill = killed_at[0]
         before = max(t for t in ok_times if t < kill)
         after = min(t for t in ok_times if t > kill)
-        print(f"\nleader killed: no write acknowledged for {after - before:.2f} s "
-              f"({after - kill:.2f} s after the kill); {len(acked)} acknowledged, "
-              f"{len(failed)} refused ({sorted({s for _, s in failed})})")  # fmt: skip
+        print(
+            f"\nleader killed: no write acknowledged for {after - before:.2f} s "
+            f"({after - kill:.2f} s after the kill); {len(acked)} acknowledged, "
+            f"{len(failed)} refused ({sorted({s for _, s in failed})})"
+        )
         assert after - kill < 10
         assert all(status == 503 for _, status in failed)  # refused clearly, never a hang or a 500
         keys = await r.cluster.keys()
@@ -268,8 +281,10 @@ async def test_all_of_etcd_down_for_20_s_keeps_every_endpoint_and_refuses_writes
             page = await _text(r.http, f"http://127.0.0.1:{r.a.admin_port}/")
             row = '<td class="mono">registrations</td><td><span class="ok">loaded</span></td><td><span class="bad">'
             assert row + "stale" in page  # the status page says it too
-            print(f"\netcd down 20 s: Envoy host counts seen {sorted(set(seen))} in {len(seen)} polls; "
-                  f"a write answered 503 in {refused[0]:.2f} s")  # fmt: skip
+            print(
+                f"\netcd down 20 s: Envoy host counts seen {sorted(set(seen))} in {len(seen)} polls; "
+                f"a write answered 503 in {refused[0]:.2f} s"
+            )
             assert set(seen) == {4}  # no Envoy cluster lost an endpoint
             assert stale_seen
             assert refused[0] < 6
@@ -369,8 +384,11 @@ async def test_1000_ttl_registrations_renewed_by_50_clients_through_both_replica
                 if len(due) == 20:
                     registered.append(time.monotonic())
                     if len(registered) == 50:
-                        cpu.update(etcd=r.cluster.cpu_seconds(), A=process_cpu(r.a.proc.pid),  # type: ignore[union-attr]
-                                   B=process_cpu(r.b.proc.pid))  # type: ignore[union-attr]  # fmt: skip
+                        cpu.update(
+                            etcd=r.cluster.cpu_seconds(),
+                            A=process_cpu(r.a.proc.pid),  # type: ignore[union-attr]
+                            B=process_cpu(r.b.proc.pid),
+                        )  # type: ignore[union-attr]
                         start = time.monotonic()
                         all_in.set()
 
@@ -387,15 +405,20 @@ async def test_1000_ttl_registrations_renewed_by_50_clients_through_both_replica
 
         await asyncio.gather(sampler(), *(client(k) for k in range(50)))
         elapsed = time.monotonic() - start
-        used = {"etcd": r.cluster.cpu_seconds() - cpu["etcd"],
-                "A": process_cpu(r.a.proc.pid) - cpu["A"], "B": process_cpu(r.b.proc.pid) - cpu["B"]}  # type: ignore[union-attr]  # fmt: skip
+        used = {
+            "etcd": r.cluster.cpu_seconds() - cpu["etcd"],
+            "A": process_cpu(r.a.proc.pid) - cpu["A"],
+            "B": process_cpu(r.b.proc.pid) - cpu["B"],
+        }  # type: ignore[union-attr]
         latencies.sort()
         p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
         share = {k: f"{v / elapsed * 100:.0f}%" for k, v in used.items()}
-        print(f"\nsoak {elapsed:.0f} s: {len(latencies)} renewals ({len(latencies) / elapsed:.0f}/s), "
-              f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms; CPU of one core: etcd (3 members) "
-              f"{share['etcd']}, replica A {share['A']}, replica B {share['B']}; "
-              f"registrations seen {min(counts)}-{max(counts)}")  # fmt: skip
+        print(
+            f"\nsoak {elapsed:.0f} s: {len(latencies)} renewals ({len(latencies) / elapsed:.0f}/s), "
+            f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms; CPU of one core: etcd (3 members) "
+            f"{share['etcd']}, replica A {share['A']}, replica B {share['B']}; "
+            f"registrations seen {min(counts)}-{max(counts)}"
+        )
         assert not errors, errors[:5]
         assert min(counts) == 1000  # none expired, on either replica, at any sample
         assert len(await r.cluster.keys()) == 1000
@@ -503,17 +526,23 @@ async def test_a_hung_etcd_member_under_the_watches_is_left_and_every_write_reac
                         assert status == 503, status  # refused clearly while the view is stale
                         refused += 1
                 await asyncio.sleep(0.05)
-            print(f"\nwatched member hung: stale after {stale_after} s, watch moved after {moved_after} s; "
-                  f"{len(acked)} writes acknowledged, {refused} refused (503); "
-                  f"{answers.count(200)} of {len(answers)} requests through the Envoys answered")  # fmt: skip
+            print(
+                f"\nwatched member hung: stale after {stale_after} s, watch moved after {moved_after} s; "
+                f"{len(acked)} writes acknowledged, {refused} refused (503); "
+                f"{answers.count(200)} of {len(answers)} requests through the Envoys answered"
+            )
             assert set(answers) == {200}
             assert set(moved_after) == {"A", "B"}
             assert all(t < FOLLOW_BOUND for t in moved_after.values()), moved_after
             assert all(seen)  # no Envoy lost the host meanwhile
             assert acked
             for s in (r.a, r.b):  # every acknowledged write is in both views (they follow another member now)
-                await wait_for(lambda s=s: _registrations(s, "more"), lambda regs: acked.items() <= regs.items(),
-                               timeout=FOLLOW_BOUND, what="every acknowledged write in the view")  # fmt: skip
+                await wait_for(
+                    lambda s=s: _registrations(s, "more"),
+                    lambda regs: acked.items() <= regs.items(),
+                    timeout=FOLLOW_BOUND,
+                    what="every acknowledged write in the view",
+                )
             await r.wait_both(lambda p: set(acked.values()) <= p, group="more", timeout=FOLLOW_BOUND)
         finally:
             member.proc.send_signal(signal.SIGCONT)

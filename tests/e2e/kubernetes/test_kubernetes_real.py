@@ -46,17 +46,25 @@ DEPLOY = ROOT / "deploy" / "kubernetes"
 def pod(name: str, port: int, labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "metadata": {"name": name, "labels": labels or {"app": "web"}},
-        "spec": {"nodeName": "node-a", "terminationGracePeriodSeconds": 30,
-                 "containers": [{"name": "web", "image": "registry.invalid/web:1",
-                                 "ports": [{"name": "http", "containerPort": port}]}]},
-    }  # fmt: skip
+        "spec": {
+            "nodeName": "node-a",
+            "terminationGracePeriodSeconds": 30,
+            "containers": [
+                {"name": "web", "image": "registry.invalid/web:1", "ports": [{"name": "http", "containerPort": port}]}
+            ],
+        },
+    }
 
 
 def pod_status(ip: str, ready: bool) -> dict[str, Any]:
-    return {"status": {
-        "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-    }}  # fmt: skip
+    return {
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+    }
 
 
 def service(name: str, annotations: dict[str, str], port: int, selector: bool = True) -> dict[str, Any]:
@@ -68,12 +76,17 @@ def service(name: str, annotations: dict[str, str], port: int, selector: bool = 
 
 def endpoint_slice(name: str, service_name: str, port: int, ips: list[str]) -> dict[str, Any]:
     return {
-        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service_name,
-                                              "endpointslice.kubernetes.io/managed-by": "tests.eds-server"}},
+        "metadata": {
+            "name": name,
+            "labels": {
+                "kubernetes.io/service-name": service_name,
+                "endpointslice.kubernetes.io/managed-by": "tests.eds-server",
+            },
+        },
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
-    }  # fmt: skip
+    }
 
 
 @dataclass
@@ -95,13 +108,20 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def stack(kube: KubeCluster, tmp_path: Path, *args: str, clusters: tuple[str, ...] = ("web",),
-                kubeconfig: Path | None = None, proxy: ConnectProxy | None = None) -> AsyncIterator[Stack]:  # fmt: skip
+async def stack(
+    kube: KubeCluster,
+    tmp_path: Path,
+    *args: str,
+    clusters: tuple[str, ...] = ("web",),
+    kubeconfig: Path | None = None,
+    proxy: ConnectProxy | None = None,
+) -> AsyncIterator[Stack]:
     async with (
         KubeApi(kube) as api,
-        EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(kubeconfig or kube.kubeconfig), *args,
-                         workdir=tmp_path) as server,
-    ):  # fmt: skip
+        EdsServerProcess(
+            None, "--kubernetes", "--kubeconfig", str(kubeconfig or kube.kubeconfig), *args, workdir=tmp_path
+        ) as server,
+    ):
         bootstrap = envoy_bootstrap(server.port, [EdsCluster(c) for c in clusters], free_port(), routes={"/": "web"})
         for cluster in bootstrap["static_resources"]["clusters"]:
             if proxy is not None and cluster["name"] in clusters:
@@ -147,8 +167,9 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
                 }
             }
             await api.request("POST", "/api/v1/nodes", node, ok=(201, 409))
-            await api.create(f"/api/v1/namespaces/{ns}/services",
-                             service("web", {"eds.group": "web", "eds.port": "http"}, port))  # fmt: skip
+            await api.create(
+                f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web", "eds.port": "http"}, port)
+            )
 
             async def add_pod(i: int, ready: bool = True) -> None:
                 await api.create(f"/api/v1/namespaces/{ns}/pods", pod(f"web-{i}", port))
@@ -156,8 +177,15 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
 
             await add_pod(0)
             await add_pod(1)
-        async with stack(kube, tmp_path, "--kubernetes-namespace", ns, "--kubernetes-node-regions",
-                         clusters=("web", "web2"), proxy=proxy) as s:  # fmt: skip
+        async with stack(
+            kube,
+            tmp_path,
+            "--kubernetes-namespace",
+            ns,
+            "--kubernetes-node-regions",
+            clusters=("web", "web2"),
+            proxy=proxy,
+        ) as s:
             pods = f"/api/v1/namespaces/{ns}/pods"
             hosts = await s.wait_hosts(lambda h: set(h) == {ips[0], ips[1]})
             assert {h.health for h in hosts.values()} == {"HEALTHY"}
@@ -187,20 +215,24 @@ async def test_pods_through_the_endpointslice_controller(kube: KubeCluster, tmp_
             await s.wait_hosts(lambda h: set(h) == {ips[0]})
 
             # annotation changes: weight, then the group itself
-            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
-                              {"metadata": {"annotations": {"eds.weight": "7"}}})  # fmt: skip
+            await s.api.merge(
+                f"/api/v1/namespaces/{ns}/services/web", {"metadata": {"annotations": {"eds.weight": "7"}}}
+            )
             await s.wait_hosts(lambda h: [x.weight for x in h.values()] == [7])
-            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
-                              {"metadata": {"annotations": {"eds.group": "web2"}}})  # fmt: skip
+            await s.api.merge(
+                f"/api/v1/namespaces/{ns}/services/web", {"metadata": {"annotations": {"eds.group": "web2"}}}
+            )
             await s.wait_hosts(lambda h: set(h) == {ips[0]}, cluster="web2")
             await s.wait_hosts(lambda h: h == {})
             # an invalid annotation: the Service is skipped with a warning naming it; the rest goes on
-            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
-                              {"metadata": {"annotations": {"eds.weight": "0"}}})  # fmt: skip
+            await s.api.merge(
+                f"/api/v1/namespaces/{ns}/services/web", {"metadata": {"annotations": {"eds.weight": "0"}}}
+            )
             await s.wait_hosts(lambda h: h == {}, cluster="web2")
             assert "Service e2e/web: annotation eds.weight: '0' is not a weight" in s.server.log_text()
-            await s.api.merge(f"/api/v1/namespaces/{ns}/services/web",
-                              {"metadata": {"annotations": {"eds.weight": "3"}}})  # fmt: skip
+            await s.api.merge(
+                f"/api/v1/namespaces/{ns}/services/web", {"metadata": {"annotations": {"eds.weight": "3"}}}
+            )
             await s.wait_hosts(lambda h: set(h) == {ips[0]}, cluster="web2")
 
             # Service deleted: its group is emptied
@@ -219,8 +251,10 @@ async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tm
     async with KubeApi(kube) as api:
         await api.namespace(ns)
         await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
-        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3), pod_ip(4)]))  # fmt: skip
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3), pod_ip(4)]),
+        )
     async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
         await s.wait_hosts(lambda h: len(h) == 3)
         version = await s.envoy.version_text("web")
@@ -228,8 +262,9 @@ async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tm
 
         kube.stop_apiserver()  # a restart, as SIGHUP to the start script does
         kube.start_apiserver()
-        await s.envoy.wait_for(s.source, lambda src: src["connected"] and src["relists"] > before["relists"],
-                               timeout=60)  # fmt: skip
+        await s.envoy.wait_for(
+            s.source, lambda src: src["connected"] and src["relists"] > before["relists"], timeout=60
+        )
         assert len(await s.hosts()) == 3 and await s.envoy.version_text("web") == version
 
         kube.stop_apiserver()
@@ -243,8 +278,10 @@ async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tm
         kube.start_apiserver()
         await s.envoy.wait_for(s.source, lambda src: src["connected"], timeout=60)
         async with KubeApi(kube) as api:
-            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
-                            {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]})  # fmt: skip
+            await api.merge(
+                f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]},
+            )
         await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
         said = failure_lines(s.server.log_text())
         assert said and all("reconnecting in" in line for line in said), said
@@ -268,8 +305,10 @@ async def test_a_change_right_after_an_outage_arrives_within_seconds(kube: KubeC
     async with KubeApi(kube) as api:
         await api.namespace(ns)
         await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
-        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]))  # fmt: skip
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]),
+        )
     async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
         await s.wait_hosts(lambda h: set(h) == {pod_ip(2), pod_ip(3)})
         loop = asyncio.get_running_loop()
@@ -282,8 +321,10 @@ async def test_a_change_right_after_an_outage_arrives_within_seconds(kube: KubeC
         kube.start_apiserver()
         async with KubeApi(kube) as api:
             back = loop.time()
-            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
-                            {"endpoints": [{"addresses": [pod_ip(4)], "conditions": {"ready": True}}]})  # fmt: skip
+            await api.merge(
+                f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                {"endpoints": [{"addresses": [pod_ip(4)], "conditions": {"ready": True}}]},
+            )
         await s.wait_hosts(lambda h: set(h) == {pod_ip(4)}, timeout=6)
         print(f"change after the outage reached Envoy {loop.time() - back:.1f} s after the API server was back")
         await s.envoy.wait_for(s.source, lambda src: src["connected"] and not src["stale"], timeout=5)
@@ -304,8 +345,10 @@ async def test_a_rewritten_kubeconfig_is_used_at_the_next_attempt(kube: KubeClus
                 doc["subjects"] = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
             await apply(api, doc, dry_run=False)
         await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, port, False))
-        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                         endpoint_slice("web-1", "web", port, [pod_ip(2)]))  # fmt: skip
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            endpoint_slice("web-1", "web", port, [pod_ip(2)]),
+        )
         token_a = await bound_token(api, ns, sa, "token-a")
         token_b = await bound_token(api, ns, sa, "token-b")
     config = tmp_path / "rotating.kubeconfig"
@@ -323,8 +366,10 @@ async def test_a_rewritten_kubeconfig_is_used_at_the_next_attempt(kube: KubeClus
         new.write_text(kube.kubeconfig_for(token_b, sa))
         new.replace(config)  # as kubectl and mounted Secrets do
         rotated = loop.time()
-        await s.api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
-                          {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]})  # fmt: skip
+        await s.api.merge(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
+            {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]},
+        )
         await s.wait_hosts(lambda h: set(h) == {pod_ip(3)}, timeout=5)
         print(f"rewritten kubeconfig used; the change reached Envoy {loop.time() - rotated:.1f} s after the rewrite")
         assert "configuration loaded again (its files changed)" in s.server.log_text()
@@ -354,10 +399,18 @@ def _manifests(*names: str) -> list[dict[str, Any]]:
     return docs
 
 
-_PLURAL = {"Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "ClusterRole": "clusterroles",
-           "ClusterRoleBinding": "clusterrolebindings", "Role": "roles", "RoleBinding": "rolebindings",
-           "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets", "Service": "services",
-           "ConfigMap": "configmaps"}  # fmt: skip
+_PLURAL = {
+    "Namespace": "namespaces",
+    "ServiceAccount": "serviceaccounts",
+    "ClusterRole": "clusterroles",
+    "ClusterRoleBinding": "clusterrolebindings",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "Deployment": "deployments",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "Service": "services",
+    "ConfigMap": "configmaps",
+}
 
 
 def _path(doc: dict[str, Any]) -> str:
@@ -391,14 +444,17 @@ async def bound_token(api: KubeApi, namespace: str, account: str, secret: str) -
     """A token that a deleted Secret revokes."""
     made = await api.create(f"/api/v1/namespaces/{namespace}/secrets", {"metadata": {"name": secret}})
     ref = {"kind": "Secret", "apiVersion": "v1", "name": secret, "uid": made["metadata"]["uid"]}
-    got = await api.create(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
-                           {"spec": {"expirationSeconds": 3600, "boundObjectRef": ref}})  # fmt: skip
+    got = await api.create(
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+        {"spec": {"expirationSeconds": 3600, "boundObjectRef": ref}},
+    )
     return str(got["status"]["token"])
 
 
 async def token_for(api: KubeApi, namespace: str, account: str) -> str:
-    got = await api.create(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
-                           {"spec": {"expirationSeconds": 3600}})  # fmt: skip
+    got = await api.create(
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", {"spec": {"expirationSeconds": 3600}}
+    )
     return str(got["status"]["token"])
 
 
@@ -414,16 +470,19 @@ async def test_least_privilege_rbac_from_the_manifests(kube: KubeCluster, tmp_pa
         for doc in _manifests("rbac-namespaced.yaml"):
             await apply(api, doc, dry_run=False)
         await api.create("/api/v1/namespaces/shop/services", service("web", {"eds.group": "web"}, port, False))
-        await api.create("/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices",
-                         endpoint_slice("web-1", "web", port, [pod_ip(2)]))  # fmt: skip
+        await api.create(
+            "/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices",
+            endpoint_slice("web-1", "web", port, [pod_ip(2)]),
+        )
         token = await token_for(api, "eds-system", "eds-server")
     config = tmp_path / "sa.kubeconfig"
     config.write_text(kube.kubeconfig_for(token, "eds-server"))
     async with stack(kube, tmp_path, "--kubernetes-namespace", "shop", kubeconfig=config) as s:
         await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
     # the same account, cluster-wide: forbidden, so never loaded (and it says why)
-    server = EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(config), "--startup-timeout", "60s",
-                              workdir=tmp_path)  # fmt: skip
+    server = EdsServerProcess(
+        None, "--kubernetes", "--kubeconfig", str(config), "--startup-timeout", "60s", workdir=tmp_path
+    )
     await server.start(wait_ready=False)
     try:
         with pytest.raises(RuntimeError, match="not ready"):
@@ -466,15 +525,27 @@ async def test_in_cluster_token_is_read_again(
                 doc["subjects"] = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
             await apply(api, doc, dry_run=False)
         await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, 8080, False))
-        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                         endpoint_slice("web-1", "web", 8080, [pod_ip(2)]))  # fmt: skip
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            endpoint_slice("web-1", "web", 8080, [pod_ip(2)]),
+        )
 
         async def bound_token(secret: str) -> str:
             made = await api.create(f"/api/v1/namespaces/{ns}/secrets", {"metadata": {"name": secret}})
-            got = await api.create(f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", {"spec": {
-                "expirationSeconds": 3600,
-                "boundObjectRef": {"kind": "Secret", "apiVersion": "v1", "name": secret,
-                                   "uid": made["metadata"]["uid"]}}})  # fmt: skip
+            got = await api.create(
+                f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token",
+                {
+                    "spec": {
+                        "expirationSeconds": 3600,
+                        "boundObjectRef": {
+                            "kind": "Secret",
+                            "apiVersion": "v1",
+                            "name": secret,
+                            "uid": made["metadata"]["uid"],
+                        },
+                    }
+                },
+            )
             return str(got["status"]["token"])
 
         token_file = tmp_path / "token"
@@ -505,16 +576,19 @@ async def test_in_cluster_token_is_read_again(
             review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
             async with KubeApi(kube, token_a) as old:
                 for _ in range(30):  # the API server's token cache keeps it valid for up to ~10 s
-                    answer = await old.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", review,
-                                               ok=(201, 401))  # fmt: skip
+                    answer = await old.request(
+                        "POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", review, ok=(201, 401)
+                    )
                     if answer.get("code") == 401:
                         break
                     await asyncio.sleep(1)
                 assert answer.get("code") == 401, "token A was not revoked"
             events_before = source.events
             await asyncio.sleep(3)  # watches end every second and resume with the token of the moment
-            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
-                            {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]})  # fmt: skip
+            await api.merge(
+                f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/web-1",
+                {"endpoints": [{"addresses": [pod_ip(3)], "conditions": {"ready": True}}]},
+            )
             for _ in range(100):
                 group = store.resources()["web"].group
                 if {ep.address for ep in group.endpoints} == {pod_ip(3)}:
@@ -542,8 +616,10 @@ async def test_a_frozen_apiserver_is_said_stale_within_the_bound_and_envoy_keeps
     async with KubeApi(kube) as api:
         await api.namespace(ns)
         await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
-        await api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                         endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]))  # fmt: skip
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]),
+        )
     async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
         await s.wait_hosts(lambda h: len(h) == 2)
         await wait_source(s.server, "kubernetes", stale=False, timeout=20)
@@ -558,8 +634,10 @@ async def test_a_frozen_apiserver_is_said_stale_within_the_bound_and_envoy_keeps
         await wait_source(s.server, "kubernetes", stale=False, timeout=30)
         assert await s.envoy.version_text("web") == version
         async with KubeApi(kube) as api:
-            await api.merge(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
-                            {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]})  # fmt: skip
+            await api.merge(
+                f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                {"endpoints": [{"addresses": [pod_ip(2)], "conditions": {"ready": True}}]},
+            )
         await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
         said = failure_lines(s.server.log_text())
         assert any("did not answer within" in line for line in said), said

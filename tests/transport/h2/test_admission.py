@@ -78,8 +78,12 @@ def test_a_full_table_costs_the_biggest_holder_not_the_newcomer() -> None:
 
 def test_the_idlest_connection_gives_way() -> None:
     gate = Gate(ConnectionLimits(max_connections=4, max_connections_per_ip=100))
-    conns = [FakeConnection("old"), FakeConnection("no stream", busy=False), FakeConnection("new"),
-             FakeConnection("newest")]  # fmt: skip
+    conns = [
+        FakeConnection("old"),
+        FakeConnection("no stream", busy=False),
+        FakeConnection("new"),
+        FakeConnection("newest"),
+    ]
     for c in conns:
         gate.admit("a", c)
     gate.admit("b", FakeConnection("b"))

@@ -32,8 +32,15 @@ from tests.support.waiting import wait_for
 
 CONNECTIONS = 20
 STREAMS = 10  # per connection, each sending a request
-TRACKED = (grpclib.server.Handler, grpclib.protocol.H2Protocol, grpclib.protocol.Stream, grpclib.server.Stream,
-           H2Connection, GuardedProtocol, _Session)  # fmt: skip
+TRACKED = (
+    grpclib.server.Handler,
+    grpclib.protocol.H2Protocol,
+    grpclib.protocol.Stream,
+    grpclib.server.Stream,
+    H2Connection,
+    GuardedProtocol,
+    _Session,
+)
 
 
 def request_frames(conn: Conn, streams: int) -> bytes:

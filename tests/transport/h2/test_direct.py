@@ -377,8 +377,9 @@ async def test_delta_requests_are_read_directly(handled: Callable[[str], list[by
             assert [r.name for r in resp.resources] == ["web"]
             await client.send(data(sid, grpc(DeltaDiscoveryRequest(type_url=EDS_TYPE_URL, response_nonce=resp.nonce))))
         # and a subscription change
-        await client.send(data(sid, grpc(DeltaDiscoveryRequest(type_url=EDS_TYPE_URL,
-                                                               resource_names_subscribe=["other"]))))  # fmt: skip
+        await client.send(
+            data(sid, grpc(DeltaDiscoveryRequest(type_url=EDS_TYPE_URL, resource_names_subscribe=["other"])))
+        )
         resp = await client.response(sid, 12, DeltaDiscoveryResponse)
         assert [r.name for r in resp.resources] == ["other"]
         await wait_for(lambda: service.counters.acks == 11, timeout=WAIT)
@@ -396,10 +397,18 @@ async def test_a_header_block_among_direct_data_frames(writes: str, handled: Cal
         b, _ = client.new_stream()  # for its id: its header block is built here, in three frames
         block = client.conn.encoder.encode(headers(STREAM))
         cut1, cut2 = len(block) // 3, 2 * len(block) // 3
-        opening = (frame(HEADERS, 0, b, block[:cut1]) + frame(CONTINUATION, 0, b, block[cut1:cut2])
-                   + frame(CONTINUATION, END_HEADERS, b, block[cut2:]))  # fmt: skip
-        stream = (data(a, grpc(tagged("a1"))) + opening + data(a, grpc(tagged("a2")))
-                  + data(b, grpc(first_request("b", "web"))) + data(a, grpc(tagged("a3"))))  # fmt: skip
+        opening = (
+            frame(HEADERS, 0, b, block[:cut1])
+            + frame(CONTINUATION, 0, b, block[cut1:cut2])
+            + frame(CONTINUATION, END_HEADERS, b, block[cut2:])
+        )
+        stream = (
+            data(a, grpc(tagged("a1")))
+            + opening
+            + data(a, grpc(tagged("a2")))
+            + data(b, grpc(first_request("b", "web")))
+            + data(a, grpc(tagged("a3")))
+        )
         if writes == "one write":
             pieces = [stream]
         else:
@@ -427,8 +436,11 @@ async def test_a_direct_data_frame_inside_a_header_block_is_a_protocol_error(
         a, _ = await direct_stream(client, service, "a")
         b, _ = client.new_stream()
         block = client.conn.encoder.encode(headers(STREAM))
-        await client.send(frame(HEADERS, 0, b, block[:5]) + data(a, grpc(tagged("a1")))
-                          + frame(CONTINUATION, END_HEADERS, b, block[5:]))  # fmt: skip
+        await client.send(
+            frame(HEADERS, 0, b, block[:5])
+            + data(a, grpc(tagged("a1")))
+            + frame(CONTINUATION, END_HEADERS, b, block[5:])
+        )
         assert await client.until(lambda: client.goaway is not None)
         assert client.goaway == 1  # PROTOCOL_ERROR
         assert tagged("a1") not in handled("a")

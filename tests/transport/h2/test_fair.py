@@ -50,8 +50,9 @@ class Loop:
 class Conn:
     """A connection whose every byte handed on costs `cost` seconds of the fake clock."""
 
-    def __init__(self, scheduler: ReadScheduler, clock: Clock, address: AddressCost, cost: float = 1e-6,
-                 preface: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, scheduler: ReadScheduler, clock: Clock, address: AddressCost, cost: float = 1e-6, preface: bool = False
+    ) -> None:
         self.clock = clock
         self.cost = cost
         self.got: list[bytes] = []

@@ -249,8 +249,12 @@ def test_push_latency_histogram_reads_as_prometheus_clients() -> None:
     from eds_server.metrics import LATENCY_BUCKETS, LatencyHistogram
 
     theirs, ours = CollectorRegistry(), CollectorRegistry()
-    reference = Histogram("eds_push_latency_seconds", "From a change entering the store to a subscribed stream "
-                          "being sent it", buckets=LATENCY_BUCKETS, registry=theirs)  # fmt: skip
+    reference = Histogram(
+        "eds_push_latency_seconds",
+        "From a change entering the store to a subscribed stream being sent it",
+        buckets=LATENCY_BUCKETS,
+        registry=theirs,
+    )
     mine = LatencyHistogram()
     ours.register(mine)
     for value in (0.0, 0.0005, 0.001, 0.0011, 0.03, 0.5, 7.0, 11.0):  # on, under, over bounds; past the last

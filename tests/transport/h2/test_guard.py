@@ -196,8 +196,12 @@ def test_header_blocks_are_held_whole_and_passed_encoded_anew_in_any_split(cuts:
     expect = [[(n.encode(), v.encode()) for n, v in f] for f in _FIELDS]
     assert seen == [(1, expect[0]), (3, expect[1]), (5, expect[2])]
     frames = split_frames(out[len(PREFACE) :])
-    assert [(t, fl, sid) for t, fl, sid, _ in frames] == [(HEADERS, END_HEADERS, 1), (DATA, 0, 1),
-                                                          (HEADERS, END_HEADERS | 1, 5), (PING, 0, 0)]  # fmt: skip
+    assert [(t, fl, sid) for t, fl, sid, _ in frames] == [
+        (HEADERS, END_HEADERS, 1),
+        (DATA, 0, 1),
+        (HEADERS, END_HEADERS | 1, 5),
+        (PING, 0, 0),
+    ]
     library = hpack.Decoder()  # h2's side: hears only what was passed
     assert [list(library.decode(p)) for t, _, _, p in frames if t == HEADERS] == [_FIELDS[0], _FIELDS[2]]
 

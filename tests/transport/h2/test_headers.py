@@ -7,8 +7,14 @@ import pytest
 
 from eds_server.transport.h2.headers import request_problem, trailers_problem
 
-GOOD = [(":method", "POST"), (":scheme", "http"), (":path", "/x.Y/Z"), (":authority", "a"),
-        ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+GOOD = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/x.Y/Z"),
+    (":authority", "a"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
 
 
 def test_a_grpc_request_passes() -> None:

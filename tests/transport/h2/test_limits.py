@@ -72,8 +72,13 @@ def test_ten_thousand_streams_cost_linear_work() -> None:
 def test_h2_private_api_this_relies_on_is_there() -> None:
     """GuardedH2Connection overrides h2 internals (h2 pinned in constraints.txt)."""
     base = h2.connection.H2Connection
-    for name in ("_receive_frame", "_prepare_for_sending", "_open_streams", "_closed_streams",
-                 "highest_inbound_stream_id"):  # fmt: skip
+    for name in (
+        "_receive_frame",
+        "_prepare_for_sending",
+        "_open_streams",
+        "_closed_streams",
+        "highest_inbound_stream_id",
+    ):
         assert hasattr(base, name) or name in vars(base(h2.config.H2Configuration(client_side=False))), name
     client, server = pair(ConnectionLimits(control_budget=10))  # the first SETTINGS and the ACKs are free
     with pytest.raises(h2.exceptions.ProtocolError):
@@ -184,8 +189,7 @@ async def test_a_stream_that_sends_no_request_ends_with_deadline_exceeded() -> N
         channel = Channel("127.0.0.1", port)
         try:
             with pytest.raises(GRPCError) as e:
-                async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
-                                           DiscoveryResponse) as s:  # fmt: skip
+                async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse) as s:
                     await s.send_request()
                     await asyncio.wait_for(s.recv_message(), 5)
             assert e.value.status == Status.DEADLINE_EXCEEDED
@@ -204,8 +208,12 @@ async def test_health_is_under_the_message_size_and_stream_limits() -> None:
                 await health.check(HealthCheckRequest(service="x" * (2 << 20)))
             assert e.value.status == Status.RESOURCE_EXHAUSTED
             service.max_streams = 1
-            watch = channel.request("/grpc.health.v1.Health/Watch", Cardinality.UNARY_STREAM, HealthCheckRequest,
-                                    type(await health.check(HealthCheckRequest())))  # fmt: skip
+            watch = channel.request(
+                "/grpc.health.v1.Health/Watch",
+                Cardinality.UNARY_STREAM,
+                HealthCheckRequest,
+                type(await health.check(HealthCheckRequest())),
+            )
             async with watch as w:
                 await w.send_message(HealthCheckRequest(), end=True)
                 await asyncio.wait_for(w.recv_message(), 5)
@@ -227,8 +235,9 @@ async def test_partial_messages_share_one_budget() -> None:
                 # the server took the first message's share
                 await wait_for(lambda: server.reader.budget and server.reader.budget.used, timeout=2.0)
                 with pytest.raises(GRPCError) as e:  # a second one does not fit
-                    async with channel.request(STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest,
-                                               DiscoveryResponse) as b:  # fmt: skip
+                    async with channel.request(
+                        STREAM, Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse
+                    ) as b:
                         await b.send_request()
                         await b._stream.send_data(b"\x00" + (900_000).to_bytes(4, "big"))
                         await asyncio.wait_for(b.recv_message(), 5)

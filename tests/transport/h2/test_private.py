@@ -84,8 +84,11 @@ def touches(path: Path, module: str) -> dict[str, list[int]]:
             if isinstance(child, ast.ClassDef):
                 cls = getattr(loaded, child.name, None)
                 here = inherited_names(cls) if isinstance(cls, type) else set()
-                names += [f.name for f in child.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
-                          and f.name in here]  # fmt: skip
+                names += [
+                    f.name
+                    for f in child.body
+                    if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.name in here
+                ]
             elif isinstance(child, ast.Attribute) and _private(child.attr):
                 value = child.value
                 own = (isinstance(value, ast.Name) and value.id in ("self", "cls")) or (
@@ -119,9 +122,10 @@ def package_touches() -> dict[tuple[str, str], list[int]]:
 def test_every_touch_is_in_the_table() -> None:
     table = private.by_name()
     missing = sorted(
-        f"transport/h2/{module}.py:{lines[0]} {name}" for (name, module), lines in package_touches().items()
+        f"transport/h2/{module}.py:{lines[0]} {name}"
+        for (name, module), lines in package_touches().items()
         if name not in table or module not in table[name].where
-    )  # fmt: skip
+    )
     assert not missing, "private touches not in transport/h2/private.py:\n" + "\n".join(missing)
 
 
@@ -129,10 +133,18 @@ def test_every_entry_is_still_touched_where_it_says() -> None:
     """Each name is touched in one of the entry's modules at least, and each module touches one of
     the entry's names at least."""
     found = package_touches()
-    stale = [f"{name} in none of {touch.where}" for touch in private.TOUCHES for name in touch.names
-             if not any((name, module) in found for module in touch.where)]  # fmt: skip
-    stale += [f"none of {touch.names} in {module}" for touch in private.TOUCHES for module in touch.where
-              if not any((name, module) in found for name in touch.names)]  # fmt: skip
+    stale = [
+        f"{name} in none of {touch.where}"
+        for touch in private.TOUCHES
+        for name in touch.names
+        if not any((name, module) in found for module in touch.where)
+    ]
+    stale += [
+        f"none of {touch.names} in {module}"
+        for touch in private.TOUCHES
+        for module in touch.where
+        if not any((name, module) in found for name in touch.names)
+    ]
     assert not stale, f"entries of transport/h2/private.py no longer true (remove or correct them): {stale}"
 
 

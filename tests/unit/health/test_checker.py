@@ -123,10 +123,15 @@ async def test_new_endpoint_checked_at_once_and_out_after_its_threshold() -> Non
 
 async def test_every_check_failing_at_once_is_the_checker_cut_off() -> None:
     async with running({"web": Group("web", endpoints(1, 2)), "api": Group("api", endpoints(3))}) as (
-        store, checker, script,
-    ):  # fmt: skip
-        await wait_for(lambda: health(store, "web") | health(store, "api"),
-                       lambda h: set(h.values()) == {Health.HEALTHY}, timeout=5)  # fmt: skip
+        store,
+        checker,
+        script,
+    ):
+        await wait_for(
+            lambda: health(store, "web") | health(store, "api"),
+            lambda h: set(h.values()) == {Health.HEALTHY},
+            timeout=5,
+        )
         script.up.update({1: False, 2: False, 3: False})  # the checker's network gone
         await wait_for(checker.status, lambda s: s["last_error"], timeout=5)
         await wait_for(lambda: min(script.calls.values()), lambda n: n >= 8, timeout=5)

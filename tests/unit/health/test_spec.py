@@ -9,10 +9,27 @@ from eds_server.health.spec import HealthSpec, SpecError
 
 
 def test_the_documented_form() -> None:
-    got = spec.parse({"http": "/health", "interval": "1s", "timeout": "500ms", "healthy_threshold": 2,
-                      "unhealthy_threshold": 2, "port": 9000, "expected_statuses": [200, "300-302"]})  # fmt: skip
-    assert got == HealthSpec("http", path="/health", port=9000, interval=1.0, timeout=0.5, healthy_threshold=2,
-                             unhealthy_threshold=2, expected_statuses=((200, 200), (300, 302)))  # fmt: skip
+    got = spec.parse(
+        {
+            "http": "/health",
+            "interval": "1s",
+            "timeout": "500ms",
+            "healthy_threshold": 2,
+            "unhealthy_threshold": 2,
+            "port": 9000,
+            "expected_statuses": [200, "300-302"],
+        }
+    )
+    assert got == HealthSpec(
+        "http",
+        path="/health",
+        port=9000,
+        interval=1.0,
+        timeout=0.5,
+        healthy_threshold=2,
+        unhealthy_threshold=2,
+        expected_statuses=((200, 200), (300, 302)),
+    )
     assert got.expects(301) and not got.expects(500) and not got.expects(204)
 
 

@@ -57,8 +57,11 @@ async def test_the_app_declares_its_sources_in_merge_order_not_construction_orde
     upstreams = tmp_path / "upstreams.yaml"
     upstreams.write_text("groups: {}\n")
     sources = SourceSettings(upstreams=str(upstreams), docker=DockerOptions(), swarm=DockerOptions())
-    app = App(Settings(sources=sources, registrations=RegistrationSettings(admin_token="t" * 32),
-                       admin=AdminSettings(address=None)))  # fmt: skip
+    app = App(
+        Settings(
+            sources=sources, registrations=RegistrationSettings(admin_token="t" * 32), admin=AdminSettings(address=None)
+        )
+    )
     names = [s.name for s in app.sources]
     assert names == [f"file:{upstreams}", "docker", "swarm", "registrations"]
     assert app.aggregator.order == tuple(names) and app.store.pending_sources == tuple(names)

@@ -72,12 +72,23 @@ def test_liveness_marks_the_store_stale_and_logs_once_per_change(caplog: pytest.
         assert not live.status().stale  # nothing loaded: waiting, not stale
         store.update("etcd", {})
         live.live("3 registrations")
-        assert live.status().as_json() == {"name": "etcd", "loaded": True, "live": True, "stale": False,
-                                           "last_error": None}  # fmt: skip
+        assert live.status().as_json() == {
+            "name": "etcd",
+            "loaded": True,
+            "live": True,
+            "stale": False,
+            "last_error": None,
+        }
         live.lost("gone")
         stale = live.status(registrations=3).as_json()
-        assert stale == {"name": "etcd", "loaded": True, "live": False, "stale": True, "registrations": 3,
-                         "last_error": "gone"}  # fmt: skip
+        assert stale == {
+            "name": "etcd",
+            "loaded": True,
+            "live": False,
+            "stale": True,
+            "registrations": 3,
+            "last_error": "gone",
+        }
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3 and "not loaded yet" in messages[0] and "stale" in messages[2]
 
@@ -298,10 +309,15 @@ async def test_one_reconnect_loop_says_why_each_connection_ended_and_waits_a_gro
         return "ended"
 
     await asyncio.wait_for(
-        reconnect(stop, connect, backoff=backoff, why=lambda e: f"{type(e).__name__}: {e}",
-                  lost=lambda reason, delay: lost.append((reason, delay))),
+        reconnect(
+            stop,
+            connect,
+            backoff=backoff,
+            why=lambda e: f"{type(e).__name__}: {e}",
+            lost=lambda reason, delay: lost.append((reason, delay)),
+        ),
         10,
-    )  # fmt: skip
+    )
     assert len(attempts) == 4  # the fourth ended while stopping: not reported, no wait
     assert [r for r, _ in lost] == ["ConnectionRefusedError: refused", "ended", "ended"]
     assert 0.0005 <= lost[0][1] <= 0.001 and 0.001 <= lost[1][1] <= 0.002 and lost[2][1] <= 0.001  # reset
@@ -314,8 +330,15 @@ async def test_a_reconnect_loop_stops_during_its_wait() -> None:
     async def connect() -> str:
         return "ended"
 
-    task = asyncio.create_task(reconnect(stop, connect, backoff=Backoff(3600, 3600), why=str,
-                                         lost=lambda reason, _: (lost.append(reason), stop.set())))  # fmt: skip
+    task = asyncio.create_task(
+        reconnect(
+            stop,
+            connect,
+            backoff=Backoff(3600, 3600),
+            why=str,
+            lost=lambda reason, _: (lost.append(reason), stop.set()),
+        )
+    )
     await asyncio.wait_for(task, 10)  # not an hour: stop ends the wait
     assert lost == ["ended"]
 

@@ -28,14 +28,16 @@ def inspect(
     if health:
         state["Health"] = {"Status": health}
     return {
-        "Id": "0123456789abcdef", "Name": "/" + name, "State": state,
+        "Id": "0123456789abcdef",
+        "Name": "/" + name,
+        "State": state,
         "Config": {"Labels": labels, "ExposedPorts": {p: {} for p in exposed}},
         "HostConfig": {"NetworkMode": mode},
         "NetworkSettings": {
             "Networks": {n: {"IPAddress": ip} for n, ip in (networks or {}).items()},
             "Ports": ports or {},
         },
-    }  # fmt: skip
+    }
 
 
 def eps(data: dict[str, Any], options: DockerOptions = OPTS, draining: bool = False) -> dict[str, Endpoint]:
@@ -57,14 +59,27 @@ def test_user_network_ip_and_only_exposed_port() -> None:
 
 def test_all_settings_from_labels() -> None:
     labels = {
-        "eds.group": "web", "eds.port": "81", "eds.weight": "3", "eds.priority": "1",
-        "eds.region": "eu", "eds.zone": "eu-1a", "eds.subzone": "r1", "eds.hostname": "w",
+        "eds.group": "web",
+        "eds.port": "81",
+        "eds.weight": "3",
+        "eds.priority": "1",
+        "eds.region": "eu",
+        "eds.zone": "eu-1a",
+        "eds.subzone": "r1",
+        "eds.hostname": "w",
         "eds.metadata.version": "v2",
-    }  # fmt: skip
+    }
     got = eps(inspect(labels, networks={"n": "10.1.0.2"}))["web"]
-    assert got == Endpoint("10.1.0.2", 81, weight=3, health=Health.HEALTHY, priority=1,
-                           locality=Locality("eu", "eu-1a", "r1"), hostname="w",
-                           metadata={"version": "v2"})  # fmt: skip
+    assert got == Endpoint(
+        "10.1.0.2",
+        81,
+        weight=3,
+        health=Health.HEALTHY,
+        priority=1,
+        locality=Locality("eu", "eu-1a", "r1"),
+        hostname="w",
+        metadata={"version": "v2"},
+    )
 
 
 def test_two_groups_two_ports() -> None:
@@ -90,8 +105,13 @@ def test_several_networks_need_a_choice() -> None:
     assert "several networks (a_back, a_front): set eds.network" in warning(data)
     data["Config"]["Labels"]["eds.network"] = "back"  # compose's project prefix is optional
     assert eps(data)["web"].address == "10.2.0.2"
-    assert eps(inspect({"eds.group": "web", "eds.port": "80"}, networks={"a_front": "10.1.0.2", "a_back": "10.2.0.2"}),
-               DockerOptions(network="a_front"))["web"].address == "10.1.0.2"  # fmt: skip
+    assert (
+        eps(
+            inspect({"eds.group": "web", "eds.port": "80"}, networks={"a_front": "10.1.0.2", "a_back": "10.2.0.2"}),
+            DockerOptions(network="a_front"),
+        )["web"].address
+        == "10.1.0.2"
+    )
     data["Config"]["Labels"]["eds.network"] = "nope"
     assert "no address on network 'nope'" in warning(data)
 
@@ -103,8 +123,11 @@ def test_address_override() -> None:
 
 def test_published_mode() -> None:
     opts = DockerOptions(address_mode="published", host_address="198.51.100.1")
-    ports = {"8080/tcp": [{"HostIp": "0.0.0.0", "HostPort": "32768"}, {"HostIp": "::", "HostPort": "32768"}],
-             "9090/tcp": [{"HostIp": "127.0.0.1", "HostPort": "19090"}], "7070/tcp": None}  # fmt: skip
+    ports = {
+        "8080/tcp": [{"HostIp": "0.0.0.0", "HostPort": "32768"}, {"HostIp": "::", "HostPort": "32768"}],
+        "9090/tcp": [{"HostIp": "127.0.0.1", "HostPort": "19090"}],
+        "7070/tcp": None,
+    }
     base = {"eds.group": "web"}
     assert eps(inspect({**base, "eds.port": "8080"}, ports=ports), opts)["web"].key == ("198.51.100.1", 32768)
     assert eps(inspect({**base, "eds.port": "9090"}, ports=ports), opts)["web"].key == ("127.0.0.1", 19090)
@@ -165,8 +188,13 @@ def test_groups_merge_and_dedupe() -> None:
 
 
 def test_health_check_labels_apply_to_every_group() -> None:
-    labels = {"eds.group": "web,api", "eds.port": "80", "eds.health.http": "/health", "eds.health.interval": "1s",
-              "eds.health.unhealthy_threshold": "2"}  # fmt: skip
+    labels = {
+        "eds.group": "web,api",
+        "eds.port": "80",
+        "eds.health.http": "/health",
+        "eds.health.interval": "1s",
+        "eds.health.unhealthy_threshold": "2",
+    }
     got = eps(inspect(labels, networks={"n": "172.20.0.5"}))
     want = HealthSpec("http", path="/health", interval=1.0, timeout=1.0, unhealthy_threshold=2)
     assert got["web"].check == got["api"].check == want
@@ -199,8 +227,14 @@ def test_sidecar_labels_understood_or_pointed_to_ours() -> None:
 
 
 def test_per_group_health_labels() -> None:
-    labels = {"eds.group": "web,admin", "eds.port": "80", "eds.health.http": "/health", "eds.health.interval": "2s",
-              "eds.admin.health.tcp": "true", "eds.web.health.unhealthy_threshold": "5"}  # fmt: skip
+    labels = {
+        "eds.group": "web,admin",
+        "eds.port": "80",
+        "eds.health.http": "/health",
+        "eds.health.interval": "2s",
+        "eds.admin.health.tcp": "true",
+        "eds.web.health.unhealthy_threshold": "5",
+    }
     got = eps(inspect(labels, networks={"n": "172.20.0.5"}))
     assert got["web"].check == HealthSpec("http", path="/health", interval=2.0, unhealthy_threshold=5)
     assert got["admin"].check == HealthSpec("tcp", interval=2.0)  # its own kind replaces the common one

@@ -94,11 +94,18 @@ def test_a_put_compares_the_whole_group_against_the_revision_it_was_checked_at()
     compare = wire.unchanged_since(group, wire.range_end(group), 41)
     body = wire.txn([compare], [wire.put(keys.key("web", "a"), b"{}", 7)])
     assert body == {
-        "compare": [{"key": b("/eds/registrations/web/"), "range_end": b("/eds/registrations/web0"),
-                     "target": "MOD", "result": "LESS", "mod_revision": "42"}],
+        "compare": [
+            {
+                "key": b("/eds/registrations/web/"),
+                "range_end": b("/eds/registrations/web0"),
+                "target": "MOD",
+                "result": "LESS",
+                "mod_revision": "42",
+            }
+        ],
         "success": [{"request_put": {"key": b("/eds/registrations/web/a"), "value": b("{}"), "lease": "7"}}],
         "failure": [],
-    }  # fmt: skip
+    }
     assert wire.put(b"k", b"v") == {"request_put": {"key": b("k"), "value": b("v")}}  # no lease: none sent
     assert wire.txn([wire.held_at(b"k", 9)], [wire.delete(b"k")])["success"] == [
         {"request_delete_range": {"key": b("k"), "prev_kv": True}}
@@ -123,29 +130,56 @@ def test_a_write_compares_the_key_as_the_view_holds_it() -> None:
 def test_the_probe_asks_for_one_key_in_a_revision_window_not_a_count() -> None:
     # etcd filters by mod revision only the keys it returns: a count would ignore the window
     body = wire.range_request(b"/p/", b"/p0", keys_only=True, limit=1, min_mod_revision=8, max_mod_revision=20)
-    assert body == {"key": b("/p/"), "range_end": b("/p0"), "keys_only": True, "min_mod_revision": "8",
-                    "max_mod_revision": "20", "limit": "1"}  # fmt: skip
+    assert body == {
+        "key": b("/p/"),
+        "range_end": b("/p0"),
+        "keys_only": True,
+        "min_mod_revision": "8",
+        "max_mod_revision": "20",
+        "limit": "1",
+    }
 
 
 # -- replies ----------------------------------------------------------------------------------------
 def test_replies_with_defaults_left_out() -> None:
-    reply = {"header": {"revision": "12"}, "kvs": [
-        {"key": b("/k"), "create_revision": "3", "mod_revision": "12", "version": "2", "value": b("v"), "lease": "9"},
-        {"key": b("/e"), "create_revision": "4", "mod_revision": "4", "version": "1"},  # empty value, no lease
-    ], "count": "2"}  # fmt: skip
+    reply = {
+        "header": {"revision": "12"},
+        "kvs": [
+            {
+                "key": b("/k"),
+                "create_revision": "3",
+                "mod_revision": "12",
+                "version": "2",
+                "value": b("v"),
+                "lease": "9",
+            },
+            {"key": b("/e"), "create_revision": "4", "mod_revision": "4", "version": "1"},  # empty value, no lease
+        ],
+        "count": "2",
+    }
     assert wire.revision(reply) == 12
     assert wire.kvs(reply) == [wire.KeyValue(b"/k", b"v", 12, 3, 9), wire.KeyValue(b"/e", b"", 4, 4, 0)]
     assert wire.kvs({"header": {"revision": "1"}}) == []
-    deleted = {"succeeded": True, "responses": [{"response_delete_range": {"deleted": "1", "prev_kvs": [
-        {"key": b("/k"), "mod_revision": "5", "value": b("v")}]}}]}  # fmt: skip
+    deleted = {
+        "succeeded": True,
+        "responses": [
+            {
+                "response_delete_range": {
+                    "deleted": "1",
+                    "prev_kvs": [{"key": b("/k"), "mod_revision": "5", "value": b("v")}],
+                }
+            }
+        ],
+    }
     assert wire.txn_deleted(deleted) == [wire.KeyValue(b"/k", b"v", 5, 0, 0)]
 
 
 def test_errors_in_both_gateway_shapes() -> None:
     e = wire.error_of({"error": "etcdserver: leader changed", "message": "etcdserver: leader changed", "code": 14})
     assert e is not None and e.code == 14 and e.retryable
-    e = wire.error_of({"error": {"grpc_code": 3, "http_code": 400, "message": "etcdserver: invalid auth token",
-                                 "code": 3}})  # fmt: skip
+    e = wire.error_of(
+        {"error": {"grpc_code": 3, "http_code": 400, "message": "etcdserver: invalid auth token", "code": 3}}
+    )
     assert e is not None and e.auth_expired and not e.retryable
     e = wire.error_of({"code": 7, "message": "etcdserver: permission denied"})
     assert e is not None and not e.retryable and e.message == "etcdserver: permission denied"
@@ -155,10 +189,17 @@ def test_errors_in_both_gateway_shapes() -> None:
 def test_watch_messages() -> None:
     created = wire.watch_message(b'{"result":{"header":{"revision":"5"},"created":true}}')
     assert created.created and created.revision == 5 and not created.events
-    line = json.dumps({"result": {"header": {"revision": "8"}, "events": [
-        {"kv": {"key": b("/a"), "mod_revision": "7", "create_revision": "7", "value": b("x")}},
-        {"type": "DELETE", "kv": {"key": b("/b"), "mod_revision": "8"}},
-    ]}}).encode()  # fmt: skip
+    line = json.dumps(
+        {
+            "result": {
+                "header": {"revision": "8"},
+                "events": [
+                    {"kv": {"key": b("/a"), "mod_revision": "7", "create_revision": "7", "value": b("x")}},
+                    {"type": "DELETE", "kv": {"key": b("/b"), "mod_revision": "8"}},
+                ],
+            }
+        }
+    ).encode()
     message = wire.watch_message(line)
     assert [(e.deleted, e.kv.key) for e in message.events] == [(False, b"/a"), (True, b"/b")]
     compacted = wire.watch_message(b'{"result":{"header":{"revision":"90"},"canceled":true,"compact_revision":"50"}}')
@@ -255,16 +296,31 @@ async def test_turns_serialize_one_key_and_forget_it_after() -> None:
     ],
 )
 def test_etcd_settings_refused_in_one_line(args: list[str], message: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "eds_server", "serve", "--admin-token", "x" * 16,
-                          "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", *args],
-                         capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eds_server",
+            "serve",
+            "--admin-token",
+            "x" * 16,
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 2, out.stderr
     errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and message in errors[0], out.stderr
 
 
 def test_the_etcd_source_is_imported_only_when_configured() -> None:
-    code = ("import sys, eds_server.cli, eds_server.app; "
-            "print('eds_server.sources.registrations_etcd' in sys.modules)")  # fmt: skip
+    code = "import sys, eds_server.cli, eds_server.app; print('eds_server.sources.registrations_etcd' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "False", out.stderr

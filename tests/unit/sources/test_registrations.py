@@ -129,9 +129,16 @@ async def test_register_replace_read_delete(server: Server, state: Path) -> None
     assert a.status == 201, a.body
     assert a.headers["Location"] == "/v1/groups/web/endpoints/web-1"
     assert a.body == {
-        "group": "web", "id": "web-1", "address": "10.0.0.1", "port": 8080, "health": "unknown",
-        "weight": 3, "region": "eu", "hostname": "h1", "metadata": {"v": "2"},
-    }  # fmt: skip
+        "group": "web",
+        "id": "web-1",
+        "address": "10.0.0.1",
+        "port": 8080,
+        "health": "unknown",
+        "weight": 3,
+        "region": "eu",
+        "hostname": "h1",
+        "metadata": {"v": "2"},
+    }
     assert server.ports("web") == [8080]
     assert server.store.sources_of("web") == ["registrations"]
     saved = json.loads(state.read_text())
@@ -155,8 +162,10 @@ async def test_register_replace_read_delete(server: Server, state: Path) -> None
     listed = await server.request("GET", "/v1/registrations", headers={})
     assert listed.status == 200 and listed.body["count"] == 3
     assert [(r["group"], r["id"]) for r in listed.body["registrations"]] == [
-        ("api", "a:1"), ("web", "web-1"), ("web", "web-2"),
-    ]  # fmt: skip
+        ("api", "a:1"),
+        ("web", "web-1"),
+        ("web", "web-2"),
+    ]
     assert (await server.request("GET", "/v1/groups/none/endpoints", headers={})).body["registrations"] == []
     assert (await server.request("GET", "/v1/groups/web/endpoints/nope", headers={})).status == 404
 
@@ -245,9 +254,14 @@ async def test_invalid_fields_are_422(server: Server, body: dict[str, Any], fiel
 
 @pytest.mark.parametrize(
     ("group", "id", "field"),
-    [("web", "a b", "id"), ("web", "x" * 257, "id"), ("web", "a%2Fb", "id"), ("%20web", "x", "group"),
-     ("w" * 1025, "x", "group")],
-)  # fmt: skip
+    [
+        ("web", "a b", "id"),
+        ("web", "x" * 257, "id"),
+        ("web", "a%2Fb", "id"),
+        ("%20web", "x", "group"),
+        ("w" * 1025, "x", "group"),
+    ],
+)
 async def test_bad_path_parts_are_422(server: Server, group: str, id: str, field: str) -> None:
     before = server.snapshot()
     for method in ("PUT", "DELETE"):
@@ -344,8 +358,9 @@ async def test_a_body_that_never_ends_is_408(state: Path) -> None:
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
             b"PUT /v1/groups/web/endpoints/a HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
-            + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode() + b'{"address"'
-        )  # fmt: skip
+            + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+            + b'{"address"'
+        )
         status = await asyncio.wait_for(reader.readline(), 5)
         writer.close()
         assert status.split()[1] == b"408"
@@ -356,8 +371,13 @@ async def test_a_body_that_never_ends_is_408(state: Path) -> None:
 async def test_writes_need_the_token(server: Server) -> None:
     await server.put("web", "kept", ep(1))
     before = server.snapshot()
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},
-                    {"Authorization": TOKEN}, {"Authorization": f"Bearer {TOKEN}x"}):  # fmt: skip
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Bearer {TOKEN}x"},
+    ):
         for answer in (
             await server.put("web", "new", ep(2), headers=headers),
             await server.put("web", "kept", ep(3), headers=headers),
@@ -376,9 +396,11 @@ async def test_odd_authorization_bytes_are_401(server: Server, auth: bytes) -> N
     reader, writer = await asyncio.open_connection(host, int(port))
     body = json.dumps(ep(1)).encode()
     writer.write(
-        b"PUT /v1/groups/web/endpoints/a HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: " + auth
-        + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-    )  # fmt: skip
+        b"PUT /v1/groups/web/endpoints/a HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: "
+        + auth
+        + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
     status = await asyncio.wait_for(reader.readline(), 5)
     writer.close()
     assert status.split()[1] == b"401"
@@ -517,14 +539,22 @@ async def test_first_start_writes_an_empty_state_file(state: Path) -> None:
         (b"", "not a valid state file"),
         (b'{"version": 1}', "not a valid state file"),
         (b'{"version": 7, "registrations": []}', "version: 7 is not a known state file version"),
-        (b'{"version": 1, "registrations": [{"group": "web", "id": "a", "endpoint": {"address": "10.0.0.1", '
-         b'"port": 99999}}]}', "registrations[0].endpoint.port: 99999 is not a port"),
-        (b'{"version": 1, "registrations": [{"group": "web", "id": "a b", "endpoint": {}}]}',
-         "registrations[0].id: ids are"),
-        (b'{"version": 1, "registrations": [{"group": "web", "id": "a", "ttl": 5, '
-         b'"endpoint": {"address": "10.0.0.1", "port": 1}}]}', "registrations[0].expires_at: missing"),
+        (
+            b'{"version": 1, "registrations": [{"group": "web", "id": "a", "endpoint": {"address": "10.0.0.1", '
+            b'"port": 99999}}]}',
+            "registrations[0].endpoint.port: 99999 is not a port",
+        ),
+        (
+            b'{"version": 1, "registrations": [{"group": "web", "id": "a b", "endpoint": {}}]}',
+            "registrations[0].id: ids are",
+        ),
+        (
+            b'{"version": 1, "registrations": [{"group": "web", "id": "a", "ttl": 5, '
+            b'"endpoint": {"address": "10.0.0.1", "port": 1}}]}',
+            "registrations[0].expires_at: missing",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_a_bad_state_file_stops_the_start(state: Path, content: bytes, expected: str) -> None:
     state.parent.mkdir()
     state.write_bytes(content)
@@ -614,10 +644,13 @@ async def test_the_store_serves_the_union_with_other_sources(state: Path) -> Non
     state.parent.mkdir()
     store = Store(encode_group)
     store.add_source("file")
-    store.update("file", {
-        "web": Group("web", (Endpoint("10.0.0.9", 80), Endpoint("10.0.0.1", 1, weight=7))),
-        "static": Group("static", (Endpoint("10.0.0.8", 80),)),
-    })  # fmt: skip
+    store.update(
+        "file",
+        {
+            "web": Group("web", (Endpoint("10.0.0.9", 80), Endpoint("10.0.0.1", 1, weight=7))),
+            "static": Group("static", (Endpoint("10.0.0.8", 80),)),
+        },
+    )
     async with serving(state, store=store) as server:
         assert store.ready
         await server.put("web", "a", ep(2))
@@ -625,8 +658,10 @@ async def test_the_store_serves_the_union_with_other_sources(state: Path) -> Non
         await server.put("reg-only", "c", ep(3))
         web = store.get("web").group
         assert sorted((e.address, e.port, e.weight) for e in web.endpoints) == [
-            ("10.0.0.1", 1, 7), ("10.0.0.1", 2, None), ("10.0.0.9", 80, None),
-        ]  # fmt: skip
+            ("10.0.0.1", 1, 7),
+            ("10.0.0.1", 2, None),
+            ("10.0.0.9", 80, None),
+        ]
         assert store.sources_of("web") == ["file", "registrations"]
         assert store.sources_of("static") == ["file"]
         assert store.sources_of("reg-only") == ["registrations"]
@@ -644,8 +679,9 @@ async def test_group_names_with_control_or_format_characters_are_refused(server:
         assert server.snapshot() == before
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1", "::1", "169.254.169.254", "0.0.0.0", "::", "224.0.0.1",
-                                     "::ffff:127.0.0.1", "fe80::1"])  # fmt: skip
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1", "::1", "169.254.169.254", "0.0.0.0", "::", "224.0.0.1", "::ffff:127.0.0.1", "fe80::1"]
+)
 async def test_loopback_link_local_unspecified_and_multicast_targets_are_refused(server: Server, address: str) -> None:
     answer = await server.put("web", "a", {"address": address, "port": 9901})
     assert answer.status == 422 and answer.body["field"] == "address"
@@ -678,10 +714,16 @@ async def test_scoped_tokens_write_only_their_groups(state: Path, tmp_path: Path
         assert (await s.put("billing", "a", ep(80))).status == 201  # the admin token writes every group
 
 
-@pytest.mark.parametrize("text", ['tokens:\n  - token: "short"\n    groups: ["a"]\n',
-                                  'tokens:\n  - token: "long-enough-token-123"\n    groups: []\n',
-                                  'tokens:\n  - token: "long-enough-token-123"\n    groups: ["a"]\n    name: ""\n',
-                                  "tokens: {}\n", "nope: 1\n"])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        'tokens:\n  - token: "short"\n    groups: ["a"]\n',
+        'tokens:\n  - token: "long-enough-token-123"\n    groups: []\n',
+        'tokens:\n  - token: "long-enough-token-123"\n    groups: ["a"]\n    name: ""\n',
+        "tokens: {}\n",
+        "nope: 1\n",
+    ],
+)
 def test_bad_token_files_are_refused(tmp_path: Path, text: str) -> None:
     from eds_server.registration_api import RegistrationConfigError, load_scoped_tokens
 
@@ -757,8 +799,10 @@ async def test_every_write_is_one_audit_line_with_who_what_and_the_result(
 
     shop = "shop-token-0123456789"
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(f'tokens:\n  - {{token: "{shop}", groups: ["shop-*"], name: shop-ci}}\n'
-                      f'  - {{token: "other-token-0123456789", groups: ["x"]}}\n')  # fmt: skip
+    tokens.write_text(
+        f'tokens:\n  - {{token: "{shop}", groups: ["shop-*"], name: shop-ci}}\n'
+        f'  - {{token: "other-token-0123456789", groups: ["x"]}}\n'
+    )
     state.parent.mkdir()
     policy = RegistrationPolicy(scoped_tokens=load_scoped_tokens(str(tokens)))
     shop_auth = {"Authorization": f"Bearer {shop}"}
@@ -786,8 +830,9 @@ async def test_every_write_is_one_audit_line_with_who_what_and_the_result(
         ("DELETE", "deleted", "shop-web", "a", "shop-ci", "10.0.0.1", 81),
     ]
     assert all(r.levelno == logging.INFO and r.peer == "127.0.0.1" for r in lines)  # type: ignore[attr-defined]
-    assert lines[0].getMessage() == ("registration PUT created: group='shop-web' id='a' endpoint=10.0.0.1:80 "
-                                     "token=shop-ci peer=127.0.0.1")  # fmt: skip
+    assert lines[0].getMessage() == (
+        "registration PUT created: group='shop-web' id='a' endpoint=10.0.0.1:80 token=shop-ci peer=127.0.0.1"
+    )
     text = caplog.text
     assert shop not in text and TOKEN not in text and "wrong-token" not in text and "other-token" not in text
 
@@ -816,11 +861,36 @@ async def test_the_audit_line_has_fields_of_its_own_in_json_logs(state: Path, ca
     async with serving(state) as s:
         assert (await s.put("web", "a", {"address": "fd00::1", "port": 80})).status == 201
     line = json.loads(JsonFormatter().format(_audit(caplog)[-1]))
-    assert {k: line[k] for k in ("event", "method", "result", "status", "group", "id", "address", "port",
-                                 "token_name", "peer", "logger", "level")} == {
-        "event": "registration", "method": "PUT", "result": "created", "status": 201, "group": "web", "id": "a",
-        "address": "fd00::1", "port": 80, "token_name": "admin", "peer": "127.0.0.1", "logger": "eds_server.audit",
-        "level": "info"}  # fmt: skip
+    assert {
+        k: line[k]
+        for k in (
+            "event",
+            "method",
+            "result",
+            "status",
+            "group",
+            "id",
+            "address",
+            "port",
+            "token_name",
+            "peer",
+            "logger",
+            "level",
+        )
+    } == {
+        "event": "registration",
+        "method": "PUT",
+        "result": "created",
+        "status": 201,
+        "group": "web",
+        "id": "a",
+        "address": "fd00::1",
+        "port": 80,
+        "token_name": "admin",
+        "peer": "127.0.0.1",
+        "logger": "eds_server.audit",
+        "level": "info",
+    }
     assert "endpoint=[fd00::1]:80" in line["msg"] and TOKEN not in json.dumps(line)
 
 
@@ -830,8 +900,9 @@ async def test_a_real_server_writes_the_audit_line_as_json(tmp_path: Path) -> No
 
     path = tmp_path / "upstreams.yaml"
     path.write_text("groups: {}\n")
-    async with EdsServerProcess(path, "--state", str(tmp_path / "state.json"), "--admin-token", TOKEN,
-                                "--log-format", "json") as server:  # fmt: skip
+    async with EdsServerProcess(
+        path, "--state", str(tmp_path / "state.json"), "--admin-token", TOKEN, "--log-format", "json"
+    ) as server:
         url = f"http://127.0.0.1:{server.admin_port}/v1/groups/web/endpoints/vm-1"
         async with aiohttp.ClientSession() as s:
             async with s.put(url, json=ep(8080), headers=AUTH) as r:
@@ -849,10 +920,21 @@ async def test_a_real_server_writes_the_audit_line_as_json(tmp_path: Path) -> No
 
 async def test_a_health_check_is_registered_kept_across_a_restart_and_shown(state: Path) -> None:
     state.parent.mkdir()
-    check = {"http": "/health", "interval": "1s", "timeout": "500ms", "unhealthy_threshold": 2,
-             "expected_statuses": [200, "300-302"]}  # fmt: skip
-    want = HealthSpec("http", path="/health", interval=1.0, timeout=0.5, unhealthy_threshold=2,
-                      expected_statuses=((200, 200), (300, 302)))  # fmt: skip
+    check = {
+        "http": "/health",
+        "interval": "1s",
+        "timeout": "500ms",
+        "unhealthy_threshold": 2,
+        "expected_statuses": [200, "300-302"],
+    }
+    want = HealthSpec(
+        "http",
+        path="/health",
+        interval=1.0,
+        timeout=0.5,
+        unhealthy_threshold=2,
+        expected_statuses=((200, 200), (300, 302)),
+    )
     async with serving(state) as s:
         answer = await s.put("web", "a", ep(80, health_check=check))
         assert answer.status == 201, answer.body

@@ -104,8 +104,15 @@ def test_what_the_upstream_was_told_is_what_is_wanted(ops: list[tuple[str, str]]
 
 # -- the wire ----------------------------------------------------------------------------------------
 def test_requests_parse_with_the_generated_classes() -> None:
-    raw = encode_request("relay-1", subscribe=["a", "b"], unsubscribe=["c"], initial_versions={"a": "v1"},
-                         nonce="7", error="bad", node=True)  # fmt: skip
+    raw = encode_request(
+        "relay-1",
+        subscribe=["a", "b"],
+        unsubscribe=["c"],
+        initial_versions={"a": "v1"},
+        nonce="7",
+        error="bad",
+        node=True,
+    )
     req = DeltaDiscoveryRequest.parse(raw)
     assert req.node is not None and req.node.id == "relay-1"
     assert req.type_url == EDS_TYPE_URL
@@ -131,16 +138,21 @@ def test_a_response_of_another_type_is_refused() -> None:
         raise AssertionError("accepted")
 
 
-@pytest.mark.parametrize(("raw", "why"), [
-    (b"", "without a type_url"),  # an empty gRPC message: no answer at all, not "nothing to serve"
-    (string_field(5, "n1"), "without a type_url"),
-    (string_field(4, EDS_TYPE_URL), "without a nonce"),
-    (string_field(4, "type.googleapis.com/envoy.config.cluster.v3.Cluster") + string_field(5, "1"), "not EDS"),
-    (b"\xff\xff\xff", "varint"),
-    (string_field(4, EDS_TYPE_URL) + string_field(5, "1") + length_delimited(2, string_field(1, "v1")),
-     "without a name"),
-    (string_field(4, EDS_TYPE_URL) + string_field(5, "1") + length_delimited(2, string_field(3, "web")), "no type"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b"", "without a type_url"),  # an empty gRPC message: no answer at all, not "nothing to serve"
+        (string_field(5, "n1"), "without a type_url"),
+        (string_field(4, EDS_TYPE_URL), "without a nonce"),
+        (string_field(4, "type.googleapis.com/envoy.config.cluster.v3.Cluster") + string_field(5, "1"), "not EDS"),
+        (b"\xff\xff\xff", "varint"),
+        (
+            string_field(4, EDS_TYPE_URL) + string_field(5, "1") + length_delimited(2, string_field(1, "v1")),
+            "without a name",
+        ),
+        (string_field(4, EDS_TYPE_URL) + string_field(5, "1") + length_delimited(2, string_field(3, "web")), "no type"),
+    ],
+)
 def test_what_is_not_a_well_formed_eds_answer_is_refused(raw: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         decode_response(raw)
@@ -180,8 +192,10 @@ def test_junk_is_nacked_never_loaded_and_said_once_then_rate_limited(caplog: pyt
 
 # -- decoding what is relayed ------------------------------------------------------------------------
 @EXAMPLES
-@given(st.lists(model_endpoints(), max_size=8, unique_by=lambda e: e.key),
-       st.dictionaries(st.builds(locality, st.text(max_size=3)), st.integers(1, 1000), max_size=2))  # fmt: skip
+@given(
+    st.lists(model_endpoints(), max_size=8, unique_by=lambda e: e.key),
+    st.dictionaries(st.builds(locality, st.text(max_size=3)), st.integers(1, 1000), max_size=2),
+)
 def test_decoding_gives_back_the_encoded_group(endpoints: list[Endpoint], weights: dict[Any, int]) -> None:
     group = Group("web", tuple(endpoints), weights)
     body = encode_group(group)
@@ -194,8 +208,21 @@ def test_decoding_gives_back_the_encoded_group(endpoints: list[Endpoint], weight
 
 
 def test_decoding_agrees_with_the_generated_classes() -> None:
-    group = Group("web", (Endpoint("::1", 8080, weight=3, health=Health.DRAINING, priority=1,
-                                   locality=locality("eu", "a"), hostname="h", metadata={"v": "x"}),))  # fmt: skip
+    group = Group(
+        "web",
+        (
+            Endpoint(
+                "::1",
+                8080,
+                weight=3,
+                health=Health.DRAINING,
+                priority=1,
+                locality=locality("eu", "a"),
+                hostname="h",
+                metadata={"v": "x"},
+            ),
+        ),
+    )
     decoded = decode_group(bytes(ClusterLoadAssignment.parse(encode_group(group))))
     assert decoded == group
 

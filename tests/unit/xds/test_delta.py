@@ -17,8 +17,15 @@ def req(
     node: bool = False,
     initial: dict[str, str] | None = None,
 ) -> DeltaRequest:
-    return DeltaRequest(has_node=node, type_url=EDS_TYPE_URL, subscribe=subscribe, unsubscribe=unsubscribe,
-                        initial_versions=initial or {}, response_nonce=nonce, error_message=error)  # fmt: skip
+    return DeltaRequest(
+        has_node=node,
+        type_url=EDS_TYPE_URL,
+        subscribe=subscribe,
+        unsubscribe=unsubscribe,
+        initial_versions=initial or {},
+        response_nonce=nonce,
+        error_message=error,
+    )
 
 
 @pytest.fixture

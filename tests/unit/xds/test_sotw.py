@@ -22,8 +22,13 @@ def first(*names: str, version: str = "") -> Request:
 
 
 def ack(resp_nonce: str, *names: str, version: str = "", error: str | None = None) -> Request:
-    return Request(version_info=version, resource_names=names, response_nonce=resp_nonce,
-                   type_url=EDS_TYPE_URL, error_message=error)  # fmt: skip
+    return Request(
+        version_info=version,
+        resource_names=names,
+        response_nonce=resp_nonce,
+        type_url=EDS_TYPE_URL,
+        error_message=error,
+    )
 
 
 @pytest.fixture
@@ -55,8 +60,7 @@ def test_later_requests_may_omit_node_and_type_url(view: View) -> None:
     s.receive(first("web"))
     r = s.poll()
     assert r is not None
-    events = s.receive(Request(version_info=r.version_info, resource_names=("web",),
-                               response_nonce=r.nonce))  # fmt: skip
+    events = s.receive(Request(version_info=r.version_info, resource_names=("web",), response_nonce=r.nonce))
     assert events == [Ack(r.version_info, ("web",))]
     assert s.acked == {"web": "web-1"}
 

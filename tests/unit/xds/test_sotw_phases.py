@@ -70,9 +70,13 @@ def in_flight_dropped() -> SotwStream:
 
 
 START: dict[Phase, Callable[[], SotwStream]] = {
-    Phase.NEW: new, Phase.OWES_EMPTY: owes_empty, Phase.RESUMING: resuming, Phase.IDLE: idle,
-    Phase.IN_FLIGHT: in_flight, Phase.IN_FLIGHT_DROPPED: in_flight_dropped,
-}  # fmt: skip
+    Phase.NEW: new,
+    Phase.OWES_EMPTY: owes_empty,
+    Phase.RESUMING: resuming,
+    Phase.IDLE: idle,
+    Phase.IN_FLIGHT: in_flight,
+    Phase.IN_FLIGHT_DROPPED: in_flight_dropped,
+}
 
 
 def _resumed(s: SotwStream) -> None:
@@ -122,8 +126,9 @@ def test_every_phase_is_reached_from_new_and_in_flight_is_left_only_by_its_answe
     assert reached == set(Phase)
     leaving = {(before, step) for (before, step), after in TRANSITIONS.items() if before is not after}
     assert {step for before, step in leaving if before in (Phase.IN_FLIGHT, Phase.IN_FLIGHT_DROPPED)} == {
-        Step.ANSWER, Step.STALE_DROPPING,
-    }  # fmt: skip
+        Step.ANSWER,
+        Step.STALE_DROPPING,
+    }
     assert not any(before is Phase.NEW for before, step in TRANSITIONS if not step.name.startswith("FIRST"))
 
 

@@ -62,8 +62,9 @@ def test_encoding_is_canonical() -> None:
     cla = endpoint_pb2.ClusterLoadAssignment.FromString(encode_group(a))
     assert [le.priority for le in cla.endpoints] == [0, 1]
     assert [e.endpoint.address.socket_address.address for e in cla.endpoints[0].lb_endpoints] == [
-        "10.0.0.1", "10.0.0.2",
-    ]  # fmt: skip
+        "10.0.0.1",
+        "10.0.0.2",
+    ]
 
 
 def test_node_id_and_cluster_read_off_the_wire() -> None:
@@ -79,8 +80,9 @@ def test_node_id_and_cluster_read_off_the_wire() -> None:
     raw = node.SerializeToString()
     assert protowire.string_fields(raw, {1, 2}, in_order=True) == {1: "envoy-1", 2: "edge"}
     assert protowire.string_fields(raw + b"\x0a\x01x", {1, 2}, in_order=True) == {1: "envoy-1", 2: "edge"}
-    assert protowire.string_fields(base_pb2.Node(id="only-id", user_agent_name="envoy").SerializeToString(),
-                                   {1, 2}, in_order=True) == {1: "only-id"}  # fmt: skip
+    assert protowire.string_fields(
+        base_pb2.Node(id="only-id", user_agent_name="envoy").SerializeToString(), {1, 2}, in_order=True
+    ) == {1: "only-id"}
 
 
 def test_metadata_order_does_not_change_the_version() -> None:
@@ -103,16 +105,20 @@ def test_delta_response_bytes_match_official_parse() -> None:
 def random_group(rng: random.Random, name: str, n: int) -> Group:
     eps = []
     for i in range(n):
-        eps.append(Endpoint(
-            address=rng.choice([f"10.{i // 250}.{i % 250}.1", f"2001:db8::{i:x}"]),
-            port=rng.randint(1, 65535),
-            weight=rng.choice([None, 1, 7, 2**32 - 1]),
-            health=rng.choice(list(Health)),
-            priority=rng.choice([0, 0, 1, 128]),
-            locality=rng.choice([Locality(), Locality("eu"), Locality("eu", "eu-1a", "r1")]),
-            hostname=rng.choice(["", f"h{i}"]),
-            metadata=rng.choice([{}, {"v": "2", "canary": True, "n": 1.5, "l": [1, "a"], "m": {"b": 1, "a": None}}]),
-        ))  # fmt: skip
+        eps.append(
+            Endpoint(
+                address=rng.choice([f"10.{i // 250}.{i % 250}.1", f"2001:db8::{i:x}"]),
+                port=rng.randint(1, 65535),
+                weight=rng.choice([None, 1, 7, 2**32 - 1]),
+                health=rng.choice(list(Health)),
+                priority=rng.choice([0, 0, 1, 128]),
+                locality=rng.choice([Locality(), Locality("eu"), Locality("eu", "eu-1a", "r1")]),
+                hostname=rng.choice(["", f"h{i}"]),
+                metadata=rng.choice(
+                    [{}, {"v": "2", "canary": True, "n": 1.5, "l": [1, "a"], "m": {"b": 1, "a": None}}]
+                ),
+            )
+        )
     weights = rng.choice([{}, {Locality("eu"): 3}, {Locality(): 1, Locality("eu", "eu-1a", "r1"): 9}])
     return Group(name, tuple(eps), weights)
 
@@ -165,8 +171,12 @@ def test_names_past_the_limit_stop_the_parse(monkeypatch: pytest.MonkeyPatch) ->
     initial = discovery_pb2.DeltaDiscoveryRequest(initial_resource_versions={str(i): "v" for i in range(1000)})
     with pytest.raises(ProtocolError):
         wire.delta_request(initial.SerializeToString(), max_names=10)
-    assert wire.sotw_request(discovery_pb2.DiscoveryRequest(resource_names=["a"] * 10).SerializeToString(),
-                             max_names=10)[0].resource_names == ("a",) * 10  # fmt: skip
+    assert (
+        wire.sotw_request(discovery_pb2.DiscoveryRequest(resource_names=["a"] * 10).SerializeToString(), max_names=10)[
+            0
+        ].resource_names
+        == ("a",) * 10
+    )
 
 
 def _outcome(parse: object, data: bytes) -> object:
@@ -181,12 +191,19 @@ def _requests() -> st.SearchStrategy[bytes]:
     text = st.text(max_size=20)
     return st.builds(
         lambda version, names, nonce, node, error: discovery_pb2.DiscoveryRequest(
-            version_info=version, resource_names=names, type_url=EDS_TYPE_URL, response_nonce=nonce,
+            version_info=version,
+            resource_names=names,
+            type_url=EDS_TYPE_URL,
+            response_nonce=nonce,
             **({"node": {"id": node}} if node is not None else {}),
             **({"error_detail": {"message": error}} if error is not None else {}),
         ).SerializeToString(),
-        text, st.lists(text, max_size=5), text, st.none() | st.text(max_size=300), st.none() | text,
-    )  # fmt: skip
+        text,
+        st.lists(text, max_size=5),
+        text,
+        st.none() | st.text(max_size=300),
+        st.none() | text,
+    )
 
 
 @settings(max_examples=400, deadline=None)
