@@ -39,6 +39,7 @@ def serve(*args: str, state: str | None = None) -> list[str]:
     return out + (["--state", state, "--admin-token", TOKEN] if state else [])
 
 
+# the refusals, one a line, read as a table: kept from the formatter
 # fmt: off
 TABLE = [
     # -- the command line -------------------------------------------------------------------------
