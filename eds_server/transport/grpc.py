@@ -24,12 +24,13 @@ from ..heap import HeapTrim
 from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
-from ..store import Resource, Store
+from ..store import Resource
 from ..xds import wire
 from ..xds.common import (
     WILDCARD,
     Nonces,
     ProtocolError,
+    Resources,
     SubscriptionLimits,
     check_request,
     response_version,
@@ -56,9 +57,9 @@ SERVED = (
 
 @dataclass
 class EdsService:
-    """envoy.service.endpoint.v3.EndpointDiscoveryService over a Store."""
+    """envoy.service.endpoint.v3.EndpointDiscoveryService over the store, seen through `Resources`."""
 
-    store: Store
+    store: Resources
     limits: SubscriptionLimits = field(default_factory=SubscriptionLimits)
     send_timeout: float = 30.0
     max_streams: int = 100_000  # open streams in total, across connections (health and reflection too)
@@ -476,7 +477,7 @@ class HealthService(HealthBase):
     Watch streams wait on readiness changing, not on every store change: a thousand of them cost
     nothing while groups change (each used to wake on every change of any group)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Resources) -> None:
         self.store = store
         self._flipped: asyncio.Event | None = None  # set (and replaced) when readiness changes
         self._was_ready = store.ready

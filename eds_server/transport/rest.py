@@ -13,8 +13,15 @@ import logging
 from aiohttp import web
 
 from ..encode import Encoders
-from ..store import Store
-from ..xds.common import EDS_TYPE_URL, WILDCARD, ProtocolError, SubscriptionLimits, check_request, response_version
+from ..xds.common import (
+    EDS_TYPE_URL,
+    WILDCARD,
+    ProtocolError,
+    Resources,
+    SubscriptionLimits,
+    check_request,
+    response_version,
+)
 from ..xds.wire import CONTROL_PLANE_ID
 
 log = logging.getLogger("eds_server.rest")
@@ -23,7 +30,7 @@ PATH = "/v3/discovery:endpoints"
 
 
 def make_rest_app(
-    store: Store, limits: SubscriptionLimits, max_body: int, encoders: Encoders | None = None
+    store: Resources, limits: SubscriptionLimits, max_body: int, encoders: Encoders | None = None
 ) -> web.Application:
     """The REST port's app; `encoders`: the server's (its JSON cache), or one of its own."""
     resource_json = (encoders or Encoders()).resource_json

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -27,6 +27,24 @@ class ResourceView(Protocol):
     def get(self, name: str) -> Resource: ...
 
     def resources(self) -> Mapping[str, Resource]: ...
+
+
+Watcher = Callable[[frozenset[str] | None], None]  # told which names changed (None: any may have)
+
+
+class Resources(ResourceView, Protocol):
+    """The seam between the store and everything that serves streams (the xDS sessions, the gRPC,
+    REST and health services): read what a name holds now, watch changes, follow names and stop.
+    As go-control-plane's server sees its cache only as a ConfigWatcher, nothing past this seam
+    knows how the state is merged, encoded or kept (`store.Store` is the one implementation)."""
+
+    def unanswered(self, names: Iterable[str]) -> list[str]: ...
+
+    def watch(self, watcher: Watcher) -> Callable[[], None]: ...
+
+    def follow(self, watcher: Watcher, add: Iterable[str] = (), remove: Iterable[str] = ()) -> None: ...
+
+    def unfollow(self, watcher: Watcher) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,8 @@ from typing import Any, Protocol
 
 from .. import protowire
 from ..observe import Observers, clip, names_shown
-from ..store import Store
 from . import wire
-from .common import Ack, Event, Nack, Nonces, ProtocolError, Subscribed, SubscriptionLimits
+from .common import Ack, Event, Nack, Nonces, ProtocolError, Resources, Subscribed, SubscriptionLimits
 from .delta import DeltaStream
 from .sotw import SotwStream
 
@@ -44,7 +43,7 @@ class StreamKind:
 
     name: str
     decode: Callable[[bytes, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
-    machine: Callable[[Store, SubscriptionLimits, Nonces], Machine]
+    machine: Callable[[Resources, SubscriptionLimits, Nonces], Machine]
     encode: Callable[[Any, wire.Responses], bytes]  # the state machine's response -> wire bytes
     version: Callable[[Any], str]  # the response's version
 
@@ -101,7 +100,7 @@ class SessionDriver:
     def __init__(
         self,
         kind: StreamKind,
-        store: Store,
+        store: Resources,
         limits: SubscriptionLimits,
         nonces: Nonces,
         observers: Observers,
