@@ -3,8 +3,10 @@
 One `SotwStream` per gRPC stream. It keeps at most one response in flight: changes that arrive
 while Envoy has not yet ACKed coalesce into the next response, so a slow client costs nothing extra.
 
-Where a stream stands is one value, its `Phase`, changed only as `TRANSITIONS` lists (as h11 keeps
-a connection's state): the rules first, the code after them.
+Where a stream stands is one value, its `Phase`, changed only through `TRANSITIONS` (as h11 runs a
+connection's state through its table): every change of phase is looked up there, and a step the
+table does not list from the phase the stream is in raises `PhaseError` (a bug, never a client's
+doing). The rules first, the code after them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Phase(enum.Enum):
     IN_FLIGHT = "in flight"  # a response awaits its ACK or NACK; changes meanwhile coalesce into the next
     IN_FLIGHT_DROPPED = "in flight, names dropped"  # and stale requests left names out: see _asked_again
 
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes the name)
+
 
 class Step(enum.Enum):
     """What moves a stream from one phase to another."""
@@ -53,6 +57,8 @@ class Step(enum.Enum):
     SEND = "poll: a response goes out"
     RESUMED = "poll: the reconnecting client holds the current version, nothing is sent"
     NOTHING_DUE = "poll: the resume checked, nothing due"
+
+    __hash__ = object.__hash__
 
 
 # (phase, step) -> the phase after it. Anything else does not happen: a request with an old nonce and
@@ -80,9 +86,24 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
     (Phase.IN_FLIGHT_DROPPED, Step.ANSWER): Phase.IDLE,  # names dropped and asked for again are resent
 }
 
+
+class PhaseError(RuntimeError):
+    """A step `TRANSITIONS` does not list from the stream's phase: the code broke its own rules."""
+
+
+# each step's moves, phase -> phase after it: one dict lookup a step (TRANSITIONS, read once)
+MOVES: dict[Step, dict[Phase, Phase]] = {step: {} for step in Step}
+for (_before, _step), _after in TRANSITIONS.items():
+    MOVES[_step][_before] = _after
+_ON_ANSWER, _ON_SEND = MOVES[Step.ANSWER], MOVES[Step.SEND]
+
+
+def _illegal(phase: Phase, step: Step) -> PhaseError:
+    return PhaseError(f"SotW stream: {step.name} is no step from {phase.name} (TRANSITIONS)")
+
+
 # read once per stream per change: module constants, not Enum attribute lookups
 _NEW, _OWES_EMPTY, _RESUMING, _IDLE = Phase.NEW, Phase.OWES_EMPTY, Phase.RESUMING, Phase.IDLE
-_IN_FLIGHT, _IN_FLIGHT_DROPPED = Phase.IN_FLIGHT, Phase.IN_FLIGHT_DROPPED
 
 
 class Request(NamedTuple):  # a NamedTuple: one is made per ACK, at a third of a frozen dataclass's cost
@@ -111,6 +132,13 @@ class SotwStream(StreamState[Response]):
     _dropped: set[str] = field(default_factory=set)
     _unwanted: set[str] = field(default_factory=set)
 
+    def _move(self, step: Step) -> None:
+        """The phase after `step`, as TRANSITIONS says; PhaseError if it says nothing."""
+        after = MOVES[step].get(self.phase)
+        if after is None:
+            raise _illegal(self.phase, step)
+        self.phase = after
+
     @property
     def wants_poll(self) -> bool:
         phase = self.phase
@@ -134,8 +162,7 @@ class SotwStream(StreamState[Response]):
                 listed = set(req.resource_names)
                 self._unwanted = {n for n in self.subscribed if n not in listed}
                 self._dropped |= self._unwanted
-                if self._dropped:
-                    self.phase = _IN_FLIGHT_DROPPED  # STALE_DROPPING (or STALE, already there)
+                self._move(Step.STALE_DROPPING if self._dropped else Step.STALE)
             return [StaleNonce(req.response_nonce)]
         elif self.in_flight is not None:  # the latest nonce: this answers the response in flight
             answered = self.in_flight.resources
@@ -146,7 +173,10 @@ class SotwStream(StreamState[Response]):
             else:
                 events.append(Ack(req.version_info, names))
             self.in_flight = None
-            self.phase = _IDLE  # ANSWER (and the dropped names are settled below)
+            after = _ON_ANSWER.get(self.phase)  # IDLE (and the dropped names are settled below)
+            if after is None:
+                raise _illegal(self.phase, Step.ANSWER)
+            self.phase = after
         names = req.resource_names
         one = len(names) == 1 and len(self.subscribed) == 1
         if one and not first and not self._dropped and names[0] in self.subscribed:
@@ -162,13 +192,15 @@ class SotwStream(StreamState[Response]):
             self._resend(name)
         if first:
             if not wanted:
-                self.phase = _OWES_EMPTY  # "*" or the legacy empty list: no names, but an answer
+                self._move(Step.FIRST_EMPTY)  # "*" or the legacy empty list: no names, but an answer
             elif req.version_info:
-                self.phase, self._resume_version = _RESUMING, req.version_info
+                self._move(Step.FIRST_RESUMING)
+                self._resume_version = req.version_info
             else:
-                self.phase = _IDLE
+                self._move(Step.FIRST)
         elif (added or removed or again) and self.phase is _RESUMING:
-            self.phase, self._resume_version = _IDLE, ""  # it described the names the stream started with
+            self._move(Step.RESUBSCRIBE)  # the version described the names the stream started with
+            self._resume_version = ""
         self.subscribed = wanted
         if added or removed:
             events.append(Subscribed(added, removed))
@@ -206,8 +238,9 @@ class SotwStream(StreamState[Response]):
             return None
         if self.phase is _RESUMING and current:  # (none: withheld by a relay; the resume waits for it)
             resume, self._resume_version = self._resume_version, ""
-            self.phase = _IDLE  # RESUMED, or NOTHING_DUE unless sent below
-            if self._holds(current, resume):
+            holds = self._holds(current, resume)
+            self._move(Step.RESUMED if holds else Step.NOTHING_DUE)  # IDLE: a response may still go below
+            if holds:
                 for r in current:
                     self.sent[r.name] = self.acked[r.name] = r.version
                 return None
@@ -217,7 +250,10 @@ class SotwStream(StreamState[Response]):
         self._last_nonce = self._next_nonce()
         version = response_version(due, digest=len(self.subscribed) > 1) if due else ""
         self.in_flight = Response(version, due, self._last_nonce)
-        self.phase = _IN_FLIGHT  # SEND
+        after = _ON_SEND.get(self.phase)
+        if after is None:
+            raise _illegal(self.phase, Step.SEND)
+        self.phase = after
         return self.in_flight
 
     def _holds(self, current: list[Resource], resume: str) -> bool:

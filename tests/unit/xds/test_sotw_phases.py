@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from eds_server.xds.common import EDS_TYPE_URL
-from eds_server.xds.sotw import TRANSITIONS, Phase, Request, Response, SotwStream, Step
+from eds_server.xds.sotw import TRANSITIONS, Phase, PhaseError, Request, Response, SotwStream, Step
 from tests.support.sotw_checked import CheckedSotwStream
 from tests.support.xds_view import View
 
@@ -146,3 +146,22 @@ def test_a_first_request_without_node_leaves_the_stream_new() -> None:
     with pytest.raises(Exception, match="node"):
         s.receive(Request(resource_names=("web",)))
     assert s.phase is Phase.NEW and not s.wants_poll
+
+
+def test_the_table_is_the_code_path_a_step_it_does_not_list_raises() -> None:
+    """The stream moves only through TRANSITIONS: a phase the code put out of step with what it
+    holds (here a response in flight while the phase says idle) raises at the next move, rather
+    than moving on from a state the rules never allowed."""
+
+    def out_of_step() -> SotwStream:
+        s = SotwStream(view())  # unchecked: the check would catch the bug before the table does
+        s.receive(first("web"))
+        sent(s)
+        s.phase = Phase.IDLE  # the bug: the response is still in flight
+        return s
+
+    s = out_of_step()
+    with pytest.raises(PhaseError, match="ANSWER is no step from IDLE"):
+        s.receive(latest(s, "web"))
+    with pytest.raises(PhaseError, match="STALE is no step from IDLE"):
+        out_of_step().receive(Request(resource_names=("web",), response_nonce="old"))
