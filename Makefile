@@ -20,7 +20,7 @@ demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine 
 	$(VENV)/bin/eds-server demo $(DEMO_ARGS)
 
 test: $(STAMP)  ## the whole suite, real Envoy included
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 FAST := not (envoy or docker or kubernetes or etcd or browser or hostile)
 

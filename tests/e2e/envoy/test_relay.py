@@ -89,9 +89,15 @@ async def test_origin_restart_keeps_every_cluster_and_a_change_after_it_arrives(
     async with tiers(tmp_path, backends, "DELTA_GRPC") as (origin, relay, envoy, path):
         async with FaultWatch(envoy, relay, backends=[b.port for b in backends[:2]]) as watch:
             await origin.stop()
-            await asyncio.sleep(1.0)  # the relay serves its last state, marked stale
-            sources = (await relay.admin("/v1/sources"))["sources"]
-            assert sources[0]["stale"] and sources[0]["last_error"]
+            # the relay serves its last state, marked stale, while traffic goes on
+            sources = await wait_for(
+                lambda: relay.admin("/v1/sources"),
+                lambda r: r["sources"][0]["stale"] and r["sources"][0]["last_error"],
+                what="the relay's upstream marked stale",
+            )
+            assert sources["sources"][0]["last_error"]
+            during = len(watch.samples)
+            await wait_for(lambda: len(watch.samples) >= during + 5, what="traffic sampled while the origin is away")
             await origin.start()
             write_atomically(path, upstreams(backends[:1], backends[2:]))
             await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: len(h) == 1, timeout=15)
