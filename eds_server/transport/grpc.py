@@ -302,18 +302,57 @@ class SendState(enum.Enum):
     path: no task woken per stream, one write per connection per change). Otherwise the stream's
     own task sends it, waiting on flow control as long as the send timeout allows.
 
-    IDLE -> SENDING: a response is due that cannot be queued at once (or the reader ended); the
-    task is woken. SENDING -> IDLE: the task sent what was due. Either -> CLOSED: the server
-    stops, the connection is asked to move, the reader failed or the call ended; nothing more is
-    sent. CLOSED is final.
+    Every move is one of SEND_MOVES, looked up there (`_Session._move`); anything else raises
+    SendStateError. CLOSED is final.
     """
 
     IDLE = "idle"  # the task waits; what comes due is queued directly if the connection takes it
     SENDING = "sending"  # the task sends (or is woken to): what comes due waits for it
     CLOSED = "closed"  # ending: nothing more is sent
 
+    __hash__ = object.__hash__  # singletons: hashed by identity, in C
+
+
+class SendStep(enum.Enum):
+    """What moves a stream's sending from one state to another."""
+
+    HAND_OVER = "a response due that cannot be queued at once, or the reader ended: the task is woken"
+    WAIT = "the task sent what was due and waits"
+    WAKE = "the task woke to send"
+    END = "the server stops, the connection is asked to move, the reader failed or the call ended"
+
+    __hash__ = object.__hash__
+
 
 _IDLE, _SENDING, _CLOSED = SendState.IDLE, SendState.SENDING, SendState.CLOSED  # read once per stream per change
+
+# (state, step) -> the state after it; anything else is a bug (SendStateError). A response that
+# comes due while IDLE and is queued at once moves nothing (the fan-out's path, no lookup at all).
+SEND_TRANSITIONS: dict[tuple[SendState, SendStep], SendState] = {
+    (_IDLE, SendStep.HAND_OVER): _SENDING,
+    (_SENDING, SendStep.HAND_OVER): _SENDING,  # the task is at work, or already woken
+    (_CLOSED, SendStep.HAND_OVER): _CLOSED,  # the reader ended after the call did
+    (_SENDING, SendStep.WAIT): _IDLE,
+    (_SENDING, SendStep.WAKE): _SENDING,  # whoever woke the task set SENDING first
+    (_IDLE, SendStep.END): _CLOSED,
+    (_SENDING, SendStep.END): _CLOSED,
+    (_CLOSED, SendStep.END): _CLOSED,
+}
+SEND_MOVES: dict[SendStep, dict[SendState, SendState]] = {step: {} for step in SendStep}
+for (_before, _step), _after in SEND_TRANSITIONS.items():
+    SEND_MOVES[_step][_before] = _after
+
+
+class SendStateError(RuntimeError):
+    """A move SEND_TRANSITIONS does not list: the send path broke its own rules."""
+
+
+def send_move(state: SendState, step: SendStep, node: str = "") -> SendState:
+    """The state after `step`, as SEND_TRANSITIONS says; SendStateError if it says nothing."""
+    after = SEND_MOVES[step].get(state)
+    if after is None:
+        raise SendStateError(f"stream of node={node}: {step.name} is no move from {state.name}")
+    return after
 
 
 class _Session(SessionDriver):
@@ -345,10 +384,13 @@ class _Session(SessionDriver):
         if self.sm.wants_poll:
             self.send_due()
 
+    def _move(self, step: SendStep) -> None:
+        self.state = send_move(self.state, step, self.node)
+
     def end(self) -> None:
         """End the call cleanly (status OK: Envoy keeps its endpoints and reconnects) at the task's
         next turn, after a send under way."""
-        self.state = _CLOSED
+        self._move(SendStep.END)
         self._wake.set()
 
     def send_due(self) -> None:
@@ -372,7 +414,7 @@ class _Session(SessionDriver):
                 except Exception as e:  # e.g. the stream was reset a moment ago: the task finds out properly
                     log.debug("direct send to node=%s handed to its task: %r", self.node, e)
                 self._handed = (data, response.resources)
-            self.state = _SENDING
+            self._move(SendStep.HAND_OVER)
             self._wake.set()
         elif state is _SENDING:
             self._wake.set()
@@ -406,12 +448,12 @@ class _Session(SessionDriver):
             while True:
                 if self.state is _CLOSED:
                     return
-                self.state = _IDLE
+                self._move(SendStep.WAIT)
                 await wake.wait()
                 wake.clear()
                 if self.state is _CLOSED or self.service.stopping:
                     return
-                self.state = _SENDING
+                self._move(SendStep.WAKE)
                 ended = reader.done()
                 if ended and (failure := _failure(reader)) is not None:
                     raise failure
@@ -424,7 +466,7 @@ class _Session(SessionDriver):
                 if ended:
                     return  # the client ended its side (after the answer already due, if any)
         finally:
-            self.state = _CLOSED
+            self._move(SendStep.END)
             reader.cancel()
             if reader.done() and not reader.cancelled():
                 reader.exception()  # retrieved: raised above, or moot once the call ends
@@ -436,8 +478,7 @@ class _Session(SessionDriver):
 
     def _reader_done(self, _: asyncio.Task[None]) -> None:
         """The reader ended (the client's side closed, or it failed): the task finds out which."""
-        if self.state is not _CLOSED:
-            self.state = _SENDING
+        self._move(SendStep.HAND_OVER)
         self._wake.set()
 
     async def _send(self, data: Framed, resources: Iterable[Resource]) -> None:
