@@ -14,6 +14,11 @@ edit of one line would. A change counts from just before the file is renamed unt
 response and the server's CPU has settled (its ACKs processed). Without --peer, the peer columns
 hold the reference figures of go-control-plane's LinearCache, measured once on another day in the same
 kind of VM with these client shapes (`Shape.reference`): a reference, not a same-run comparison.
+
+The floor (bench/floor.py, unless --no-floor) runs in every round too, after eds-server: a bare
+server that writes the same response bytes to every stream with one sendmsg per connection and
+reads and drops the ACKs; eds-server / floor is what eds-server spends over writing the bytes.
+User and system CPU are given apart (from /proc/PID/stat, clock ticks, over all changes of a round).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from tests.support.ports import free_port
 from tests.support.server_process import write_atomically
 
 EDS_SERVER = [sys.executable, "-m", "eds_server"]
+FLOOR = [sys.executable, str(Path(__file__).resolve().parent / "floor.py")]
 
 
 @dataclass(frozen=True)
@@ -134,11 +140,17 @@ class Served:
         return total / 1e9
 
     def user_sys(self) -> tuple[float, float]:
-        """User and system CPU seconds of the process (clock ticks): where the time goes, roughly."""
-        with open(f"/proc/{self.p.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        """User and system CPU seconds of the process and its children (clock ticks): where the time goes."""
+        user = system = 0
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            user, system = user + int(fields[11]), system + int(fields[12])
         tick = os.sysconf("SC_CLK_TCK")
-        return int(fields[11]) / tick, int(fields[12]) / tick
+        return user / tick, system / tick
 
     def rss(self) -> int:
         total = 0
@@ -210,7 +222,9 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
             server.stop()
     return {"cpu_per_change_s": statistics.median(cpus), "cpu_s": cpus,
             "rss_per_stream_b": (rss1 - rss0) / streams, "errors": errors,
-            "user_s": user1 - user0, "sys_s": sys1 - sys0}  # fmt: skip
+            "user_s": user1 - user0, "sys_s": sys1 - sys0,
+            "user_per_change_s": (user1 - user0) / len(cpus),
+            "sys_per_change_s": (sys1 - sys0) / len(cpus)}  # fmt: skip
 
 
 def chosen_shapes(spec: str) -> list[Shape]:
@@ -223,46 +237,68 @@ def chosen_shapes(spec: str) -> list[Shape]:
     return [SHAPES[n - 1] for n in picked]
 
 
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else math.nan
+
+
+def cell(x: float, fmt: str = "{:.1f}") -> str:
+    return "-" if math.isnan(x) else fmt.format(x)
+
+
 def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
     peer = shlex.split(cfg.peer) if cfg.peer else None
     shapes = chosen_shapes(cfg.shapes)
-    servers = [("eds-server", EDS_SERVER)] + ([("peer", peer)] if peer else [])
+    servers = [("eds-server", EDS_SERVER)] + ([("floor", FLOOR)] if cfg.floor else [])
+    servers += [("peer", peer)] if peer else []
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n, _ in servers} for s in shapes}
     for r in range(cfg.rounds):
         for shape in shapes:
-            for name, command in servers:  # A B A B ...: drift in the machine hits both alike
+            for name, command in servers:  # A B C A B C ...: drift in the machine hits each alike
                 results[shape.name][name].append(one_round(cfg, shape, command, f"{name}-r{r}"))
                 got = results[shape.name][name][-1]["cpu_per_change_s"] * 1000
                 us = results[shape.name][name][-1]
                 print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {got:.1f} ms/change "
                       f"(user {us['user_s']:.2f} s, system {us['sys_s']:.2f} s in all)", flush=True)  # fmt: skip
-    out: dict[str, Any] = {"peer": cfg.peer, "rounds": cfg.rounds, "server_core": SERVER_CORE,
+    out: dict[str, Any] = {"peer": cfg.peer, "floor": cfg.floor, "rounds": cfg.rounds, "server_core": SERVER_CORE,
                            "client_cores": CLIENT_CORES, "shapes": {}}  # fmt: skip
     peer_label = "peer" if peer else "gcp (reference)"
-    rows = [("shape", "eds CPU/chg ms", f"{peer_label} CPU/chg ms", "ratio", "eds KB/stream",
-             f"{peer_label} KB/stream", "ratio")]  # fmt: skip
+    rows = [("shape", "eds CPU/chg ms", "user/sys", "floor CPU/chg ms", "user/sys", "eds/floor",
+             f"{peer_label} CPU/chg ms", "user/sys", "eds/peer", "eds KB/stream", "floor KB/stream",
+             f"{peer_label} KB/stream", "eds/peer")]  # fmt: skip
     for shape in shapes:
         per = results[shape.name]
 
-        def med(name: str, key: str, per: dict[str, list[dict[str, Any]]] = per) -> float:
-            return statistics.median(x[key] for x in per[name]) if per.get(name) else math.nan
+        def med(name: str, key: str, scale: float, per: dict[str, list[dict[str, Any]]] = per) -> float:
+            return statistics.median(x[key] for x in per[name]) * scale if per.get(name) else math.nan
 
-        eds_cpu, eds_rss = med("eds-server", "cpu_per_change_s") * 1000, med("eds-server", "rss_per_stream_b") / 1000
+        def cpu(name: str) -> tuple[float, float, float]:
+            return (med(name, "cpu_per_change_s", 1000), med(name, "user_per_change_s", 1000),
+                    med(name, "sys_per_change_s", 1000))  # fmt: skip
+
+        (eds_cpu, eds_user, eds_sys), (floor_cpu, floor_user, floor_sys) = cpu("eds-server"), cpu("floor")
+        eds_rss, floor_rss = med("eds-server", "rss_per_stream_b", 1e-3), med("floor", "rss_per_stream_b", 1e-3)
         if peer:
-            peer_cpu, peer_rss = med("peer", "cpu_per_change_s") * 1000, med("peer", "rss_per_stream_b") / 1000
+            peer_cpu, peer_user, peer_sys = cpu("peer")
+            peer_rss = med("peer", "rss_per_stream_b", 1e-3)
         else:
-            peer_cpu = shape.reference[1]
+            peer_cpu, peer_user, peer_sys = shape.reference[1], math.nan, math.nan
             peer_rss = shape.reference[3] if shape.reference[3] is not None else math.nan
         show_rss = shape.streams >= 1000
         out["shapes"][shape.name] = {
             "streams": cfg.size(shape.streams), "endpoints": cfg.size(shape.endpoints),
-            "node_every": shape.node_every, "eds_cpu_ms": eds_cpu, "peer_cpu_ms": peer_cpu,
-            "cpu_ratio": eds_cpu / peer_cpu, "eds_rss_kb": eds_rss, "peer_rss_kb": peer_rss,
+            "node_every": shape.node_every, "eds_cpu_ms": eds_cpu, "eds_user_ms": eds_user, "eds_sys_ms": eds_sys,
+            "floor_cpu_ms": floor_cpu, "floor_user_ms": floor_user, "floor_sys_ms": floor_sys,
+            "peer_cpu_ms": peer_cpu, "peer_user_ms": peer_user, "peer_sys_ms": peer_sys,
+            "cpu_ratio": ratio(eds_cpu, peer_cpu), "cpu_ratio_floor": ratio(eds_cpu, floor_cpu),
+            "eds_rss_kb": eds_rss, "floor_rss_kb": floor_rss, "peer_rss_kb": peer_rss,
             "peer_is_reference_figure": not peer, "reference_eds_cpu_ms": shape.reference[0], "rounds": per,
         }  # fmt: skip
-        rows.append((shape.name, f"{eds_cpu:.1f}", f"{peer_cpu:.1f}", f"{eds_cpu / peer_cpu:.2f}",
-                     f"{eds_rss:.1f}" if show_rss else "-", f"{peer_rss:.1f}" if show_rss else "-",
-                     f"{eds_rss / peer_rss:.2f}" if show_rss else "-"))  # fmt: skip
+        rows.append((shape.name, cell(eds_cpu), f"{cell(eds_user)}/{cell(eds_sys)}", cell(floor_cpu),
+                     f"{cell(floor_user)}/{cell(floor_sys)}", cell(ratio(eds_cpu, floor_cpu), "{:.2f}"),
+                     cell(peer_cpu), f"{cell(peer_user)}/{cell(peer_sys)}", cell(ratio(eds_cpu, peer_cpu), "{:.2f}"),
+                     cell(eds_rss) if show_rss else "-", cell(floor_rss) if show_rss else "-",
+                     cell(peer_rss) if show_rss else "-",
+                     cell(ratio(eds_rss, peer_rss), "{:.2f}") if show_rss else "-"))  # fmt: skip
     title = (
         f"side by side, medians of {cfg.rounds} interleaved rounds"
         if peer
@@ -270,5 +306,6 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
             f"eds-server through its file, medians of {cfg.rounds} rounds, against go-control-plane's reference figures"
         )
     )
+    title += ", with the floor (bench/floor.py)" if cfg.floor else ""
     table(title + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)
     return out
