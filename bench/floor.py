@@ -23,7 +23,7 @@ Started like any `--peer` (bench/sidebyside.py, bench/cores.py) and reached by t
   size) and views of those bytes go out as one iovec list in one `sendmsg`, again only for what
   the socket did not take (the loopback socket's send buffer grows to `net.ipv4.tcp_wmem`'s max).
 
-On SIGTERM it logs what it did (connections, streams, responses, ACKs, sendmsg calls) to stderr.
+On SIGUSR1 and SIGTERM it logs what it did (connections, streams, responses, ACKs, sendmsg calls) to stderr.
 """
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (na
 
 def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     return FRAME.pack(len(payload) << 8 | ftype, flags, sid) + payload
+
+
+def framed_response(middle: bytes, version: int) -> bytes:
+    """The gRPC-framed DiscoveryResponse of `version`: version_info (1), then `middle` (resources (2),
+    type_url (4), control_plane (6)), then nonce (5), as eds-server lays them out."""
+    nonce = str(version + 1).encode()
+    msg = b"".join((b"\x0a\x10", f"{version:016x}".encode(), middle, b"\x2a", bytes([len(nonce)]), nonce))
+    return b"\x00" + len(msg).to_bytes(4, "big") + msg
 
 
 class Stream:
@@ -98,7 +106,7 @@ class Floor:
         self.upstreams = upstreams
         self.middle = self.encoded_group(upstreams)
         self.version = 0
-        self.body = self.response()
+        self.body = framed_response(self.middle, self.version)
         self.chunks: dict[int, list[memoryview]] = {}  # frame size -> views of body, one per DATA frame
         self.stats = {"connections": 0, "streams": 0, "responses": 0, "acks": 0, "changes": 0, "sendmsg": 0,
                       "sendmsg_partial": 0, "bytes_sent": 0, "bytes_read": 0}  # fmt: skip
@@ -119,13 +127,6 @@ class Floor:
         (name, group), = groups.items()  # fmt: skip
         body = encode_group(group)
         return discovery_response("", [Resource(name, content_version(body), body, group)], "")
-
-    def response(self) -> bytes:
-        """The gRPC-framed DiscoveryResponse of the current version: fields 1, 2, 4, 6, 5 as eds-server writes them."""
-        version = f"{self.version:016x}".encode()
-        nonce = str(self.version + 1).encode()
-        msg = b"".join((b"\x0a\x10", version, self.middle, b"\x2a", bytes([len(nonce)]), nonce))
-        return b"\x00" + len(msg).to_bytes(4, "big") + msg
 
     @staticmethod
     def watch(path: Path) -> int:
@@ -368,7 +369,7 @@ class Floor:
         """A new version to every answered stream: per connection one iovec list, one sendmsg."""
         self.version += 1
         self.stats["changes"] += 1
-        self.body, self.chunks = self.response(), {}
+        self.body, self.chunks = framed_response(self.middle, self.version), {}
         for conn in list(self.conns.values()):
             conn.blocked.clear()  # the new response replaces whatever was owed
             for s in conn.streams.values():
@@ -388,14 +389,18 @@ def main() -> None:
     host, _, port = args.listen.rpartition(":")
     floor = Floor((host, int(port)), args.upstreams.resolve())
 
+    def report(*_: object) -> None:
+        print("floor: " + ", ".join(f"{k} {v}" for k, v in floor.stats.items()), file=sys.stderr, flush=True)
+
     def stop(*_: object) -> None:
         raise SystemExit(0)
 
+    signal.signal(signal.SIGUSR1, report)
     signal.signal(signal.SIGTERM, stop)
     try:
         floor.run()
     finally:
-        print("floor: " + ", ".join(f"{k} {v}" for k, v in floor.stats.items()), file=sys.stderr, flush=True)
+        report()
 
 
 if __name__ == "__main__":
