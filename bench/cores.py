@@ -16,8 +16,9 @@ the machine hits each alike. Per shape and configuration, medians over rounds of
 "two tiers" is an origin (upstreams file) and a relay (`--upstream-eds`) that the streams reach:
 its latency less one tier's is the cost of a hop. "floor" is bench/floor.py (unless --no-floor): the
 same response bytes written to every stream with one sendmsg per connection, the ACKs read and
-dropped. The table gives CPU per change as user and system apart (/proc/PID/stat of every process,
-clock ticks, over a round's changes) and each server's CPU per change over the floor's and the peer's.
+dropped; "floor C" the same in C (bench/floor.c, when gcc is here). The table gives CPU per change
+as user and system apart (/proc/PID/stat of every process, clock ticks, over a round's changes) and
+each server's CPU per change over the floors' and the peer's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from run import CORES, Config, Workers, table
-from sidebyside import EDS_SERVER, FLOOR, IDLE_WAIT, PER_CONN, Served, cell, ratio, upstreams_text, write_atomically
+from sidebyside import EDS_SERVER, IDLE_WAIT, PER_CONN, Served, cell, floors, ratio, upstreams_text, write_atomically
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ def wait_ready(server: Served, limit: float = 60.0) -> None:
     raise RuntimeError("eds-server never became ready")
 
 
-def configurations(peer: list[str] | None, floor: bool) -> dict[str, list[str] | None]:
+def configurations(peer: list[str] | None, cfg: Config) -> dict[str, list[str] | None]:
+    """Name -> eds-server's extra arguments (None: two tiers); for the floors, their command."""
     out: dict[str, list[str] | None] = {"eds --workers 1": [], "eds --workers 2": ["--workers", "2"],
                                         "eds two tiers": None}  # fmt: skip
-    if floor:
-        out["floor"] = FLOOR
+    out.update(floors(cfg))
     if peer:
         out["peer"] = peer
     return out
@@ -95,8 +96,9 @@ def one_round(
         if name == "peer":
             assert peer is not None
             server = Served(peer, path, log, pin=False)
-        elif name == "floor":
-            server = Served(FLOOR, path, log, pin=False)
+        elif name.startswith("floor"):
+            assert extra is not None
+            server = Served(extra, path, log, pin=False)
         elif extra is None:  # two tiers: the streams reach the relay
             origin = Served(EDS_SERVER, path, log, extra=tuning, pin=False)
             wait_ready(origin)
@@ -105,7 +107,7 @@ def one_round(
             server = Served(EDS_SERVER, path, log, extra=[*extra, *tuning], pin=False)
         workers = Workers(max(1, min(cfg.clients, math.ceil(streams / 1000))), cfg.node_bytes, log)
         try:
-            if name not in ("peer", "floor"):
+            if name != "peer" and not name.startswith("floor"):
                 wait_ready(server)
             server.settle()
             rss0 = server.rss()
@@ -166,7 +168,7 @@ def one_round(
 def scenario_cores(cfg: Config) -> dict[str, Any]:
     """`--shapes 1,2,3`: 1k streams, 10k streams, 20k streams with --workers 2 (default: all)."""
     peer = shlex.split(cfg.peer) if cfg.peer else None
-    configs = configurations(peer, cfg.floor)
+    configs = configurations(peer, cfg)
     picked = [int(n) for n in cfg.shapes.split(",") if n.strip()] if cfg.shapes else [1, 2, 3]
     shapes = [SHAPES[n - 1] for n in picked if n <= len(SHAPES)]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n in configs} for s in shapes}
@@ -185,8 +187,9 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
     if big is not None:
         print(f"  {BIG.name}: {big['rss_per_stream_b'] / 1000:.1f} KB per stream", flush=True)
     rows = [("shape", "server", "connect s", "connect CPU s", "p50 ms", "p99 ms", "CPU/change ms", "user ms",
-             "sys ms", "/ floor", "/ peer", "KB/stream")]  # fmt: skip
-    out: dict[str, Any] = {"cores": len(CORES), "rounds": cfg.rounds, "peer": cfg.peer, "floor": cfg.floor,
+             "sys ms", "/ floor", "/ floor C", "/ peer", "KB/stream")]  # fmt: skip
+    out: dict[str, Any] = {"cores": len(CORES), "rounds": cfg.rounds, "peer": cfg.peer,
+                           "floor": [n for n, _ in floors(cfg)],
                            "shapes": {}, "big": big,
                            "debounce": cfg.debounce or "default"}  # fmt: skip
     for shape in shapes:
@@ -205,21 +208,21 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
             out["shapes"][shape.name][name] = {**figures, "rounds": runs}
         here = out["shapes"][shape.name]
         for name, figures in here.items():
-            floor_cpu = here["floor"]["cpu_per_change_s"] if "floor" in here else math.nan
-            peer_cpu = here["peer"]["cpu_per_change_s"] if "peer" in here else math.nan
-            figures["cpu_over_floor"] = ratio(figures["cpu_per_change_s"], floor_cpu)
-            figures["cpu_over_peer"] = ratio(figures["cpu_per_change_s"], peer_cpu)
+            for ref in ("floor", "floor C", "peer"):
+                ref_cpu = here[ref]["cpu_per_change_s"] if ref in here else math.nan
+                figures[f"cpu_over_{ref.replace(' ', '_').lower()}"] = ratio(figures["cpu_per_change_s"], ref_cpu)
             rows.append((shape.name, name, f"{figures['connect_s']:.2f}", f"{figures['connect_cpu_s']:.2f}",
                          f"{figures['p50_s'] * 1000:.0f}",
                          f"{figures['p99_s'] * 1000:.0f}", f"{figures['cpu_per_change_s'] * 1000:.0f}",
                          f"{figures['user_per_change_s'] * 1000:.1f}", f"{figures['sys_per_change_s'] * 1000:.1f}",
-                         cell(figures["cpu_over_floor"], "{:.2f}"), cell(figures["cpu_over_peer"], "{:.2f}"),
+                         cell(figures["cpu_over_floor"], "{:.2f}"), cell(figures["cpu_over_floor_c"], "{:.2f}"),
+                         cell(figures["cpu_over_peer"], "{:.2f}"),
                          f"{figures['rss_per_stream_b'] / 1000:.1f}"))  # fmt: skip
     if big is not None:
         rows.append((BIG.name, "eds --workers 2", f"{big['connect_s']:.2f}", f"{big['connect_cpu_s']:.2f}",
                      f"{big['p50_s'] * 1000:.0f}",
                      f"{big['p99_s'] * 1000:.0f}", f"{big['cpu_per_change_s'] * 1000:.0f}",
-                     f"{big['user_per_change_s'] * 1000:.1f}", f"{big['sys_per_change_s'] * 1000:.1f}", "-", "-",
+                     f"{big['user_per_change_s'] * 1000:.1f}", f"{big['sys_per_change_s'] * 1000:.1f}", "-", "-", "-",
                      f"{big['rss_per_stream_b'] / 1000:.1f}"))  # fmt: skip
     table(f"every core ({len(CORES)} here, servers unpinned), eds-server --debounce {cfg.debounce or '50ms'}, "
           f"medians of {cfg.rounds} interleaved rounds"

@@ -23,6 +23,10 @@ Started like any `--peer` (bench/sidebyside.py, bench/cores.py) and reached by t
   size) and views of those bytes go out as one iovec list in one `sendmsg`, again only for what
   the socket did not take (the loopback socket's send buffer grows to `net.ipv4.tcp_wmem`'s max).
 
+With --native it runs the same server written in C instead (bench/floor.c, compiled with gcc into
+bench/results/ when missing or older than its source, then exec'd: the bench measures that process),
+after writing the response's constant part for it, so both send the same bytes.
+
 On SIGUSR1 and SIGTERM it logs what it did (connections, streams, responses, ACKs, sendmsg calls) to stderr.
 """
 
@@ -35,10 +39,13 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eds_server, run from a checkout
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # eds_server, run from a checkout
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
@@ -261,6 +268,9 @@ class Floor:
         if flags & PADDED:
             payload = payload[1 : len(payload) - payload[0]]
         pos, n = 0, len(payload)
+        if not s.need and not s.head and n >= 5 and int.from_bytes(payload[1:5], "big") == n - 5:
+            self.message(conn, s)  # one whole message in one frame: every ACK of the load generator
+            return
         while pos < n:
             if s.need:
                 take = min(s.need, n - pos)
@@ -379,13 +389,35 @@ class Floor:
                 self.flush(conn)
 
 
+def native_binary() -> Path:
+    """bench/floor.c compiled (again if its source is newer), renamed into place: runs may race."""
+    src, out = HERE / "floor.c", HERE / "results" / "floor-native"
+    if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".floor-native.{os.getpid()}")
+        subprocess.run(["gcc", "-O2", "-Wall", "-o", str(tmp), str(src)], check=True)
+        os.replace(tmp, out)
+    return out
+
+
+def exec_native(upstreams: Path, listen: str) -> None:
+    binary = native_binary()
+    fd, middle = tempfile.mkstemp(prefix="floor-middle-")  # read, then removed, by the C program
+    with os.fdopen(fd, "wb") as f:
+        f.write(Floor.encoded_group(upstreams))
+    os.execv(binary, [str(binary), "serve", "--upstreams", str(upstreams), "--listen", listen, "--middle", middle])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["serve"])
     p.add_argument("--upstreams", type=Path, required=True)
     p.add_argument("--listen", required=True, help="HOST:PORT")
     p.add_argument("--admin", default="", help="accepted for the bench's command line; no admin port is served")
+    p.add_argument("--native", action="store_true", help="exec the C floor (bench/floor.c) instead")
     args = p.parse_args()
+    if args.native:
+        exec_native(args.upstreams.resolve(), args.listen)
     host, _, port = args.listen.rpartition(":")
     floor = Floor((host, int(port)), args.upstreams.resolve())
 

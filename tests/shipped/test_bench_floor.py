@@ -1,11 +1,12 @@
 """The bench's floor (bench/floor.py) is only a reference if it serves what eds-server serves, to every
 stream, within the client's windows: its response bytes, a run with the bench's own load generator,
-and a client whose stream window is smaller than a response."""
+and a client whose stream window is smaller than a response; each for the Python floor and the C one."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,16 +45,19 @@ def floor_module() -> ModuleType:
     return module
 
 
-@pytest.fixture
-def floor(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path]]:
-    """A floor process on a free port: (process, port, upstreams file, its stderr)."""
+@pytest.fixture(params=["python", "native"])
+def floor(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path]]:
+    """A floor process on a free port, Python or C (bench/floor.c): (process, port, upstreams file, its stderr)."""
+    native = request.param == "native"
+    if native and shutil.which("gcc") is None:
+        pytest.skip("no gcc for bench/floor.c")
     path, log = tmp_path / "upstreams.yaml", tmp_path / "floor.log"
     write_atomically(path, GROUP)
     port = free_port()
     with open(log, "w") as err:
         p = subprocess.Popen(
-            [sys.executable, str(BENCH / "floor.py"), "serve", "--upstreams", str(path), "--listen",
-             f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=err,
+            [sys.executable, str(BENCH / "floor.py"), *(["--native"] if native else []), "serve",
+             "--upstreams", str(path), "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=err,
         )  # fmt: skip
     try:
         wait_for_blocking(lambda: connects(port), retry=(OSError,), what="the floor listens")
