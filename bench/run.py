@@ -8,7 +8,8 @@ tiers, the floor and --peer, unpinned; by default only with --peer) and sidebysi
 eds-server, the floor and --peer COMMAND, any server taking `serve --upstreams FILE --listen HOST:PORT
 [--admin HOST:PORT]`, all driven through the file, interleaved over --rounds). The floor
 (bench/floor.py; --no-floor leaves it out) is a bare server that writes the same response bytes to
-every stream with one sendmsg per connection: the least a change can cost. Each starts a fresh server (bench/server.py,
+every stream with one sendmsg per connection: the least a change can cost in Python; "floor C"
+(bench/floor.c, compiled with gcc when it is here) the same without Python. Each starts a fresh server (bench/server.py,
 eds_server's App, pinned to the first core) and load generators (bench/loadgen.py, raw HTTP/2
 speaking StreamEndpoints like Envoy without ADS, all pinned to the other core), prints a table and
 writes bench/results/<name>.json (bench/results/quick/ with --quick, which divides the sizes by 10).
