@@ -478,13 +478,16 @@ def main() -> None:
         metavar="COMMAND",
         help="another xDS server's command (shell words), run side by side with eds-server",
     )
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side scenario")
+    p.add_argument(
+        "--rounds", type=int, default=0, help="interleaved rounds of sidebyside and cores (default 3; 1 with --quick)"
+    )
     p.add_argument("--shapes", default="", help="side-by-side shapes to run, e.g. 2,3 (default: all five)")
     p.add_argument("--debounce", default="", help="eds-server's --debounce in the cores scenario (default: its own)")
     p.add_argument(
         "--no-floor", action="store_true", help="leave out the floor (bench/floor.py) in sidebyside and cores"
     )
     args = p.parse_args()
+    args.rounds = max(1, args.rounds or (1 if args.quick else 3))
     default = [n for n in SCENARIOS if n != "cores" or args.peer]
     names = [n for n in args.only.split(",") if n] or default
     for n in names:
@@ -499,7 +502,7 @@ def main() -> None:
         args.profile,
         out,
         args.peer,
-        max(1, args.rounds),
+        args.rounds,
         args.shapes,
         args.debounce,
         not args.no_floor,
