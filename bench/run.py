@@ -1,13 +1,15 @@
 """Fan-out benchmark: how eds-server copes with many Envoy streams, changes, churn and reconnects.
 
     .venv/bin/python bench/run.py [--quick] [--only NAME[,NAME]] [--clients N] [--profile]
-                                  [--peer COMMAND] [--rounds N]
+                                  [--peer COMMAND] [--rounds N] [--no-floor]
 
 Scenarios (NAME): fanout, churn, memory, storm, big, cores (bench/cores.py: --workers 1 and 2, two
-tiers, and --peer, unpinned; by default only with --peer) and sidebyside (bench/sidebyside.py: eds-server
-and --peer COMMAND, any server taking `serve --upstreams FILE --listen HOST:PORT [--admin
-HOST:PORT]`, both driven through the file, interleaved over --rounds; it runs by default only when
---peer is given). Each starts a fresh server (bench/server.py,
+tiers, the floor and --peer, unpinned; by default only with --peer) and sidebyside (bench/sidebyside.py:
+eds-server, the floor and --peer COMMAND, any server taking `serve --upstreams FILE --listen HOST:PORT
+[--admin HOST:PORT]`, all driven through the file, interleaved over --rounds). The floor
+(bench/floor.py; --no-floor leaves it out) is a bare server that writes the same response bytes to
+every stream with one sendmsg per connection: the least a change can cost in Python; "floor C"
+(bench/floor.c, compiled with gcc when it is here) the same without Python. Each starts a fresh server (bench/server.py,
 eds_server's App, pinned to the first core) and load generators (bench/loadgen.py, raw HTTP/2
 speaking StreamEndpoints like Envoy without ADS, all pinned to the other core), prints a table and
 writes bench/results/<name>.json (bench/results/quick/ with --quick, which divides the sizes by 10).
@@ -57,6 +59,7 @@ class Config:
     rounds: int = 3
     shapes: str = ""  # side-by-side shapes to run: comma list of numbers (1-5), all if empty
     debounce: str = ""  # eds-server's --debounce in the cores scenario ("": its default)
+    floor: bool = True  # run bench/floor.py beside eds-server in sidebyside and cores
 
     def size(self, full: int) -> int:
         return max(1, full // 10) if self.quick else full
@@ -475,11 +478,17 @@ def main() -> None:
         metavar="COMMAND",
         help="another xDS server's command (shell words), run side by side with eds-server",
     )
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side scenario")
+    p.add_argument(
+        "--rounds", type=int, default=0, help="interleaved rounds of sidebyside and cores (default 3; 1 with --quick)"
+    )
     p.add_argument("--shapes", default="", help="side-by-side shapes to run, e.g. 2,3 (default: all five)")
     p.add_argument("--debounce", default="", help="eds-server's --debounce in the cores scenario (default: its own)")
+    p.add_argument(
+        "--no-floor", action="store_true", help="leave out the floor (bench/floor.py) in sidebyside and cores"
+    )
     args = p.parse_args()
-    default = [n for n in SCENARIOS if n not in ("sidebyside", "cores") or args.peer]
+    args.rounds = max(1, args.rounds or (1 if args.quick else 3))
+    default = [n for n in SCENARIOS if n != "cores" or args.peer]
     names = [n for n in args.only.split(",") if n] or default
     for n in names:
         if n not in SCENARIOS:
@@ -493,9 +502,10 @@ def main() -> None:
         args.profile,
         out,
         args.peer,
-        max(1, args.rounds),
+        args.rounds,
         args.shapes,
         args.debounce,
+        not args.no_floor,
     )
 
     def too_long(*_: Any) -> None:

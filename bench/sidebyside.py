@@ -14,6 +14,12 @@ edit of one line would. A change counts from just before the file is renamed unt
 response and the server's CPU has settled (its ACKs processed). Without --peer, the peer columns
 hold the reference figures of go-control-plane's LinearCache, measured once on another day in the same
 kind of VM with these client shapes (`Shape.reference`): a reference, not a same-run comparison.
+
+The floor (bench/floor.py, unless --no-floor) runs in every round too, after eds-server: a bare
+server that writes the same response bytes to every stream with one sendmsg per connection and
+reads and drops the ACKs; eds-server / floor is what eds-server spends over writing the bytes.
+"floor C" is the same server in C (bench/floor.c, when gcc is here): the floor without Python.
+User and system CPU are given apart (from /proc/PID/stat, clock ticks, over all changes of a round).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -39,6 +46,8 @@ from tests.support.ports import free_port
 from tests.support.server_process import write_atomically
 
 EDS_SERVER = [sys.executable, "-m", "eds_server"]
+FLOOR = [sys.executable, str(Path(__file__).resolve().parent / "floor.py")]
+FLOOR_C = [*FLOOR, "--native"]  # bench/floor.c, compiled with gcc on first use
 
 
 @dataclass(frozen=True)
@@ -134,11 +143,17 @@ class Served:
         return total / 1e9
 
     def user_sys(self) -> tuple[float, float]:
-        """User and system CPU seconds of the process (clock ticks): where the time goes, roughly."""
-        with open(f"/proc/{self.p.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        """User and system CPU seconds of the process and its children (clock ticks): where the time goes."""
+        user = system = 0
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            user, system = user + int(fields[11]), system + int(fields[12])
         tick = os.sysconf("SC_CLK_TCK")
-        return int(fields[11]) / tick, int(fields[12]) / tick
+        return user / tick, system / tick
 
     def rss(self) -> int:
         total = 0
@@ -210,7 +225,9 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
             server.stop()
     return {"cpu_per_change_s": statistics.median(cpus), "cpu_s": cpus,
             "rss_per_stream_b": (rss1 - rss0) / streams, "errors": errors,
-            "user_s": user1 - user0, "sys_s": sys1 - sys0}  # fmt: skip
+            "user_s": user1 - user0, "sys_s": sys1 - sys0,
+            "user_per_change_s": (user1 - user0) / len(cpus),
+            "sys_per_change_s": (sys1 - sys0) / len(cpus)}  # fmt: skip
 
 
 def chosen_shapes(spec: str) -> list[Shape]:
@@ -223,46 +240,78 @@ def chosen_shapes(spec: str) -> list[Shape]:
     return [SHAPES[n - 1] for n in picked]
 
 
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else math.nan
+
+
+def cell(x: float, fmt: str = "{:.1f}") -> str:
+    return "-" if math.isnan(x) else fmt.format(x)
+
+
+def floors(cfg: Config) -> list[tuple[str, list[str]]]:
+    """The floor servers of this run: Python, and C when gcc is here (none with --no-floor)."""
+    if not cfg.floor:
+        return []
+    return [("floor", FLOOR)] + ([("floor C", FLOOR_C)] if shutil.which("gcc") else [])
+
+
 def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
     peer = shlex.split(cfg.peer) if cfg.peer else None
     shapes = chosen_shapes(cfg.shapes)
-    servers = [("eds-server", EDS_SERVER)] + ([("peer", peer)] if peer else [])
+    servers = [("eds-server", EDS_SERVER), *floors(cfg)] + ([("peer", peer)] if peer else [])
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n, _ in servers} for s in shapes}
     for r in range(cfg.rounds):
         for shape in shapes:
-            for name, command in servers:  # A B A B ...: drift in the machine hits both alike
-                results[shape.name][name].append(one_round(cfg, shape, command, f"{name}-r{r}"))
+            for name, command in servers:  # A B C A B C ...: drift in the machine hits each alike
+                results[shape.name][name].append(one_round(cfg, shape, command, f"{name.replace(' ', '_')}-r{r}"))
                 got = results[shape.name][name][-1]["cpu_per_change_s"] * 1000
                 us = results[shape.name][name][-1]
                 print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {got:.1f} ms/change "
                       f"(user {us['user_s']:.2f} s, system {us['sys_s']:.2f} s in all)", flush=True)  # fmt: skip
-    out: dict[str, Any] = {"peer": cfg.peer, "rounds": cfg.rounds, "server_core": SERVER_CORE,
-                           "client_cores": CLIENT_CORES, "shapes": {}}  # fmt: skip
+    out: dict[str, Any] = {"peer": cfg.peer, "floor": [n for n, _ in floors(cfg)], "rounds": cfg.rounds,
+                           "server_core": SERVER_CORE, "client_cores": CLIENT_CORES, "shapes": {}}  # fmt: skip
     peer_label = "peer" if peer else "gcp (reference)"
-    rows = [("shape", "eds CPU/chg ms", f"{peer_label} CPU/chg ms", "ratio", "eds KB/stream",
-             f"{peer_label} KB/stream", "ratio")]  # fmt: skip
+    refs = [n for n, _ in floors(cfg)] + ["peer"]  # what eds-server is put beside; JSON keys: floor_, floor_c_, peer_
+    labels = {"peer": peer_label}
+    rows = [("shape", "eds CPU/chg ms", "user/sys")]
+    for ref in refs:
+        rows[0] += (f"{labels.get(ref, ref)} CPU/chg ms", "user/sys", f"eds/{ref}")
+    rows[0] += ("eds KB/stream", *(f"{labels.get(ref, ref)} KB/stream" for ref in refs), "eds/peer")
     for shape in shapes:
         per = results[shape.name]
 
-        def med(name: str, key: str, per: dict[str, list[dict[str, Any]]] = per) -> float:
-            return statistics.median(x[key] for x in per[name]) if per.get(name) else math.nan
+        def med(name: str, key: str, scale: float, per: dict[str, list[dict[str, Any]]] = per) -> float:
+            return statistics.median(x[key] for x in per[name]) * scale if per.get(name) else math.nan
 
-        eds_cpu, eds_rss = med("eds-server", "cpu_per_change_s") * 1000, med("eds-server", "rss_per_stream_b") / 1000
-        if peer:
-            peer_cpu, peer_rss = med("peer", "cpu_per_change_s") * 1000, med("peer", "rss_per_stream_b") / 1000
-        else:
-            peer_cpu = shape.reference[1]
-            peer_rss = shape.reference[3] if shape.reference[3] is not None else math.nan
+        def figures(name: str) -> tuple[float, float, float, float]:
+            """CPU, user, system per change (ms) and KB per stream: medians over rounds."""
+            return (med(name, "cpu_per_change_s", 1000), med(name, "user_per_change_s", 1000),
+                    med(name, "sys_per_change_s", 1000), med(name, "rss_per_stream_b", 1e-3))  # fmt: skip
+
+        got = {name: figures(name) for name in ["eds-server", *refs]}
+        if not peer:
+            ref_rss = shape.reference[3] if shape.reference[3] is not None else math.nan
+            got["peer"] = (shape.reference[1], math.nan, math.nan, ref_rss)
+        eds = got["eds-server"]
         show_rss = shape.streams >= 1000
-        out["shapes"][shape.name] = {
+        entry: dict[str, Any] = {
             "streams": cfg.size(shape.streams), "endpoints": cfg.size(shape.endpoints),
-            "node_every": shape.node_every, "eds_cpu_ms": eds_cpu, "peer_cpu_ms": peer_cpu,
-            "cpu_ratio": eds_cpu / peer_cpu, "eds_rss_kb": eds_rss, "peer_rss_kb": peer_rss,
-            "peer_is_reference_figure": not peer, "reference_eds_cpu_ms": shape.reference[0], "rounds": per,
+            "node_every": shape.node_every, "eds_cpu_ms": eds[0], "eds_user_ms": eds[1], "eds_sys_ms": eds[2],
+            "eds_rss_kb": eds[3], "peer_is_reference_figure": not peer, "reference_eds_cpu_ms": shape.reference[0],
         }  # fmt: skip
-        rows.append((shape.name, f"{eds_cpu:.1f}", f"{peer_cpu:.1f}", f"{eds_cpu / peer_cpu:.2f}",
-                     f"{eds_rss:.1f}" if show_rss else "-", f"{peer_rss:.1f}" if show_rss else "-",
-                     f"{eds_rss / peer_rss:.2f}" if show_rss else "-"))  # fmt: skip
+        row = (shape.name, cell(eds[0]), f"{cell(eds[1])}/{cell(eds[2])}")
+        for ref in refs:
+            key = ref.replace(" ", "_").lower()
+            cpu_ms, user_ms, sys_ms, rss_kb = got[ref]
+            entry |= {f"{key}_cpu_ms": cpu_ms, f"{key}_user_ms": user_ms, f"{key}_sys_ms": sys_ms,
+                      f"{key}_rss_kb": rss_kb}  # fmt: skip
+            entry["cpu_ratio" if ref == "peer" else f"cpu_ratio_{key}"] = ratio(eds[0], cpu_ms)
+            row += (cell(cpu_ms), f"{cell(user_ms)}/{cell(sys_ms)}", cell(ratio(eds[0], cpu_ms), "{:.2f}"))
+        row += tuple(cell(got[n][3]) if show_rss else "-" for n in ["eds-server", *refs])
+        row += (cell(ratio(eds[3], got["peer"][3]), "{:.2f}") if show_rss else "-",)
+        entry["rounds"] = per
+        out["shapes"][shape.name] = entry
+        rows.append(row)
     title = (
         f"side by side, medians of {cfg.rounds} interleaved rounds"
         if peer
@@ -270,5 +319,6 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
             f"eds-server through its file, medians of {cfg.rounds} rounds, against go-control-plane's reference figures"
         )
     )
+    title += ", with the floor (bench/floor.py, floor.c)" if cfg.floor else ""
     table(title + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)
     return out
