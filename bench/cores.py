@@ -66,8 +66,11 @@ def wait_ready(server: Served, limit: float = 60.0) -> None:
 
 def configurations(peer: list[str] | None, cfg: Config) -> dict[str, list[str] | None]:
     """Name -> eds-server's extra arguments (None: two tiers); for the floors, their command."""
-    out: dict[str, list[str] | None] = {"eds --workers 1": [], "eds --workers 2": ["--workers", "2"],
-                                        "eds two tiers": None}  # fmt: skip
+    out: dict[str, list[str] | None] = {
+        "eds --workers 1": [],
+        "eds --workers 2": ["--workers", "2"],
+        "eds two tiers": None,
+    }
     out.update(floors(cfg))
     if peer:
         out["peer"] = peer
@@ -113,8 +116,10 @@ def one_round(
             rss0 = server.rss()
             t0, connect_cpu0 = time.monotonic(), server.cpu() + (origin.cpu() if origin else 0.0)
             workers.open(server.port, ["g0"] * streams, False, per_conn=PER_CONN)
-            missing = sum(r["remaining"] for r in workers.all(
-                [{"cmd": "wait", "counts": {"g0": 1}, "timeout": 180}] * len(workers.procs)))  # fmt: skip
+            missing = sum(
+                r["remaining"]
+                for r in workers.all([{"cmd": "wait", "counts": {"g0": 1}, "timeout": 180}] * len(workers.procs))
+            )
             connect = time.monotonic() - t0
             connect_cpu = server.cpu() + (origin.cpu() if origin else 0.0) - connect_cpu0
             if missing:
@@ -133,8 +138,12 @@ def one_round(
                 weights[k % endpoints] = k + 1
                 t_change = time.monotonic_ns()
                 write_atomically(path, upstreams_text(weights))
-                missing = sum(r["remaining"] for r in workers.all(
-                    [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)))  # fmt: skip
+                missing = sum(
+                    r["remaining"]
+                    for r in workers.all(
+                        [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
+                    )
+                )
                 if missing:
                     raise RuntimeError(f"{name}: change {k} missed {missing} streams")
                 server.settle()
@@ -156,13 +165,17 @@ def one_round(
             server.stop()
             if origin:
                 origin.stop()
-    return {"connect_s": connect, "connect_cpu_s": connect_cpu, "p50_s": quantile(latencies, 0.5),
-            "p99_s": quantile(latencies, 0.99),
-            "cpu_per_change_s": statistics.median(cpus),
-            "origin_cpu_per_change_s": statistics.median(origin_cpus) if origin_cpus else None,
-            "rss_per_stream_b": (rss1 - rss0) / streams,
-            "user_per_change_s": (user1 - user0 + ouser1 - ouser0) / shape.changes,
-            "sys_per_change_s": (sys1 - sys0 + osys1 - osys0) / shape.changes}  # fmt: skip
+    return {
+        "connect_s": connect,
+        "connect_cpu_s": connect_cpu,
+        "p50_s": quantile(latencies, 0.5),
+        "p99_s": quantile(latencies, 0.99),
+        "cpu_per_change_s": statistics.median(cpus),
+        "origin_cpu_per_change_s": statistics.median(origin_cpus) if origin_cpus else None,
+        "rss_per_stream_b": (rss1 - rss0) / streams,
+        "user_per_change_s": (user1 - user0 + ouser1 - ouser0) / shape.changes,
+        "sys_per_change_s": (sys1 - sys0 + osys1 - osys0) / shape.changes,
+    }
 
 
 def scenario_cores(cfg: Config) -> dict[str, Any]:
@@ -177,21 +190,44 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
             for name, extra in configs.items():
                 got = one_round(cfg, shape, name, extra, peer)
                 results[shape.name][name].append(got)
-                print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: connect {got['connect_s']:.2f} s "
-                      f"({got['connect_cpu_s']:.2f} s CPU), "
-                      f"p50 {got['p50_s'] * 1000:.0f} ms, p99 {got['p99_s'] * 1000:.0f} ms, "
-                      f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change "
-                      f"(user {got['user_per_change_s'] * 1000:.0f}, "
-                      f"system {got['sys_per_change_s'] * 1000:.0f})", flush=True)  # fmt: skip
+                print(
+                    f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: connect {got['connect_s']:.2f} s "
+                    f"({got['connect_cpu_s']:.2f} s CPU), "
+                    f"p50 {got['p50_s'] * 1000:.0f} ms, p99 {got['p99_s'] * 1000:.0f} ms, "
+                    f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change "
+                    f"(user {got['user_per_change_s'] * 1000:.0f}, "
+                    f"system {got['sys_per_change_s'] * 1000:.0f})",
+                    flush=True,
+                )
     big = one_round(cfg, BIG, "eds --workers 2", ["--workers", "2"], peer) if 3 in picked else None
     if big is not None:
         print(f"  {BIG.name}: {big['rss_per_stream_b'] / 1000:.1f} KB per stream", flush=True)
-    rows = [("shape", "server", "connect s", "connect CPU s", "p50 ms", "p99 ms", "CPU/change ms", "user ms",
-             "sys ms", "/ floor", "/ floor C", "/ peer", "KB/stream")]  # fmt: skip
-    out: dict[str, Any] = {"cores": len(CORES), "rounds": cfg.rounds, "peer": cfg.peer,
-                           "floor": [n for n, _ in floors(cfg)],
-                           "shapes": {}, "big": big,
-                           "debounce": cfg.debounce or "default"}  # fmt: skip
+    rows = [
+        (
+            "shape",
+            "server",
+            "connect s",
+            "connect CPU s",
+            "p50 ms",
+            "p99 ms",
+            "CPU/change ms",
+            "user ms",
+            "sys ms",
+            "/ floor",
+            "/ floor C",
+            "/ peer",
+            "KB/stream",
+        )
+    ]
+    out: dict[str, Any] = {
+        "cores": len(CORES),
+        "rounds": cfg.rounds,
+        "peer": cfg.peer,
+        "floor": [n for n, _ in floors(cfg)],
+        "shapes": {},
+        "big": big,
+        "debounce": cfg.debounce or "default",
+    }
     for shape in shapes:
         out["shapes"][shape.name] = {}
         for name in configs:
@@ -200,8 +236,16 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
             def med(key: str, runs: list[dict[str, Any]] = runs) -> float:
                 return statistics.median(x[key] for x in runs)
 
-            keys = ("connect_s", "connect_cpu_s", "p50_s", "p99_s", "cpu_per_change_s", "user_per_change_s",
-                    "sys_per_change_s", "rss_per_stream_b")  # fmt: skip
+            keys = (
+                "connect_s",
+                "connect_cpu_s",
+                "p50_s",
+                "p99_s",
+                "cpu_per_change_s",
+                "user_per_change_s",
+                "sys_per_change_s",
+                "rss_per_stream_b",
+            )
             figures = {k: med(k) for k in keys}
             if name == "eds two tiers":
                 figures["origin_cpu_per_change_s"] = med("origin_cpu_per_change_s")
@@ -211,20 +255,44 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
             for ref in ("floor", "floor C", "peer"):
                 ref_cpu = here[ref]["cpu_per_change_s"] if ref in here else math.nan
                 figures[f"cpu_over_{ref.replace(' ', '_').lower()}"] = ratio(figures["cpu_per_change_s"], ref_cpu)
-            rows.append((shape.name, name, f"{figures['connect_s']:.2f}", f"{figures['connect_cpu_s']:.2f}",
-                         f"{figures['p50_s'] * 1000:.0f}",
-                         f"{figures['p99_s'] * 1000:.0f}", f"{figures['cpu_per_change_s'] * 1000:.0f}",
-                         f"{figures['user_per_change_s'] * 1000:.1f}", f"{figures['sys_per_change_s'] * 1000:.1f}",
-                         cell(figures["cpu_over_floor"], "{:.2f}"), cell(figures["cpu_over_floor_c"], "{:.2f}"),
-                         cell(figures["cpu_over_peer"], "{:.2f}"),
-                         f"{figures['rss_per_stream_b'] / 1000:.1f}"))  # fmt: skip
+            rows.append(
+                (
+                    shape.name,
+                    name,
+                    f"{figures['connect_s']:.2f}",
+                    f"{figures['connect_cpu_s']:.2f}",
+                    f"{figures['p50_s'] * 1000:.0f}",
+                    f"{figures['p99_s'] * 1000:.0f}",
+                    f"{figures['cpu_per_change_s'] * 1000:.0f}",
+                    f"{figures['user_per_change_s'] * 1000:.1f}",
+                    f"{figures['sys_per_change_s'] * 1000:.1f}",
+                    cell(figures["cpu_over_floor"], "{:.2f}"),
+                    cell(figures["cpu_over_floor_c"], "{:.2f}"),
+                    cell(figures["cpu_over_peer"], "{:.2f}"),
+                    f"{figures['rss_per_stream_b'] / 1000:.1f}",
+                )
+            )
     if big is not None:
-        rows.append((BIG.name, "eds --workers 2", f"{big['connect_s']:.2f}", f"{big['connect_cpu_s']:.2f}",
-                     f"{big['p50_s'] * 1000:.0f}",
-                     f"{big['p99_s'] * 1000:.0f}", f"{big['cpu_per_change_s'] * 1000:.0f}",
-                     f"{big['user_per_change_s'] * 1000:.1f}", f"{big['sys_per_change_s'] * 1000:.1f}", "-", "-", "-",
-                     f"{big['rss_per_stream_b'] / 1000:.1f}"))  # fmt: skip
-    table(f"every core ({len(CORES)} here, servers unpinned), eds-server --debounce {cfg.debounce or '50ms'}, "
-          f"medians of {cfg.rounds} interleaved rounds"
-          + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""), rows)  # fmt: skip
+        rows.append(
+            (
+                BIG.name,
+                "eds --workers 2",
+                f"{big['connect_s']:.2f}",
+                f"{big['connect_cpu_s']:.2f}",
+                f"{big['p50_s'] * 1000:.0f}",
+                f"{big['p99_s'] * 1000:.0f}",
+                f"{big['cpu_per_change_s'] * 1000:.0f}",
+                f"{big['user_per_change_s'] * 1000:.1f}",
+                f"{big['sys_per_change_s'] * 1000:.1f}",
+                "-",
+                "-",
+                "-",
+                f"{big['rss_per_stream_b'] / 1000:.1f}",
+            )
+        )
+    table(
+        f"every core ({len(CORES)} here, servers unpinned), eds-server --debounce {cfg.debounce or '50ms'}, "
+        f"medians of {cfg.rounds} interleaved rounds" + (" (QUICK: sizes / 10, not comparable)" if cfg.quick else ""),
+        rows,
+    )
     return out

@@ -55,8 +55,9 @@ async def main(rounds: int) -> dict[str, object]:
                 async def present(port: int = port) -> bool:
                     return any(h.port == port for h in await envoy.hosts("web"))
 
-                await arun_backend(engine, f"lat-{i}", port, {"eds.group": "web", "eds.port": str(port)},
-                                   wait_ready=False)  # fmt: skip
+                await arun_backend(
+                    engine, f"lat-{i}", port, {"eds.group": "web", "eds.port": str(port)}, wait_ready=False
+                )
                 run_s.append(await until(present))
                 stopping = asyncio.create_task(engine.acli("stop", "-t", "5", f"lat-{i}"))
                 stop_s.append(await until(lambda present=present: _not(present)))
@@ -65,8 +66,7 @@ async def main(rounds: int) -> dict[str, object]:
     def row(xs: list[float]) -> dict[str, float]:
         return {"median_ms": 1000 * statistics.median(xs), "max_ms": 1000 * max(xs)}
 
-    return {"rounds": rounds, "run_to_envoy": row(run_s), "stop_to_envoy": row(stop_s),
-            "debounce_ms": 50}  # fmt: skip
+    return {"rounds": rounds, "run_to_envoy": row(run_s), "stop_to_envoy": row(stop_s), "debounce_ms": 50}
 
 
 async def _not(probe: object) -> bool:

@@ -87,8 +87,20 @@ class Stream:
 
 
 class Conn:
-    __slots__ = ("blocked", "consumed", "fd", "out", "peer_initial", "peer_max_frame", "preface", "rbuf",
-                 "send_window", "sock", "streams", "writing")  # fmt: skip
+    __slots__ = (
+        "blocked",
+        "consumed",
+        "fd",
+        "out",
+        "peer_initial",
+        "peer_max_frame",
+        "preface",
+        "rbuf",
+        "send_window",
+        "sock",
+        "streams",
+        "writing",
+    )
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.fd = sock, sock.fileno()
@@ -115,8 +127,17 @@ class Floor:
         self.version = 0
         self.body = framed_response(self.middle, self.version)
         self.chunks: dict[int, list[memoryview]] = {}  # frame size -> views of body, one per DATA frame
-        self.stats = {"connections": 0, "streams": 0, "responses": 0, "acks": 0, "changes": 0, "sendmsg": 0,
-                      "sendmsg_partial": 0, "bytes_sent": 0, "bytes_read": 0}  # fmt: skip
+        self.stats = {
+            "connections": 0,
+            "streams": 0,
+            "responses": 0,
+            "acks": 0,
+            "changes": 0,
+            "sendmsg": 0,
+            "sendmsg_partial": 0,
+            "bytes_sent": 0,
+            "bytes_read": 0,
+        }
         self.inotify = self.watch(upstreams)
         self.sel.register(self.inotify, selectors.EVENT_READ, "inotify")
 
@@ -131,7 +152,7 @@ class Floor:
         groups = upstreams.load(str(path))
         if len(groups) != 1:
             raise SystemExit(f"floor: {path} must hold one group (the bench's files do), not {len(groups)}")
-        (name, group), = groups.items()  # fmt: skip
+        ((name, group),) = groups.items()
         body = encode_group(group)
         return discovery_response("", [Resource(name, content_version(body), body, group)], "")
 

@@ -44,14 +44,25 @@ async def main(clusters: int, seconds: float, docker: bool) -> dict[str, object]
 
             engine = stack.enter_context(DockerEngine())
             for i in range(clusters):
-                engine.cli("run", "-d", "--network", "host", "--label", f"eds.group=c{i}",
-                           "--label", f"eds.port={20000 + i}", engine.image, "sleep", "3600")  # fmt: skip
+                engine.cli(
+                    "run",
+                    "-d",
+                    "--network",
+                    "host",
+                    "--label",
+                    f"eds.group=c{i}",
+                    "--label",
+                    f"eds.port={20000 + i}",
+                    engine.image,
+                    "sleep",
+                    "3600",
+                )
             path, args = None, (*args, "--docker", "--docker-host", engine.host)
         else:
             assert path is not None
-            path.write_text("groups:\n" + "".join(
-                f"  c{i}:\n    endpoints: [127.0.0.1:{20000 + i}]\n" for i in range(clusters)
-            ))  # fmt: skip
+            path.write_text(
+                "groups:\n" + "".join(f"  c{i}:\n    endpoints: [127.0.0.1:{20000 + i}]\n" for i in range(clusters))
+            )
         async with EdsServerProcess(path, *args, workdir=Path(tmp)) as server:
             bootstrap = envoy_bootstrap(server.port, [EdsCluster(f"c{i}") for i in range(clusters)])
             async with EnvoyProcess(bootstrap) as envoy:
@@ -61,8 +72,13 @@ async def main(clusters: int, seconds: float, docker: bool) -> dict[str, object]
                 before = cpu_seconds(server.proc.pid)
                 await asyncio.sleep(seconds)
                 used = cpu_seconds(server.proc.pid) - before
-    return {"source": "docker" if docker else "file", "clusters": clusters, "seconds": seconds,
-            "cpu_seconds": used, "core_percent": 100 * used / seconds}  # fmt: skip
+    return {
+        "source": "docker" if docker else "file",
+        "clusters": clusters,
+        "seconds": seconds,
+        "cpu_seconds": used,
+        "core_percent": 100 * used / seconds,
+    }
 
 
 if __name__ == "__main__":
@@ -73,8 +89,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     result = asyncio.run(main(args.clusters, args.seconds, args.docker))
     print(f"{'source':>7} {'streams':>8} {'window s':>9} {'cpu s':>7} {'% of a core':>12}")
-    print(f"{result['source']:>7} {result['clusters']:>8} {result['seconds']:>9.0f} "
-          f"{result['cpu_seconds']:>7.2f} {result['core_percent']:>12.2f}")  # fmt: skip
+    print(
+        f"{result['source']:>7} {result['clusters']:>8} {result['seconds']:>9.0f} "
+        f"{result['cpu_seconds']:>7.2f} {result['core_percent']:>12.2f}"
+    )
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / f"idle_cpu_{result['source']}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -74,13 +74,17 @@ def connections_to(pid: int, port: int) -> int:
 
 def slice_for(i: int, endpoints: int, ready_first: bool = True) -> dict[str, Any]:
     return {
-        "metadata": {"name": f"svc-{i}-1", "labels": {"kubernetes.io/service-name": f"svc-{i}",
-                                                      "endpointslice.kubernetes.io/managed-by": "bench"}},
+        "metadata": {
+            "name": f"svc-{i}-1",
+            "labels": {"kubernetes.io/service-name": f"svc-{i}", "endpointslice.kubernetes.io/managed-by": "bench"},
+        },
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [str(BENCH_NET[i * endpoints + j + 1])],
-                       "conditions": {"ready": ready_first or j > 0}} for j in range(endpoints)],
-    }  # fmt: skip
+        "endpoints": [
+            {"addresses": [str(BENCH_NET[i * endpoints + j + 1])], "conditions": {"ready": ready_first or j > 0}}
+            for j in range(endpoints)
+        ],
+    }
 
 
 async def bounded(n: int, make: Any, concurrency: int = 16) -> None:
@@ -115,17 +119,38 @@ async def run(args: argparse.Namespace, kube: KubeCluster, workdir: Path) -> dic
         await api.namespace(ns)
         await api.namespace("empty")
         t0 = time.monotonic()
-        await bounded(n, lambda i: api.create(f"/api/v1/namespaces/{ns}/services", {
-            "metadata": {"name": f"svc-{i}", "annotations": {"eds.group": f"svc-{i}"}},
-            "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}))  # fmt: skip
-        await bounded(n, lambda i: api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                                              slice_for(i, m)))  # fmt: skip
+        await bounded(
+            n,
+            lambda i: api.create(
+                f"/api/v1/namespaces/{ns}/services",
+                {
+                    "metadata": {"name": f"svc-{i}", "annotations": {"eds.group": f"svc-{i}"}},
+                    "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+                },
+            ),
+        )
+        await bounded(
+            n, lambda i: api.create(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", slice_for(i, m))
+        )
         created = time.monotonic() - t0
 
-    result: dict[str, Any] = {"services": n, "endpoints_per_service": m, "create_s": round(created, 2),
-                              "apiserver": kube.version}  # fmt: skip
-    empty = EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(kube.kubeconfig),
-                             "--kubernetes-namespace", "empty", "--log-level", "info", workdir=workdir)  # fmt: skip
+    result: dict[str, Any] = {
+        "services": n,
+        "endpoints_per_service": m,
+        "create_s": round(created, 2),
+        "apiserver": kube.version,
+    }
+    empty = EdsServerProcess(
+        None,
+        "--kubernetes",
+        "--kubeconfig",
+        str(kube.kubeconfig),
+        "--kubernetes-namespace",
+        "empty",
+        "--log-level",
+        "info",
+        workdir=workdir,
+    )
     baseline = await watch_gauge(kube)  # kube-apiserver's own controllers watch Services too
     async with empty:
         await asyncio.sleep(2)
@@ -134,9 +159,19 @@ async def run(args: argparse.Namespace, kube: KubeCluster, workdir: Path) -> dic
         result["cpu_s_to_ready_empty"] = round(cpu_seconds(empty.proc.pid), 2)
     await asyncio.sleep(2)
 
-    server = EdsServerProcess(None, "--kubernetes", "--kubeconfig", str(kube.kubeconfig),
-                              "--kubernetes-namespace", ns, "--log-level", "info", "--startup-timeout", "300s",
-                              workdir=workdir)  # fmt: skip
+    server = EdsServerProcess(
+        None,
+        "--kubernetes",
+        "--kubeconfig",
+        str(kube.kubeconfig),
+        "--kubernetes-namespace",
+        ns,
+        "--log-level",
+        "info",
+        "--startup-timeout",
+        "300s",
+        workdir=workdir,
+    )
     t0 = time.monotonic()
     await server.start(wait_ready=False)
     try:
@@ -164,9 +199,13 @@ async def run(args: argparse.Namespace, kube: KubeCluster, workdir: Path) -> dic
         k = min(args.events, n)
         cpu0, t0 = cpu_seconds(pid), time.monotonic()
         async with KubeApi(kube) as api:
-            await bounded(k, lambda i: api.merge(
-                f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/svc-{i}-1",
-                {"endpoints": slice_for(i, m, ready_first=False)["endpoints"]}))  # fmt: skip
+            await bounded(
+                k,
+                lambda i: api.merge(
+                    f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/svc-{i}-1",
+                    {"endpoints": slice_for(i, m, ready_first=False)["endpoints"]},
+                ),
+            )
         for _ in range(600):
             now = await source()
             if now["events"] - before["events"] >= k:

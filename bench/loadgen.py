@@ -80,9 +80,14 @@ def _literal(name: str, value: str) -> bytes:  # literal header field without in
 # :method POST (static 3), :scheme http (static 6); literals never touch the server's dynamic table
 REQUEST_HEADERS = b"\x83\x86" + b"".join(
     _literal(k, v)
-    for k, v in ((":path", PATH), (":authority", "127.0.0.1"), ("content-type", "application/grpc"),
-                 ("te", "trailers"), ("user-agent", "grpc-c++/1.40 envoy-bench"))
-)  # fmt: skip
+    for k, v in (
+        (":path", PATH),
+        (":authority", "127.0.0.1"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        ("user-agent", "grpc-c++/1.40 envoy-bench"),
+    )
+)
 
 
 def make_node(target: int = 60_000) -> bytes:
@@ -93,10 +98,22 @@ def make_node(target: int = 60_000) -> bytes:
     node.metadata.update({"role": "bench", "istio_version": "1.99.0", "labels": {"app": "bench"}})
     node.user_agent_build_version.version.major_number = 1
     node.user_agent_build_version.version.minor_number = 40
-    node.client_features.extend(["envoy.lb.does_not_support_overprovisioning", "envoy.lrs.supports_send_all_clusters",
-                                 "xds.config.resource-in-sotw", "xds.config.supports-resource-ttl"])  # fmt: skip
-    categories = ["envoy.filters.http", "envoy.filters.network", "envoy.transport_sockets.upstream",
-                  "envoy.access_loggers", "envoy.matching.http.input", "envoy.stats_sinks"]  # fmt: skip
+    node.client_features.extend(
+        [
+            "envoy.lb.does_not_support_overprovisioning",
+            "envoy.lrs.supports_send_all_clusters",
+            "xds.config.resource-in-sotw",
+            "xds.config.supports-resource-ttl",
+        ]
+    )
+    categories = [
+        "envoy.filters.http",
+        "envoy.filters.network",
+        "envoy.transport_sockets.upstream",
+        "envoy.access_loggers",
+        "envoy.matching.http.input",
+        "envoy.stats_sinks",
+    ]
     i = 0
     while node.ByteSize() < target:
         cat = categories[i % len(categories)]
@@ -138,8 +155,20 @@ def scan_response(msg: bytes) -> tuple[str, str]:
 
 
 class Stream:
-    __slots__ = ("closed", "count", "done", "error", "group", "id", "last_size", "out", "rbuf", "recv", "tail",
-                 "window")  # fmt: skip
+    __slots__ = (
+        "closed",
+        "count",
+        "done",
+        "error",
+        "group",
+        "id",
+        "last_size",
+        "out",
+        "rbuf",
+        "recv",
+        "tail",
+        "window",
+    )
 
     def __init__(self, sid: int, group: str, window: int) -> None:
         self.id, self.group, self.window = sid, group, window
@@ -385,9 +414,11 @@ class Generator:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         out = {
             "streams": [[s.group, s.recv, s.last_size] for s in self.streams()],
-            "errors": self.errors[:20], "n_errors": len(self.errors),
-            "cpu": ru.ru_utime + ru.ru_stime, "t_start": self.t_start,
-        }  # fmt: skip
+            "errors": self.errors[:20],
+            "n_errors": len(self.errors),
+            "cpu": ru.ru_utime + ru.ru_stime,
+            "t_start": self.t_start,
+        }
         if clear:
             for s in self.streams():
                 s.recv = []

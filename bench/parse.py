@@ -47,8 +47,11 @@ def main() -> None:
                 t = time.process_time()
                 parser.parse_bytes(changed, "upstreams.yaml")
                 again.append(time.process_time() - t)
-        out[n] = {"bytes": len(data), "fresh_ms": statistics.median(fresh) * 1000,
-                  "one_change_ms": statistics.median(again) * 1000 if again else None}  # fmt: skip
+        out[n] = {
+            "bytes": len(data),
+            "fresh_ms": statistics.median(fresh) * 1000,
+            "one_change_ms": statistics.median(again) * 1000 if again else None,
+        }
         one = f"{out[n]['one_change_ms']:.1f} ms" if again else "-"
         print(f"{n} endpoints ({len(data)} bytes): fresh {out[n]['fresh_ms']:.1f} ms, one endpoint changed {one}")
     results = Path(__file__).resolve().parent / "results"

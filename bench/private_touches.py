@@ -48,8 +48,14 @@ from eds_server.transport.h2.fast_connection import GuardedH2Connection, short_f
 from eds_server.transport.h2.limits import ConnectionLimits, PeerBudgets
 
 PATH = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
-HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "eds"),
-           ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", PATH),
+    (":authority", "eds"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
 BIG_LIMITS = ConnectionLimits(stream_budget=10**9, pending_streams=10**9, reset_budget=10**9, control_budget=10**9)
 
 
@@ -158,8 +164,15 @@ def headers_case(variant: str, n: int) -> Callable[[], None]:
             store.add_source("bench")
             store.update("bench", {"web": Group("web", (Endpoint("127.0.0.1", 8080),))})
             service = grpc.EdsService(store, send_timeout=5)
-            server = grpc.make_server(service, max_streams_per_connection=n, keepalive_time=30, keepalive_timeout=10,
-                                      max_message_size=1 << 20, limits=BIG_LIMITS, http2="fast")  # fmt: skip
+            server = grpc.make_server(
+                service,
+                max_streams_per_connection=n,
+                keepalive_time=30,
+                keepalive_timeout=10,
+                max_message_size=1 << 20,
+                limits=BIG_LIMITS,
+                http2="fast",
+            )
             await server.start("127.0.0.1", 0)
             queue = fast_server.queue_initial_headers
             if variant != "touch":
@@ -218,9 +231,15 @@ def _fanout(variant: str, n: int, touch: str) -> Callable[[], float]:
             store.add_source("bench")
             store.update("bench", {"web": group(0)})
             service = grpc.EdsService(store, send_timeout=5)
-            server = grpc.make_server(service, max_streams_per_connection=streams, keepalive_time=30,
-                                      keepalive_timeout=10, max_message_size=1 << 20, limits=BIG_LIMITS,
-                                      http2="fast")  # fmt: skip
+            server = grpc.make_server(
+                service,
+                max_streams_per_connection=streams,
+                keepalive_time=30,
+                keepalive_timeout=10,
+                max_message_size=1 << 20,
+                limits=BIG_LIMITS,
+                http2="fast",
+            )
             await server.start("127.0.0.1", 0)
             direct, queue = fast_reader.MessageReader.direct, fast_server.queue_message
             if variant != "touch" and touch == "direct":
@@ -282,10 +301,21 @@ def timed(name: str, rounds: int) -> tuple[float, float]:
 def instructions(name: str, variant: str, n: int) -> int:
     """Instructions of one run of the case under callgrind (setup included: see per_op)."""
     out = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
-         "--one", name, variant, str(n)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            __file__,
+            "--one",
+            name,
+            variant,
+            str(n),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     found = re.search(r"Collected : (\d+)", out.stderr)
     assert found, out.stderr[-2000:]
     return int(found.group(1))

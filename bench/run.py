@@ -130,9 +130,11 @@ class Workers:
         replies = self.all([{"cmd": "dump", "clear": clear}] * len(self.procs))
         return {
             "streams": [s for r in replies for s in r["streams"]],
-            "errors": [e for r in replies for e in r["errors"]], "n_errors": sum(r["n_errors"] for r in replies),
-            "cpu": sum(r["cpu"] for r in replies), "t_start": min(r["t_start"] for r in replies),
-        }  # fmt: skip
+            "errors": [e for r in replies for e in r["errors"]],
+            "n_errors": sum(r["n_errors"] for r in replies),
+            "cpu": sum(r["cpu"] for r in replies),
+            "t_start": min(r["t_start"] for r in replies),
+        }
 
     def stop(self) -> None:
         for p in self.procs:
@@ -229,14 +231,21 @@ def paced_changes(cfg: Config, name: str, server: Child, workers: Workers, n: in
         lat += got
         last.append(max(got, default=math.nan))
     return {
-        "changes": len(changes), "undelivered": sum(c["missing"] for c in changes),
-        "latency_s": dist(lat), "last_stream_s": dist(last),
-        "cpu_per_change_s": {"median": statistics.median(c["cpu"] for c in changes),
-                             "mean": total / n, "sys_share": (sys1 - sys0) / total},
+        "changes": len(changes),
+        "undelivered": sum(c["missing"] for c in changes),
+        "latency_s": dist(lat),
+        "last_stream_s": dist(last),
+        "cpu_per_change_s": {
+            "median": statistics.median(c["cpu"] for c in changes),
+            "mean": total / n,
+            "sys_share": (sys1 - sys0) / total,
+        },
         "store_update_cpu_s": statistics.median(c["upd_cpu"] for c in changes),
         "response_bytes": max(s[2] for s in d["streams"]),
-        "client_cpu_share": (d["cpu"] - c_client0) / wall, "errors": d["errors"], "n_errors": d["n_errors"],
-    }  # fmt: skip
+        "client_cpu_share": (d["cpu"] - c_client0) / wall,
+        "errors": d["errors"],
+        "n_errors": d["n_errors"],
+    }
 
 
 def scenario_fanout(cfg: Config) -> dict[str, Any]:
@@ -252,15 +261,40 @@ def scenario_fanout(cfg: Config) -> dict[str, Any]:
                 "node_bytes": hello[0]["node_bytes"],
                 **paced_changes(cfg, f"fanout-{variant}", server, workers, n, streams),
             }
-    rows = [("variant", "changes", "p50 ms", "p99 ms", "max ms", "last p50", "last max", "CPU/chg ms",
-             "sys %", "update ms", "resp KB", "client CPU")]  # fmt: skip
+    rows = [
+        (
+            "variant",
+            "changes",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "last p50",
+            "last max",
+            "CPU/chg ms",
+            "sys %",
+            "update ms",
+            "resp KB",
+            "client CPU",
+        )
+    ]
     for v in ("A", "B"):
         r = out[v]
-        rows.append((v, str(r["changes"]), ms(r["latency_s"]["p50"]), ms(r["latency_s"]["p99"]),
-                     ms(r["latency_s"]["max"]), ms(r["last_stream_s"]["p50"]), ms(r["last_stream_s"]["max"]),
-                     ms(r["cpu_per_change_s"]["median"]),
-                     f"{r['cpu_per_change_s']['sys_share']:.0%}", ms(r["store_update_cpu_s"]),
-                     f"{r['response_bytes'] / 1000:.0f}", f"{r['client_cpu_share']:.0%}"))  # fmt: skip
+        rows.append(
+            (
+                v,
+                str(r["changes"]),
+                ms(r["latency_s"]["p50"]),
+                ms(r["latency_s"]["p99"]),
+                ms(r["latency_s"]["max"]),
+                ms(r["last_stream_s"]["p50"]),
+                ms(r["last_stream_s"]["max"]),
+                ms(r["cpu_per_change_s"]["median"]),
+                f"{r['cpu_per_change_s']['sys_share']:.0%}",
+                ms(r["store_update_cpu_s"]),
+                f"{r['response_bytes'] / 1000:.0f}",
+                f"{r['client_cpu_share']:.0%}",
+            )
+        )
     table(f"fan-out: {streams} streams on one group of {endpoints} endpoints", rows)
     return out
 
@@ -313,22 +347,53 @@ def scenario_churn(cfg: Config) -> dict[str, Any]:
             (first5 if t - t_first < window else last5 if t_end - t < window else []).append(x)
             late_at_end += t < t_end - 1e9 and got[i][1] > t_end
         out[variant] = {
-            "changes": len(changes), "achieved_rate": len(changes) / max(1e-9, (t_end - t_first) / 1e9),
-            "latency_s": dist(lat), "first_5s_s": dist(first5), "last_5s_s": dist(last5),
-            "handoff_lag_s": dist(lag), "undelivered_at_end_older_than_1s": late_at_end,
-            "never_delivered": lost, "streams_not_final": missing,
-            "server_cpu_share": cpu_s / ((t_end - t_first) / 1e9 + 1e-9), "n_errors": d["n_errors"],
+            "changes": len(changes),
+            "achieved_rate": len(changes) / max(1e-9, (t_end - t_first) / 1e9),
+            "latency_s": dist(lat),
+            "first_5s_s": dist(first5),
+            "last_5s_s": dist(last5),
+            "handoff_lag_s": dist(lag),
+            "undelivered_at_end_older_than_1s": late_at_end,
+            "never_delivered": lost,
+            "streams_not_final": missing,
+            "server_cpu_share": cpu_s / ((t_end - t_first) / 1e9 + 1e-9),
+            "n_errors": d["n_errors"],
             "errors": d["errors"],
-        }  # fmt: skip
-    rows = [("variant", "changes", "rate/s", "p50 ms", "p99 ms", "max ms", "first5 p99", "last5 p99",
-             "lag p99 ms", "stale@end", "lost", "server CPU")]  # fmt: skip
+        }
+    rows = [
+        (
+            "variant",
+            "changes",
+            "rate/s",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "first5 p99",
+            "last5 p99",
+            "lag p99 ms",
+            "stale@end",
+            "lost",
+            "server CPU",
+        )
+    ]
     for v in ("A", "B"):
         r = out[v]
-        rows.append((v, str(r["changes"]), f"{r['achieved_rate']:.0f}", ms(r["latency_s"]["p50"]),
-                     ms(r["latency_s"]["p99"]), ms(r["latency_s"]["max"]), ms(r["first_5s_s"]["p99"]),
-                     ms(r["last_5s_s"]["p99"]), ms(r["handoff_lag_s"]["p99"]),
-                     str(r["undelivered_at_end_older_than_1s"]), str(r["never_delivered"]),
-                     f"{r['server_cpu_share']:.0%}"))  # fmt: skip
+        rows.append(
+            (
+                v,
+                str(r["changes"]),
+                f"{r['achieved_rate']:.0f}",
+                ms(r["latency_s"]["p50"]),
+                ms(r["latency_s"]["p99"]),
+                ms(r["latency_s"]["max"]),
+                ms(r["first_5s_s"]["p99"]),
+                ms(r["last_5s_s"]["p99"]),
+                ms(r["handoff_lag_s"]["p99"]),
+                str(r["undelivered_at_end_older_than_1s"]),
+                str(r["never_delivered"]),
+                f"{r['server_cpu_share']:.0%}",
+            )
+        )
     table(f"churn: {groups} groups x 10 endpoints, {groups} streams, {rate:.0f} changes/s for {seconds:.0f} s", rows)
     return out
 
@@ -347,13 +412,29 @@ def scenario_memory(cfg: Config) -> dict[str, Any]:
         while server.ask("stats")["streams_open"] and time.monotonic() < deadline:
             time.sleep(0.1)
         rss2 = server.ask("rss")
-    out = {"streams": streams, "streams_open": opened, "missing": missing, "rss_before": rss0, "rss_after": rss1,
-           "rss_after_close": rss2, "bytes_per_stream": (rss1 - rss0) / max(1, opened)}  # fmt: skip
-    table(f"memory: {streams} idle open streams ({groups} groups x 10 endpoints)", [
-        ("streams", "open", "RSS before MB", "RSS open MB", "KB per stream", "RSS after close MB"),
-        (str(streams), str(opened), f"{rss0 / 1e6:.0f}", f"{rss1 / 1e6:.0f}", f"{out['bytes_per_stream'] / 1000:.1f}",
-         f"{rss2 / 1e6:.0f}"),
-    ])  # fmt: skip
+    out = {
+        "streams": streams,
+        "streams_open": opened,
+        "missing": missing,
+        "rss_before": rss0,
+        "rss_after": rss1,
+        "rss_after_close": rss2,
+        "bytes_per_stream": (rss1 - rss0) / max(1, opened),
+    }
+    table(
+        f"memory: {streams} idle open streams ({groups} groups x 10 endpoints)",
+        [
+            ("streams", "open", "RSS before MB", "RSS open MB", "KB per stream", "RSS after close MB"),
+            (
+                str(streams),
+                str(opened),
+                f"{rss0 / 1e6:.0f}",
+                f"{rss1 / 1e6:.0f}",
+                f"{out['bytes_per_stream'] / 1000:.1f}",
+                f"{rss2 / 1e6:.0f}",
+            ),
+        ],
+    )
     return out
 
 
@@ -369,14 +450,30 @@ def scenario_storm(cfg: Config) -> dict[str, Any]:
         d = workers.dump()
     t0 = d["t_start"]
     first = [(recv[0][1] - t0) / 1e9 for _, recv, _ in d["streams"] if recv]
-    out = {"streams": streams, "connections": math.ceil(streams / STREAMS_PER_CONN), "missing": missing,
-           "first_response_s": dist(first), "all_s": max(first, default=math.nan), "server_cpu_s": cpu_s,
-           "n_errors": d["n_errors"], "errors": d["errors"]}  # fmt: skip
-    table(f"reconnect storm: {streams} streams on {out['connections']} connections at once", [
-        ("first resp p50 s", "p99 s", "all s", "server CPU s", "missing", "errors"),
-        (f"{out['first_response_s']['p50']:.2f}", f"{out['first_response_s']['p99']:.2f}", f"{out['all_s']:.2f}",
-         f"{cpu_s:.2f}", str(missing), str(d["n_errors"])),
-    ])  # fmt: skip
+    out = {
+        "streams": streams,
+        "connections": math.ceil(streams / STREAMS_PER_CONN),
+        "missing": missing,
+        "first_response_s": dist(first),
+        "all_s": max(first, default=math.nan),
+        "server_cpu_s": cpu_s,
+        "n_errors": d["n_errors"],
+        "errors": d["errors"],
+    }
+    table(
+        f"reconnect storm: {streams} streams on {out['connections']} connections at once",
+        [
+            ("first resp p50 s", "p99 s", "all s", "server CPU s", "missing", "errors"),
+            (
+                f"{out['first_response_s']['p50']:.2f}",
+                f"{out['first_response_s']['p99']:.2f}",
+                f"{out['all_s']:.2f}",
+                f"{cpu_s:.2f}",
+                str(missing),
+                str(d["n_errors"]),
+            ),
+        ],
+    )
     return out
 
 
@@ -387,13 +484,27 @@ def scenario_big(cfg: Config) -> dict[str, Any]:
         workers.open(server.hello["port"], ["g0"] * streams, node_every=False)
         if workers.wait({}, 60):
             raise RuntimeError("big group: not every stream got its first response")
-        out = {"endpoints": endpoints, "streams": streams, "initial_set_cpu_s": set_cpu,
-               **paced_changes(cfg, "big", server, workers, n, streams)}  # fmt: skip
-    table(f"big group: one endpoint changed in a {endpoints}-endpoint group, {streams} streams", [
-        ("changes", "CPU/chg ms", "store.update ms", "p50 ms", "p99 ms", "max ms", "resp KB"),
-        (str(n), ms(out["cpu_per_change_s"]["median"]), ms(out["store_update_cpu_s"]), ms(out["latency_s"]["p50"]),
-         ms(out["latency_s"]["p99"]), ms(out["latency_s"]["max"]), f"{out['response_bytes'] / 1000:.0f}"),
-    ])  # fmt: skip
+        out = {
+            "endpoints": endpoints,
+            "streams": streams,
+            "initial_set_cpu_s": set_cpu,
+            **paced_changes(cfg, "big", server, workers, n, streams),
+        }
+    table(
+        f"big group: one endpoint changed in a {endpoints}-endpoint group, {streams} streams",
+        [
+            ("changes", "CPU/chg ms", "store.update ms", "p50 ms", "p99 ms", "max ms", "resp KB"),
+            (
+                str(n),
+                ms(out["cpu_per_change_s"]["median"]),
+                ms(out["store_update_cpu_s"]),
+                ms(out["latency_s"]["p50"]),
+                ms(out["latency_s"]["p99"]),
+                ms(out["latency_s"]["max"]),
+                f"{out['response_bytes'] / 1000:.0f}",
+            ),
+        ],
+    )
     return out
 
 
@@ -410,9 +521,14 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[Config], dict[str, Any]]] = {
-    "fanout": scenario_fanout, "churn": scenario_churn, "memory": scenario_memory,
-    "storm": scenario_storm, "big": scenario_big, "sidebyside": scenario_sidebyside, "cores": scenario_cores,
-}  # fmt: skip
+    "fanout": scenario_fanout,
+    "churn": scenario_churn,
+    "memory": scenario_memory,
+    "storm": scenario_storm,
+    "big": scenario_big,
+    "sidebyside": scenario_sidebyside,
+    "cores": scenario_cores,
+}
 
 
 def summary(results: dict[str, dict[str, Any]]) -> None:
@@ -445,8 +561,13 @@ def summary(results: dict[str, dict[str, Any]]) -> None:
             row(
                 f"churn {v}", "delivery p99 (no debounce in path)", c[v]["latency_s"]["p99"] * 1000, 100, "ms", "{:.1f}"
             )
-            row(f"churn {v}", "stale undelivered at end + lost", c[v]["undelivered_at_end_older_than_1s"]
-                + c[v]["never_delivered"], 0, "changes")  # fmt: skip
+            row(
+                f"churn {v}",
+                "stale undelivered at end + lost",
+                c[v]["undelivered_at_end_older_than_1s"] + c[v]["never_delivered"],
+                0,
+                "changes",
+            )
     if m := results.get("memory"):
         row("memory", f"RSS per idle stream ({m['streams']})", m["bytes_per_stream"] / 1000, 50, "KB", "{:.1f}")
     if s := results.get("storm"):

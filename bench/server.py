@@ -118,16 +118,22 @@ def heap_top(n: int) -> list[str]:
 
 
 async def main(log_level: str) -> None:
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # Every load generator connection comes from 127.0.0.1: the per-IP budgets, sized for one
     # Envoy per IP, would refuse the benchmark's thousands of streams from one address; and 10,000
     # first requests of 60 KB take one core longer than the 10 s a stream has to send its first.
     per_ip = ConnectionLimits(
         stream_budget=1_000_000, max_connections_per_ip=10_000, partial_message_budget=1 << 33, request_timeout=300
     )
-    app = App(Settings(sources=SourceSettings(startup_timeout=3600.0), admin=AdminSettings(address=None),
-                       transport=TransportSettings(listen=("127.0.0.1", 0), connection_limits=per_ip)))  # fmt: skip
+    app = App(
+        Settings(
+            sources=SourceSettings(startup_timeout=3600.0),
+            admin=AdminSettings(address=None),
+            transport=TransportSettings(listen=("127.0.0.1", 0), connection_limits=per_ip),
+        )
+    )
     app.store.add_source(SOURCE)
     await app.start()
     bench = Bench(app)

@@ -74,8 +74,12 @@ IDLE_WAIT = 2.0  # seconds between the last first response and the RSS of idle s
 # Every load generator connection comes from 127.0.0.1: eds-server's per-IP budgets, sized for one
 # Envoy per IP, are raised for it, and the time a stream has to send its first request (10,000
 # first requests of 60 KB take one core longer than 10 s). The environment reaches eds-server only.
-PER_IP_ENV = {"EDS_STREAM_BUDGET": "1000000", "EDS_MAX_CONNECTIONS_PER_IP": "10000",
-              "EDS_PARTIAL_MESSAGE_BUDGET": str(1 << 33), "EDS_REQUEST_TIMEOUT": "300s"}  # fmt: skip
+PER_IP_ENV = {
+    "EDS_STREAM_BUDGET": "1000000",
+    "EDS_MAX_CONNECTIONS_PER_IP": "10000",
+    "EDS_PARTIAL_MESSAGE_BUDGET": str(1 << 33),
+    "EDS_REQUEST_TIMEOUT": "300s",
+}
 
 
 def upstreams_text(weights: list[int]) -> str:
@@ -90,20 +94,36 @@ class Served:
     """A server process under test, measured from outside."""
 
     def __init__(
-        self, command: list[str], upstreams: Path | None, log: IO[str], extra: list[str] | None = None,
+        self,
+        command: list[str],
+        upstreams: Path | None,
+        log: IO[str],
+        extra: list[str] | None = None,
         pin: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`extra`: more arguments (e.g. `--workers 2`, `--upstream-eds ...` with no upstreams file);
         `pin`: on the server core (else on every core, as users run it)."""
         self.port, self.admin = free_port(), free_port()
         admin = self.admin
-        args = [*command, "serve", *(["--upstreams", str(upstreams)] if upstreams else []),
-                "--listen", f"127.0.0.1:{self.port}", "--admin", f"127.0.0.1:{admin}", *(extra or [])]  # fmt: skip
+        args = [
+            *command,
+            "serve",
+            *(["--upstreams", str(upstreams)] if upstreams else []),
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--admin",
+            f"127.0.0.1:{admin}",
+            *(extra or []),
+        ]
         cores = {SERVER_CORE} if pin else set(CORES)
         self.p = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, **PER_IP_ENV},
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={**os.environ, **PER_IP_ENV},
             preexec_fn=lambda: os.sched_setaffinity(0, cores),
-        )  # fmt: skip
+        )
         for _ in range(600):  # bounded: 60 s
             if self.p.poll() is not None:
                 raise RuntimeError(f"{args!r} exited with {self.p.returncode}")
@@ -209,9 +229,12 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
                     c0 = server.cpu()
                     weights[k % endpoints] = k + 1
                     write_atomically(path, upstreams_text(weights))
-                    missing = sum(r["remaining"] for r in workers.all(
-                        [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
-                    ))  # fmt: skip
+                    missing = sum(
+                        r["remaining"]
+                        for r in workers.all(
+                            [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
+                        )
+                    )
                     if missing:
                         raise RuntimeError(f"{tag}: change {k} missed {missing} streams")
                     server.settle()
@@ -223,11 +246,16 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
         finally:
             workers.stop()
             server.stop()
-    return {"cpu_per_change_s": statistics.median(cpus), "cpu_s": cpus,
-            "rss_per_stream_b": (rss1 - rss0) / streams, "errors": errors,
-            "user_s": user1 - user0, "sys_s": sys1 - sys0,
-            "user_per_change_s": (user1 - user0) / len(cpus),
-            "sys_per_change_s": (sys1 - sys0) / len(cpus)}  # fmt: skip
+    return {
+        "cpu_per_change_s": statistics.median(cpus),
+        "cpu_s": cpus,
+        "rss_per_stream_b": (rss1 - rss0) / streams,
+        "errors": errors,
+        "user_s": user1 - user0,
+        "sys_s": sys1 - sys0,
+        "user_per_change_s": (user1 - user0) / len(cpus),
+        "sys_per_change_s": (sys1 - sys0) / len(cpus),
+    }
 
 
 def chosen_shapes(spec: str) -> list[Shape]:
@@ -266,10 +294,19 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
                 results[shape.name][name].append(one_round(cfg, shape, command, f"{name.replace(' ', '_')}-r{r}"))
                 got = results[shape.name][name][-1]["cpu_per_change_s"] * 1000
                 us = results[shape.name][name][-1]
-                print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {got:.1f} ms/change "
-                      f"(user {us['user_s']:.2f} s, system {us['sys_s']:.2f} s in all)", flush=True)  # fmt: skip
-    out: dict[str, Any] = {"peer": cfg.peer, "floor": [n for n, _ in floors(cfg)], "rounds": cfg.rounds,
-                           "server_core": SERVER_CORE, "client_cores": CLIENT_CORES, "shapes": {}}  # fmt: skip
+                print(
+                    f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {got:.1f} ms/change "
+                    f"(user {us['user_s']:.2f} s, system {us['sys_s']:.2f} s in all)",
+                    flush=True,
+                )
+    out: dict[str, Any] = {
+        "peer": cfg.peer,
+        "floor": [n for n, _ in floors(cfg)],
+        "rounds": cfg.rounds,
+        "server_core": SERVER_CORE,
+        "client_cores": CLIENT_CORES,
+        "shapes": {},
+    }
     peer_label = "peer" if peer else "gcp (reference)"
     refs = [n for n, _ in floors(cfg)] + ["peer"]  # what eds-server is put beside; JSON keys: floor_, floor_c_, peer_
     labels = {"peer": peer_label}
@@ -285,8 +322,12 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
 
         def figures(name: str) -> tuple[float, float, float, float]:
             """CPU, user, system per change (ms) and KB per stream: medians over rounds."""
-            return (med(name, "cpu_per_change_s", 1000), med(name, "user_per_change_s", 1000),
-                    med(name, "sys_per_change_s", 1000), med(name, "rss_per_stream_b", 1e-3))  # fmt: skip
+            return (
+                med(name, "cpu_per_change_s", 1000),
+                med(name, "user_per_change_s", 1000),
+                med(name, "sys_per_change_s", 1000),
+                med(name, "rss_per_stream_b", 1e-3),
+            )
 
         got = {name: figures(name) for name in ["eds-server", *refs]}
         if not peer:
@@ -295,16 +336,26 @@ def scenario_sidebyside(cfg: Config) -> dict[str, Any]:
         eds = got["eds-server"]
         show_rss = shape.streams >= 1000
         entry: dict[str, Any] = {
-            "streams": cfg.size(shape.streams), "endpoints": cfg.size(shape.endpoints),
-            "node_every": shape.node_every, "eds_cpu_ms": eds[0], "eds_user_ms": eds[1], "eds_sys_ms": eds[2],
-            "eds_rss_kb": eds[3], "peer_is_reference_figure": not peer, "reference_eds_cpu_ms": shape.reference[0],
-        }  # fmt: skip
+            "streams": cfg.size(shape.streams),
+            "endpoints": cfg.size(shape.endpoints),
+            "node_every": shape.node_every,
+            "eds_cpu_ms": eds[0],
+            "eds_user_ms": eds[1],
+            "eds_sys_ms": eds[2],
+            "eds_rss_kb": eds[3],
+            "peer_is_reference_figure": not peer,
+            "reference_eds_cpu_ms": shape.reference[0],
+        }
         row = (shape.name, cell(eds[0]), f"{cell(eds[1])}/{cell(eds[2])}")
         for ref in refs:
             key = ref.replace(" ", "_").lower()
             cpu_ms, user_ms, sys_ms, rss_kb = got[ref]
-            entry |= {f"{key}_cpu_ms": cpu_ms, f"{key}_user_ms": user_ms, f"{key}_sys_ms": sys_ms,
-                      f"{key}_rss_kb": rss_kb}  # fmt: skip
+            entry |= {
+                f"{key}_cpu_ms": cpu_ms,
+                f"{key}_user_ms": user_ms,
+                f"{key}_sys_ms": sys_ms,
+                f"{key}_rss_kb": rss_kb,
+            }
             entry["cpu_ratio" if ref == "peer" else f"cpu_ratio_{key}"] = ratio(eds[0], cpu_ms)
             row += (cell(cpu_ms), f"{cell(user_ms)}/{cell(sys_ms)}", cell(ratio(eds[0], cpu_ms), "{:.2f}"))
         row += tuple(cell(got[n][3]) if show_rss else "-" for n in ["eds-server", *refs])

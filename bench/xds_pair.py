@@ -34,8 +34,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def extract(rev: str, into: Path) -> None:
-    data = subprocess.run(["git", "archive", rev, "eds_server"], cwd=HERE.parent, check=True,
-                          capture_output=True).stdout  # fmt: skip
+    data = subprocess.run(
+        ["git", "archive", rev, "eds_server"], cwd=HERE.parent, check=True, capture_output=True
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
     (into / "eds_server").rename(into / "eds_base")
@@ -64,8 +65,11 @@ def one_change(pkg: str, kind: str, ss: list[Any]) -> float:
         s.changed({"g0"})
         r = s.poll()
         if kind == "sotw":
-            s.receive(sotw.Request(version_info=r.version_info, resource_names=("g0",), response_nonce=r.nonce,
-                                   type_url=EDS_TYPE_URL))  # fmt: skip
+            s.receive(
+                sotw.Request(
+                    version_info=r.version_info, resource_names=("g0",), response_nonce=r.nonce, type_url=EDS_TYPE_URL
+                )
+            )
         else:
             s.receive(delta.DeltaRequest(response_nonce=r.nonce))
     return time.process_time() - t0
@@ -97,8 +101,11 @@ def main() -> None:
                 tb.append(b)
                 tt.append(t)
                 ratios.append(t / b)
-            out[kind] = {"base_ms": 1e3 * statistics.median(tb), "this_ms": 1e3 * statistics.median(tt),
-                         "ratio_median": statistics.median(ratios)}  # fmt: skip
+            out[kind] = {
+                "base_ms": 1e3 * statistics.median(tb),
+                "this_ms": 1e3 * statistics.median(tt),
+                "ratio_median": statistics.median(ratios),
+            }
     print(f"\nxDS state machines, {args.streams} streams, {args.changes} changes (CPU ms per change, median)")
     print(f"  {'kind':6} {'base ' + args.base:>16} {'this tree':>10} {'ratio':>6}")
     for kind in ("sotw", "delta"):

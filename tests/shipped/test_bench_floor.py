@@ -56,9 +56,19 @@ def floor(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[subp
     port = free_port()
     with open(log, "w") as err:
         p = subprocess.Popen(
-            [sys.executable, str(BENCH / "floor.py"), *(["--native"] if native else []), "serve",
-             "--upstreams", str(path), "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(BENCH / "floor.py"),
+                *(["--native"] if native else []),
+                "serve",
+                "--upstreams",
+                str(path),
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         wait_for_blocking(lambda: connects(port), retry=(OSError,), what="the floor listens")
         yield p, port, path, log
@@ -102,8 +112,12 @@ def test_the_load_generator_gets_every_change_from_the_floor(
     floor: tuple[subprocess.Popen[bytes], int, Path, Path],
 ) -> None:
     process, port, path, log = floor
-    gen = subprocess.Popen([sys.executable, str(BENCH / "loadgen.py"), "--node-bytes", "2000"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    gen = subprocess.Popen(
+        [sys.executable, str(BENCH / "loadgen.py"), "--node-bytes", "2000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert gen.stdin is not None and gen.stdout is not None
 
     def ask(cmd: dict[str, object]) -> dict[str, object]:
@@ -152,9 +166,17 @@ def test_the_floor_keeps_to_a_window_smaller_than_a_response(
     conn.initiate_connection()
     request = b"\x00\x00\x00\x00\x02\x1a\x00"  # one message: names (3) = [""]
     sid = conn.get_next_available_stream_id()
-    conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "127.0.0.1"),
-                            (":path", "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"),
-                            ("content-type", "application/grpc"), ("te", "trailers")])  # fmt: skip
+    conn.send_headers(
+        sid,
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":authority", "127.0.0.1"),
+            (":path", "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ],
+    )
     conn.send_data(sid, request)
     conn.ping(b"12345678")  # answered after the request: whatever the floor sends for it comes first
     with socket.create_connection(("127.0.0.1", port), 5) as sock:

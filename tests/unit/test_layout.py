@@ -32,18 +32,6 @@ PENDING: dict[str, int] = {
     "tests/e2e/docker/test_envoy_docker.py": 4,
     "tests/e2e/docker/test_swarm_two_node.py": 4,
     "tests/e2e/docker/test_compose_stack.py": 2,
-    "bench/sidebyside.py": 11,
-    "bench/parse.py": 1,
-    "bench/idle_cpu.py": 4,
-    "bench/cores.py": 9,
-    "bench/health_checks.py": 2,
-    "bench/loadgen.py": 5,
-    "bench/docker_latency.py": 2,
-    "bench/xds_pair.py": 3,
-    "bench/run.py": 15,
-    "bench/private_touches.py": 4,
-    "bench/kubernetes_scale.py": 7,
-    "bench/server.py": 2,
 }
 
 
