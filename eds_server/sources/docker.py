@@ -41,7 +41,7 @@ class EngineGone(Exception):
 NS = 1_000_000_000
 # Replayed again at each renewal and skipped by key: the engine stamps an event before it takes the
 # lock that orders its history, so two events logged together may come a little out of order.
-MARGIN_NS = NS
+MARGIN_NS = NS // 10
 _RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
 
 
@@ -85,7 +85,7 @@ class EventStream:
     TCP connection) while every ping is answered, and its events would wait for the resync. So every
     `renew` seconds (the heartbeat's bound by default) the subscription is opened again with `since`
     set to the engine's time of the last event taken (or, before any, its clock at connect) less
-    MARGIN_NS, and the old one is closed: what the old connection held back the engine replays from
+    MARGIN_NS (0.1 s), and the old one is closed: what the old connection held back the engine replays from
     its history. Only the engine's own times are compared, never our clock, so a skewed clock does
     not matter; an event replayed twice is skipped by key. The history is short (the engine keeps its
     last 256 events): when a replay does not reach back to the last event taken, events may have been
