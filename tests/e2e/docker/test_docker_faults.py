@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,12 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.docker
 
 
+@dataclass
+class EventConnection:
+    ends: tuple[asyncio.StreamWriter, asyncio.StreamWriter]  # to the source, to the engine
+    frozen: bool = False
+
+
 class Proxy:
     """127.0.0.1:port <-> the engine's unix socket; `cut()` closes every connection, `frozen` stalls them,
     `freeze_events()` stalls only the connections that carry an event stream now."""
@@ -34,7 +41,7 @@ class Proxy:
         self.socket_path = socket_path
         self.frozen = False
         self.writers: list[asyncio.StreamWriter] = []
-        self.event_connections: list[list[bool]] = []  # per connection that asked for events: [frozen]
+        self.event_connections: list[EventConnection] = []  # the connections that asked for events
         self.server: asyncio.Server | None = None
         self.port = 0
 
@@ -51,7 +58,7 @@ class Proxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_unix_connection(self.socket_path)
         self.writers += [writer, up_writer]
-        events = [False]  # this connection's [frozen], listed once it asks for events
+        events = EventConnection((writer, up_writer))  # listed once it asks for events
 
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, ask: bool) -> None:
             with contextlib.suppress(OSError, asyncio.IncompleteReadError):
@@ -59,7 +66,7 @@ class Proxy:
                     if ask and b"/events?" in data and events not in self.event_connections:
                         self.event_connections.append(events)
                     for _ in range(100_000):  # a half-open connection: nothing gets through, nothing closes
-                        if not (self.frozen or events[0]) or writer.is_closing() or up_writer.is_closing():
+                        if not (self.frozen or events.frozen) or writer.is_closing() or up_writer.is_closing():
                             break
                         await asyncio.sleep(0.05)
                     dst.write(data)
@@ -71,9 +78,17 @@ class Proxy:
     def freeze_events(self) -> int:
         """Stall (both ways, kept open) each connection that carries an event stream now, and only
         those, for good; returns how many."""
-        live = [c for c in self.event_connections if not c[0]]
+        live = [c for c in self.event_connections if not c.frozen and not c.ends[0].is_closing()]
         for c in live:
-            c[0] = True
+            c.frozen = True
+        return len(live)
+
+    def cut_events(self) -> int:
+        """Close each connection that carries an event stream now, and only those; returns how many."""
+        live = [c for c in self.event_connections if not c.ends[0].is_closing()]
+        for c in live:
+            for w in c.ends:
+                w.close()
         return len(live)
 
     def cut(self) -> None:
@@ -168,3 +183,34 @@ async def test_a_dead_event_connection_is_replaced_while_the_pings_go_through(
     assert heartbeat.hangs == hangs and source.relists == relists  # neither a hang nor a resync found it
     assert events.renewals > renewals and events.reopened == 0  # a renewal (on a new connection) did
     assert len(proxy.event_connections) >= 2
+
+
+async def test_a_renewed_event_stream_that_fails_keeps_the_source_live(
+    following: tuple[DockerEngine, Proxy, DockerSource, Store],
+) -> None:
+    """The event connection is closed under a renewed subscription while the engine answers: the
+    stream is opened afresh and the containers listed again, and the source is never said stale."""
+    engine, proxy, source, store = following
+    first = await backend(engine, "renew-1")
+    await ports(store, {first})
+    events = source.events
+    assert events is not None
+    await wait_for(lambda: events.renewals, lambda n: n >= 1, timeout=20, interval=0.05, what="a renewal")
+    relists, stale_seen = source.relists, 0
+
+    async def watch_stale() -> None:
+        nonlocal stale_seen
+        for _ in range(2000):  # at most 2000 looks, 10 ms apart
+            stale_seen += store.is_stale("web") or not source.connected
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch_stale())
+    try:
+        assert proxy.cut_events() == 1
+        second = await backend(engine, "renew-2")
+        await ports(store, {first, second})
+        await wait_for(lambda: events.reopened, lambda n: n >= 1, timeout=10, interval=0.05, what="reopened")
+    finally:
+        watcher.cancel()
+    assert source.events is events and source.relists > relists  # the same connection's life, listed again
+    assert stale_seen == 0
