@@ -85,11 +85,11 @@ class EventStream:
     TCP connection) while every ping is answered, and its events would wait for the resync. So every
     `renew` seconds (the heartbeat's bound by default) the subscription is opened again with `since`
     set to the engine's time of the last event taken (or, before any, its clock at connect) less
-    MARGIN_NS (0.1 s), and the old one is closed: what the old connection held back the engine replays from
-    its history. Only the engine's own times are compared, never our clock, so a skewed clock does
-    not matter; an event replayed twice is skipped by key. The history is short (the engine keeps its
-    last 256 events): when a replay does not reach back to the last event taken, events may have been
-    lost and `relist` is set. A renewed stream that ends while the engine answers a ping is opened
+    MARGIN_NS (0.1 s), and the old one is closed: what the old connection held back, the engine
+    replays from its history. Only the engine's own times are compared, never our clock, so a skewed
+    clock does not matter; an event replayed twice is skipped by key. The history is short (the
+    engine keeps its last 256 events): when a replay does not reach back to the last event taken,
+    events may have been lost and `relist` is set. A renewed stream that ends while the engine answers a ping is opened
     afresh (the engine may have restarted, its history with it) and `relist` set: a failed renewal
     leaves the source live and its state served. Otherwise EngineGone: the source is stale (its
     state still served) until it reconnects.
