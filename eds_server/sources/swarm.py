@@ -15,7 +15,6 @@ node: ``--docker-host-address``; another node: its ``Status.Addr``). The service
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -328,6 +327,7 @@ class SwarmSource(EngineFollower):
             if _updating(services[sid]) or any(task_transitional(t) for t in tasks[sid]):
                 self._hot[sid] = max(self._hot.get(sid, 0.0), now + self.poll_window)
         self.warnings.keep(services)
+        self.relists += 1
         self.last_sync = now
         self.publish()
 
@@ -369,9 +369,7 @@ class SwarmSource(EngineFollower):
         return changed
 
     async def _follow(self, docker: aiodocker.Docker, stop: asyncio.Event, backoff: Backoff) -> None:
-        subscriber = docker.events.subscribe(  # type: ignore[no-untyped-call]
-            filters=json.dumps({"type": ["service", "node", "container"]})
-        )
+        events = await self._events(docker, ("service", "node", "container"))
         await self.relist(docker)  # after subscribing, so nothing falls between the two
         self._connected(backoff, len(self._services), "services")
         loop = asyncio.get_running_loop()
@@ -382,7 +380,7 @@ class SwarmSource(EngineFollower):
             timeout = pending.timeout(now, self.ping_interval)
             if self._hot:
                 timeout = min(timeout, next_poll - now)
-            event = await self._next_event(subscriber, timeout)
+            event = await events.get(timeout)
             now = loop.time()
             if event is not None and await self.handle(docker, event):
                 pending.changed(now)

@@ -1,7 +1,8 @@
 """The Docker source when the connection to a healthy engine is cut, or goes silent (half-open).
 
 A TCP proxy on 127.0.0.1 sits between the source and the engine's socket, so the engine stays up
-while the test cuts or freezes what flows between them.
+while the test cuts or freezes what flows between them: all of it, or only the event stream's
+connection (the pings, on other pooled connections, still go through).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,13 +27,21 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.docker
 
 
+@dataclass
+class EventConnection:
+    ends: tuple[asyncio.StreamWriter, asyncio.StreamWriter]  # to the source, to the engine
+    frozen: bool = False
+
+
 class Proxy:
-    """127.0.0.1:port <-> the engine's unix socket; `cut()` closes every connection, `frozen` stalls them."""
+    """127.0.0.1:port <-> the engine's unix socket; `cut()` closes every connection, `frozen` stalls them,
+    `freeze_events()` stalls only the connections that carry an event stream now."""
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
         self.frozen = False
         self.writers: list[asyncio.StreamWriter] = []
+        self.event_connections: list[EventConnection] = []  # the connections that asked for events
         self.server: asyncio.Server | None = None
         self.port = 0
 
@@ -48,17 +58,38 @@ class Proxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_unix_connection(self.socket_path)
         self.writers += [writer, up_writer]
+        events = EventConnection((writer, up_writer))  # listed once it asks for events
 
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, ask: bool) -> None:
             with contextlib.suppress(OSError, asyncio.IncompleteReadError):
                 while data := await src.read(65536):
-                    while self.frozen:  # a half-open connection: nothing gets through, nothing closes
+                    if ask and b"/events?" in data and events not in self.event_connections:
+                        self.event_connections.append(events)
+                    for _ in range(100_000):  # a half-open connection: nothing gets through, nothing closes
+                        if not (self.frozen or events.frozen) or writer.is_closing() or up_writer.is_closing():
+                            break
                         await asyncio.sleep(0.05)
                     dst.write(data)
                     await dst.drain()
             dst.close()
 
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
+
+    def freeze_events(self) -> int:
+        """Stall (both ways, kept open) each connection that carries an event stream now, and only
+        those, for good; returns how many."""
+        live = [c for c in self.event_connections if not c.frozen and not c.ends[0].is_closing()]
+        for c in live:
+            c.frozen = True
+        return len(live)
+
+    def cut_events(self) -> int:
+        """Close each connection that carries an event stream now, and only those; returns how many."""
+        live = [c for c in self.event_connections if not c.ends[0].is_closing()]
+        for c in live:
+            for w in c.ends:
+                w.close()
+        return len(live)
 
     def cut(self) -> None:
         for w in self.writers:
@@ -128,3 +159,58 @@ async def test_half_open_connection_is_noticed_and_recovered(
     second = await backend(engine, "ho-2")
     await ports(store, {first, second})
     assert source.connected and not store.is_stale("web")
+
+
+async def test_a_dead_event_connection_is_replaced_while_the_pings_go_through(
+    following: tuple[DockerEngine, Proxy, DockerSource, Store],
+) -> None:
+    """Only the event stream's connection goes silent: the engine answers every ping on its other
+    connections, so the heartbeat has nothing to find. The subscription is renewed (from the last
+    event's engine time) within the heartbeat's bound, so a container started after the freeze is
+    served without waiting for the resync (60 s) and without the source ever being marked stale."""
+    engine, proxy, source, store = following
+    first = await backend(engine, "dead-1")
+    await ports(store, {first})
+    events, heartbeat = source.events, source.heartbeat
+    assert events is not None and heartbeat is not None
+    relists, renewals, hangs = source.relists, events.renewals, heartbeat.hangs
+    assert proxy.freeze_events() == 1  # the one event stream; the pings' connections still flow
+    second = await backend(engine, "dead-2")  # its events are held on the frozen connection
+    # The bound is 0.5 + 2 * 2 = 4.5 s here; waited up to 25 s, still short of the 60 s resync.
+    await ports(store, {first, second}, timeout=25)
+    assert source.connected and not store.is_stale("web")  # no hang found, no reconnect: only a renewal
+    assert (source.events, source.heartbeat) == (events, heartbeat)  # the same connection's
+    assert heartbeat.hangs == hangs and source.relists == relists  # neither a hang nor a resync found it
+    assert events.renewals > renewals and events.reopened == 0  # a renewal (on a new connection) did
+    assert len(proxy.event_connections) >= 2
+
+
+async def test_a_renewed_event_stream_that_fails_keeps_the_source_live(
+    following: tuple[DockerEngine, Proxy, DockerSource, Store],
+) -> None:
+    """The event connection is closed under a renewed subscription while the engine answers: the
+    stream is opened afresh and the containers listed again, and the source is never said stale."""
+    engine, proxy, source, store = following
+    first = await backend(engine, "renew-1")
+    await ports(store, {first})
+    events = source.events
+    assert events is not None
+    await wait_for(lambda: events.renewals, lambda n: n >= 1, timeout=20, interval=0.05, what="a renewal")
+    relists, stale_seen = source.relists, 0
+
+    async def watch_stale() -> None:
+        nonlocal stale_seen
+        for _ in range(2000):  # at most 2000 looks, 10 ms apart
+            stale_seen += store.is_stale("web") or not source.connected
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch_stale())
+    try:
+        assert proxy.cut_events() == 1
+        second = await backend(engine, "renew-2")
+        await ports(store, {first, second})
+        await wait_for(lambda: events.reopened, lambda n: n >= 1, timeout=10, interval=0.05, what="reopened")
+    finally:
+        watcher.cancel()
+    assert source.events is events and source.relists > relists  # the same connection's life, listed again
+    assert stale_seen == 0
