@@ -79,8 +79,20 @@ async def main(containers: int, seconds: float, health: bool, rounds: int) -> li
     with DockerEngine() as engine:
         for i in range(containers):
             checks = ("--health-cmd", "true", "--health-interval", "1s") if health else ()
-            engine.cli("run", "-d", "--network", "host", "--label", "eds.group=bench", "--label",
-                       f"eds.port={20000 + i}", *checks, engine.image, "sleep", "3600")  # fmt: skip
+            engine.cli(
+                "run",
+                "-d",
+                "--network",
+                "host",
+                "--label",
+                "eds.group=bench",
+                "--label",
+                f"eds.port={20000 + i}",
+                *checks,
+                engine.image,
+                "sleep",
+                "3600",
+            )
         return [await one_run(engine, renew, seconds) for _ in range(rounds) for renew in (None, math.inf)]
 
 

@@ -45,8 +45,14 @@ class SourceStatus:
         return self.loaded and not self.live
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "loaded": self.loaded, "live": self.live, "stale": self.stale,
-                **self.details, "last_error": self.last_error}  # fmt: skip
+        return {
+            "name": self.name,
+            "loaded": self.loaded,
+            "live": self.live,
+            "stale": self.stale,
+            **self.details,
+            "last_error": self.last_error,
+        }
 
 
 class Source(Protocol):
@@ -152,8 +158,9 @@ class SharedProbe:
     `fresh` seconds, so that every watch waiting out a backoff costs the remote end one request a
     second in all, not one each."""
 
-    def __init__(self, probe: Callable[[], Awaitable[bool]], fresh: float = 0.5,
-                 clock: Callable[[], float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, probe: Callable[[], Awaitable[bool]], fresh: float = 0.5, clock: Callable[[], float] | None = None
+    ) -> None:
         self.probe, self.fresh = probe, fresh
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
         self.probes = 0  # sent, for tests
@@ -174,8 +181,9 @@ class SharedProbe:
         return await asyncio.shield(self._task)
 
 
-async def pause(delay: float, stop: asyncio.Event, check: Callable[[], Awaitable[bool]] | None = None,
-                every: float = 1.0) -> bool:  # fmt: skip
+async def pause(
+    delay: float, stop: asyncio.Event, check: Callable[[], Awaitable[bool]] | None = None, every: float = 1.0
+) -> bool:
     """Wait out a backoff of `delay` seconds, or until `stop`; every `every` seconds ask `check`
     whether the next attempt should be made now instead. True when `check` cut it short. The checks
     fall on the loop clock's multiples of `every`, so that the pauses of many watches check together
@@ -196,9 +204,16 @@ async def pause(delay: float, stop: asyncio.Event, check: Callable[[], Awaitable
     return False
 
 
-async def reconnect(stop: asyncio.Event, connect: Callable[[], Awaitable[str]], *, backoff: Backoff,
-                    why: Callable[[Exception], str], lost: Callable[[str, float], None],
-                    check: Callable[[], Awaitable[bool]] | None = None, every: float = 1.0) -> None:  # fmt: skip
+async def reconnect(
+    stop: asyncio.Event,
+    connect: Callable[[], Awaitable[str]],
+    *,
+    backoff: Backoff,
+    why: Callable[[Exception], str],
+    lost: Callable[[str, float], None],
+    check: Callable[[], Awaitable[bool]] | None = None,
+    every: float = 1.0,
+) -> None:
     """The reconnect loop of the followers of something remote, until `stop` is set.
 
     `connect()` is one connection's life: it lists, follows, resets `backoff` once it follows again,
@@ -240,8 +255,15 @@ class Heartbeat:
     there.
     """
 
-    def __init__(self, probe: Callable[[], Awaitable[object]], what: str, *, every: float = 1.0,
-                 timeout: float = 2.0, replied: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        probe: Callable[[], Awaitable[object]],
+        what: str,
+        *,
+        every: float = 1.0,
+        timeout: float = 2.0,
+        replied: Callable[[], None] | None = None,
+    ) -> None:
         """`replied`: called when a probe got a proper reply (not an error), for a source that learns
         nothing else when its peer comes back with nothing new to say."""
         self.probe, self.what, self.every, self.timeout = probe, what, every, timeout
@@ -434,17 +456,25 @@ class Liveness:
         even if already not live (the source knows the failure changed in kind)."""
         if self.live_now or self.last_error is None or again:
             meanwhile = (
-                "serving the last known endpoints (stale)" if self.loaded
-                else "not loaded yet: serving without it (--startup-timeout passed)" if self.feed.serving
+                "serving the last known endpoints (stale)"
+                if self.loaded
+                else "not loaded yet: serving without it (--startup-timeout passed)"
+                if self.feed.serving
                 else "not loaded yet: nothing is answered to Envoy until it is (Envoy keeps what it has)"
-            )  # fmt: skip
+            )
             if then is not None:
                 log.warning("%s: %s; %s; %s", self.name, reason, meanwhile, then)
             elif retry_in is not None:
                 log.warning("%s: %s; %s; reconnecting in %.1f s", self.name, reason, meanwhile, retry_in)
             else:
-                log.warning("%s: %s unreachable (%s); %s%s", self.name, self.what, reason, meanwhile,
-                            " and retrying" if self.loaded else "; retrying")  # fmt: skip
+                log.warning(
+                    "%s: %s unreachable (%s); %s%s",
+                    self.name,
+                    self.what,
+                    reason,
+                    meanwhile,
+                    " and retrying" if self.loaded else "; retrying",
+                )
         self.live_now = False
         self.last_error = reason
         self.feed.mark_stale(self.name, True)

@@ -95,9 +95,16 @@ class EventStream:
     state still served) until it reconnects.
     """
 
-    def __init__(self, docker: aiodocker.Docker, types: Sequence[str], *, renew: float,
-                 ping: Callable[[], Awaitable[object]], timeout: float,
-                 heard: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        docker: aiodocker.Docker,
+        types: Sequence[str],
+        *,
+        renew: float,
+        ping: Callable[[], Awaitable[object]],
+        timeout: float,
+        heard: Callable[[], None] = lambda: None,
+    ) -> None:
         self.docker, self.filters = docker, json.dumps({"type": list(types)})
         self.renew, self.ping, self.timeout, self.heard = renew, ping, timeout, heard
         self.relist = False  # the follower should list everything again (then clear it)
@@ -214,8 +221,9 @@ class EngineFollower(Followed):
 
     async def _events(self, docker: aiodocker.Docker, types: Sequence[str]) -> EventStream:
         """Subscribe to the engine's events of `types` (before listing, so nothing falls between)."""
-        events = EventStream(docker, types, renew=self.renew_interval, ping=_pinger(docker),
-                             timeout=self.ping_timeout, heard=self._heard)  # fmt: skip
+        events = EventStream(
+            docker, types, renew=self.renew_interval, ping=_pinger(docker), timeout=self.ping_timeout, heard=self._heard
+        )
         self.events = events
         await events.open()
         return events
@@ -313,8 +321,12 @@ class EngineFollower(Followed):
                 # DOCKER_HOST first, as the docker CLI does (aiodocker alone prefers the context).
                 url = self.host or os.environ.get("DOCKER_HOST") or None
                 docker = aiodocker.Docker(url=url)
-                self.heartbeat = Heartbeat(_pinger(docker), f"the engine at {url or 'its default socket'}",
-                                           every=self.ping_interval, timeout=self.ping_timeout)  # fmt: skip
+                self.heartbeat = Heartbeat(
+                    _pinger(docker),
+                    f"the engine at {url or 'its default socket'}",
+                    every=self.ping_interval,
+                    timeout=self.ping_timeout,
+                )
                 async with self.heartbeat.watching():
                     await self._follow(docker, stop, backoff)
                 return "the engine ended the event stream"
@@ -325,8 +337,9 @@ class EngineFollower(Followed):
                 if docker is not None:
                     await _close(docker)
 
-        await reconnect(stop, connect, backoff=backoff, why=_why,
-                        lost=lambda reason, _: self.liveness.lost(with_fix(reason)))  # fmt: skip
+        await reconnect(
+            stop, connect, backoff=backoff, why=_why, lost=lambda reason, _: self.liveness.lost(with_fix(reason))
+        )
 
 
 def _why(e: Exception) -> str:

@@ -152,8 +152,10 @@ def missing_configuration(kubeconfig: str | None) -> str | None:
     files = config_files(KubernetesOptions())
     if any(os.path.exists(f) for f in files):
         return None
-    return (f"no Kubernetes configuration: not in a cluster (KUBERNETES_SERVICE_HOST is not set), no --kubeconfig, "
-            f"and no {' or '.join(files) or 'kubeconfig'}: give --kubeconfig FILE or set KUBECONFIG")  # fmt: skip
+    return (
+        f"no Kubernetes configuration: not in a cluster (KUBERNETES_SERVICE_HOST is not set), no --kubeconfig, "
+        f"and no {' or '.join(files) or 'kubeconfig'}: give --kubeconfig FILE or set KUBECONFIG"
+    )
 
 
 def in_cluster() -> bool:
@@ -353,8 +355,11 @@ class KubernetesSource(Followed):
             except Exception as e:  # no usable configuration (yet): say so, retry (at once if rewritten)
                 reason = f"configuration error: {e if isinstance(e, ConfigProblem) else _one_line(f'{e!r}')}"
                 delay = backoff.next()
-                self.liveness.lost(reason, again=reason != self.liveness.last_error,
-                                   then=f"loaded again when its files change, or in {delay:.1f} s")  # fmt: skip
+                self.liveness.lost(
+                    reason,
+                    again=reason != self.liveness.last_error,
+                    then=f"loaded again when its files change, or in {delay:.1f} s",
+                )
                 await pause(delay, stop, self._config_changed, self.probe_every)
         if self._api is None:
             return
@@ -393,8 +398,11 @@ class KubernetesSource(Followed):
             if old is not None and changed:
                 log.info("%s: configuration loaded again (its files changed); watches resume with it", self.name)
             elif old is not None:  # every 10 s for as long as a 401 lasts: said now and then, with a count
-                self._reloads_said.log(logging.INFO, "%s: configuration loaded again (the credentials were "
-                                       "refused); watches resume with it", self.name)  # fmt: skip
+                self._reloads_said.log(
+                    logging.INFO,
+                    "%s: configuration loaded again (the credentials were refused); watches resume with it",
+                    self.name,
+                )
                 await old.close()  # watches on it end and resume on the new one
 
     async def _config_changed(self) -> bool:
@@ -406,8 +414,12 @@ class KubernetesSource(Followed):
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout)
         try:
             resp = await self._api.call_api(
-                "/readyz", "GET", auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
-            )  # fmt: skip
+                "/readyz",
+                "GET",
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=timeout,
+            )
             resp.release()
             answered = resp.status in (200, 401, 403)
         except Exception:
@@ -468,8 +480,9 @@ class KubernetesSource(Followed):
                     continue  # the server ended the watch (its timeout): resume from `version`
                 # ended at once: the server may be going away; resume after a pause
                 delay = backoff.next()
-                log.debug("%s: the API server ended the %s watch at once; reconnecting in %.1f s",
-                          self.name, kind.name, delay)  # fmt: skip
+                log.debug(
+                    "%s: the API server ended the %s watch at once; reconnecting in %.1f s", self.name, kind.name, delay
+                )
                 away: bool | None = None
             except Gone:
                 log.info("%s: %s watch expired (410 Gone); listing again", self.name, kind.name)
@@ -505,9 +518,14 @@ class KubernetesSource(Followed):
     async def _get(self, path: str, query: list[tuple[str, str]], read_timeout: float) -> Any:
         timeout = aiohttp.ClientTimeout(sock_connect=self.request_timeout, sock_read=read_timeout)
         resp = await self._api.call_api(
-            path, "GET", query_params=query, header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
-        )  # fmt: skip
+            path,
+            "GET",
+            query_params=query,
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=timeout,
+        )
         self.heartbeat.beat()
         if resp.status == 410:
             resp.release()
@@ -546,8 +564,12 @@ class KubernetesSource(Followed):
     ) -> str:
         """Apply events until the server ends the watch; returns the last resourceVersion seen."""
         seconds = random.randint(*self.watch_timeout)  # spread the reconnects of many replicas
-        query = [("watch", "1"), ("allowWatchBookmarks", "true"), ("resourceVersion", version),
-                 ("timeoutSeconds", str(seconds))]  # fmt: skip
+        query = [
+            ("watch", "1"),
+            ("allowWatchBookmarks", "true"),
+            ("resourceVersion", version),
+            ("timeoutSeconds", str(seconds)),
+        ]
         if kind.label_selector:
             query.append(("labelSelector", kind.label_selector))
         # bookmarks come about once a minute; past the server's own timeout, the connection is dead

@@ -258,23 +258,33 @@ class EtcdRegistrationSource:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._moved.wait(), deadline - loop.time())
         if self._revision < revision:
-            reason = (f"the watch on {self.client.watching} did not bring revision {revision} within "
-                      f"{CATCH_UP_TIMEOUT:g}s (the view is at {self._revision})")  # fmt: skip
+            reason = (
+                f"the watch on {self.client.watching} did not bring revision {revision} within "
+                f"{CATCH_UP_TIMEOUT:g}s (the view is at {self._revision})"
+            )
             self._suspect_watch(reason)
-            raise RegistrationError(503, f"etcd committed the change, but {reason}: this replica serves it once "
-                                         "its watch (moved to another member) brings it; retrying is safe")  # fmt: skip
+            raise RegistrationError(
+                503,
+                f"etcd committed the change, but {reason}: this replica serves it once "
+                "its watch (moved to another member) brings it; retrying is safe",
+            )
 
     # -- following -----------------------------------------------------------------------------
     async def _list(self) -> None:
         deadline = asyncio.get_running_loop().time() + WRITE_DEADLINE
-        reply = await self.client.call("/v3/kv/range", wire.range_request(self.keys.all, wire.range_end(self.keys.all)),
-                                       deadline=deadline)  # fmt: skip
+        reply = await self.client.call(
+            "/v3/kv/range", wire.range_request(self.keys.all, wire.range_end(self.keys.all)), deadline=deadline
+        )
         revision = wire.revision(reply)
         first = not self.liveness.loaded
         self._replace(wire.kvs(reply), revision)
         if first:
-            log.info("registrations: listed %s at revision %d: %d registrations",
-                     self.target, revision, len(self._state.regs))  # fmt: skip
+            log.info(
+                "registrations: listed %s at revision %d: %d registrations",
+                self.target,
+                revision,
+                len(self._state.regs),
+            )
         self._live()
 
     async def _watch(self, member: str) -> None:
@@ -311,13 +321,15 @@ class EtcdRegistrationSource:
             check = before > seen
             everything = (self.keys.all, wire.range_end(self.keys.all))
             if check:
-                body = wire.range_request(*everything, keys_only=True, limit=1, min_mod_revision=seen + 1,
-                                          max_mod_revision=before)  # fmt: skip
+                body = wire.range_request(
+                    *everything, keys_only=True, limit=1, min_mod_revision=seen + 1, max_mod_revision=before
+                )
             else:
                 body = wire.range_request(*everything, count_only=True)
             try:
-                reply = await self.client.call("/v3/kv/range", body, deadline=loop.time() + PROBE_TIMEOUT,
-                                               member=member)  # fmt: skip
+                reply = await self.client.call(
+                    "/v3/kv/range", body, deadline=loop.time() + PROBE_TIMEOUT, member=member
+                )
             except (EtcdUnavailable, wire.EtcdError) as e:
                 failures += 1  # once may be a busy moment (asked again at once), twice is not
                 if failures >= 2:
@@ -336,9 +348,11 @@ class EtcdRegistrationSource:
             if missing:
                 behind += 1  # committed a probe ago, not here yet: a busy moment, or a watch that stalled
                 if behind >= BEHIND_PROBES:
-                    self._suspect_watch(f"the watch on {member} stopped delivering: revision "
-                                        f"{missing[0].mod_revision} was committed {behind} probes ago, "
-                                        f"the view is at {seen}")  # fmt: skip
+                    self._suspect_watch(
+                        f"the watch on {member} stopped delivering: revision "
+                        f"{missing[0].mod_revision} was committed {behind} probes ago, "
+                        f"the view is at {seen}"
+                    )
                     return
                 continue
             behind = 0
@@ -423,8 +437,11 @@ class EtcdRegistrationSource:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._following.wait(), STALE_WAIT)
         if not self._following.is_set():
-            raise RegistrationError(503, f"this replica's view of etcd is stale ({self.liveness.last_error}): "
-                                         "nothing was changed; retry, here or through another replica")  # fmt: skip
+            raise RegistrationError(
+                503,
+                f"this replica's view of etcd is stale ({self.liveness.last_error}): "
+                "nothing was changed; retry, here or through another replica",
+            )
 
     async def put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None = None) -> tuple[Registration, bool]:
         """Register, replace or renew; returns once etcd committed it and this replica serves it.
@@ -451,8 +468,14 @@ class EtcdRegistrationSource:
         async with self._turns.take(group):
             return await self._put(group, id, endpoint, ttl, value)
 
-    async def _confirm(self, group: str, id: str, value: bytes, ttl: float | None, deadline: float,
-                       ) -> wire.KeyValue | None:  # fmt: skip
+    async def _confirm(
+        self,
+        group: str,
+        id: str,
+        value: bytes,
+        ttl: float | None,
+        deadline: float,
+    ) -> wire.KeyValue | None:
         """The key as etcd holds it now if it holds exactly `value`, its lease kept alive (a renewal);
         None when it does not (absent, another value, or its lease just ended): then it is written."""
         key = self.keys.key(group, id)
@@ -466,8 +489,14 @@ class EtcdRegistrationSource:
             self._renewed[(group, id)] = self._mono()
         return held[0]
 
-    async def _put(self, group: str, id: str, endpoint: Endpoint, ttl: float | None, value: bytes,
-                   ) -> tuple[Registration, bool]:  # fmt: skip
+    async def _put(
+        self,
+        group: str,
+        id: str,
+        endpoint: Endpoint,
+        ttl: float | None,
+        value: bytes,
+    ) -> tuple[Registration, bool]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WRITE_DEADLINE
         key = (group, id)
@@ -487,8 +516,11 @@ class EtcdRegistrationSource:
                     view = await self._group_now(group, deadline)
                     continue
                 if ttl is not None and not lease:
-                    lease = int((await self.client.call("/v3/lease/grant", {"TTL": str(lease_ttl(ttl))},
-                                                        deadline=deadline))["ID"])  # fmt: skip
+                    lease = int(
+                        (await self.client.call("/v3/lease/grant", {"TTL": str(lease_ttl(ttl))}, deadline=deadline))[
+                            "ID"
+                        ]
+                    )
                     log.debug("registrations: lease %d granted for %s/%s", lease, group, id)
                 old = view.state.regs.get(key)
                 held = view.kvs.get(key) if old is not None else None
@@ -498,11 +530,18 @@ class EtcdRegistrationSource:
                 # and this key as the view holds it (a delete since is no write the first compare sees);
                 # sent once: a copy applied later (by a member that hung with it) fails these compares
                 sent = bool(lease)
-                reply = await self.client.call("/v3/kv/txn", wire.txn(
-                    [wire.unchanged_since(group_range, wire.range_end(group_range), view.revision),
-                     wire.held_at(etcd_key, held.mod_revision if held is not None else 0)],
-                    [wire.put(etcd_key, value, lease)],
-                ), deadline=deadline, once=True)  # fmt: skip
+                reply = await self.client.call(
+                    "/v3/kv/txn",
+                    wire.txn(
+                        [
+                            wire.unchanged_since(group_range, wire.range_end(group_range), view.revision),
+                            wire.held_at(etcd_key, held.mod_revision if held is not None else 0),
+                        ],
+                        [wire.put(etcd_key, value, lease)],
+                    ),
+                    deadline=deadline,
+                    once=True,
+                )
                 sent = False
                 if reply.get("succeeded"):
                     lease, granted = 0, lease  # it is the registration's now
@@ -562,20 +601,28 @@ class EtcdRegistrationSource:
         try:
             for _ in range(ATTEMPTS):  # bounded, and by the deadline
                 if held is None:
-                    found = wire.kvs(await self.client.call("/v3/kv/range", wire.range_request(etcd_key),
-                                                            deadline=deadline))  # fmt: skip
+                    found = wire.kvs(
+                        await self.client.call("/v3/kv/range", wire.range_request(etcd_key), deadline=deadline)
+                    )
                     if not found:
                         raise RegistrationError(404, f"no registration {id!r} in group {group!r}")
                     held = found[0]
-                reply = await self.client.call("/v3/kv/txn", wire.txn(
-                    [wire.held_at(etcd_key, held.mod_revision)], [wire.delete(etcd_key)],
-                ), deadline=deadline, once=True)  # fmt: skip
+                reply = await self.client.call(
+                    "/v3/kv/txn",
+                    wire.txn(
+                        [wire.held_at(etcd_key, held.mod_revision)],
+                        [wire.delete(etcd_key)],
+                    ),
+                    deadline=deadline,
+                    once=True,
+                )
                 if reply.get("succeeded"):
                     break
                 held = None  # written since: read it again
             else:
-                raise RegistrationError(503, f"registration {id!r} in group {group!r} is changing too often "
-                                             "to delete; retry")  # fmt: skip
+                raise RegistrationError(
+                    503, f"registration {id!r} in group {group!r} is changing too often to delete; retry"
+                )
             deleted = wire.txn_deleted(reply)
             if deleted and deleted[0].lease:
                 await self._revoke(deleted[0].lease, deadline)
@@ -616,8 +663,11 @@ class EtcdRegistrationSource:
         try:
             reply = await self._read_now("/v3/kv/range", wire.range_request(self.keys.key(group, id)), deadline)
         except (EtcdUnavailable, TimeoutError) as e:
-            raise RegistrationError(503, f"etcd cannot be reached ({e}); this replica's view may be stale: "
-                                         f"see /v1/groups/{group}/endpoints for it") from None  # fmt: skip
+            raise RegistrationError(
+                503,
+                f"etcd cannot be reached ({e}); this replica's view may be stale: "
+                f"see /v1/groups/{group}/endpoints for it",
+            ) from None
         except wire.EtcdError as e:
             raise RegistrationError(503, f"etcd refused the read: {e.message}") from None
         found = wire.kvs(reply)

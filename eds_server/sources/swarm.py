@@ -140,9 +140,12 @@ def _service_port(service: Mapping[str, Any], settings: Mapping[str, Any], prefi
         return int(settings["port"])
     spec = service.get("Spec") or {}
     ports = sorted(
-        {int(p["TargetPort"]) for p in ((spec.get("EndpointSpec") or {}).get("Ports") or [])
-         if p.get("TargetPort") and (p.get("Protocol") or "tcp") == "tcp"}
-    )  # fmt: skip
+        {
+            int(p["TargetPort"])
+            for p in ((spec.get("EndpointSpec") or {}).get("Ports") or [])
+            if p.get("TargetPort") and (p.get("Protocol") or "tcp") == "tcp"
+        }
+    )
     if len(ports) == 1:
         return ports[0]
     if not ports:
@@ -271,10 +274,11 @@ class SwarmSource(EngineFollower):
     def publish(self) -> None:
         """Publish the whole current state (the store works out what changed)."""
         per_service = {
-            sid: service_endpoints(self._services[sid], self._tasks.get(sid, []), self.options, self._nodes,
-                                   self._local_node)
+            sid: service_endpoints(
+                self._services[sid], self._tasks.get(sid, []), self.options, self._nodes, self._local_node
+            )
             for sid in sorted(self._services)
-        }  # fmt: skip
+        }
         self._publish({sid: s.warning for sid, s in per_service.items()}, groups_of(per_service.values()))
 
     def forget(self, sid: str) -> bool:

@@ -57,8 +57,9 @@ def _edit(cls: type, name: str, edits: dict[str, str], **helpers: Any) -> None:
             raise RuntimeError(f"mutant: {cls.__name__}.{name} no longer holds {old!r} exactly once")
         source = source.replace(old, new)
     flags = __future__.annotations.compiler_flag
-    code = compile(source, f"<mutant of {module.__name__}.{cls.__name__}.{name}>", "exec",
-                   flags=flags, dont_inherit=True)  # fmt: skip
+    code = compile(
+        source, f"<mutant of {module.__name__}.{cls.__name__}.{name}>", "exec", flags=flags, dont_inherit=True
+    )
     scope: dict[str, Any] = {}
     exec(code, {**vars(module), **helpers}, scope)
     setattr(cls, name, scope[name])
@@ -68,10 +69,9 @@ def _compare_ignores_own_revision() -> None:
     from eds_server.sources.registrations_etcd import EtcdRegistrationSource
 
     # the key's own compare replaced by the group's again
-    _edit(EtcdRegistrationSource, "_put", {
-        "wire.held_at(etcd_key, held.mod_revision if held is not None else 0)":
-            "wire.unchanged_since(group_range, wire.range_end(group_range), view.revision)",
-    })  # fmt: skip
+    own = "wire.held_at(etcd_key, held.mod_revision if held is not None else 0)"
+    group = "wire.unchanged_since(group_range, wire.range_end(group_range), view.revision)"
+    _edit(EtcdRegistrationSource, "_put", {own: group})
 
 
 def _delete_answered_early() -> None:
@@ -86,10 +86,15 @@ def _delete_answered_early() -> None:
         task.add_done_callback(lambda t: (tasks.discard(t), t.cancelled() or t.exception()))
         return {"succeeded": True, "header": {"revision": str(source._revision)}}
 
-    _edit(EtcdRegistrationSource, "delete", {
-        "reply = await self.client.call(": "reply = await _early(self, self.client.call(",
-        "), deadline=deadline, once=True)  # fmt: skip": "), deadline=deadline, once=True))",
-    }, _early=early)  # fmt: skip
+    _edit(
+        EtcdRegistrationSource,
+        "delete",
+        {
+            "reply = await self.client.call(": "reply = await _early(self, self.client.call(",
+            "deadline=deadline,\n                once=True,\n            )": "deadline=deadline, once=True))",
+        },
+        _early=early,
+    )
 
 
 def _sent_again_after_timeout() -> None:
@@ -131,10 +136,16 @@ def _renewal_of_the_views_lease() -> None:
             return None
         return held
 
-    _edit(EtcdRegistrationSource, "put", {
-        "held = await self._confirm(group, id, value, ttl, asyncio.get_running_loop().time() + WRITE_DEADLINE)":
-            "held = await _kept(self, group, id, ttl)",
-    }, _kept=kept)  # fmt: skip
+    _edit(
+        EtcdRegistrationSource,
+        "put",
+        {
+            "held = await self._confirm(group, id, value, ttl, asyncio.get_running_loop().time() + WRITE_DEADLINE)": (
+                "held = await _kept(self, group, id, ttl)"
+            ),
+        },
+        _kept=kept,
+    )
 
     async def never(self: EtcdRegistrationSource, lease: int, deadline: float) -> None:
         return None
@@ -158,18 +169,23 @@ def _lease_a_second_short() -> None:
 
 
 MUTANTS: dict[str, Mutant] = {
-    "compare-ignores-own-revision": Mutant("a write's compare ignores the key's own mod revision",
-                                           _compare_ignores_own_revision),
+    "compare-ignores-own-revision": Mutant(
+        "a write's compare ignores the key's own mod revision", _compare_ignores_own_revision
+    ),
     "delete-answered-early": Mutant("a DELETE answered before etcd's answer", _delete_answered_early),
-    "sent-again-after-timeout": Mutant("a transaction sent again to the next member after a timeout",
-                                       _sent_again_after_timeout),
+    "sent-again-after-timeout": Mutant(
+        "a transaction sent again to the next member after a timeout", _sent_again_after_timeout
+    ),
     "read-from-view": Mutant("a single-endpoint GET answered from the replica's view, not etcd", _read_from_view),
-    "renewal-of-the-views-lease": Mutant("a renewal keeps alive the lease its view holds; no lease revoked on "
-                                         "delete or replace", _renewal_of_the_views_lease),
-    "renewal-without-keep-alive": Mutant("a renewal answered 200 without keeping the lease alive",
-                                         _renewal_without_keep_alive),
+    "renewal-of-the-views-lease": Mutant(
+        "a renewal keeps alive the lease its view holds; no lease revoked on delete or replace",
+        _renewal_of_the_views_lease,
+    ),
+    "renewal-without-keep-alive": Mutant(
+        "a renewal answered 200 without keeping the lease alive", _renewal_without_keep_alive
+    ),
     "lease-a-second-short": Mutant("a lease granted one second shorter than the TTL", _lease_a_second_short),
-}  # fmt: skip
+}
 
 
 def apply(name: str) -> None:
@@ -210,13 +226,27 @@ class Outcome:
 
 def run(name: str | None) -> Outcome:
     """The history test once, with `name` put back (None: the control)."""
-    env = {"EDS_HISTORY_DIR": "/tmp/eds-mutant-runs", **os.environ, "EDS_HISTORY_SEEDS": MUTANT_SEEDS,
-           "EDS_HISTORY_SECONDS": MUTANT_SECONDS}  # fmt: skip
+    env = {
+        "EDS_HISTORY_DIR": "/tmp/eds-mutant-runs",
+        **os.environ,
+        "EDS_HISTORY_SEEDS": MUTANT_SEEDS,
+        "EDS_HISTORY_SECONDS": MUTANT_SECONDS,
+    }
     env.pop("EDS_HISTORY_MUTANT", None)
     if name:
         env["EDS_HISTORY_MUTANT"] = name
-    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--no-header",
-               *(["-x"] if name else []), TEST]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-s",
+        "-p",
+        "no:cacheprovider",
+        "--no-header",
+        *(["-x"] if name else []),
+        TEST,
+    ]
     started = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     seconds = time.monotonic() - started
@@ -227,8 +257,11 @@ def run(name: str | None) -> Outcome:
     failed = [line for line in lines if re.search(r"keys not linearizable: [1-9]", line)]
     if failed:
         seed = failed[0].split()[1]
-        why = f"{seed}: " + ("NOT linearizable" if "(NOT linearizable)" in failed[0] else
-                             "the search ran out of budget (no verdict: the test fails)")  # fmt: skip
+        why = f"{seed}: " + (
+            "NOT linearizable"
+            if "(NOT linearizable)" in failed[0]
+            else "the search ran out of budget (no verdict: the test fails)"
+        )
     if done.returncode not in (0, 1):
         raise RuntimeError(f"pytest exited with {done.returncode}:\n{out[-4000:]}")
     sys.stderr.write(out if done.returncode and not name else "\n".join(lines) + "\n")
@@ -246,13 +279,16 @@ def main(argv: list[str]) -> int:
     print(f"control: {'FAILED' if results[0].failed else 'passed'} in {results[0].seconds:.0f} s", flush=True)
     for name in names:
         results.append(outcome := run(name))
-        print(f"{name}: {'killed' if outcome.failed else 'SURVIVED'} in {outcome.seconds:.0f} s: {outcome.why}",
-              flush=True)  # fmt: skip
+        print(
+            f"{name}: {'killed' if outcome.failed else 'SURVIVED'} in {outcome.seconds:.0f} s: {outcome.why}",
+            flush=True,
+        )
     print("\n| mutant | bug put back | result | seconds |\n|---|---|---|---|")
     for r in results:
         what = MUTANTS[r.name].what if r.name in MUTANTS else "none (the control)"
-        verdict = ("FAILED" if r.failed else "passes") if r.name == "control" else \
-            ("killed" if r.failed else "SURVIVED")  # fmt: skip
+        verdict = (
+            ("FAILED" if r.failed else "passes") if r.name == "control" else ("killed" if r.failed else "SURVIVED")
+        )
         print(f"| {r.name} | {what} | {verdict} | {r.seconds:.0f} |")
     bad = results[0].failed or any(not r.failed for r in results[1:])
     return 1 if bad else 0

@@ -368,8 +368,21 @@ def _check_network_separation(stack: Stack) -> None:
     # curl's exit status 6 (no such name), 7 (no connection) or 28 (timed out): not reached. Anything
     # else, an HTTP error or a reply that is not HTTP/1 (the gRPC port) included, means it connected.
     script = 'for u in "$@"; do curl -s -m 3 -o /dev/null "$u"; case $? in 6|7|28) ;; *) echo "reached $u";; esac; done'
-    out = stack.engine.cli("run", "--rm", "--network", f"container:{web}", curl, "sh", "-c", script, "sh", *targets,
-                           timeout=120)  # fmt: skip
+    out = stack.engine.cli(
+        "run", "--rm", "--network", f"container:{web}", curl, "sh", "-c", script, "sh", *targets, timeout=120
+    )
     assert "reached" not in out, out
-    stack.engine.cli("run", "--rm", "--network", f"container:{envoy}", curl, "-s", "-m", "10", "-o", "/dev/null",
-                     f"http://eds-server:{ADMIN}/readyz", timeout=60)  # fmt: skip
+    stack.engine.cli(
+        "run",
+        "--rm",
+        "--network",
+        f"container:{envoy}",
+        curl,
+        "-s",
+        "-m",
+        "10",
+        "-o",
+        "/dev/null",
+        f"http://eds-server:{ADMIN}/readyz",
+        timeout=60,
+    )

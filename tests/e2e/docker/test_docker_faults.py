@@ -101,8 +101,14 @@ class Proxy:
 async def following(docker_cleanup: DockerEngine) -> AsyncIterator[tuple[DockerEngine, Proxy, DockerSource, Store]]:
     async with Proxy(str(docker_cleanup.socket_path)) as proxy:
         store = Store(encode_group)
-        source = alone(DockerSource, store, DockerOptions(), host=f"tcp://127.0.0.1:{proxy.port}",
-                              ping_interval=0.5, request_timeout=1.0)  # fmt: skip
+        source = alone(
+            DockerSource,
+            store,
+            DockerOptions(),
+            host=f"tcp://127.0.0.1:{proxy.port}",
+            ping_interval=0.5,
+            request_timeout=1.0,
+        )
         stop = asyncio.Event()
         task = asyncio.create_task(source.run(stop))
         try:
@@ -122,8 +128,13 @@ async def ports(store: Store, want: set[int], timeout: float = 15.0) -> None:
             return False, None, store.is_stale("web")
         return True, {e.port for e in store.get("web").group.endpoints}, store.is_stale("web")
 
-    await wait_for(seen, lambda s: s[:2] == (True, want), timeout=timeout, interval=0.05,
-                   what=f"ports {want} (last observed: ready, ports, stale)")  # fmt: skip
+    await wait_for(
+        seen,
+        lambda s: s[:2] == (True, want),
+        timeout=timeout,
+        interval=0.05,
+        what=f"ports {want} (last observed: ready, ports, stale)",
+    )
 
 
 async def backend(engine: DockerEngine, name: str) -> int:

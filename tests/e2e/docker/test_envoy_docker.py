@@ -36,8 +36,9 @@ class Stack:
 
     async def backend(self, name: str, labels: dict[str, str] | None = None, **kwargs: object) -> int:
         port = free_port()
-        await arun_backend(self.engine, name, port, {"eds.group": "web", "eds.port": str(port), **(labels or {})},
-                           **kwargs)  # fmt: skip
+        await arun_backend(
+            self.engine, name, port, {"eds.group": "web", "eds.port": str(port), **(labels or {})}, **kwargs
+        )
         return port
 
     async def docker(self, *args: str) -> str:
@@ -48,9 +49,11 @@ class Stack:
 async def _stack(engine: DockerEngine, tmp_path: Path, upstreams: Path | None = None) -> AsyncIterator[Stack]:
     async with EdsServerProcess(upstreams, "--docker", "--docker-host", engine.host, workdir=tmp_path) as server:
         bootstrap = envoy_bootstrap(
-            server.port, [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")],
-            free_port(), routes={"/api": "api-cluster", "/": "web"},
-        )  # fmt: skip
+            server.port,
+            [EdsCluster("web"), EdsCluster("api-cluster", service_name="api")],
+            free_port(),
+            routes={"/api": "api-cluster", "/": "web"},
+        )
         async with EnvoyProcess(bootstrap) as envoy:
             await envoy.wait_live()
             yield Stack(engine, server, envoy)
@@ -99,8 +102,11 @@ async def test_health_checks_and_pause(stack: Stack) -> None:
 
 
 async def test_starting_container_is_left_out_until_healthy(stack: Stack) -> None:
-    port = await stack.backend("web-slow", health_cmd="test -f /healthy",
-                               extra_args=["--health-start-period", "30s", "--health-retries", "1000"])  # fmt: skip
+    port = await stack.backend(
+        "web-slow",
+        health_cmd="test -f /healthy",
+        extra_args=["--health-start-period", "30s", "--health-retries", "1000"],
+    )
     await asyncio.sleep(1.0)  # several health checks have failed, but it is still "starting"
     assert port not in await stack.hosts()
     await stack.docker("exec", "web-slow", "touch", "/healthy")
@@ -109,11 +115,19 @@ async def test_starting_container_is_left_out_until_healthy(stack: Stack) -> Non
 
 async def test_labels_and_two_groups_from_one_container(stack: Stack) -> None:
     api_port = free_port()  # its second port, in group "api" (no traffic is sent there)
-    port = await stack.backend("web-rich", {
-        "eds.group": "web,api", "eds.weight": "3", "eds.region": "eu", "eds.zone": "eu-1a",
-        "eds.priority": "1", "eds.metadata.version": "v2", "eds.api.port": str(api_port),
-        "eds.api.weight": "7",
-    })  # fmt: skip
+    port = await stack.backend(
+        "web-rich",
+        {
+            "eds.group": "web,api",
+            "eds.weight": "3",
+            "eds.region": "eu",
+            "eds.zone": "eu-1a",
+            "eds.priority": "1",
+            "eds.metadata.version": "v2",
+            "eds.api.port": str(api_port),
+            "eds.api.weight": "7",
+        },
+    )
     web = (await stack.wait_hosts(lambda h: port in h))[port]
     assert (web.weight, tuple(web.locality), web.priority) == (3, ("eu", "eu-1a", ""), 1)
     api = (await stack.wait_hosts(lambda h: api_port in h, cluster="api-cluster"))[api_port]

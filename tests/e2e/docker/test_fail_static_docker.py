@@ -115,8 +115,12 @@ async def wait_stale(server: EdsServerProcess, stale: bool, source: str = "docke
 def _nobody_can_run_us() -> None:
     """The server runs as nobody here, through setpriv (see RunAs)."""
     try:
-        res = subprocess.run([*RunAs(NOBODY, NOGROUP).command(), sys.executable, "-c", "import eds_server.cli"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        res = subprocess.run(
+            [*RunAs(NOBODY, NOGROUP).command(), sys.executable, "-c", "import eds_server.cli"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except OSError as e:
         res = subprocess.CompletedProcess([], 1, "", str(e))
     if res.returncode != 0:
@@ -167,8 +171,9 @@ async def test_restart_while_socket_permission_denied(docker_cleanup: DockerEngi
     sock = engine.socket_path
     sock_gid = sock.stat().st_gid
     assert stat.S_IMODE(sock.stat().st_mode) & 0o006 == 0, "the engine's socket is open to everyone"
-    server = EdsServerProcess(None, "--docker", "--docker-host", engine.host, workdir=tmp_path,
-                              user=RunAs(NOBODY, NOGROUP, (sock_gid,)))  # fmt: skip
+    server = EdsServerProcess(
+        None, "--docker", "--docker-host", engine.host, workdir=tmp_path, user=RunAs(NOBODY, NOGROUP, (sock_gid,))
+    )
 
     def cut() -> None:
         server.user = RunAs(NOBODY, NOGROUP)  # recreated without the socket's group

@@ -47,10 +47,26 @@ class Harness:
 
     async def service(self, name: str, port: int, *args: str, drain: float = 0, group: str = "web") -> str:
         return await self.engine.acli(
-            "service", "create", "-d", "--name", name, "--network", "host", "--label", f"eds.group={group}",
-            "--label", f"eds.port={port}", "--stop-grace-period", "20s", *args, self.engine.image,
-            "sh", "-c", backend_script(name, port, drain_seconds=drain), timeout=60,
-        )  # fmt: skip
+            "service",
+            "create",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "--label",
+            f"eds.group={group}",
+            "--label",
+            f"eds.port={port}",
+            "--stop-grace-period",
+            "20s",
+            *args,
+            self.engine.image,
+            "sh",
+            "-c",
+            backend_script(name, port, drain_seconds=drain),
+            timeout=60,
+        )
 
     async def docker(self, *args: str) -> str:
         return await self.engine.acli(*args, timeout=60)
@@ -59,8 +75,9 @@ class Harness:
 @contextlib.asynccontextmanager
 async def _harness(engine: DockerEngine) -> AsyncIterator[Harness]:
     store = Store(encode_group)
-    source = alone(SwarmSource, store, OPTS, host=engine.host, resync_interval=30.0, ping_interval=1.0,
-                         request_timeout=5.0)  # fmt: skip
+    source = alone(
+        SwarmSource, store, OPTS, host=engine.host, resync_interval=30.0, ping_interval=1.0, request_timeout=5.0
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(source.run(stop))
     try:
@@ -165,8 +182,13 @@ async def test_a_frozen_manager_is_found_within_the_bound_and_followed_again(swa
         with swarm.frozen():
             loop = asyncio.get_running_loop()
             frozen_at = loop.time()
-            await wait_for(lambda: h.source.connected, lambda c: not c, timeout=HUNG_WAIT, interval=0.1,
-                           what="the frozen manager noticed")  # fmt: skip
+            await wait_for(
+                lambda: h.source.connected,
+                lambda c: not c,
+                timeout=HUNG_WAIT,
+                interval=0.1,
+                what="the frozen manager noticed",
+            )
             print(f"\nstale {loop.time() - frozen_at:.1f} s after the freeze: {h.source.last_error}")
             assert h.store.is_stale("web") and set(h.endpoints()) == {port}
             assert "did not answer within 2 s, twice running" in str(h.source.last_error)  # the heartbeat's words
@@ -191,8 +213,9 @@ async def test_swarm_services_checked_by_their_labels(swarm: DockerEngine, tmp_p
             await envoy.wait_live(timeout=30)
             hosts = await envoy.wait_for(
                 lambda: envoy.hosts("web"),
-                lambda hs: {x.port: x.health for x in hs} == {good: "HEALTHY", bad: "UNHEALTHY"}, timeout=60,
-            )  # fmt: skip
+                lambda hs: {x.port: x.health for x in hs} == {good: "HEALTHY", bad: "UNHEALTHY"},
+                timeout=60,
+            )
             assert len(hosts) == 2
             for _ in range(10):  # bounded
                 status, body = await envoy.get("/")

@@ -108,13 +108,32 @@ def worker_services(manager: DockerEngine, count: int = 2) -> list[int]:
     for i, port in enumerate(ports):
         name = f"web-w{i}"
         manager.cli(
-            "service", "create", "-d", "--no-resolve-image", "--name", name, "--network", "host",
-            "--constraint", "node.role==worker", "--label", "eds.group=web", "--label", f"eds.port={port}",
-            manager.image, "sh", "-c", backend_script(name, port), timeout=60,
-        )  # fmt: skip
+            "service",
+            "create",
+            "-d",
+            "--no-resolve-image",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "--constraint",
+            "node.role==worker",
+            "--label",
+            "eds.group=web",
+            "--label",
+            f"eds.port={port}",
+            manager.image,
+            "sh",
+            "-c",
+            backend_script(name, port),
+            timeout=60,
+        )
     for i, port in enumerate(ports):
-        wait_for_blocking(lambda p=port, n=f"web-w{i}": http_get(p, timeout=1.0) == (200, n), timeout=30,  # type: ignore[misc]
-                 what=f"task of web-w{i} on 127.0.0.1:{port}")  # fmt: skip
+        wait_for_blocking(
+            lambda p=port, n=f"web-w{i}": http_get(p, timeout=1.0) == (200, n),
+            timeout=30,  # type: ignore[misc]
+            what=f"task of web-w{i} on 127.0.0.1:{port}",
+        )
     return ports
 
 
@@ -124,8 +143,7 @@ async def stack(manager: DockerEngine, ports: list[int], tmp_path: Path) -> Asyn
         bootstrap = envoy_bootstrap(server.port, [EdsCluster("web")], free_port(), routes={"/": "web"})
         async with EnvoyProcess(bootstrap) as envoy:
             await envoy.wait_live(timeout=30)
-            await envoy.wait_for(lambda: envoy.hosts("web"), lambda hs: {h.port for h in hs} == set(ports),
-                                 timeout=30)  # fmt: skip
+            await envoy.wait_for(lambda: envoy.hosts("web"), lambda hs: {h.port for h in hs} == set(ports), timeout=30)
             assert {h.address for h in await envoy.hosts("web")} == {"127.0.0.1"}  # the worker's Status.Addr
             async with FaultWatch(envoy, server, backends=ports) as watch:
                 yield watch
@@ -156,8 +174,13 @@ async def restart_manager(watch: FaultWatch, manager: DockerEngine) -> None:
 
 
 async def worker_ready(watch: FaultWatch, manager: DockerEngine) -> None:
-    await asyncio.to_thread(wait_for_blocking, lambda: node_states(manager).get("worker") == "ready", timeout=30,
-                            what="the worker to be ready again", retry=NOT_YET_DOCKER)  # fmt: skip
+    await asyncio.to_thread(
+        wait_for_blocking,
+        lambda: node_states(manager).get("worker") == "ready",
+        timeout=30,
+        what="the worker to be ready again",
+        retry=NOT_YET_DOCKER,
+    )
     watch.mark("worker ready")
 
 

@@ -54,9 +54,14 @@ def test_published_ports() -> None:
 
 @pytest.mark.parametrize(
     ("name", "health"),
-    [("health-starting", None), ("health-healthy", Health.HEALTHY), ("health-unhealthy", Health.UNHEALTHY),
-     ("paused", Health.UNHEALTHY), ("exited", None)],
-)  # fmt: skip
+    [
+        ("health-starting", None),
+        ("health-healthy", Health.HEALTHY),
+        ("health-unhealthy", Health.UNHEALTHY),
+        ("paused", Health.UNHEALTHY),
+        ("exited", None),
+    ],
+)
 def test_recorded_states(name: str, health: Health | None) -> None:
     data = recorded(name)
     data["Config"]["Labels"]["eds.port"] = "80"
@@ -87,8 +92,12 @@ class FakeEngine:
         data = copy.deepcopy(self.template)
         data.update(Id=cid, Name="/" + name)
         data["Config"]["Labels"]["eds.port"] = str(20000 + len(self.state))  # one port each
-        data["State"] = {"Status": status, "Running": status in ("running", "paused"),
-                         "Paused": status == "paused", **state}  # fmt: skip
+        data["State"] = {
+            "Status": status,
+            "Running": status in ("running", "paused"),
+            "Paused": status == "paused",
+            **state,
+        }
         if cid in self.state:  # keep its port
             data["Config"]["Labels"]["eds.port"] = self.state[cid]["Config"]["Labels"]["eds.port"]
         self.state[cid] = data

@@ -53,8 +53,11 @@ def test_nothing_served_before_every_kind_is_listed() -> None:
     assert src.loaded
     src.publish()
     assert store.ready
-    assert addresses(store, "web") == {"127.0.0.2": Health.HEALTHY, "127.0.0.3": Health.DRAINING,
-                                       "127.0.0.6": Health.HEALTHY}  # fmt: skip
+    assert addresses(store, "web") == {
+        "127.0.0.2": Health.HEALTHY,
+        "127.0.0.3": Health.DRAINING,
+        "127.0.0.6": Health.HEALTHY,
+    }
 
 
 def test_events_and_relist() -> None:
@@ -136,8 +139,19 @@ def test_node_regions() -> None:
 
 def test_a_missing_kubeconfig_stops_the_start(tmp_path: Path) -> None:
     missing = tmp_path / "nope.kubeconfig"
-    cmd = [sys.executable, "-m", "eds_server", "serve", "--kubernetes", "--kubeconfig", str(missing),
-           "--listen", "127.0.0.1:0", "--admin", "off"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "eds_server",
+        "serve",
+        "--kubernetes",
+        "--kubeconfig",
+        str(missing),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "off",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert f"not starting: --kubeconfig {missing}: no such file" in out.stderr
@@ -147,18 +161,30 @@ def _kubeconfig(ca: str | None = None) -> str:
     cluster: dict[str, Any] = {"server": "https://127.0.0.1:1"}
     if ca is not None:
         cluster["certificate-authority"] = ca
-    return json.dumps({"apiVersion": "v1", "kind": "Config", "current-context": "c",
-                       "clusters": [{"name": "c", "cluster": cluster}],
-                       "users": [{"name": "u", "user": {"token": "t"}}],
-                       "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]})  # fmt: skip
+    return json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "c",
+            "clusters": [{"name": "c", "cluster": cluster}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        }
+    )
 
 
-@pytest.mark.parametrize(("text", "said"), [
-    ("apiVersion: v1\nclusters: [\n  - name: x\n   bad: : :\n", r"kubeconfig:3:3: not YAML: expected the node content"),
-    (_kubeconfig(ca="/nonexistent/ca.crt"), r"kubeconfig names a file that does not exist: /nonexistent/ca.crt$"),
-    ("", r"kubeconfig: not a kubeconfig \(empty"),
-    (None, r"kubeconfig: no such file$"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (
+            "apiVersion: v1\nclusters: [\n  - name: x\n   bad: : :\n",
+            r"kubeconfig:3:3: not YAML: expected the node content",
+        ),
+        (_kubeconfig(ca="/nonexistent/ca.crt"), r"kubeconfig names a file that does not exist: /nonexistent/ca.crt$"),
+        ("", r"kubeconfig: not a kubeconfig \(empty"),
+        (None, r"kubeconfig: no such file$"),
+    ],
+)
 async def test_configuration_errors_are_named_in_one_line(tmp_path: Path, text: str | None, said: str) -> None:
     path = tmp_path / "kubeconfig"
     if text is not None:
@@ -174,8 +200,9 @@ async def test_a_configuration_error_is_said_once_as_such_not_blamed_on_the_api_
     path = tmp_path / "kubeconfig"
     path.write_text(_kubeconfig(ca=str(tmp_path / "ca.crt")))
     store = Store(encode_group)
-    src = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05),
-                probe_every=0.05)  # fmt: skip
+    src = alone(
+        KubernetesSource, store, KubernetesOptions(kubeconfig=str(path)), backoff=(0.01, 0.05), probe_every=0.05
+    )
     stop = asyncio.Event()
     caplog.set_level(logging.INFO, "eds_server")
     attempts = 0

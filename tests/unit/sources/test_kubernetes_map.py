@@ -168,9 +168,16 @@ def test_trimmed_objects_map_the_same() -> None:
 def test_bad_input_never_raises() -> None:
     """Odd but API-valid or truncated objects give warnings or nothing, never an exception."""
     svc = load("service")
-    for broken in ({}, {"metadata": None}, {"endpoints": [{"addresses": []}], "addressType": "IPv4"},
-                   {"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
-                    "endpoints": [{"addresses": ["not-an-ip"], "conditions": {}}]}):  # fmt: skip
+    for broken in (
+        {},
+        {"metadata": None},
+        {"endpoints": [{"addresses": []}], "addressType": "IPv4"},
+        {
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": ["not-an-ip"], "conditions": {}}],
+        },
+    ):
         out = service_endpoints(svc, [copy.deepcopy(broken)], "eds")
         assert out.pairs == []
     bad_ip = service_endpoints(svc, [broken], "eds")

@@ -68,8 +68,14 @@ async def following(config: Path) -> AsyncIterator[tuple[Store, KubernetesSource
     every 0.1 s: what arrives within 5 s of the server's return did not wait the backoff out, however
     loaded the host."""
     store = Store(encode_group)
-    source = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)),
-                              probe_every=0.1, probe_timeout=0.5, backoff=(20.0, 60.0))  # fmt: skip
+    source = alone(
+        KubernetesSource,
+        store,
+        KubernetesOptions(kubeconfig=str(config), namespaces=(NS,)),
+        probe_every=0.1,
+        probe_timeout=0.5,
+        backoff=(20.0, 60.0),
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(source.run(stop))
     try:
@@ -170,18 +176,31 @@ def test_failures_are_said_in_words() -> None:
     cut = aiohttp.ClientPayloadError("Response payload is not completed: <TransferEncodingError: 400>")
     gone = "EndpointSlices: the API server closed the watch mid-stream: it went away (restarting or stopping)"
     cases: list[tuple[BaseException, str, bool | None]] = [
-        (refused, "EndpointSlices: cannot connect to the API server at 127.0.0.1:6443 (connection refused): "
-                  "it is down or restarting", True),
+        (
+            refused,
+            "EndpointSlices: cannot connect to the API server at 127.0.0.1:6443 (connection refused): "
+            "it is down or restarting",
+            True,
+        ),
         (cut, gone, None),
         (aiohttp.ServerDisconnectedError(), gone, None),
         (TimeoutError(), "EndpointSlices: the API server did not answer in time", None),
-        (Unauthorized("GET /x: 401: Unauthorized", 401),
-         "EndpointSlices: the API server refused our credentials (401): Unauthorized", False),
-        (ApiError("GET /x: 403: forbidden", 403), "EndpointSlices: the API server answered GET /x: 403: forbidden",
-         False),
-        (ApiError("GET /x: 503: not ready", 503), "EndpointSlices: the API server answered GET /x: 503: not ready",
-         None),
-    ]  # fmt: skip
+        (
+            Unauthorized("GET /x: 401: Unauthorized", 401),
+            "EndpointSlices: the API server refused our credentials (401): Unauthorized",
+            False,
+        ),
+        (
+            ApiError("GET /x: 403: forbidden", 403),
+            "EndpointSlices: the API server answered GET /x: 403: forbidden",
+            False,
+        ),
+        (
+            ApiError("GET /x: 503: not ready", 503),
+            "EndpointSlices: the API server answered GET /x: 503: not ready",
+            None,
+        ),
+    ]
     for error, words, away in cases:
         assert (describe(SLICES, error, "watch"), went_away(error)) == (words, away)
         assert not REPR.search(words)

@@ -210,8 +210,12 @@ def test_tasks_on_a_node_in_transition_are_kept(state: str) -> None:
 def test_groups_merge_services() -> None:
     svc = copy.deepcopy(SERVICES["pub"])
     svc["Spec"]["Labels"]["eds.group"] = "ov"
-    merged = groups_of([service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, NODES, NODE),
-                        service_endpoints(svc, tasks_of("pub"), OPTS, NODES, NODE)])  # fmt: skip
+    merged = groups_of(
+        [
+            service_endpoints(SERVICES["ov"], tasks_of("ov"), OPTS, NODES, NODE),
+            service_endpoints(svc, tasks_of("pub"), OPTS, NODES, NODE),
+        ]
+    )
     assert set(merged) == {"ov"} and len(merged["ov"].endpoints) == 3
 
 
