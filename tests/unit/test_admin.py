@@ -104,7 +104,7 @@ async def test_the_metrics_listener_names_no_group_path_or_file_content(tmp_path
                 return await r.text()
 
         write_atomically(path, "groups:\n  payments-7f3a:\n    endpoints: [hunter2:99999]\n")  # degraded: quoted
-        await wait_for(lambda: get(probes + "/readyz"), lambda text: '"degraded"' in text, timeout=10)
+        await wait_for(lambda: get(probes + "/readyz"), lambda text: '"degraded"' in text, timeout=30)
         for where in ("/metrics", "/readyz"):
             text = await get(probes + where)
             for secret in ("payments-7f3a", "hunter2", str(tmp_path), "upstreams.yaml"):
