@@ -1,4 +1,5 @@
-"""Every core, and a second tier: eds-server with --workers 1 and 2, two tiers, and a peer, side by side.
+"""Every core, and a second tier: eds-server with --workers 1 and 2, two tiers, the stock HTTP/2 path
+and a peer, side by side.
 
     .venv/bin/python bench/run.py --only cores [--peer COMMAND] [--rounds 2] [--quick]
 
@@ -70,6 +71,7 @@ def configurations(peer: list[str] | None, cfg: Config) -> dict[str, list[str] |
         "eds --workers 1": [],
         "eds --workers 2": ["--workers", "2"],
         "eds two tiers": None,
+        "eds stock HTTP/2": ["--http2", "stock"],  # grpclib's own HTTP/2 path, below the guard
     }
     out.update(floors(cfg))
     if peer:
