@@ -71,7 +71,7 @@ def configurations(peer: list[str] | None, cfg: Config) -> dict[str, list[str] |
         "eds --workers 1": [],
         "eds --workers 2": ["--workers", "2"],
         "eds two tiers": None,
-        "eds stock HTTP/2": ["--http2", "stock"],  # grpclib's own HTTP/2 path, below the guard
+        "eds stock HTTP2": ["--http2", "stock"],  # grpclib's own HTTP/2 path, below the guard
     }
     out.update(floors(cfg))
     if peer:
