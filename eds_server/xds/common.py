@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..store import Resource
 
@@ -45,6 +45,28 @@ class Resources(ResourceView, Protocol):
     def follow(self, watcher: Watcher, add: Iterable[str] = (), remove: Iterable[str] = ()) -> None: ...
 
     def unfollow(self, watcher: Watcher) -> None: ...
+
+
+class PhaseError(RuntimeError):
+    """A step a stream's table (SotW's or delta's TRANSITIONS) does not list from the phase it is in:
+    the code broke its own rules (never a client's doing)."""
+
+
+P = TypeVar("P")
+S = TypeVar("S")
+
+
+def moves_of(transitions: Mapping[tuple[P, S], P]) -> dict[S, dict[P, P]]:
+    """Each step's moves, phase -> the phase after it: one dict probe a step (phases and steps hash
+    by identity, `__hash__ = object.__hash__`)."""
+    out: dict[S, dict[P, P]] = {}
+    for (before, step), after in transitions.items():
+        out.setdefault(step, {})[before] = after
+    return out
+
+
+def illegal(kind: str, phase: Any, step: Any) -> PhaseError:
+    return PhaseError(f"{kind} stream: {step.name} is no step from {phase.name} (TRANSITIONS)")
 
 
 @dataclass(frozen=True, slots=True)

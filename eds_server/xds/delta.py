@@ -5,10 +5,15 @@ a request with a stale nonce; a reconnecting Envoy says which versions it alread
 (`initial_resource_versions`) and only the others are sent; versions are per resource. An unknown or
 removed group is sent as a CLA with no endpoints, never as a removal: a delta removal leaves
 Envoy's old hosts in place, and it must look to Envoy exactly as in SotW.
+
+Where a stream stands is one `DeltaPhase`, moved only through `TRANSITIONS` (looked up at each step;
+`PhaseError` on a step it does not list), as the SotW stream's is. Subscriptions change by deltas in
+any phase and move none.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +26,7 @@ from .common import (
     Ack,
     Event,
     Nack,
+    PhaseError,
     ProtocolError,
     StaleNonce,
     StreamState,
@@ -28,8 +34,47 @@ from .common import (
     check_count,
     check_lengths,
     check_node,
+    illegal,
+    moves_of,
     response_version,
 )
+
+
+class DeltaPhase(enum.Enum):
+    """Where a delta stream stands; per-name state (sent, accepted, rejected) is data beside it."""
+
+    NEW = "new"  # no request read yet
+    OWES_EMPTY = "owes empty"  # the first request named nothing ("*" or no name): an answer is due
+    IDLE = "idle"  # nothing in flight: a change makes a response due
+    IN_FLIGHT = "in flight"  # a response awaits its ACK or NACK; changes meanwhile coalesce into the next
+
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C
+
+
+class DeltaStep(enum.Enum):
+    FIRST = "first request naming resources"
+    FIRST_EMPTY = "first request naming nothing"
+    ANSWER = "the ACK or NACK of the response in flight"
+    SEND = "poll: a response goes out"
+
+    __hash__ = object.__hash__
+
+
+# (phase, step) -> the phase after it. A stale nonce and a change of subscriptions move no phase.
+TRANSITIONS: dict[tuple[DeltaPhase, DeltaStep], DeltaPhase] = {
+    (DeltaPhase.NEW, DeltaStep.FIRST): DeltaPhase.IDLE,
+    (DeltaPhase.NEW, DeltaStep.FIRST_EMPTY): DeltaPhase.OWES_EMPTY,
+    (DeltaPhase.OWES_EMPTY, DeltaStep.SEND): DeltaPhase.IN_FLIGHT,
+    (DeltaPhase.IDLE, DeltaStep.SEND): DeltaPhase.IN_FLIGHT,
+    (DeltaPhase.IN_FLIGHT, DeltaStep.ANSWER): DeltaPhase.IDLE,
+}
+MOVES = moves_of(TRANSITIONS)
+_ON_ANSWER, _ON_SEND = MOVES[DeltaStep.ANSWER], MOVES[DeltaStep.SEND]
+_NEW, _OWES_EMPTY, _IDLE = DeltaPhase.NEW, DeltaPhase.OWES_EMPTY, DeltaPhase.IDLE
+
+
+def _illegal(phase: DeltaPhase, step: DeltaStep) -> PhaseError:
+    return illegal("delta", phase, step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +96,19 @@ class DeltaResponse(NamedTuple):
 
 @dataclass
 class DeltaStream(StreamState[DeltaResponse]):
-    _owe_empty: bool = False  # a first request that named nothing still gets an (empty) answer
-    _started: bool = False
+    phase: DeltaPhase = DeltaPhase.NEW
+
+    def _move(self, step: DeltaStep) -> None:
+        """The phase after `step`, as TRANSITIONS says; PhaseError if it says nothing."""
+        after = MOVES.get(step, {}).get(self.phase)
+        if after is None:
+            raise _illegal(self.phase, step)
+        self.phase = after
 
     @property
     def wants_poll(self) -> bool:
-        return (bool(self._dirty) or self._owe_empty) and self.in_flight is None and self._started
+        phase = self.phase
+        return phase is _OWES_EMPTY or (phase is _IDLE and bool(self._dirty))
 
     def receive(self, req: DeltaRequest) -> list[Event]:
         """Take one request from Envoy; raise ProtocolError to end the stream."""
@@ -68,21 +120,24 @@ class DeltaStream(StreamState[DeltaResponse]):
         if subscribe or unsubscribe or req.initial_versions:  # not on a plain ACK: the fan-out path
             self._check(req, subscribe, unsubscribe)
         events: list[Event] = []
-        first = not self._started
+        first = self.phase is _NEW
         if first:
             check_node(req.has_node)
-            self._started = True
         if req.response_nonce:
             if self.in_flight is not None and req.response_nonce == self.in_flight.nonce:
                 events.append(self._answered(self.in_flight, req.error_message))
                 self.in_flight = None
+                after = _ON_ANSWER.get(self.phase)
+                if after is None:
+                    raise _illegal(self.phase, DeltaStep.ANSWER)
+                self.phase = after
             else:
                 events.append(StaleNonce(req.response_nonce))  # subscriptions still count
         # Subscribes first, then unsubscribes (the protocol doc's order, and go-control-plane's):
         # a name in both lists ends up unsubscribed, and the store is told the same net change.
         if not (subscribe or unsubscribe):
             if first:
-                self._owe_empty = True  # "*" or nothing: no names, but an answer
+                self._move(DeltaStep.FIRST_EMPTY)  # "*" or nothing: no names, but an answer
             return events
         added = tuple(n for n in subscribe if n not in self.subscribed and n not in unsubscribe)
         removed = tuple(n for n in unsubscribe if n in self.subscribed)
@@ -97,8 +152,8 @@ class DeltaStream(StreamState[DeltaResponse]):
                 self.sent[name] = self.acked[name] = req.initial_versions[name]  # resent only if stale
             else:
                 self._resend(name)  # subscribed on a live stream: always sent, even if rejected before
-        if first and not self.subscribed:
-            self._owe_empty = True  # "*" or nothing: no names, but an answer
+        if first:  # "*" or names all unsubscribed again: no names, but an answer
+            self._move(DeltaStep.FIRST if self.subscribed else DeltaStep.FIRST_EMPTY)
         if added or removed:
             events.append(Subscribed(added, removed))
         return events
@@ -129,9 +184,12 @@ class DeltaStream(StreamState[DeltaResponse]):
         if current is None:
             return None
         due = self._due(current)
-        if not due and not self._owe_empty:
+        if not due and self.phase is not _OWES_EMPTY:
             return None
-        self._owe_empty = False
         version = response_version(due, digest=len(self.subscribed) > 1) if due else ""
         self.in_flight = DeltaResponse(version, due, self._next_nonce())
+        after = _ON_SEND.get(self.phase)
+        if after is None:
+            raise _illegal(self.phase, DeltaStep.SEND)
+        self.phase = after
         return self.in_flight

@@ -21,11 +21,14 @@ from .common import (
     Ack,
     Event,
     Nack,
+    PhaseError,
     StaleNonce,
     StreamState,
     Subscribed,
     check_node,
     check_request,
+    illegal,
+    moves_of,
     response_version,
 )
 
@@ -87,19 +90,12 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
 }
 
 
-class PhaseError(RuntimeError):
-    """A step `TRANSITIONS` does not list from the stream's phase: the code broke its own rules."""
-
-
-# each step's moves, phase -> phase after it: one dict lookup a step (TRANSITIONS, read once)
-MOVES: dict[Step, dict[Phase, Phase]] = {step: {} for step in Step}
-for (_before, _step), _after in TRANSITIONS.items():
-    MOVES[_step][_before] = _after
+MOVES = moves_of(TRANSITIONS)
 _ON_ANSWER, _ON_SEND = MOVES[Step.ANSWER], MOVES[Step.SEND]
 
 
 def _illegal(phase: Phase, step: Step) -> PhaseError:
-    return PhaseError(f"SotW stream: {step.name} is no step from {phase.name} (TRANSITIONS)")
+    return illegal("SotW", phase, step)
 
 
 # read once per stream per change: module constants, not Enum attribute lookups
@@ -134,7 +130,7 @@ class SotwStream(StreamState[Response]):
 
     def _move(self, step: Step) -> None:
         """The phase after `step`, as TRANSITIONS says; PhaseError if it says nothing."""
-        after = MOVES[step].get(self.phase)
+        after = MOVES.get(step, {}).get(self.phase)
         if after is None:
             raise _illegal(self.phase, step)
         self.phase = after

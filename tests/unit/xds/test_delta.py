@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from eds_server.xds.common import EDS_TYPE_URL, Ack, Nack, ProtocolError, StaleNonce, Subscribed, SubscriptionLimits
-from eds_server.xds.delta import DeltaRequest, DeltaStream
+from eds_server.xds.common import (
+    EDS_TYPE_URL,
+    Ack,
+    Nack,
+    PhaseError,
+    ProtocolError,
+    StaleNonce,
+    Subscribed,
+    SubscriptionLimits,
+)
+from eds_server.xds.delta import TRANSITIONS, DeltaPhase, DeltaRequest, DeltaStep, DeltaStream
 from tests.support.xds_view import View
 
 
@@ -258,3 +267,32 @@ def test_a_rejected_bundle_is_sorted_out_one_resource_at_a_time(view: View) -> N
     s.changed({"web", "api"})
     r3 = s.poll()
     assert r3 is not None and names(r3) == ["web", "api"]  # bundled again once it is sorted out
+
+
+def test_the_phases_move_through_their_table_and_nothing_else_moves_them(view: View) -> None:
+    """Every transition of delta's TRANSITIONS taken by its step; a stale nonce and a change of
+    subscriptions move nothing; a phase put out of step with what is in flight raises."""
+    s = DeltaStream(view)
+    assert s.phase is DeltaPhase.NEW and not s.wants_poll
+    s.receive(req(subscribe=("web",), node=True))
+    assert s.phase is TRANSITIONS[DeltaPhase.NEW, DeltaStep.FIRST] and s.wants_poll
+    sent = s.poll()
+    assert sent is not None and s.phase is TRANSITIONS[DeltaPhase.IDLE, DeltaStep.SEND] and not s.wants_poll
+    s.receive(req(subscribe=("api",), nonce="stale"))  # a stale nonce, a new name: no move
+    assert s.phase is DeltaPhase.IN_FLIGHT
+    s.receive(req(nonce=sent.nonce))
+    assert s.phase is TRANSITIONS[DeltaPhase.IN_FLIGHT, DeltaStep.ANSWER] and s.wants_poll  # api is due
+
+    empty = DeltaStream(view)
+    empty.receive(req(subscribe=("*",), node=True))
+    assert empty.phase is TRANSITIONS[DeltaPhase.NEW, DeltaStep.FIRST_EMPTY] and empty.wants_poll
+    answer = empty.poll()
+    assert answer is not None and answer.resources == () and empty.phase is DeltaPhase.IN_FLIGHT
+
+    broken = DeltaStream(view)
+    broken.receive(req(subscribe=("web",), node=True))
+    out = broken.poll()
+    assert out is not None
+    broken.phase = DeltaPhase.IDLE  # the bug: the response is still in flight
+    with pytest.raises(PhaseError, match="ANSWER is no step from IDLE"):
+        broken.receive(req(nonce=out.nonce))
