@@ -195,7 +195,8 @@ class MeteredInput:
         self.waiting = False  # reading paused by the scheduler
         self.dead = False
         # when what is held arrived: (bytes ever held once this input was in, clock), oldest first
-        self._arrivals: deque[tuple[int, float]] = deque()
+        # (None while nothing is held: a deque is 760 bytes, and most connections hold nothing)
+        self._arrivals: deque[tuple[int, float]] | None = None
         self._in = 0  # bytes ever held
         self._out = 0  # of those, bytes handed on
 
@@ -226,6 +227,8 @@ class MeteredInput:
         self._buf += data
         scheduler.held += len(data)
         self._in += len(data)
+        if self._arrivals is None:
+            self._arrivals = deque()
         self._arrivals.append((self._in, arrived))
         if not self.queued:
             while self._runnable() and scheduler.may_run(self):
@@ -253,8 +256,11 @@ class MeteredInput:
         self.scheduler.held -= end - start
         self._out += end - start
         arrivals = self._arrivals
-        while arrivals and arrivals[0][0] <= self._out:
-            arrivals.popleft()
+        if arrivals is not None:
+            while arrivals and arrivals[0][0] <= self._out:
+                arrivals.popleft()
+            if not arrivals:
+                self._arrivals = None
         if end == len(buf):
             self._buf = bytearray()
             self._pos = 0
@@ -264,7 +270,7 @@ class MeteredInput:
     def waited(self) -> float:
         """Seconds the oldest input waiting in the scheduler's queue has been here (0.0 if none
         waits: a frame header begun and left, fewer than its nine bytes, waits on the client)."""
-        if not self.queued or not self._arrivals:
+        if not self.queued or self._arrivals is None:
             return 0.0
         return self.scheduler.clock() - self._arrivals[0][1]
 
@@ -281,7 +287,7 @@ class MeteredInput:
             self.scheduler.held -= self.held
             self._buf = bytearray()
             self._pos = 0
-            self._arrivals.clear()
+            self._arrivals = None
 
 
 class Deferral:
