@@ -69,6 +69,15 @@ def illegal(kind: str, phase: Any, step: Any) -> PhaseError:
     return PhaseError(f"{kind} stream: {step.name} is no step from {phase.name} (TRANSITIONS)")
 
 
+def moved(moves: Mapping[S, Mapping[P, P]], phase: P, step: S, kind: str) -> P:
+    """The phase after `step`, as the table says; PhaseError if it says nothing. (The hottest moves,
+    a send and its answer, are looked up inline by each stream.)"""
+    after = moves.get(step, {}).get(phase)
+    if after is None:
+        raise illegal(kind, phase, step)
+    return after
+
+
 @dataclass(frozen=True, slots=True)
 class SubscriptionLimits:
     """What one stream may subscribe to (--max-names, --max-name-length). "Limits" in this code

@@ -35,6 +35,7 @@ from .common import (
     check_lengths,
     check_node,
     illegal,
+    moved,
     moves_of,
     response_version,
 )
@@ -99,11 +100,7 @@ class DeltaStream(StreamState[DeltaResponse]):
     phase: DeltaPhase = DeltaPhase.NEW
 
     def _move(self, step: DeltaStep) -> None:
-        """The phase after `step`, as TRANSITIONS says; PhaseError if it says nothing."""
-        after = MOVES.get(step, {}).get(self.phase)
-        if after is None:
-            raise _illegal(self.phase, step)
-        self.phase = after
+        self.phase = moved(MOVES, self.phase, step, "delta")
 
     @property
     def wants_poll(self) -> bool:

@@ -28,6 +28,7 @@ from .common import (
     check_node,
     check_request,
     illegal,
+    moved,
     moves_of,
     response_version,
 )
@@ -129,11 +130,7 @@ class SotwStream(StreamState[Response]):
     _unwanted: set[str] = field(default_factory=set)
 
     def _move(self, step: Step) -> None:
-        """The phase after `step`, as TRANSITIONS says; PhaseError if it says nothing."""
-        after = MOVES.get(step, {}).get(self.phase)
-        if after is None:
-            raise _illegal(self.phase, step)
-        self.phase = after
+        self.phase = moved(MOVES, self.phase, step, "SotW")
 
     @property
     def wants_poll(self) -> bool:
