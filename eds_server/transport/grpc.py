@@ -93,7 +93,7 @@ class EdsService:
         return framed
 
     def __post_init__(self) -> None:
-        self.observers.observers[:0] = [self.counters, self.stream_log, _HeapTrimOnFirstRequest(self)]
+        self.observers.observers[:0] = [self.counters, self.stream_log, _HeapTrimOnChurn(self)]
         self._unwatch = self.store.watch(self._on_store_change)
         if self.store.ready:
             self._ready.set()
@@ -502,14 +502,18 @@ def _failure(reader: asyncio.Task[None]) -> BaseException | None:
     return exc
 
 
-class _HeapTrimOnFirstRequest(StreamObserver):
-    """The first requests' Nodes (60 KB each from Envoy) leave free heap behind: trim it after a burst."""
+class _HeapTrimOnChurn(StreamObserver):
+    """The first requests' Nodes (60 KB each from Envoy), and streams as they end, leave free heap
+    behind: trim it after a burst."""
 
     def __init__(self, service: EdsService) -> None:
         self.service = service
 
     def opened(self, s: StreamView) -> None:
-        self.service.heap.first_request_read()
+        self.service.heap.churn()
+
+    def closed(self, s: StreamView) -> None:
+        self.service.heap.churn(live=len(self.service.sessions))
 
 
 class HealthService(HealthBase):

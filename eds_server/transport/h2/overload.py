@@ -92,6 +92,7 @@ class MemoryWatermark:
 
     def check(self, lag: float = 0.0) -> None:
         """One check; `lag`: how late it came (seconds past its interval)."""
+        self.gate.sweep()
         self._streams()
         rss = self.rss()
         if rss < self.limit * PRESSURE:

@@ -56,6 +56,28 @@ class FakeConnection:
         return self.name
 
 
+def test_an_address_gone_idle_is_forgotten_soon_and_one_in_debt_is_not() -> None:
+    """Once its last connection has closed, an address's state is dropped as soon as it is idle
+    (budgets full, its cost of the loop decayed): not kept until the table fills, where each one held
+    a 1 MiB block of Python's allocator among its freed streams. One still owing is kept."""
+    now = [0.0]
+    gate = Gate(ConnectionLimits(max_connections=10, max_connections_per_ip=100))
+    gate.reads.clock = lambda: now[0]
+    conns = {ip: FakeConnection(ip) for ip in ("quiet", "costly", "wasteful", "staying")}
+    peers = {ip: gate.admit(ip, c) for ip, c in conns.items()}
+    peers["costly"].cost.charge(2.0, now[0])  # two seconds of the loop's reading time
+    peers["wasteful"].wasted.tokens = 0.0  # its streams ended without a request: 10 s to refill
+    for ip in ("quiet", "costly", "wasteful"):
+        gate.release(peers[ip], conns[ip])
+    assert gate.sweep() == 1 and set(gate.peers) == {"costly", "wasteful", "staying"}
+    now[0] += 12.0  # eleven half-lives: 2 s decayed to under 1 ms
+    assert gate.sweep() == 1 and set(gate.peers) == {"wasteful", "staying"}
+    assert gate.admit("costly", FakeConnection("costly again")).cost.now(now[0]) == 0.0  # a fresh start
+    peers["wasteful"].wasted.tokens = peers["wasteful"].wasted.capacity  # refilled
+    assert gate.sweep() == 1 and set(gate.peers) == {"staying", "costly"}
+    assert gate.sweep() == 0  # never one that still holds a connection
+
+
 def test_a_full_table_costs_the_biggest_holder_not_the_newcomer() -> None:
     gate = Gate(ConnectionLimits(max_connections=10, max_connections_per_ip=100))
     held = {ip: [FakeConnection(f"{ip}#{i}") for i in range(n)] for ip, n in (("a", 6), ("b", 3), ("c", 1))}

@@ -298,7 +298,8 @@ async def test_a_change_is_encoded_once_for_all_its_streams(h: Harness, monkeypa
 
 
 async def test_a_burst_of_new_streams_has_the_heap_trimmed(h: Harness) -> None:
-    """After streams open (each first request carries a Node), glibc's free heap is given back."""
+    """After streams open (each first request carries a Node), glibc's free heap is given back; and
+    again after they end (what they held is free heap then)."""
     from eds_server.heap import HeapTrim
 
     trim = h.service.heap = HeapTrim(after=3, delay=0.01)
@@ -310,7 +311,8 @@ async def test_a_burst_of_new_streams_has_the_heap_trimmed(h: Harness) -> None:
             await s.send_message(first("web"))
             await recv(s)
         await wait_for(lambda: trim.trims and not trim.trimming, interval=0.01)
-    assert trim.trims == 1 and trim.opened == 0
+        assert trim.trims == 1 and trim.churned == 0
+    await wait_for(lambda: trim.trims == 2 and not trim.trimming, interval=0.01)
 
 
 async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
@@ -322,14 +324,14 @@ async def test_the_heap_is_trimmed_once_a_burst_of_streams_is_over() -> None:
     if not trim.available:
         pytest.skip("no malloc_trim in this C library")
     for _ in range(10):  # a burst: a stream every 20 ms, for 0.2 s
-        trim.first_request_read()
+        trim.churn()
         await asyncio.sleep(0.02)  # the burst's pace (the input, nothing is waited for)
     assert trim.trims == 0  # not during the burst
     await wait_for(lambda: trim.trims)
     assert trim.trims == 1
     steady = HeapTrim(after=2, delay=0.1, most=0.15)
     for _ in range(25):  # a stream every 20 ms for 0.5 s: never quiet, trimmed anyway
-        steady.first_request_read()
+        steady.churn()
         await asyncio.sleep(0.02)  # the trickle's pace (the input, nothing is waited for)
     assert steady.trims >= 1
     trim.stop()
@@ -345,12 +347,12 @@ async def test_a_long_burst_is_trimmed_again_when_it_ends() -> None:
     if not trim.available:
         pytest.skip("no malloc_trim in this C library")
     for _ in range(50):  # a stream every 20 ms until the burst is trimmed (bounded: 1 s)
-        trim.first_request_read()
+        trim.churn()
         await asyncio.sleep(0.02)  # the burst's pace (the input; the loop ends on the condition)
         if trim.trims:
             break
     assert trim.trims == 1
-    trim.first_request_read()  # the tail of the burst: one stream, fewer than `after`
+    trim.churn()  # the tail of the burst: one stream, fewer than `after`
     await wait_for(lambda: trim.trims > 1)  # once quiet
     assert trim.trims == 2
     trim.stop()
