@@ -190,6 +190,20 @@ class App:
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
         self._spawn(overload.watch(self.grpc.gate, net.connection_limits.memory_limit), "memory watermark")
+        if adm.metrics_listen is not None and own.admin_unix is None:  # not a worker's
+            # before the admin port: once that answers (a test, a supervisor), so does this one
+            app = admin.make_app(
+                self.store,
+                self.source_status,
+                self.stats,
+                self.service.describe_streams,
+                self.registry,
+                workers=self.workers,
+                read_only_probes=True,
+            )
+            self.metrics_port = await self._serve_http(
+                app, adm.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
+            )
         if adm.address is not None or own.admin_unix is not None:
             app = admin.make_app(
                 self.store,
@@ -209,19 +223,6 @@ class App:
             else:
                 assert adm.address is not None
                 self.admin_port = await self._serve_http(app, adm.address, "admin", admin_ssl)
-        if adm.metrics_listen is not None and own.admin_unix is None:  # not a worker's
-            app = admin.make_app(
-                self.store,
-                self.source_status,
-                self.stats,
-                self.service.describe_streams,
-                self.registry,
-                workers=self.workers,
-                read_only_probes=True,
-            )
-            self.metrics_port = await self._serve_http(
-                app, adm.metrics_listen, "metrics and probes (read-only: /metrics, /healthz, /readyz)"
-            )
         if net.rest_listen is not None:
             app = make_rest_app(self.store, net.limits, net.max_message_size, self.encoders)
             self.rest_port = await self._serve_http(app, net.rest_listen, "EDS (REST)")
