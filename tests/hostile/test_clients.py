@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.support.canary import TOKEN, Canary, assert_canary_fine, peak_rss_mb, pin, upstreams_text
-from tests.support.hostile_clients import ANSWERED_WITHIN, FRAME_SIZE_ERROR, MALFORMED, PROTOCOL_ERROR
+from tests.support.hostile_clients import ANSWERED_WITHIN, BIG_GROUP, FRAME_SIZE_ERROR, MALFORMED, PROTOCOL_ERROR
 from tests.support.paths import ROOT
 from tests.support.server_process import EdsServerProcess
 
@@ -60,7 +60,10 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "hpack_bomb": ((), None),
     # a frame fed a byte at a time never completes: closed a request timeout after it began
     "drip_frames": (("--request-timeout", "2s"), "slow input"),
+    # 4,000 streams of a 2,000-endpoint group never read: what the server holds for them is bounded
+    "slow_readers": ((), None),
 }
+BIG_ENDPOINTS = 2_000  # the big group's size where an attack asks for it (~60 KB a response)
 
 
 STOCK = os.environ.get("EDS_HTTP2") == "stock"  # `make test-stock`: the server runs the stock HTTP/2 path
@@ -74,7 +77,8 @@ NOT_ON_STOCK: dict[str, str] = {}
 
 async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: str) -> dict[str, Any]:
     upstreams = tmp_path / "upstreams.yaml"
-    upstreams.write_text(upstreams_text(0))
+    big = [f"127.0.{i // 250}.{1 + i % 250}:8080" for i in range(BIG_ENDPOINTS)] if attack == "slow_readers" else []
+    upstreams.write_text(upstreams_text(0) + (f"  {BIG_GROUP}:\n    endpoints: [{', '.join(big)}]\n" if big else ""))
     async with EdsServerProcess(
         upstreams,
         "--log-level",
@@ -146,6 +150,8 @@ def check_attacker(attack: str, seen: dict[str, Any]) -> None:
         assert seen["connections"] >= 12 and seen["unanswered"] == 0, seen
         assert set(seen["goaway"]) == {str(FRAME_SIZE_ERROR)}, seen
         assert seen["max_payload_before_goaway"] < ANSWERED_WITHIN, seen
+    elif attack == "slow_readers":
+        assert seen["streams"] >= 1_000, seen  # the attack held at least a quarter of its streams
     elif attack == "malformed_headers":
         assert seen["sent"] >= len(MALFORMED) and seen["unanswered"] == 0, seen
         assert set(seen["reset"]) | set(seen["goaway"]) == {str(PROTOCOL_ERROR)}, seen

