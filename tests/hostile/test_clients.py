@@ -60,10 +60,10 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "hpack_bomb": ((), None),
     # a frame fed a byte at a time never completes: closed a request timeout after it began
     "drip_frames": (("--request-timeout", "2s"), "slow input"),
-    # 4,000 streams of a 2,000-endpoint group never read: what the server holds for them is bounded
+    # 4,000 streams of a 10,000-endpoint group never read (~1 GB of responses): the server holds little of it
     "slow_readers": ((), None),
 }
-BIG_ENDPOINTS = 2_000  # the big group's size where an attack asks for it (~60 KB a response)
+BIG_ENDPOINTS = 10_000  # the big group's size where an attack asks for it (~250 KB a response)
 
 
 STOCK = os.environ.get("EDS_HTTP2") == "stock"  # `make test-stock`: the server runs the stock HTTP/2 path
@@ -77,7 +77,11 @@ NOT_ON_STOCK: dict[str, str] = {}
 
 async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: str) -> dict[str, Any]:
     upstreams = tmp_path / "upstreams.yaml"
-    big = [f"127.0.{i // 250}.{1 + i % 250}:8080" for i in range(BIG_ENDPOINTS)] if attack == "slow_readers" else []
+    big = (
+        [f"127.{i // 62500}.{i // 250 % 250}.{1 + i % 250}:8080" for i in range(BIG_ENDPOINTS)]
+        if attack == "slow_readers"
+        else []
+    )
     upstreams.write_text(upstreams_text(0) + (f"  {BIG_GROUP}:\n    endpoints: [{', '.join(big)}]\n" if big else ""))
     async with EdsServerProcess(
         upstreams,
