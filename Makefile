@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-stock test-history test-mutants lint protos bench wheel clean
+.PHONY: setup demo test test-fast test-stock test-hostile-loaded test-history test-mutants lint protos bench wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "make setup: creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
@@ -29,6 +29,10 @@ test-fast: $(STAMP)  ## the inner loop (under a minute): all but real Envoy, Doc
 
 test-stock: $(STAMP)  ## the gRPC, Envoy, frame guard, admission and HTTP/2 attack tests again, on the stock HTTP/2 path (docs/limits.md)
 	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py tests/hostile/test_memory.py tests/transport/h2/test_closed_connections.py
+
+test-hostile-loaded: $(STAMP)  ## the attack matrix on a loaded host: three busy loops beside the server and the attacker, both HTTP/2 paths (about 12 minutes)
+	HOSTILE_LOAD=$${HOSTILE_LOAD:-3} $(PY) -m pytest tests/hostile/test_clients.py
+	HOSTILE_LOAD=$${HOSTILE_LOAD:-3} EDS_HTTP2=stock $(PY) -m pytest tests/hostile/test_clients.py
 
 test-history: $(STAMP)  ## the registration history under faults, long: seeds 1-20, 60 s of load each (about 25 minutes; docs/registration-api.md)
 	EDS_HISTORY_SEEDS=$${EDS_HISTORY_SEEDS:-1-20} EDS_HISTORY_SECONDS=$${EDS_HISTORY_SECONDS:-60} \

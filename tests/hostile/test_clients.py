@@ -6,15 +6,19 @@ of their own where there are two, while the canary (tests/support/canary.py)
 follows changes and opens fresh connections. The canary is measured without the attack first,
 then during it. Bounds are generous multiples of what was measured here (see docs/limits.md);
 RSS is the server's peak (VmHWM). Set HOSTILE_REPORT=FILE to append each run's figures as JSON.
+HOSTILE_LOAD=N runs N busy loops beside them, on no core in particular, for the whole of each case
+(`make test-hostile-loaded`: a loaded host, where a defence that only works with a core to spare fails).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,7 @@ ATTACKS: dict[str, tuple[tuple[str, ...], str | None]] = {
 BIG_ENDPOINTS = 10_000  # the big group's size where an attack asks for it (~250 KB a response)
 
 
+LOAD = int(os.environ.get("HOSTILE_LOAD", "0"))  # busy loops beside the server and the attacker
 STOCK = os.environ.get("EDS_HTTP2") == "stock"  # `make test-stock`: the server runs the stock HTTP/2 path
 # attack -> what the stock path's log shows instead: h2's 100 streams a connection hold there, and
 # the guard ends a connection that opens more than twice that without a request
@@ -73,6 +78,20 @@ STOCK = os.environ.get("EDS_HTTP2") == "stock"  # `make test-stock`: the server 
 STOCK_MARKERS: dict[str, str | None] = {"idle_streams": "streams past the limit|no request within"}
 # what the stock path does not defend against (docs/limits.md, "The stock HTTP/2 path")
 NOT_ON_STOCK: dict[str, str] = {}
+
+
+@contextlib.asynccontextmanager
+async def busy_loops(n: int, seconds: float) -> AsyncIterator[None]:
+    """`n` processes spinning on the CPU (each ends by itself after `seconds`), killed on the way out."""
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", code) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
 
 
 async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: str) -> dict[str, Any]:
@@ -83,17 +102,20 @@ async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: s
         else []
     )
     upstreams.write_text(upstreams_text(0) + (f"  {BIG_GROUP}:\n    endpoints: [{', '.join(big)}]\n" if big else ""))
-    async with EdsServerProcess(
-        upstreams,
-        "--log-level",
-        "info",
-        "--admin-token",
-        TOKEN,
-        "--registration-allow-cidr",
-        "127.0.0.0/8",
-        *extra,
-        workdir=tmp_path,
-    ) as server:
+    async with (
+        EdsServerProcess(
+            upstreams,
+            "--log-level",
+            "info",
+            "--admin-token",
+            TOKEN,
+            "--registration-allow-cidr",
+            "127.0.0.0/8",
+            *extra,
+            workdir=tmp_path,
+        ) as server,
+        busy_loops(LOAD, BASELINE_SECONDS * 2 + ATTACK_SECONDS + 60),
+    ):
         assert server.proc is not None
         pin(server.proc.pid, 0)
         # changes through the registration API: immediate, unlike a file watch on a busy machine
@@ -124,6 +146,7 @@ async def attack_run(tmp_path: Path, attack: str, extra: tuple[str, ...], src: s
         # reported before the server is stopped: a server that fails to stop still shows what it did
         result = {
             "attack": attack,
+            "busy_loops": LOAD,
             "before": before.summary(),
             "during": during.summary(),
             "after": after.summary(),
