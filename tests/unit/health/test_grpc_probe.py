@@ -107,16 +107,19 @@ async def test_a_huge_answer_is_refused_from_its_length(calls: list[probes._Heal
 async def test_data_past_the_window_is_refused(calls: list[probes._HealthCall]) -> None:
     sent: list[int] = []
 
+    closed = asyncio.Event()
+
     async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1)
         writer.transport.set_write_buffer_limits(high=64 * 1024 * 1024)
         message = b"\0" + TEN_MIB.to_bytes(4, "big") + b"x" * 16379  # a whole frame, past the window
         frames = data(message) + b"".join(data(b"x" * 16384) for _ in range(64))
         sent.append(write_now(writer, SettingsFrame(0).serialize() + headers(OK_HEADERS) + frames))
-        await finish(reader, asyncio.Event())
+        await finish(reader, closed)
 
     async with backend(flood) as port:
         r = await probes.check("127.0.0.1", port, SPEC)
+        await asyncio.wait_for(closed.wait(), 5)  # the probe closed its connection
     assert not r.ok and r.reason == "gRPC: sent past the flow-control window", r
     assert sent[0] > probes.MAX_GRPC_READ
     assert 0 < calls[0].read <= probes.MAX_GRPC_READ
@@ -155,15 +158,18 @@ async def test_a_drip_fed_answer_costs_one_timeout(calls: list[probes._HealthCal
 async def test_an_endless_header_block_stops_at_the_read_bound(calls: list[probes._HealthCall]) -> None:
     sent: list[int] = []
 
+    closed = asyncio.Event()
+
     async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1)
         writer.transport.set_write_buffer_limits(high=64 * 1024 * 1024)
         more = b"".join(ContinuationFrame(1, b"v" * 16384).serialize() for _ in range(64))  # no END_HEADERS
         sent.append(write_now(writer, SettingsFrame(0).serialize() + headers(OK_HEADERS, end_headers=False) + more))
-        await finish(reader, asyncio.Event())
+        await finish(reader, closed)
 
     async with backend(endless) as port:
         r = await probes.check("127.0.0.1", port, SPEC)
+        await asyncio.wait_for(closed.wait(), 5)  # the probe closed its connection
     assert not r.ok and r.reason == f"gRPC: {probes.MAX_GRPC_READ} bytes read and no answer (limit)", r
     assert sent[0] > probes.MAX_GRPC_READ
     assert calls[0].read == probes.MAX_GRPC_READ
@@ -181,13 +187,16 @@ async def test_a_huge_header_list_is_refused(calls: list[probes._HealthCall], bl
     decoded = sum(len(k) + len(v) for k, v in block)
     assert decoded > 2 * probes.MAX_HEADERS  # the floor: what the block would make
 
+    closed = asyncio.Event()
+
     async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1)
         writer.write(SettingsFrame(0).serialize() + headers(block))
-        await finish(reader, asyncio.Event())
+        await finish(reader, closed)
 
     async with backend(big) as port:
         r = await probes.check("127.0.0.1", port, SPEC)
+        await asyncio.wait_for(closed.wait(), 5)  # the probe closed its connection
     assert not r.ok and r.reason == f"gRPC: header list over {probes.MAX_HEADERS} bytes", r
     assert calls[0].read <= probes.MAX_GRPC_READ
 
@@ -212,6 +221,8 @@ async def test_a_hand_written_answer_reads_as_grpc_does(
     """The answer a Watch-style server gives for an unknown service (SERVICE_UNKNOWN in the message),
     and a plain pass, written frame by frame: the probe reads to the trailers and no further."""
 
+    closed = asyncio.Event()
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1)
         message = b"\x08" + bytes([status])
@@ -221,9 +232,10 @@ async def test_a_hand_written_answer_reads_as_grpc_does(
             + data(b"\0" + len(message).to_bytes(4, "big") + message)
             + headers([("grpc-status", "0")], end=True)
         )
-        await finish(reader, asyncio.Event())
+        await finish(reader, closed)
 
     async with backend(answer) as port:
         r = await probes.check("127.0.0.1", port, SPEC)
+        await asyncio.wait_for(closed.wait(), 5)  # the probe closed its connection
     assert (r.ok, r.reason) == (ok, reason), r
     assert 0 < calls[0].read < 200
