@@ -144,7 +144,7 @@ async def test_grpc_health_v1() -> None:
         down = await probes.check("127.0.0.1", port, HealthSpec("grpc", service="shop.Cart"))
         assert not down.ok and down.reason == "gRPC NOT_SERVING", down
         unknown = await probes.check("127.0.0.1", port, HealthSpec("grpc", service="nope"))
-        assert not unknown.ok, unknown
+        assert not unknown.ok and unknown.reason == "gRPC status NOT_FOUND", unknown  # Check's answer to it
     finally:
         server.close()
         await server.wait_closed()
