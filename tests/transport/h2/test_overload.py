@@ -7,7 +7,7 @@ from __future__ import annotations
 from eds_server.transport.h2.limits import ConnectionLimits, Gate
 from eds_server.transport.h2.overload import LAG_WATERMARK, PRESSURE, MemoryWatermark, default_limit, process_rss
 from tests.support.grpc_harness import serving
-from tests.support.h2_client import SOURCE, ack, client_of, data, first_request, group, grpc
+from tests.support.h2_client import SOURCE, ack, client_of, data, first_request, group, grpc, tagged
 
 MB = 1 << 20
 
@@ -142,3 +142,35 @@ async def test_past_the_limit_the_connection_holding_partial_messages_is_closed_
         service.store.update(SOURCE, group(2))
         await canary.response(sid, 2)
         assert canary.goaway is None
+
+
+async def test_on_a_real_server_a_late_loop_refuses_the_costly_address_a_stream_and_serves_the_canary() -> None:
+    """Either path: a client at 127.0.0.2 has spent most of the reading time (4 MB of requests on
+    its stream); the loop said to be a watermark late, its next stream is refused, while
+    the canary opens one and is answered, and its first stream goes on getting changes."""
+    async with (
+        serving(ConnectionLimits()) as (server, service, port),
+        client_of(port) as canary,
+        client_of(port, "127.0.0.2") as heavy,
+    ):
+        sid = await canary.request(first_request("canary", "web"))
+        await canary.send(data(sid, grpc(ack(await canary.response(sid, 1), "web"))))
+        held = await heavy.request(first_request("heavy", "web"))
+        await heavy.response(held, 1)
+        for i in range(20):  # reading 4 MB costs more than all the canary sent; requests it ignores
+            body = grpc(tagged(f"heavy-{i}", 200_000))
+            for at in range(0, len(body), 16_000):  # frames within the stock path's 16 KiB too
+                await heavy.send(data(held, body[at : at + 16_000]))
+            await heavy.ping()
+        now = server.gate.reads.clock()
+        costs = {ip: server.gate.peers[ip].cost.now(now) for ip in ("127.0.0.1", "127.0.0.2")}
+        assert costs["127.0.0.2"] > costs["127.0.0.1"], costs
+        MemoryWatermark(server.gate, 100 * MB, rss=lambda: 10 * MB).check(lag=LAG_WATERMARK)
+        assert server.gate.peers["127.0.0.2"].throttled and server.gate.refused["overload"] == 1
+        refused = await heavy.request(first_request("heavy", "web"))
+        assert await heavy.until(lambda: refused in heavy.resets or heavy.goaway is not None or heavy.eof)
+        second = await canary.request(first_request("canary-2", "web"))
+        await canary.response(second, 1)  # the canary's new stream is served
+        service.store.update(SOURCE, group(2))
+        await canary.response(sid, 2)
+        assert canary.goaway is None and not server.gate.peers["127.0.0.1"].throttled
