@@ -20,6 +20,7 @@ import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Cardinality, Status
 
+from ..events import LeanEvent
 from ..heap import HeapTrim
 from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
@@ -375,7 +376,7 @@ class _Session(SessionDriver):
         self.stream = stream
         self.io = io
         self.state = _SENDING  # until run() starts: what comes due is left to it
-        self._wake = asyncio.Event()  # the task has work: a response, the reader's end, CLOSED
+        self._wake = LeanEvent()  # the task has work: a response, the reader's end, CLOSED
         self._reader: asyncio.Task[None] | None = None
         self._handed: tuple[Framed, Iterable[Resource]] | None = None  # taken from the machine, not queued
 

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "envoy_checks",
         "protowire",
         "ratelimit",
+        "events",
         "ports",
         "worker_process",
         "gc_settings",
