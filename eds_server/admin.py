@@ -4,7 +4,7 @@ too. `GET /` is the same data as a small HTML page (status_page.py)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -15,7 +15,7 @@ from .metrics import public_exposition
 from .model import Endpoint, endpoint_json
 from .registration_api import RegistrationPolicy, add_routes, registration_json
 from .serving_state import serving_state, source_kind
-from .store import Resource, Store
+from .store import Resource
 
 if TYPE_CHECKING:
     from .sources.registrations import Registrations
@@ -76,8 +76,23 @@ def json_errors(registrations_on: bool, paths: tuple[str, ...] = PATHS) -> Calla
 Checks = Callable[[Endpoint], dict[str, Any] | None]  # an endpoint's last health check (health/checker.py)
 
 
+class ServedGroups(Protocol):
+    """What the admin port reads of the store (`store.Store`): readiness, the groups served and
+    where each one's endpoints came from. Nothing here writes to it or follows it."""
+
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def pending_sources(self) -> tuple[str, ...]: ...
+    def resources(self) -> Mapping[str, Resource]: ...
+    def sources_of(self, name: str) -> list[str]: ...
+    def endpoint_sources(self, name: str) -> dict[tuple[str, int], str]: ...
+    def is_stale(self, name: str) -> bool: ...
+    def conflict(self, name: str) -> str | None: ...
+
+
 def group_json(
-    store: Store, resource: Resource, *, endpoint_sources: bool = False, checks: Checks | None = None
+    store: ServedGroups, resource: Resource, *, endpoint_sources: bool = False, checks: Checks | None = None
 ) -> dict[str, Any]:
     group = resource.group
     endpoints = [endpoint_json(e) for e in group.endpoints]
@@ -114,7 +129,7 @@ class WorkerAnswers(Protocol):
 
 
 def make_app(
-    store: Store,
+    store: ServedGroups,
     source_status: Callable[[], list[dict[str, Any]]],
     stats: Callable[[], dict[str, Any]],
     streams: Callable[[int, int], dict[str, Any]],  # (after, limit) -> one page

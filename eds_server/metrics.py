@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -25,9 +25,21 @@ from .health.checker import LATENCY_BUCKETS as CHECK_BUCKETS
 from .health.checker import Checker
 from .observe import Counters, Observers, StreamObserver, StreamView
 from .serving_state import serving_state, source_kind
-from .store import Resource, Store
+from .store import Resource
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class StoreFigures(Protocol):
+    """What a scrape reads of the store (`store.Store`): readiness, the groups served, the groups
+    whose merge is not served, and how many encodings were made."""
+
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def encodes(self) -> int: ...
+    def resources(self) -> Mapping[str, Resource]: ...
+    def conflicts(self) -> Mapping[str, str]: ...
 
 
 class LatencyHistogram(Collector, StreamObserver):
@@ -80,7 +92,7 @@ class OpenStreams(StreamObserver):
 class _StateCollector(Collector):
     def __init__(
         self,
-        store: Store,
+        store: StoreFigures,
         counters: Counters,
         open_streams: OpenStreams,
         sources: Callable[[], list[dict[str, Any]]],
@@ -238,7 +250,7 @@ def public_exposition(text: str) -> str:
 
 
 def make_registry(
-    store: Store,
+    store: StoreFigures,
     counters: Counters,
     observers: Observers,
     sources: Callable[[], list[dict[str, Any]]],

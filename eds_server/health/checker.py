@@ -25,13 +25,15 @@ import random
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from .. import fields
 from ..model import Endpoint, Group
 from ..ratelimit import LogBudget
-from ..store import Store
+from ..source_merge import Overlay
+from ..store import Resource
+from ..subscriptions import Watcher
 from . import probes
 from .spec import HealthSpec
 from .tracker import CutOff, Result, Tracker, combine
@@ -66,11 +68,23 @@ class _Target:
         self.running = False
 
 
+class CheckedStore(Protocol):
+    """What the checker uses of the store (`store.Store`): it lays `overlay` over every merged
+    group, hears of every change (`watch`), reads what is served, and has the groups whose checked
+    health changed merged again (`refresh`)."""
+
+    overlay: Overlay | None
+
+    def watch(self, watcher: Watcher) -> Callable[[], None]: ...
+    def resources(self) -> Mapping[str, Resource]: ...
+    def refresh(self, names: Iterable[str]) -> frozenset[str]: ...
+
+
 class Checker:
     """Owns the checks of one store. Sets `store.overlay`; `run(stop)` checks until stop is set."""
 
     def __init__(
-        self, store: Store, *, probe: Probe = probes.check, max_running: int = 1024, log_most: int = 60
+        self, store: CheckedStore, *, probe: Probe = probes.check, max_running: int = 1024, log_most: int = 60
     ) -> None:
         self.store = store
         self.probe = probe

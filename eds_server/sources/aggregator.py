@@ -11,16 +11,38 @@ that is not live keeps its last state, marked stale.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from ..model import Group
-from ..store import Resource, Store
+from ..store import Resource
+from ..subscriptions import Interest
+
+
+class StoreInlet(Protocol):
+    """What the aggregator forwards to (`store.Store`): sources declared, their states (or a relay's
+    resources) put in, staleness, readiness; and for a relay, withholding and the followed names."""
+
+    withholds: bool
+    interest: Interest | None
+
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def pending_sources(self) -> tuple[str, ...]: ...
+    def add_source(self, name: str) -> None: ...
+    def update(self, source: str, groups: Mapping[str, Group]) -> frozenset[str]: ...
+    def put_resources(self, source: str, resources: Mapping[str, Resource], removed: Iterable[str] = ()) -> None: ...
+    def mark_stale(self, source: str, stale: bool) -> None: ...
+    def problems_with(self, source: str, name: str, part: Group | None) -> list[str]: ...
+    def resources(self) -> Mapping[str, Resource]: ...
+    def followed(self) -> Iterable[str]: ...
 
 
 class Aggregator:
     """Merges the sources' states into the store, first declared first (on a duplicate address in a
     group the first source's endpoint wins: docs/fail-static.md). Implements `base.RelayFeed`."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreInlet) -> None:
         self._store = store
         self.order: tuple[str, ...] = ()  # every declared source, in merge order
 

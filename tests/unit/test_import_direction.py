@@ -20,7 +20,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("admin", "status_page", "registration_api", "transport."),  # the ports Envoy and operators use
     ("metrics",),  # an observer of the streams, read by the admin port
     ("sources.", "health.checker", "health.probes"),  # the producers of groups; health checks' IO
-    ("store", "xds.", "observe", "encode", "decode", "serving_state", "heap"),  # serving, without IO
+    (
+        "store",
+        "source_merge",
+        "encoded",
+        "subscriptions",
+        "xds.",
+        "observe",
+        "encode",
+        "decode",
+        "serving_state",
+        "heap",
+    ),  # serving, without IO
     (
         "model",
         "fields",
