@@ -31,7 +31,7 @@ from grpclib.const import Status
 from grpclib.protocol import H2Protocol
 from h2.exceptions import H2Error
 
-from ...events import LeanEvent
+from ...events import LeanEvent, LeanQueue
 from .base import Framed
 from .fast_connection import short_frame_reprs
 from .fast_protocol import FastProtocol
@@ -69,9 +69,11 @@ class Server(grpclib.server.Server):
         **kwargs: Any,
     ) -> None:
         super().__init__(handlers, **kwargs)
-        # each stream's three events (window, headers, trailers) at ~100 bytes, not 857 (events.py);
-        # grpclib's protocol module looks the name up as it makes each stream
-        setattr(grpclib.protocol, "Event", LeanEvent)  # noqa: B010 (a name grpclib does not export)
+        # each stream's three events (window, headers, trailers) and its data queue at ~100 bytes
+        # each, not 857 and 2,700 (events.py); grpclib's protocol module looks the names up as it
+        # makes each stream
+        setattr(grpclib.protocol, "Event", LeanEvent)  # noqa: B010 (names grpclib does not export)
+        setattr(grpclib.protocol, "Queue", LeanQueue)  # noqa: B010
         self.gate = Gate(limits)
         self.reader = reader
         self.flusher = Flusher()
