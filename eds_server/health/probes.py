@@ -76,11 +76,13 @@ async def check(address: str, port: int, spec: HealthSpec) -> Result:
         return _fail(start, wall, _why(e))
 
 
-def request_head(address: str, port: int, path: str) -> bytes:
+def request_head(address: str, port: int, path: str, keep: bool = False) -> bytes:
+    """The GET of a check; `keep`: on a connection kept for the next check (keepalive.py)."""
     host = f"[{address}]" if ":" in address else address
+    close = "" if keep else "Connection: close\r\n"
     return (
         f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: eds-server-health-check\r\n"
-        "Accept: */*\r\nConnection: close\r\n\r\n"
+        f"Accept: */*\r\n{close}\r\n"
     ).encode("ascii")
 
 
