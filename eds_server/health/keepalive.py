@@ -59,14 +59,20 @@ class _Stale(Exception):
     race every keep-alive client has). The check is tried once on a fresh connection."""
 
 
+def _expire(answer: asyncio.Future[int]) -> None:
+    if not answer.done():
+        answer.set_exception(TimeoutError())
+
+
 class _Conn(asyncio.Protocol):
     """One connection and the answer in progress on it. `answer` resolves when the connection can say
     the check's status: with the whole answer read (`keep` true: reusable) or at the point it cannot
     be reused (`keep` false: the connection is closed)."""
 
-    def __init__(self, idle: OrderedDict[Key, _Conn], key: Key) -> None:
+    def __init__(self, idle: OrderedDict[Key, _Conn], key: Key, request: bytes) -> None:
         self.idle = idle  # where it waits between checks (it leaves if the backend closes it meanwhile)
         self.key = key
+        self.request = request  # the check's GET, the same each time
         self.doomed = False  # its target was forgotten while it carried a check: closed after it
         self.transport: asyncio.Transport | None = None
         self.answer: asyncio.Future[int] | None = None  # set while a check is in progress
@@ -102,14 +108,14 @@ class _Conn(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False  # close: nothing more can be asked on it
 
-    def start(self, request: bytes, answer: asyncio.Future[int]) -> None:
+    def start(self, answer: asyncio.Future[int]) -> None:
         self.answer = answer
         self.buf = b""
         self.status = None
         self.got = self.keep = False
         self.state = self.left = self.body = 0
         assert self.transport is not None
-        self.transport.write(request)
+        self.transport.write(self.request)
 
     def abort(self) -> None:
         self.keep = False
@@ -285,25 +291,27 @@ class KeptConnections:
         if spec.kind != "http" or spec.tls:
             return await probes.check(address, port, spec)
         key = (address, port, spec)
-        port = spec.port or port
         start, wall = time.perf_counter(), time.time()
         loop = asyncio.get_running_loop()
-        request = request_head(address, port, spec.path, keep=True)
+        deadline = loop.time() + spec.timeout
         conn = self._idle.pop(key, None)
         status: int | None = None
         try:
-            async with asyncio.timeout(spec.timeout):
-                if conn is not None:
-                    try:
-                        self.reused += 1
-                        status = await self._ask(key, conn, request, loop)
-                    except _Stale:
-                        self.reused -= 1
-                        conn = None
-                if conn is None:
-                    _, conn = await loop.create_connection(lambda: _Conn(self._idle, key), address, port)
-                    self.opened += 1
-                    status = await self._ask(key, conn, request, loop)
+            if conn is not None:
+                try:
+                    self.reused += 1
+                    status = await self._ask(key, conn, loop, deadline)
+                except _Stale:
+                    self.reused -= 1  # closed before it could carry the check: not one reused
+                    conn = None
+            if conn is None:
+                request = request_head(address, spec.port or port, spec.path, keep=True)
+                async with asyncio.timeout_at(deadline):  # the connect; the answer has its own timer
+                    _, conn = await loop.create_connection(
+                        lambda: _Conn(self._idle, key, request), address, spec.port or port
+                    )
+                self.opened += 1
+                status = await self._ask(key, conn, loop, deadline)
         except TimeoutError:
             if conn is not None:
                 conn.abort()
@@ -317,21 +325,26 @@ class KeptConnections:
             return Result(False, why, time.perf_counter() - start, wall)
         finally:
             if conn is not None:
-                if self._busy.get(key) is conn:
-                    del self._busy[key]
+                busy = self._busy.pop(key, None)
+                if busy is not None and busy is not conn:
+                    self._busy[key] = busy  # a check of a target that came back meanwhile
                 self._release(key, conn, loop.time() + spec.interval)
         assert status is not None
         return Result(spec.expects(status), f"HTTP {status}", time.perf_counter() - start, wall)
 
-    async def _ask(self, key: Key, conn: _Conn, request: bytes, loop: asyncio.AbstractEventLoop) -> int:
+    async def _ask(self, key: Key, conn: _Conn, loop: asyncio.AbstractEventLoop, deadline: float) -> int:
+        """Send the check on `conn` and wait for its status until `deadline`: a plain timer on the
+        answer rather than asyncio.timeout (a check on a kept connection is this and nothing else)."""
         if conn.lost:
             raise _Stale()
         self._busy[key] = conn
         answer: asyncio.Future[int] = loop.create_future()
-        conn.start(request, answer)
+        timer = loop.call_at(deadline, _expire, answer)
+        conn.start(answer)
         try:
             return await answer
         finally:
+            timer.cancel()
             conn.answer = None
 
     def _release(self, key: Key, conn: _Conn, next_use: float) -> None:
