@@ -11,6 +11,8 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+from aiohttp import web
+
 from eds_server.encode import encode_group
 from eds_server.health import keepalive
 from eds_server.health.checker import Checker
@@ -225,3 +227,38 @@ async def test_the_checker_closes_connections_of_endpoints_that_leave_and_when_i
         await wait_for(lambda: backends[1].ended, timeout=5)
         await wait_for(fds, lambda n: n == before, timeout=5)
         assert checker.connections.idle == 0
+
+
+async def test_an_aiohttp_backend_over_ipv4_and_ipv6_keeps_one_connection() -> None:
+    transports: set[int] = set()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        transports.add(id(request.transport))
+        if request.path == "/chunked":
+            response = web.StreamResponse()
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            await response.write(b"ok")
+            await response.write_eof()
+            return response
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    pool = KeptConnections(budget_=10)
+    try:
+        for host in ("127.0.0.1", "::1"):
+            site = web.TCPSite(runner, host, 0)
+            await site.start()
+            port = int(runner.addresses[-1][1])
+            transports.clear()
+            for path in ("/health", "/chunked"):
+                spec = HealthSpec("http", path=path, interval=1.0, timeout=0.5)
+                results = [await pool.check(host, port, spec) for _ in range(3)]
+                assert [r.reason for r in results if r.ok] == ["HTTP 200"] * 3, results
+            assert len(transports) == 2, host  # one connection per target (path), each reused
+    finally:
+        pool.close()
+        await runner.cleanup()
