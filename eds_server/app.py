@@ -125,6 +125,9 @@ class App:
             ),
             http2=net.http2,
         )
+        if self.checker is not None:  # kept health-check connections fit beside the gRPC port's
+            reserve = 2 * net.http_limits.max_connections + FILE_HEADROOM
+            self.checker.connections.reserved = net.connection_limits.max_connections + reserve
         # an observer of the streams from the first one on (made before anything serves)
         self.registry = make_registry(
             self.store,

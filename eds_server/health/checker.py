@@ -34,7 +34,7 @@ from ..ratelimit import LogBudget
 from ..source_merge import Overlay
 from ..store import Resource
 from ..subscriptions import Watcher
-from . import probes
+from .keepalive import KeptConnections
 from .spec import HealthSpec
 from .tracker import CutOff, Result, Tracker, combine
 
@@ -84,10 +84,12 @@ class Checker:
     """Owns the checks of one store. Sets `store.overlay`; `run(stop)` checks until stop is set."""
 
     def __init__(
-        self, store: CheckedStore, *, probe: Probe = probes.check, max_running: int = 1024, log_most: int = 60
+        self, store: CheckedStore, *, probe: Probe | None = None, max_running: int = 1024, log_most: int = 60
     ) -> None:
         self.store = store
-        self.probe = probe
+        # plain HTTP checks reuse a connection per target; closed when the target goes or run() ends
+        self.connections = KeptConnections()
+        self.probe = probe or self.connections.check
         self.max_running = max_running
         self._targets: dict[TargetKey, _Target] = {}
         self._by_group: dict[str, set[TargetKey]] = {}
@@ -160,6 +162,7 @@ class Checker:
                 target.groups.discard(name)
                 if not target.groups:
                     del self._targets[key]
+                    self.connections.forget(key)
                     gone[key[:2]] = (target.tracker.healthy, self._published.pop(key, None))
                     self.cut.forget(key)
             for key in wanted - had:
@@ -199,6 +202,7 @@ class Checker:
                 task.cancel()
             if self._tasks:
                 await asyncio.wait(self._tasks)
+            self.connections.close()
 
     def _poke(self) -> None:
         """Run _tick soon, once however many pokes come first."""

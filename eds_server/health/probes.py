@@ -6,6 +6,8 @@ answer is read, at most MAX_HEAD bytes of it, and a redirect is a status like an
 followed, nothing else is contacted); a gRPC answer is read through a fixed buffer, MAX_GRPC_READ
 bytes per check at most, its message refused past MAX_ANSWER and its headers past MAX_HEADERS, the
 connection reset at once. Every probe returns a Result and never raises for the target's faults.
+The checker sends plain HTTP checks through keepalive.py instead (a connection kept between checks);
+`tls: true` ones, and every check before keep-alive, come here.
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ async def check(address: str, port: int, spec: HealthSpec) -> Result:
         return _fail(start, wall, _why(e))
 
 
-def request_head(address: str, port: int, path: str) -> bytes:
+def request_head(address: str, port: int, path: str, keep: bool = False) -> bytes:
+    """The GET of a check; `keep`: on a connection kept for the next check (keepalive.py)."""
     host = f"[{address}]" if ":" in address else address
+    close = "" if keep else "Connection: close\r\n"
     return (
         f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: eds-server-health-check\r\n"
-        "Accept: */*\r\nConnection: close\r\n\r\n"
+        f"Accept: */*\r\n{close}\r\n"
     ).encode("ascii")
 
 

@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("app", "settings"),  # assembles one server, from its settings
     ("admin", "status_page", "registration_api", "transport."),  # the ports Envoy and operators use
     ("metrics",),  # an observer of the streams, read by the admin port
-    ("sources.", "health.checker", "health.probes"),  # the producers of groups; health checks' IO
+    ("sources.", "health.checker", "health.probes", "health.keepalive"),  # the producers of groups; health checks' IO
     (
         "store",
         "source_merge",

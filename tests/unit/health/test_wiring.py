@@ -19,7 +19,12 @@ from eds_server.store import Store
 
 
 async def test_only_an_app_that_owns_its_sources_checks() -> None:
-    assert App(Settings()).checker is not None
+    app = App(Settings())
+    assert app.checker is not None
+    # its kept connections leave the gRPC port's connections and reserve out of their budget
+    net = app.settings.transport
+    reserved = app.checker.connections.reserved
+    assert reserved == net.connection_limits.max_connections + 2 * net.http_limits.max_connections + 88
     relay = App(Settings(sources=SourceSettings(upstream_eds=UpstreamOptions("127.0.0.1", 1))))
     assert relay.checker is None and relay.store.overlay is None
 

@@ -1,0 +1,387 @@
+"""Plain HTTP checks over connections kept between checks of the same endpoint, within a descriptor
+budget.
+
+A check's cost was mostly its fresh TCP connection (connect, then reset; the kernel's share counts as
+ours): a kept connection turns a check into one write and one read. To reuse a connection the whole
+answer must be read, so it is parsed here, boundedly: the status line and headers within MAX_HEAD
+bytes, then a Content-Length or chunked body of at most MAX_BODY bytes. Anything else (a body to be
+read until close, `Connection: close`, HTTP/1.0 without keep-alive, a 1xx, a head or body over its
+limit, a malformed head, bytes nobody asked for, a timeout) closes the connection, and the check's
+result is what it was before keep-alive: the status line decides. A parser of our own rather than h11:
+the four headers that matter and a chunk-size line are all a check reads, and h11's state machine and
+event objects in pure Python would cost as much CPU per check as the rest of the checker.
+
+Kept connections are per target (address, port, spec): the checker never runs two checks of one
+target at once, so a connection is either idle here or carrying its one check. Idle ones are at most
+`budget` (half of what the open-file limit leaves after the gRPC port's connections and reserve, at
+most MAX_KEPT); when full, the least recently used idle one is closed if it will be needed later than
+the newcomer, else the newcomer is: plain LRU would close, under a round robin of more endpoints than
+the budget, exactly the one due next, and keep none useful. `forget` (an endpoint no longer checked)
+and `close` (the checker stops) close what is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+from collections import OrderedDict
+
+from . import probes
+from .probes import MAX_HEAD, request_head, status_of
+from .spec import HealthSpec
+from .tracker import Result
+
+# A health answer's body is a word or a small JSON document. 64 KiB is far more than any of those and
+# what one read of the socket brings at most: past it the body is not worth reading to keep the
+# connection, which is closed (the status, already read, still decides the check).
+MAX_BODY = 65536
+# Idle kept connections at most, whatever the open-file limit: the aim is 10,000 endpoints, and each
+# costs a descriptor, a socket's kernel memory and one open connection on its backend.
+MAX_KEPT = 10_000
+MAX_CHUNK_LINE = 1024  # a chunk-size line (hex size and extensions)
+
+Key = tuple[str, int, HealthSpec]
+
+
+def budget(reserved: int) -> int:
+    """Idle kept connections allowed: half of the open-file limit left after `reserved` (the gRPC
+    port's connection limit and its reserve), so those always fit, and the other half stays for checks
+    in flight on fresh connections; at most MAX_KEPT."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_KEPT
+    return max(0, min(MAX_KEPT, (soft - reserved) // 2))
+
+
+class _Stale(Exception):
+    """A kept connection closed before any byte of the answer: the backend closed it while idle (the
+    race every keep-alive client has). The check is tried once on a fresh connection."""
+
+
+def _expire(answer: asyncio.Future[int]) -> None:
+    if not answer.done():
+        answer.set_exception(TimeoutError())
+
+
+class _Conn(asyncio.Protocol):
+    """One connection and the answer in progress on it. `answer` resolves when the connection can say
+    the check's status: with the whole answer read (`keep` true: reusable) or at the point it cannot
+    be reused (`keep` false: the connection is closed)."""
+
+    def __init__(self, idle: OrderedDict[Key, _Conn], key: Key, request: bytes) -> None:
+        self.idle = idle  # where it waits between checks (it leaves if the backend closes it meanwhile)
+        self.key = key
+        self.request = request  # the check's GET, the same each time
+        self.doomed = False  # its target was forgotten while it carried a check: closed after it
+        self.transport: asyncio.Transport | None = None
+        self.answer: asyncio.Future[int] | None = None  # set while a check is in progress
+        self.buf = b""
+        self.status: int | None = None  # of the answer in progress, once its status line is read
+        self.got = False  # a byte of the answer in progress has arrived
+        self.keep = False  # the whole answer was read and the connection may carry another
+        self.lost = False
+        self.state = 0  # 0 head, 1 body by length, 2 chunk-size line, 3 chunk data, 4 trailers
+        self.left = 0  # body or chunk bytes still to come
+        self.body = 0  # body bytes read
+        self.version11 = True
+        self.next_use = 0.0  # when idle: when its check is due next (loop time)
+
+    # -- the asyncio side ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.keep = False
+        answer = self.answer
+        if answer is None and self.idle.get(self.key) is self:
+            del self.idle[self.key]  # closed by the backend while idle: its budget slot is free again
+        if answer is not None and not answer.done():
+            if self.status is not None:
+                answer.set_result(self.status)  # the status line was read: it decides, as before
+            elif not self.got:
+                answer.set_exception(_Stale())
+            else:
+                answer.set_exception(asyncio.IncompleteReadError(self.buf, None))
+
+    def eof_received(self) -> bool:
+        return False  # close: nothing more can be asked on it
+
+    def start(self, answer: asyncio.Future[int]) -> None:
+        self.answer = answer
+        self.buf = b""
+        self.status = None
+        self.got = self.keep = False
+        self.state = self.left = self.body = 0
+        assert self.transport is not None
+        self.transport.write(self.request)
+
+    def abort(self) -> None:
+        self.keep = False
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- the answer ----------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        answer = self.answer
+        if answer is None or answer.done():
+            return self.abort()  # bytes nobody asked for: never reused
+        self.got = True
+        self.buf += data
+        try:
+            self._parse()
+        except ValueError as e:
+            self._done(keep=False, error=e)
+
+    def _parse(self) -> None:
+        while True:
+            state, buf = self.state, self.buf
+            if state == 0:
+                if not self._head():
+                    return
+            elif state in (1, 3):
+                n = min(len(buf), self.left)
+                self.body += n
+                self.left -= n
+                self.buf = buf[n:]
+                if self.left:
+                    return
+                if state == 1:
+                    return self._done(keep=not self.buf)
+                if self.buf[:2] == b"\r\n":
+                    self.buf, self.state = self.buf[2:], 2
+                elif self.buf[:1] == b"\n":
+                    self.buf, self.state = self.buf[1:], 2
+                elif len(self.buf) >= 2 or self.buf[:1] not in (b"", b"\r"):
+                    raise ValueError("malformed chunk")
+                else:
+                    return
+            elif state == 2:
+                end = buf.find(b"\n")
+                if end < 0:
+                    if len(buf) > MAX_CHUNK_LINE:
+                        raise ValueError("chunk-size line too long")
+                    return
+                size = buf[:end].split(b";", 1)[0].strip()
+                if not size or len(size) > 8 or size.strip(b"0123456789abcdefABCDEF"):
+                    raise ValueError("malformed chunk size")
+                self.left = int(size, 16)
+                self.buf = buf[end + 1 :]
+                if self.left == 0:
+                    self.state = 4
+                elif self.body + self.left > MAX_BODY:
+                    return self._done(keep=False)  # too big to read: closed, the status stands
+                else:
+                    self.state = 3
+            else:  # trailers, then an empty line
+                end = buf.find(b"\n")
+                if end < 0:
+                    if len(buf) > MAX_HEAD:
+                        raise ValueError("trailers too long")
+                    return
+                self.buf = buf[end + 1 :]
+                if not buf[:end].strip():
+                    return self._done(keep=not self.buf)
+
+    def _head(self) -> bool:
+        """Parse the status line and headers once they are in; False while more is needed."""
+        buf = self.buf
+        if self.status is None:
+            end = buf.find(b"\n")
+            if end < 0 or end > MAX_HEAD:
+                if end > MAX_HEAD or len(buf) > MAX_HEAD:
+                    self._done(keep=False, error=asyncio.LimitOverrunError("no line break", len(buf)))
+                return False
+            self.status = status_of(buf[: end + 1])  # ValueError: not HTTP, as before
+            self.version11 = buf.startswith(b"HTTP/1.1")
+        first = buf.find(b"\n") + 1
+        a, b = buf.find(b"\n\r\n", first - 1), buf.find(b"\n\n", first - 1)
+        end = min(a, b) if a >= 0 and b >= 0 else max(a, b)
+        if end < 0:
+            if len(buf) > MAX_HEAD:
+                self._done(keep=False)  # a head too long: closed, the status stands
+            return False
+        if end > MAX_HEAD:
+            self._done(keep=False)
+            return False
+        body_at = end + (3 if end == a else 2)
+        length: int | None = None
+        chunked = close = keep_alive = False
+        for line in buf[first:end].split(b"\n"):
+            name, sep, value = line.partition(b":")
+            if not sep:
+                if line.strip():
+                    raise ValueError("malformed header")
+                continue
+            name = name.strip().lower()
+            if name == b"content-length":
+                value = value.strip()
+                if not value.isdigit() or (length is not None and int(value) != length):
+                    raise ValueError("malformed Content-Length")
+                length = int(value)
+            elif name == b"transfer-encoding":
+                if value.strip().lower() != b"chunked":
+                    close = True  # an encoding this reader does not take apart
+                chunked = True
+            elif name == b"connection":
+                tokens = value.lower()
+                close |= b"close" in tokens
+                keep_alive |= b"keep-alive" in tokens
+        status = self.status
+        assert status is not None
+        self.buf = buf[body_at:]
+        if close or not (self.version11 or keep_alive) or 100 <= status < 200:
+            self._done(keep=False)
+        elif status in (204, 304):
+            self._done(keep=not self.buf)
+        elif chunked and length is not None:
+            self._done(keep=False)  # both framings: ambiguous, not reused
+        elif chunked:
+            self.state = 2
+            return True
+        elif length is None:
+            self._done(keep=False)  # read until close: the status stands, the connection goes
+        elif length > MAX_BODY:
+            self._done(keep=False)
+        else:
+            self.state, self.left = 1, length
+            return True
+        return False
+
+    def _done(self, keep: bool, error: Exception | None = None) -> None:
+        """The answer is over (or cannot be read on): its status, once read, decides the check, as
+        before keep-alive, whatever came after it; before it, `error` does."""
+        answer = self.answer
+        self.keep = keep and not self.lost
+        if not self.keep:
+            self.abort()
+        if answer is not None and not answer.done():
+            if self.status is not None:
+                answer.set_result(self.status)
+            else:
+                answer.set_exception(error or ValueError("no status line"))
+
+
+class KeptConnections:
+    """The probe with kept connections for plain HTTP checks (`check`); any other kind goes to
+    probes.check, fresh each time. `reserved` (descriptors the gRPC port may hold) sizes the budget."""
+
+    def __init__(self, reserved: int = 0, budget_: int | None = None) -> None:
+        self.reserved = reserved
+        self._budget = budget_
+        self._idle: OrderedDict[Key, _Conn] = OrderedDict()  # least recently used first
+        self._busy: dict[Key, _Conn] = {}  # carrying a check
+        self._closed = False
+        self.opened = 0  # connections opened
+        self.reused = 0  # checks on a kept connection
+        self.evicted = 0  # idle connections closed (or not kept) for the budget
+
+    @property
+    def budget(self) -> int:
+        if self._budget is None:  # first used once the server runs: the open-file limit raised by then
+            self._budget = budget(self.reserved)
+        return self._budget
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    async def check(self, address: str, port: int, spec: HealthSpec) -> Result:
+        if spec.kind != "http" or spec.tls:
+            return await probes.check(address, port, spec)
+        key = (address, port, spec)
+        start, wall = time.perf_counter(), time.time()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + spec.timeout
+        conn = self._idle.pop(key, None)
+        status: int | None = None
+        try:
+            if conn is not None:
+                try:
+                    self.reused += 1
+                    status = await self._ask(key, conn, loop, deadline)
+                except _Stale:
+                    self.reused -= 1  # closed before it could carry the check: not one reused
+                    conn = None
+            if conn is None:
+                request = request_head(address, spec.port or port, spec.path, keep=True)
+                async with asyncio.timeout_at(deadline):  # the connect; the answer has its own timer
+                    _, conn = await loop.create_connection(
+                        lambda: _Conn(self._idle, key, request), address, spec.port or port
+                    )
+                self.opened += 1
+                status = await self._ask(key, conn, loop, deadline)
+        except TimeoutError:
+            if conn is not None:
+                conn.abort()
+                status = conn.status  # the status line was read, the rest of the answer was slow
+            if status is None:
+                return Result(False, f"timed out after {spec.timeout:g}s", time.perf_counter() - start, wall)
+        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, _Stale) as e:
+            if conn is not None:
+                conn.abort()
+            why = "connection closed before a status line" if isinstance(e, _Stale) else probes._why(e)
+            return Result(False, why, time.perf_counter() - start, wall)
+        finally:
+            if conn is not None:
+                busy = self._busy.pop(key, None)
+                if busy is not None and busy is not conn:
+                    self._busy[key] = busy  # a check of a target that came back meanwhile
+                self._release(key, conn, loop.time() + spec.interval)
+        assert status is not None
+        return Result(spec.expects(status), f"HTTP {status}", time.perf_counter() - start, wall)
+
+    async def _ask(self, key: Key, conn: _Conn, loop: asyncio.AbstractEventLoop, deadline: float) -> int:
+        """Send the check on `conn` and wait for its status until `deadline`: a plain timer on the
+        answer rather than asyncio.timeout (a check on a kept connection is this and nothing else)."""
+        if conn.lost:
+            raise _Stale()
+        self._busy[key] = conn
+        answer: asyncio.Future[int] = loop.create_future()
+        timer = loop.call_at(deadline, _expire, answer)
+        conn.start(answer)
+        try:
+            return await answer
+        finally:
+            timer.cancel()
+            conn.answer = None
+
+    def _release(self, key: Key, conn: _Conn, next_use: float) -> None:
+        """Keep the connection for the next check of `key`, if it may be and the budget allows."""
+        if not conn.keep or conn.lost or conn.doomed or self._closed:
+            conn.abort()
+            return
+        conn.next_use = next_use
+        idle = self._idle
+        if len(idle) >= self.budget:
+            if not idle:
+                self.evicted += 1
+                conn.abort()
+                return
+            oldest_key, oldest = next(iter(idle.items()))
+            if oldest.next_use <= next_use:  # the oldest is needed sooner than the newcomer
+                self.evicted += 1
+                conn.abort()
+                return
+            del idle[oldest_key]
+            self.evicted += 1
+            oldest.abort()
+        idle[key] = conn
+
+    def forget(self, key: Key) -> None:
+        """`key` is no longer checked: close its connection (at once, or when its check ends)."""
+        conn = self._idle.pop(key, None)
+        if conn is not None:
+            conn.abort()
+        busy = self._busy.get(key)
+        if busy is not None:
+            busy.doomed = True
+
+    def close(self) -> None:
+        """The checker stops: close every kept connection; those carrying a check close after it."""
+        self._closed = True
+        for conn in self._busy.values():
+            conn.doomed = True
+        while self._idle:
+            self._idle.popitem()[1].abort()

@@ -1,0 +1,264 @@
+"""Kept HTTP check connections against real backends on 127.0.0.1 that count the connections they
+accept: one connection for repeated checks, a new one whenever the answer forbids reuse (with the
+check's result as without keep-alive), the budget, and nothing left open when a target goes or the
+checker stops."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from aiohttp import web
+
+from eds_server.encode import encode_group
+from eds_server.health import keepalive
+from eds_server.health.checker import Checker
+from eds_server.health.keepalive import KeptConnections
+from eds_server.health.spec import HealthSpec
+from eds_server.model import Endpoint, Group
+from eds_server.store import Store
+from tests.support.waiting import wait_for
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+SPEC = HealthSpec("http", path="/health", interval=1.0, timeout=0.5)
+
+
+Answer = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+class Backend:
+    """Answers each request on a connection with `answers[i]` (the last one repeated), up to 50
+    requests a connection; counts accepted connections and those the checker closed (EOF)."""
+
+    def __init__(self, *answers: bytes | Answer, close: bool = False) -> None:
+        self.answers = answers
+        self.close = close  # close after each answer
+        self.accepted = 0
+        self.ended = 0  # connections that saw EOF or a reset from the checker
+        self.requests = 0
+        self.finished = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            for i in range(50):  # bounded: requests on one connection
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"GET /health HTTP/1.1\r\n")
+                self.requests += 1
+                answer = self.answers[min(i, len(self.answers) - 1)]
+                if isinstance(answer, bytes):
+                    writer.write(answer)
+                    await writer.drain()
+                else:
+                    await answer(writer)
+                if self.close:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.ended += 1
+        finally:
+            writer.close()
+            self.finished += 1
+
+
+@asynccontextmanager
+async def serving(backend: Backend) -> AsyncIterator[int]:
+    server = await asyncio.start_server(backend.handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+        await wait_for(lambda: backend.finished == backend.accepted, timeout=5)  # nothing left open
+    finally:
+        server.close()
+
+
+async def checks(pool: KeptConnections, port: int, n: int, spec: HealthSpec = SPEC) -> list[str]:
+    return [
+        ("pass " if r.ok else "fail ") + r.reason for r in [await pool.check("127.0.0.1", port, spec) for _ in range(n)]
+    ]
+
+
+async def test_repeated_checks_use_one_connection() -> None:
+    chunked = b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n4;x=y\r\nbusy\r\n2\r\nno\r\n0\r\nA: b\r\n\r\n"
+    for answers in ((OK,), (OK, chunked, b"HTTP/1.1 204 No Content\r\n\r\n", OK)):
+        backend = Backend(*answers)
+        pool = KeptConnections(budget_=10)
+        async with serving(backend) as port:
+            got = await checks(pool, port, 5)
+            assert backend.accepted == 1 and backend.requests == 5, got
+            assert pool.opened == 1 and pool.reused == 4 and pool.idle == 1
+            pool.close()
+        if len(answers) > 1:
+            assert got == ["pass HTTP 200", "fail HTTP 503", "pass HTTP 204", "pass HTTP 200", "pass HTTP 200"]
+
+
+async def test_answers_that_forbid_reuse_get_a_new_connection_and_still_pass() -> None:
+    for backend in (
+        Backend(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", close=True),
+        Backend(b"HTTP/1.1 200 OK\r\nConnection: Close\r\nContent-Length: 2\r\n\r\nok"),  # the checker closes it
+        Backend(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"),  # 1.0 without keep-alive
+        Backend(b"HTTP/1.1 200 OK\r\n\r\nuntil close"),  # no length: read until close
+    ):
+        pool = KeptConnections(budget_=10)
+        async with serving(backend) as port:
+            assert await checks(pool, port, 3) == ["pass HTTP 200"] * 3
+            assert backend.accepted == 3 and pool.reused == 0 and pool.idle == 0
+    keep10 = Backend(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok")
+    pool = KeptConnections(budget_=10)
+    async with serving(keep10) as port:
+        assert await checks(pool, port, 3) == ["pass HTTP 200"] * 3
+        assert keep10.accepted == 1
+        pool.close()
+
+
+async def test_huge_malformed_and_extra_answers_as_before_and_not_reused() -> None:
+    big = keepalive.MAX_BODY + 1
+    cases = {
+        "huge body": (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % big + b"x" * big, "pass HTTP 200"),
+        "huge chunk": (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n" % big + b"x" * big,
+            "pass HTTP 200",
+        ),
+        "bad header": (b"HTTP/1.1 200 OK\r\nno colon here\r\nContent-Length: 2\r\n\r\nok", "pass HTTP 200"),
+        "bad length": (b"HTTP/1.1 500 No\r\nContent-Length: 2x\r\n\r\nok", "fail HTTP 500"),
+        "bad chunk": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "pass HTTP 200"),
+        "two framings": (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+            "pass HTTP 200",
+        ),
+        "extra bytes": (OK + b"HTTP/1.1 200 OK\r\n", "pass HTTP 200"),
+        "long head": (b"HTTP/1.1 200 OK\r\nX: " + b"y" * keepalive.MAX_HEAD + b"\r\n\r\n", "pass HTTP 200"),
+        "not HTTP": (b"SSH-2.0-OpenSSH\r\n", "fail ValueError: not an HTTP status line: b'SSH-2.0-OpenSSH\\r\\n'"),
+        "endless line": (b"HTTP/1.1 200 " + b"x" * (2 * keepalive.MAX_HEAD), "fail status line longer than 8192 bytes"),
+        "interim": (b"HTTP/1.1 100 Continue\r\n\r\n" + OK, "fail HTTP 100"),
+    }
+    for name, (answer, result) in cases.items():
+        backend = Backend(answer)
+        pool = KeptConnections(budget_=10)
+        async with serving(backend) as port:
+            assert await checks(pool, port, 2) == [result] * 2, name
+            assert backend.accepted == 2 and pool.reused == 0 and pool.idle == 0, name
+
+
+async def test_a_dripping_answer_costs_one_timeout_and_its_connection() -> None:
+    async def drip(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+        for _ in range(30):  # bounded: 3 s at most
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    async def drip_head(writer: asyncio.StreamWriter) -> None:
+        for _ in range(30):
+            writer.write(b"H")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    spec = HealthSpec("http", path="/health", interval=1.0, timeout=0.3)
+    for answer, result in ((drip, "pass HTTP 200"), (drip_head, "fail timed out after 0.3s")):
+        backend = Backend(OK, answer, OK)
+        pool = KeptConnections(budget_=10)
+        async with serving(backend) as port:
+            assert await checks(pool, port, 3, spec) == ["pass HTTP 200", result, "pass HTTP 200"]
+            assert backend.accepted == 2 and pool.reused == 1  # the slow answer's connection was closed
+            pool.close()
+
+
+async def test_a_kept_connection_closed_by_the_backend_is_retried_fresh() -> None:
+    async def hang_up(writer: asyncio.StreamWriter) -> None:
+        writer.close()  # the request lands as the backend closes its idle connection
+
+    backend = Backend(OK, hang_up)  # every second request on a connection is hung up on
+    pool = KeptConnections(budget_=10)
+    async with serving(backend) as port:
+        assert await checks(pool, port, 3) == ["pass HTTP 200"] * 3
+        assert backend.accepted == 3 and backend.requests == 5 and pool.reused == 0
+        pool.close()
+
+
+async def test_budget_closes_the_least_recently_used_when_it_is_needed_later() -> None:
+    slow = HealthSpec("http", path="/health", interval=60.0, timeout=0.5)
+    fast = HealthSpec("http", path="/health", interval=0.1, timeout=0.5)
+    a, b = Backend(OK), Backend(OK)
+    pool = KeptConnections(budget_=1)
+    async with serving(a) as port_a, serving(b) as port_b:
+        await checks(pool, port_a, 1, slow)
+        await checks(pool, port_b, 1, fast)  # a's connection, unused for 60 s, makes room
+        await wait_for(lambda: a.ended, timeout=5)
+        assert pool.idle == 1 and pool.evicted == 1
+        await checks(pool, port_b, 1, fast)
+        await checks(pool, port_a, 1, slow)  # needed later than b's: not kept, b's stays
+        await checks(pool, port_b, 1, fast)
+        assert (a.accepted, b.accepted, pool.evicted) == (2, 1, 2)
+        assert await checks(pool, port_a, 1, slow) == ["pass HTTP 200"]  # beyond the budget: fresh, as before
+        assert a.accepted == 3
+        pool.close()
+    assert keepalive.budget(0) <= keepalive.MAX_KEPT
+    soft = os.sysconf("SC_OPEN_MAX")
+    assert keepalive.budget(soft) == 0  # nothing left past the gRPC port's share: nothing kept
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_the_checker_closes_connections_of_endpoints_that_leave_and_when_it_stops() -> None:
+    backends = [Backend(OK) for _ in range(3)]
+    spec = HealthSpec("http", path="/health", interval=0.1, timeout=0.5)
+    async with serving(backends[0]) as p0, serving(backends[1]) as p1, serving(backends[2]) as p2:
+        before = fds()
+        store = Store(encode_group)
+        store.add_source("file")
+        checker = Checker(store)
+        group = Group("web", tuple(Endpoint("127.0.0.1", p, check=spec) for p in (p0, p1, p2)))
+        store.update("file", {"web": group})
+        stop = asyncio.Event()
+        task = asyncio.create_task(checker.run(stop))
+        await wait_for(lambda: [b.requests for b in backends], lambda r: min(r) >= 3, timeout=10)
+        assert [b.accepted for b in backends] == [1, 1, 1]
+        store.update("file", {"web": Group("web", group.endpoints[1:])})  # p0 leaves
+        await wait_for(lambda: backends[0].ended, timeout=5)
+        edited = dataclasses.replace(spec, interval=0.2)  # the same endpoint, its check edited
+        store.update("file", {"web": Group("web", (group.endpoints[1], Endpoint("127.0.0.1", p2, check=edited)))})
+        await wait_for(lambda: backends[2].ended, timeout=5)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await wait_for(lambda: backends[1].ended, timeout=5)
+        await wait_for(fds, lambda n: n == before, timeout=5)
+        assert checker.connections.idle == 0
+
+
+async def test_an_aiohttp_backend_over_ipv4_and_ipv6_keeps_one_connection() -> None:
+    transports: set[int] = set()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        transports.add(id(request.transport))
+        if request.path == "/chunked":
+            response = web.StreamResponse()
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            await response.write(b"ok")
+            await response.write_eof()
+            return response
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    pool = KeptConnections(budget_=10)
+    try:
+        for host in ("127.0.0.1", "::1"):
+            site = web.TCPSite(runner, host, 0)
+            await site.start()
+            port = int(runner.addresses[-1][1])
+            transports.clear()
+            for path in ("/health", "/chunked"):
+                spec = HealthSpec("http", path=path, interval=1.0, timeout=0.5)
+                results = [await pool.check(host, port, spec) for _ in range(3)]
+                assert [r.reason for r in results if r.ok] == ["HTTP 200"] * 3, results
+            assert len(transports) == 2, host  # one connection per target (path), each reused
+    finally:
+        pool.close()
+        await runner.cleanup()
