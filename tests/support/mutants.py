@@ -66,32 +66,32 @@ def _edit(cls: type, name: str, edits: dict[str, str], **helpers: Any) -> None:
 
 
 def _compare_ignores_own_revision() -> None:
-    from eds_server.sources.registrations_etcd import EtcdRegistrationSource
+    from eds_server.sources.etcd_kv import RegistrationKV
 
     # the key's own compare replaced by the group's again
-    own = "wire.held_at(etcd_key, held.mod_revision if held is not None else 0)"
-    group = "wire.unchanged_since(group_range, wire.range_end(group_range), view.revision)"
-    _edit(EtcdRegistrationSource, "_put", {own: group})
+    own = "wire.held_at(etcd_key, key_at)"
+    group = "wire.unchanged_since(group_range, wire.range_end(group_range), group_at)"
+    _edit(RegistrationKV, "put_if", {own: group})
 
 
 def _delete_answered_early() -> None:
-    from eds_server.sources.registrations_etcd import EtcdRegistrationSource
+    from eds_server.sources.etcd_kv import RegistrationKV
 
     tasks: set[asyncio.Task[Any]] = set()
 
-    async def early(source: Any, sent: Any) -> dict[str, Any]:
+    async def early(kv: Any, sent: Any) -> dict[str, Any]:
         """The delete's transaction sent, not waited for: answered as done at the view's revision."""
         task = asyncio.ensure_future(sent)
         tasks.add(task)
         task.add_done_callback(lambda t: (tasks.discard(t), t.cancelled() or t.exception()))
-        return {"succeeded": True, "header": {"revision": str(source._revision)}}
+        return {"succeeded": True, "header": {"revision": str(kv._view_revision())}}
 
     _edit(
-        EtcdRegistrationSource,
-        "delete",
+        RegistrationKV,
+        "delete_if",
         {
             "reply = await self.client.call(": "reply = await _early(self, self.client.call(",
-            "deadline=deadline,\n                once=True,\n            )": "deadline=deadline, once=True))",
+            "deadline=deadline,\n        once=True,\n    )": "deadline=deadline, once=True))",
         },
         _early=early,
     )
@@ -124,15 +124,16 @@ def _read_from_view() -> None:
 def _renewal_of_the_views_lease() -> None:
     """The code before renewals read etcd: a renewal keeps alive the lease this replica's view holds
     (however stale), and a replaced or deleted registration's lease is never revoked."""
-    from eds_server.sources import registrations_etcd
+    from eds_server.sources import etcd_kv
+    from eds_server.sources.etcd_leases import Leases
     from eds_server.sources.registrations_etcd import EtcdRegistrationSource
 
     async def kept(self: EtcdRegistrationSource, group: str, id: str, ttl: float | None) -> Any:
-        held = self._kvs.get((group, id))
+        held = self.view.kvs.get((group, id))
         if ttl is None or held is None or not held.lease:
             return None  # written instead
-        deadline = asyncio.get_running_loop().time() + registrations_etcd.WRITE_DEADLINE
-        if not await self._keep_alive(held.lease, deadline):
+        deadline = asyncio.get_running_loop().time() + etcd_kv.WRITE_DEADLINE
+        if not await self.leases.keep_alive(held.lease, deadline):
             return None
         return held
 
@@ -147,25 +148,26 @@ def _renewal_of_the_views_lease() -> None:
         _kept=kept,
     )
 
-    async def never(self: EtcdRegistrationSource, lease: int, deadline: float) -> None:
+    async def never(self: Leases, lease: int, deadline: float) -> None:
         return None
 
-    EtcdRegistrationSource._revoke = never  # type: ignore[method-assign]
+    Leases.revoke = never  # type: ignore[method-assign]
 
 
 def _renewal_without_keep_alive() -> None:
-    from eds_server.sources.registrations_etcd import EtcdRegistrationSource
+    from eds_server.sources.etcd_leases import Leases
 
-    async def alive(self: EtcdRegistrationSource, lease: int, deadline: float) -> bool:
+    async def alive(self: Leases, lease: int, deadline: float) -> bool:
         return True  # "renewed", without asking etcd
 
-    EtcdRegistrationSource._keep_alive = alive  # type: ignore[method-assign]
+    Leases.keep_alive = alive  # type: ignore[method-assign]
 
 
 def _lease_a_second_short() -> None:
-    from eds_server.sources import registrations_etcd
+    from eds_server.sources import etcd_leases, etcd_view
 
-    registrations_etcd.lease_ttl = lambda ttl: max(1, int(ttl) - 1)
+    # where a lease is granted, and where the view says how long a registration has left
+    etcd_leases.lease_ttl = etcd_view.lease_ttl = lambda ttl: max(1, int(ttl) - 1)
 
 
 MUTANTS: dict[str, Mutant] = {

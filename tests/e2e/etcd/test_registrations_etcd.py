@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from eds_server.sources.registrations_etcd import FOLLOW_BOUND
+from eds_server.sources.etcd_follow import FOLLOW_BOUND
 from tests.support.backends import http_backends
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, envoy_bootstrap
 from tests.support.etcd_cluster import EtcdCluster, etcd_binary, process_cpu

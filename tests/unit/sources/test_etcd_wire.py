@@ -12,6 +12,8 @@ import pytest
 
 from eds_server.model import Endpoint
 from eds_server.sources import etcd_wire as wire
+from eds_server.sources.etcd_kv import decode, encode
+from eds_server.sources.etcd_leases import lease_ttl
 from eds_server.sources.registrations import (
     Registration,
     RegistrationError,
@@ -21,7 +23,7 @@ from eds_server.sources.registrations import (
     check_put,
     check_weights,
 )
-from eds_server.sources.registrations_etcd import Turns, decode, encode, lease_ttl
+from eds_server.sources.registrations_etcd import Turns
 
 
 def b(text: str) -> str:
@@ -321,6 +323,10 @@ def test_etcd_settings_refused_in_one_line(args: list[str], message: str) -> Non
 
 
 def test_the_etcd_source_is_imported_only_when_configured() -> None:
-    code = "import sys, eds_server.cli, eds_server.app; print('eds_server.sources.registrations_etcd' in sys.modules)"
+    parts = ("registrations_etcd", "etcd_kv", "etcd_view", "etcd_follow", "etcd_leases")
+    code = (
+        "import sys, eds_server.cli, eds_server.app; "
+        f"print([m for m in {parts!r} if 'eds_server.sources.' + m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert out.stdout.strip() == "False", out.stderr
+    assert out.stdout.strip() == "[]", out.stderr
