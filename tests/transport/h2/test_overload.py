@@ -4,10 +4,14 @@ with the resident size in the test's hands."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
 from eds_server.transport.h2.limits import ConnectionLimits, Gate
 from eds_server.transport.h2.overload import LAG_WATERMARK, PRESSURE, MemoryWatermark, default_limit, process_rss
 from tests.support.grpc_harness import serving
-from tests.support.h2_client import SOURCE, ack, client_of, data, first_request, group, grpc, tagged
+from tests.support.h2_client import SOURCE, Client, ack, client_of, data, first_request, group, grpc, tagged
 
 MB = 1 << 20
 
@@ -118,9 +122,10 @@ def test_the_defaults_read_this_machine() -> None:
     assert default_limit() > 100 * MB
 
 
-async def test_past_the_limit_the_connection_holding_partial_messages_is_closed_not_the_canary() -> None:
-    """On a real server: a client at 127.0.0.2 holds half of a 1 MB message; with the resident size
-    said to be over the limit, its connection gets GOAWAY, and the canary's next change still comes."""
+@contextlib.asynccontextmanager
+async def canary_and_heavy() -> AsyncIterator[tuple[Any, Any, Client, int, Client, int]]:
+    """A real server; the canary at 127.0.0.1 with a stream answered and ACKed, and a client at
+    127.0.0.2 with a stream answered: (server, service, canary, its stream, heavy, its stream)."""
     async with (
         serving(ConnectionLimits()) as (server, service, port),
         client_of(port) as canary,
@@ -130,10 +135,22 @@ async def test_past_the_limit_the_connection_holding_partial_messages_is_closed_
         await canary.send(data(sid, grpc(ack(await canary.response(sid, 1), "web"))))
         held = await heavy.request(first_request("heavy", "web"))
         await heavy.response(held, 1)
+        yield server, service, canary, sid, heavy, held
+
+
+async def send_in_frames(client: Client, sid: int, body: bytes) -> None:
+    """`body` as DATA frames within the stock path's 16 KiB too, then a PING: all of it read."""
+    for at in range(0, len(body), 16_000):
+        await client.send(data(sid, body[at : at + 16_000]))
+    await client.ping()
+
+
+async def test_past_the_limit_the_connection_holding_partial_messages_is_closed_not_the_canary() -> None:
+    """On a real server: a client at 127.0.0.2 holds half of a 1 MB message; with the resident size
+    said to be over the limit, its connection gets GOAWAY, and the canary's next change still comes."""
+    async with canary_and_heavy() as (server, service, canary, sid, heavy, held):
         body = (1 << 20).to_bytes(5, "big") + b"x" * 60_000  # begun, never ended
-        for at in range(0, len(body), 16_000):  # frames within the stock path's 16 KiB too
-            await heavy.send(data(held, body[at : at + 16_000]))
-        await heavy.ping()
+        await send_in_frames(heavy, held, body)
         assert server.gate.peers["127.0.0.2"].partial == 1 << 20
         watermark = MemoryWatermark(server.gate, 100 * MB, rss=lambda: 200 * MB)
         watermark.check()
@@ -148,20 +165,9 @@ async def test_on_a_real_server_a_late_loop_refuses_the_costly_address_a_stream_
     """Either path: a client at 127.0.0.2 has spent most of the reading time (4 MB of requests on
     its stream); the loop said to be a watermark late, its next stream is refused, while
     the canary opens one and is answered, and its first stream goes on getting changes."""
-    async with (
-        serving(ConnectionLimits()) as (server, service, port),
-        client_of(port) as canary,
-        client_of(port, "127.0.0.2") as heavy,
-    ):
-        sid = await canary.request(first_request("canary", "web"))
-        await canary.send(data(sid, grpc(ack(await canary.response(sid, 1), "web"))))
-        held = await heavy.request(first_request("heavy", "web"))
-        await heavy.response(held, 1)
+    async with canary_and_heavy() as (server, service, canary, sid, heavy, held):
         for i in range(20):  # reading 4 MB costs more than all the canary sent; requests it ignores
-            body = grpc(tagged(f"heavy-{i}", 200_000))
-            for at in range(0, len(body), 16_000):  # frames within the stock path's 16 KiB too
-                await heavy.send(data(held, body[at : at + 16_000]))
-            await heavy.ping()
+            await send_in_frames(heavy, held, grpc(tagged(f"heavy-{i}", 200_000)))
         now = server.gate.reads.clock()
         costs = {ip: server.gate.peers[ip].cost.now(now) for ip in ("127.0.0.1", "127.0.0.2")}
         assert costs["127.0.0.2"] > costs["127.0.0.1"], costs
