@@ -228,7 +228,7 @@ class Gate:
         peer = self.peers.get(ip)
         if peer is None:
             if len(self.peers) >= max(self._prune_at, limits.max_connections):
-                self._forget_idle()
+                self.sweep()  # before its next turn: a burst of fresh addresses may fill it first
                 # next time at twice what is left: a table of busy peers is not walked per connection
                 self._prune_at = 2 * len(self.peers)
             peer = self.peers[ip] = PeerBudgets(limits, ip)
@@ -287,7 +287,9 @@ class Gate:
             self._top -= 1
 
     def sweep(self) -> int:
-        """Forget the addresses gone idle since their last connection closed; how many.
+        """Forget the addresses gone idle since their last connection closed; how many. One rule
+        whether the overload check calls it (every half second) or a full table does: no connection,
+        budgets full, cost decayed (nobody's debt forgotten); it walks only the addresses gone.
 
         Why soon, not when the table fills: each address's state is allocated among its
         connections' streams, and one small object left in a 1 MiB arena of the allocator keeps the
@@ -302,11 +304,6 @@ class Gate:
                 del self.peers[ip]
                 forgotten += 1
         return forgotten
-
-    def _forget_idle(self) -> None:
-        """Drop IPs with no connection and full budgets: bounded memory, and nobody's debt forgotten."""
-        for ip in [ip for ip, p in self.peers.items() if p.idle]:
-            del self.peers[ip]
 
 
 class PartialBudget:

@@ -276,3 +276,18 @@ async def test_a_stream_without_a_request_is_ended_and_counted_on_either_path() 
             writer.close()
         await wait_for(lambda: server.refused["no_request"] == 1, timeout=5)
         await fetch_web(port)
+
+
+def test_a_full_table_forgets_by_the_same_rule() -> None:
+    """A burst of fresh addresses may fill the table between two sweeps: admitting the next one
+    forgets what a sweep would (idle, cost decayed), and keeps an address still owing the loop."""
+    now = [0.0]
+    gate = Gate(ConnectionLimits(max_connections=4, max_connections_per_ip=100))
+    gate.reads.clock = lambda: now[0]
+    conns = {ip: FakeConnection(ip) for ip in ("a", "b", "c", "costly")}
+    peers = {ip: gate.admit(ip, c) for ip, c in conns.items()}
+    peers["costly"].cost.charge(2.0, now[0])
+    for ip, conn in conns.items():
+        gate.release(peers[ip], conn)
+    gate.admit("newcomer", FakeConnection("newcomer"))
+    assert set(gate.peers) == {"costly", "newcomer"}
