@@ -146,7 +146,7 @@ class Floor:
         """resources (2) + type_url (4) + control_plane (6) of eds-server's response for the file's one group."""
         from eds_server import upstreams
         from eds_server.encode import encode_group
-        from eds_server.store import Resource, content_version
+        from eds_server.encoded import Resource, content_version
         from eds_server.xds.wire import discovery_response
 
         groups = upstreams.load(str(path))

@@ -11,11 +11,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from . import __version__, status_page
+from .encoded import Resource
 from .metrics import public_exposition
 from .model import Endpoint, endpoint_json
 from .registration_api import RegistrationPolicy, add_routes, registration_json
 from .serving_state import serving_state, source_kind
-from .store import Resource
 
 if TYPE_CHECKING:
     from .sources.registrations import Registrations

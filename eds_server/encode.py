@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from itertools import groupby
 from typing import Any
 
+from .encoded import Resource
 from .model import Endpoint, Group, Health, Locality
 from .pb.envoy.config.core.v3 import Address, HealthStatus, Metadata, SocketAddress
 from .pb.envoy.config.core.v3 import Locality as PbLocality
@@ -28,7 +29,6 @@ from .pb.envoy.config.endpoint.v3 import ClusterLoadAssignment, LbEndpoint, Loca
 from .pb.envoy.config.endpoint.v3 import Endpoint as PbEndpoint
 from .pb.google.protobuf import Struct
 from .protowire import length_delimited, string_field, varint
-from .store import Resource
 from .xds.common import EDS_TYPE_URL
 from .xds.wire import Responses
 

@@ -21,11 +21,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from . import __version__
+from .encoded import Resource
 from .health.checker import LATENCY_BUCKETS as CHECK_BUCKETS
 from .health.checker import Checker
 from .observe import Counters, Observers, StreamObserver, StreamView
 from .serving_state import serving_state, source_kind
-from .store import Resource
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

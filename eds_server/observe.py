@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .encoded import Resource
 from .ratelimit import Bucket
-from .store import Resource
 
 log = logging.getLogger("eds_server.grpc")
 

@@ -29,10 +29,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from .. import fields
+from ..encoded import Resource
 from ..model import Endpoint, Group
 from ..ratelimit import LogBudget
 from ..source_merge import Overlay
-from ..store import Resource
 from ..subscriptions import Watcher
 from .keepalive import KeptConnections
 from .spec import HealthSpec

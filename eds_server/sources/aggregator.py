@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
+from ..encoded import Resource
 from ..model import Group
-from ..store import Resource
 from ..subscriptions import Interest
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..model import Group
 
 if TYPE_CHECKING:
-    from ..store import Resource
+    from ..encoded import Resource
 
 log = logging.getLogger("eds_server.sources")
 

@@ -20,12 +20,12 @@ import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Cardinality, Status
 
+from ..encoded import Resource
 from ..events import LeanEvent
 from ..heap import HeapTrim
 from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
 from ..pb.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
-from ..store import Resource
 from ..xds import wire
 from ..xds.common import (
     WILDCARD,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..store import Resource
+from ..encoded import Resource
 
 EDS_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 # EDS has no wildcard: Envoy always names its clusters. "*" (and the legacy empty first list) asks for

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..store import Resource
+from ..encoded import Resource
 from .common import (
     EDS_TYPE_URL,
     WILDCARD,

@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..store import Resource
+from ..encoded import Resource
 from .common import (
     WILDCARD,
     Ack,

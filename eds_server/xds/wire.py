@@ -12,8 +12,8 @@ import sys
 import weakref
 from collections.abc import Iterable, Sequence
 
+from ..encoded import Resource
 from ..protowire import FieldValue, fields, length_delimited, string_field, text
-from ..store import Resource
 from .common import EDS_TYPE_URL, ProtocolError
 from .delta import DeltaRequest
 from .sotw import Request

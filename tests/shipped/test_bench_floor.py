@@ -23,8 +23,8 @@ import pytest
 
 from eds_server import upstreams
 from eds_server.encode import encode_group
+from eds_server.encoded import Resource, content_version
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
-from eds_server.store import Resource, content_version
 from eds_server.xds.wire import discovery_response
 from tests.support.paths import ROOT
 from tests.support.ports import free_port

@@ -3,8 +3,8 @@ a body of its own ("empty:NAME"), so a test can tell every resource apart."""
 
 from __future__ import annotations
 
+from eds_server.encoded import Resource
 from eds_server.model import Group
-from eds_server.store import Resource
 
 
 class View:

@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 from eds_server import protowire, upstreams
 from eds_server.encode import LB_METADATA_KEY, cluster_load_assignment, encode_group
+from eds_server.encoded import Resource
 from eds_server.model import Endpoint, Group, Health, Locality
 from eds_server.sources.containers import SETTING_KEYS, DockerOptions, container_endpoints, groups_of
-from eds_server.store import Resource
 from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL, ProtocolError, StaleNonce, SubscriptionLimits, response_version
 from eds_server.xds.delta import DeltaRequest, DeltaResponse, DeltaStream

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 from eds_server.decode import DecodeError, decode_group
 from eds_server.encode import encode_group
+from eds_server.encoded import Resource
 from eds_server.model import Endpoint, Group, Health, locality
 from eds_server.pb.envoy.config.endpoint.v3 import ClusterLoadAssignment
 from eds_server.pb.envoy.service.discovery.v3 import DeltaDiscoveryRequest
 from eds_server.protowire import length_delimited, string_field
 from eds_server.sources.relay import RelaySource, Subscriptions, UpstreamOptions, decode_response, encode_request
-from eds_server.store import Resource, Store
+from eds_server.store import Store
 from eds_server.transport.h2 import PassThroughCodec
 from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL

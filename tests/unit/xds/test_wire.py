@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from eds_server import protowire, upstreams
 from eds_server.encode import Encoders, cluster_load_assignment, encode_group
+from eds_server.encoded import Resource, content_version
 from eds_server.model import Endpoint, Group, Health, Locality
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
-from eds_server.store import Resource, content_version
 from eds_server.xds import wire
 from eds_server.xds.common import EDS_TYPE_URL, ProtocolError
 from tests.support.upstreams_files import DOCUMENTED
