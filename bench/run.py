@@ -608,6 +608,8 @@ def main() -> None:
         "--no-floor", action="store_true", help="leave out the floor (bench/floor.py) in sidebyside and cores"
     )
     args = p.parse_args()
+    if args.profile and not (Path(PY).parent / "py-spy").exists():
+        p.error(f"--profile needs py-spy beside {PY}: {Path(PY).parent / 'pip'} install py-spy")
     args.rounds = max(1, args.rounds or (1 if args.quick else 3))
     default = [n for n in SCENARIOS if n != "cores" or args.peer]
     names = [n for n in args.only.split(",") if n] or default
