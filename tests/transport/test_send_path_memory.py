@@ -135,7 +135,9 @@ async def test_a_reader_that_stops_is_dropped_and_holds_up_no_one(server: Memory
     await healthy.send(data(h_sid, grpc(ack(r2, "web"))))
     client_end, server_end = server.transports[-1]
     await wait_for(lambda: not client_end.reading, what="the slow client's reads paused")
-    assert server_end.write_paused and server.service.counters.dropped == 0
+    assert server_end.write_paused
+    if server.server.fast:  # nothing waits yet (the stock path's send of it may already have timed out)
+        assert server.service.counters.dropped == 0
 
     late = await slow.request(first_request("slow-late", "web"))  # writes to the server still go
     server.update(*range(1, 1002))
