@@ -27,6 +27,7 @@ import aiohttp
 
 from tests.support.envoy_harness import EnvoyProcess
 from tests.support.server_process import EdsServerProcess
+from tests.support.waiting import wait_for
 
 
 @dataclass
@@ -72,6 +73,14 @@ class FaultWatch:
     def mark(self, what: str) -> None:
         """Note a step of the scenario on the timeline (printed with the summary)."""
         self.events.append((self.now(), what))
+
+    async def served(self, requests: int, what: str, timeout: float = 10.0) -> None:
+        """Until `requests` more requests through Envoy have been answered 200 (failures, if any, are
+        the assertions' to report): traffic went on in the state the scenario is in."""
+        before = sum(r.ok for r in self.requests)
+        await wait_for(
+            lambda: sum(r.ok for r in self.requests) - before, lambda n: n >= requests, timeout=timeout, what=what
+        )
 
     async def __aenter__(self) -> FaultWatch:
         self._t0 = time.monotonic()

@@ -20,8 +20,9 @@ from eds_server.pb.envoy.service.discovery.v3 import (
     DiscoveryRequest,
     DiscoveryResponse,
 )
-from eds_server.transport.grpc import EdsService, _Session
+from eds_server.transport.grpc import EdsService
 from eds_server.transport.h2.direct import DirectReader
+from eds_server.transport.h2.fast_server import FastIO
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.h2frames import (
     DATA,
@@ -31,6 +32,7 @@ from tests.support.h2frames import (
     HEADERS,
     PADDED,
     PING,
+    PREFACE,
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
@@ -101,9 +103,21 @@ class Client:
 
     @classmethod
     async def open(cls, port: int, src: str = "127.0.0.1") -> Client:
-        client = cls(await Conn.open(port, src))
+        return await cls.start(await Conn.open(port, src))
+
+    @classmethod
+    async def over(cls, conn: Conn, window: int | None = None) -> Client:
+        """A client on a connection made some other way (memory_io.py): the preface first."""
+        await conn.send(PREFACE)
+        return await cls.start(conn, window)
+
+    @classmethod
+    async def start(cls, conn: Conn, window: int | None = None) -> Client:
+        """The client on `conn` (its preface sent), once SETTINGS are exchanged: its streams grant
+        `window` bytes (by default so many the server never waits on us)."""
+        client = cls(conn)
         await client.send(
-            frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + OUR_WINDOW.to_bytes(4, "big"))
+            frame(SETTINGS, 0, 0, (4).to_bytes(2, "big") + (window or OUR_WINDOW).to_bytes(4, "big"))
             + frame(WINDOW_UPDATE, 0, 0, OUR_WINDOW.to_bytes(4, "big"))
         )
         # The server's SETTINGS are in and acknowledged: nothing the client answers later can land
@@ -234,17 +248,13 @@ async def client_of(port: int, src: str = "127.0.0.1") -> AsyncIterator[Client]:
         client.close()
 
 
-def session_of(service: EdsService, node: str) -> _Session:
+def reader_of(service: EdsService, node: str) -> DirectReader | None:
+    """The direct reader of node's stream (fast path), if it is on the direct path now."""
     found = [s for s in service.sessions if s.node == node]
     assert len(found) == 1, f"{len(found)} sessions of node {node}"
-    return found[0]
-
-
-def reader_of(service: EdsService, node: str) -> DirectReader | None:
-    """The DirectReader of node's stream, if it is on the direct path now."""
-    raw = session_of(service, node).stream._stream
-    assert raw.id is not None
-    return raw._h2_connection.direct.get(raw.id)  # type: ignore[no-any-return]
+    io = found[0].io
+    assert isinstance(io, FastIO), f"{type(io).__name__}: the stock path has no direct reader"
+    return io.direct
 
 
 async def direct_stream(client: Client, service: EdsService, node: str, path: str = STREAM) -> tuple[int, Any]:

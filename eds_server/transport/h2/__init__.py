@@ -19,6 +19,7 @@ response, end with a status), and knows its port and what it refused.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Callable
 from ssl import SSLContext
@@ -57,6 +58,7 @@ class GrpcServer(Protocol):
     gate: Gate  # its connections' limits and budgets, and what it refused
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StreamIO: ...
+    def connection_protocol(self) -> asyncio.Protocol: ...  # one more connection's, as start() makes
     async def start(
         self,
         host: str | None = None,

@@ -33,6 +33,7 @@ from h2.exceptions import H2Error
 
 from ...events import LeanEvent, LeanQueue
 from .base import Framed
+from .direct import DirectReader
 from .fast_connection import short_frame_reprs
 from .fast_protocol import FastProtocol
 from .fast_reader import MessageReader
@@ -85,6 +86,11 @@ class Server(grpclib.server.Server):
 
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> FastIO:
         return FastIO(stream, self.reader, self.flusher, self.response_headers)
+
+    def connection_protocol(self) -> asyncio.Protocol:
+        """A protocol for one more client connection, as start() makes for each accepted socket:
+        tests drive it over in-memory transports (tests/support/memory_io.py)."""
+        return self._protocol_factory()
 
     @property
     def port(self) -> int:
@@ -259,6 +265,15 @@ class FastIO:
 
     def status_in_trailers(self) -> contextlib.AbstractAsyncContextManager[None]:
         return StatusInTrailers(self.stream)
+
+    @property
+    def direct(self) -> DirectReader | None:
+        """The stream's direct reader (direct.py) while its requests are read straight from its DATA
+        frames, else None: how tests see the path is taken."""
+        raw = self.stream._stream
+        h2 = guarded_h2(raw)
+        reader = None if h2 is None or raw.id is None else h2.direct.get(raw.id)
+        return reader if isinstance(reader, DirectReader) else None
 
     def refused(self) -> None:
         charge_refusal(self.stream)

@@ -493,6 +493,11 @@ class StockServer(grpclib.server.Server):
     def open_io(self, stream: grpclib.server.Stream[Any, Any]) -> StockIO:
         return StockIO(stream)
 
+    def connection_protocol(self) -> asyncio.Protocol:
+        """A protocol for one more client connection, as start() makes for each accepted socket:
+        tests drive it over in-memory transports (tests/support/memory_io.py)."""
+        return cast(asyncio.Protocol, self._protocol_factory())
+
     async def start(
         self,
         host: str | None = None,

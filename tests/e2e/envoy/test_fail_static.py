@@ -41,14 +41,14 @@ async def test_upstreams_file_deleted_unreadable_garbage_then_restored(tmp_path:
                 async with FaultWatch(envoy, server, backends=ports) as watch:
                     path.unlink()
                     await wait_error(server, "missing")
-                    await asyncio.sleep(0.5)
+                    await watch.served(5, "traffic through Envoy with the file missing")
                     path.mkdir()  # a directory where the file was: unreadable even to root
                     await wait_error(server, "cannot read")
-                    await asyncio.sleep(0.5)
+                    await watch.served(5, "traffic through Envoy with the file unreadable")
                     path.rmdir()
                     write_atomically(path, "groups: {web: [garbage\n")
                     await wait_error(server, "upstreams.yaml:")
-                    await asyncio.sleep(0.5)
+                    await watch.served(5, "traffic through Envoy with the file garbage")
                     assert await envoy.version_text("web") == version  # nothing reached Envoy
                     write_atomically(path, upstreams(ports, weight=3))  # restored, with a change
                     await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: {x.weight for x in h} == {3})

@@ -91,8 +91,9 @@ async def test_failing_health_endpoint_leaves_rotation_and_comes_back(tmp_path: 
         await envoy.wait_for(lambda: envoy.hosts("web"), lambda h: [x.health for x in h] == ["HEALTHY"] * 3)
         sick = backends[0]
         async with FaultWatch(envoy, server) as watch:  # no direct probes of the backends: hits are Envoy's
-            await asyncio.sleep(1.0)  # traffic reaches all three
-            assert sick.hits > 0
+            await wait_for(
+                lambda: [b.hits for b in backends], lambda hits: all(hits), what="traffic reaching all three"
+            )
             watch.mark("b0 /health answers 500")
             sick.sick = True
             loop = asyncio.get_running_loop()

@@ -259,7 +259,7 @@ async def test_a_frozen_origin_is_said_stale_within_the_bound_and_envoy_keeps_it
         await wait_source(relay, source, stale=False, timeout=10)
         assert origin.proc is not None
         async with FaultWatch(envoy, relay, backends=[b.port for b in backends[:2]]) as watch:
-            await asyncio.sleep(1.0)
+            await watch.served(5, "traffic through Envoy before the freeze")
             origin.proc.send_signal(signal.SIGSTOP)
             try:
                 frozen_at = time.monotonic()
