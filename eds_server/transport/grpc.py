@@ -68,7 +68,7 @@ class EdsService:
     counters: Counters = field(default_factory=Counters)
     stream_log: StreamLog = field(default_factory=StreamLog)
     observers: Observers = field(default_factory=Observers)  # told of every stream event: add() more
-    sessions: StreamRegistry[_Session] = field(default_factory=StreamRegistry)  # the open xDS streams
+    sessions: StreamRegistry[StreamSession] = field(default_factory=StreamRegistry)  # the open xDS streams
     addresses: AddressTable = field(default_factory=AddressTable)  # open streams of each client IP
     authorize: Authorize | None = None  # None: every client may read every name
     stopping: bool = False  # stop() was called: no more streams, and no more changes sent
@@ -226,14 +226,14 @@ class EdsService:
     async def stream_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         io = self.open_io(stream)
         async with io.status_in_trailers():
-            await self._serve(_Session(self, stream, io, SOTW))
+            await self._serve(StreamSession(self, stream, io, SOTW))
 
     async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         io = self.open_io(stream)
         async with io.status_in_trailers():
-            await self._serve(_Session(self, stream, io, DELTA))
+            await self._serve(StreamSession(self, stream, io, DELTA))
 
-    async def _serve(self, session: _Session) -> None:
+    async def _serve(self, session: StreamSession) -> None:
         if self.stopping:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
         ip = _ip(session.stream)
@@ -303,7 +303,7 @@ class SendState(enum.Enum):
     path: no task woken per stream, one write per connection per change). Otherwise the stream's
     own task sends it, waiting on flow control as long as the send timeout allows.
 
-    Every move is one of SEND_MOVES, looked up there (`_Session._move`); anything else raises
+    Every move is one of SEND_MOVES, looked up there (`StreamSession._move`); anything else raises
     SendStateError. CLOSED is final.
     """
 
@@ -356,7 +356,7 @@ def send_move(state: SendState, step: SendStep, node: str = "") -> SendState:
     return after
 
 
-class _Session(SessionDriver):
+class StreamSession(SessionDriver):
     """One stream call: the session driver (xds/session.py) with its IO. A reader task feeds it
     requests; responses leave by one path, `send_due`, from whichever side made them due: see
     SendState."""

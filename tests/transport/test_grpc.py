@@ -449,13 +449,13 @@ async def test_ten_thousand_names_in_one_request(harness: Harness) -> None:
 async def test_many_streams_opened_and_closed_leave_nothing_behind(harness: Harness) -> None:
     import gc
 
-    from eds_server.transport.grpc import _Session
+    from eds_server.transport.grpc import StreamSession
 
     harness.store.update(SOURCE, {"web": group("web", 1)})
 
     def counts() -> tuple[int, int, int]:
         gc.collect()
-        sessions = sum(1 for o in gc.get_objects() if isinstance(o, _Session))
+        sessions = sum(1 for o in gc.get_objects() if isinstance(o, StreamSession))
         return len(asyncio.all_tasks()), len(os.listdir("/proc/self/fd")), sessions
 
     async def one_round(n: int) -> None:

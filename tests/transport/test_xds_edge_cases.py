@@ -28,7 +28,7 @@ from eds_server.pb.envoy.service.discovery.v3 import (
     DiscoveryResponse,
 )
 from eds_server.pb.google.rpc import Status as RpcStatus
-from eds_server.transport.grpc import _Session
+from eds_server.transport.grpc import StreamSession
 from eds_server.xds.common import EDS_TYPE_URL, SubscriptionLimits
 from tests.support.grpc_harness import SOURCE, Harness, cla_of, first, group, no_message, recv, reply
 from tests.support.waiting import wait_for
@@ -97,7 +97,7 @@ async def read_all_sent(h: Harness) -> None:
         await recv(call)
 
 
-def session(h: Harness) -> _Session:
+def session(h: Harness) -> StreamSession:
     [only] = h.service.sessions
     return only
 

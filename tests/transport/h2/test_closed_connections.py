@@ -22,7 +22,7 @@ import pytest
 from h2.connection import H2Connection
 from hyperframe.frame import DataFrame, RstStreamFrame
 
-from eds_server.transport.grpc import _Session
+from eds_server.transport.grpc import StreamSession
 from eds_server.transport.h2 import ConnectionLimits
 from eds_server.transport.h2.stock import GuardedProtocol
 from tests.support.grpc_harness import serving
@@ -39,7 +39,7 @@ TRACKED = (
     grpclib.server.Stream,
     H2Connection,
     GuardedProtocol,
-    _Session,
+    StreamSession,
 )
 
 
@@ -72,7 +72,7 @@ async def test_closed_connections_leave_nothing_behind() -> None:
         await wait_for(lambda: service.open_streams == CONNECTIONS * STREAMS)
         refs = tracked(earlier)
         held = alive(refs)
-        assert held["_Session"] == CONNECTIONS * STREAMS, held
+        assert held["StreamSession"] == CONNECTIONS * STREAMS, held
         assert held["FastProtocol"] + held["GuardedProtocol"] == CONNECTIONS, held
         gc.disable()
         try:

@@ -31,7 +31,7 @@ async def serving(
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        yield site._server.sockets[0].getsockname()[1], runner  # type: ignore[union-attr]
+        yield runner.addresses[0][1], runner
     finally:
         await runner.cleanup()
 
