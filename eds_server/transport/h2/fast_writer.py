@@ -177,6 +177,9 @@ class QueuedTransport:
         self.flush()
         self._transport.close()
 
+    def is_closing(self) -> bool:  # asked per stream per change: not through __getattr__
+        return self._transport.is_closing()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
