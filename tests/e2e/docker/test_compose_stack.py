@@ -1,10 +1,12 @@
 """The compose stack run for real: compose.yaml with `docker compose` (or Compose v1, `docker-compose`) on
 a private dockerd, with traffic from this host through Envoy's published listener while the stack is
-scaled, restarted, half-stopped, crashed and misconfigured. Not one request may fail while its
-backend is alive. A backend that exits at once on SIGTERM (whoami does, as PID 1) cuts the answer it
-is writing: Envoy has already passed the headers on and cannot retry. Such a cut (a response begun,
-then ended short) is counted apart, allowed only in a phase that stops backends, at most one per
-traffic thread per backend stopped; every other failure fails the test.
+scaled, restarted, half-stopped, crashed and misconfigured, and while a backend hangs (paused, then
+frozen) until eds-server's health check, from compose.yaml's labels, takes it out. Not one request may
+fail while its backend is alive. A backend that exits at once on SIGTERM (whoami does, as PID 1) cuts
+the answer it is writing: Envoy has already passed the headers on and cannot retry. Such a cut (a
+response begun, then ended short) is counted apart, allowed only in a phase that stops backends, at
+most one per traffic thread per backend stopped. So is a request sent to a hung backend before it was
+marked (it times out), at most one per traffic thread; every other failure fails the test.
 
 Images are the real ones where a registry answers, otherwise stand-ins built under the same names by
 ``build-standins.sh`` (``$EDS_COMPOSE_STANDINS``, default ``../shared/compose-standins/`` beside the
@@ -393,7 +395,8 @@ def test_compose_stack_keeps_serving(stack: Stack) -> None:
     hung = {p: n for p, n in traffic.failed.items() if p in ("backend paused", "backend frozen")}
     assert not traffic.failed - Counter(hung), traffic.failures
     assert all(n <= traffic.workers for n in hung.values()), traffic.failures
-    print(f"failed before the mark (counted apart, at most {traffic.workers} each): {hung or 'none'}")
+    why = [f for f in traffic.failures if f.startswith(("backend paused GET", "backend frozen GET"))]
+    print(f"failed before the mark (counted apart, at most {traffic.workers} each): {hung or 'none'} {why}")
     # backends stopped in each phase (scale 5 -> 2, one `docker stop`, scale 3 -> 2); nowhere else may an answer be cut
     stops = {"scale down": 3, "backend stopped": 1, "wrong DOCKER_GID": 1}
     assert all(n <= traffic.workers * stops.get(p, 0) for p, n in traffic.cut.items()), traffic.failures
