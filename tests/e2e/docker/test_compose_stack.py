@@ -236,7 +236,7 @@ class Stack:
         check says so too); returns the endpoint."""
 
         def done(ep: dict[str, Any] | None) -> bool:
-            return bool(ep) and ep["health"] == health and (not checked or ep["check"]["checked"] == health)  # type: ignore[index]
+            return ep is not None and ep["health"] == health and (not checked or ep["check"]["checked"] == health)
 
         found = wait_for_blocking(
             lambda: self.served("web", address),
@@ -463,7 +463,8 @@ def _backend_out(stack: Stack, traffic: Traffic, how: str) -> None:
     )
     assert traffic.answered[f"backend {how}, marked", hostname] == 0
     print(
-        f"backend {how}: eds-server marked it after {to_marked:.1f}s, Envoy after {to_envoy:.1f}s "
+        f"backend {how}: eds-server marked it after {to_marked:.1f}s (the check's bound: {CHECK_BOUND:g}s), "
+        f"Envoy after {to_envoy:.1f}s "
         f"({marked['check']}); failed before: {traffic.failed[f'backend {how}']}, "
         f"answered while out: {traffic.ok[f'backend {how}, marked']}"
     )
