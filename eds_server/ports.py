@@ -32,15 +32,16 @@ def every_unbindable(addresses: Iterable[tuple[str, tuple[str, int] | None]], fi
     so that a user moving one busy port learns of the next at once.
 
     Binds as asyncio's servers do (SO_REUSEADDR, every address the host resolves to) and holds each
-    socket until all are tried, so two flags naming one port are caught too. Port 0 is skipped. It
-    is a check, not a reservation: a port taken just after it still fails at start, less clearly.
+    socket until all are tried, so two flags naming one port are caught too. A host name that does
+    not resolve is named with its flag, port 0 included (whose bind is skipped). It is a check, not
+    a reservation: a port taken just after it still fails at start, less clearly.
     """
     problems: list[str] = []
     with contextlib.ExitStack() as held:
         for what, address in addresses:
             if problems and first_only:
                 break
-            if address is None or address[1] == 0:
+            if address is None:
                 continue
             host, port = address
             shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -48,6 +49,8 @@ def every_unbindable(addresses: Iterable[tuple[str, tuple[str, int] | None]], fi
                 infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             except socket.gaierror as e:
                 problems.append(f"{what} {shown}: cannot resolve {host!r} ({e.strerror})")
+                continue
+            if port == 0:
                 continue
             for family, kind, proto, _, sockaddr in infos:
                 sock = held.enter_context(socket.socket(family, kind, proto))

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from eds_server.cli import build_parser
+from eds_server.health.spec import HealthSpec
 from eds_server.model import Endpoint, Health
 from eds_server.sources.containers import DockerOptions, container_endpoints
 from tests.support.paths import ROOT
@@ -115,11 +116,12 @@ def test_healthcheck_is_stdlib_python_on_the_admin_readyz(monkeypatch: pytest.Mo
     }
     assert imported and imported <= sys.stdlib_module_names, imported - sys.stdlib_module_names
     assert "'127.0.0.1', 18001" in snippet and "'/readyz'" in snippet
-    # ...which is where the admin listens by default, and under the compose command.
+    # ...which is where the admin listens by default; under the compose command, the read-only port that
+    # serves /readyz (the admin itself is on the control network's address alone).
     monkeypatch.delenv("EDS_ADMIN", raising=False)
     assert build_parser().parse_args(["serve", "--docker"]).admin == ("127.0.0.1", 18001)
-    compose_admin = build_parser().parse_args(command_of(SERVICES["eds-server"])).admin
-    assert compose_admin in (("127.0.0.1", 18001), ("0.0.0.0", 18001))
+    compose = build_parser().parse_args(command_of(SERVICES["eds-server"]))
+    assert compose.metrics_listen == ("127.0.0.1", 18001)
 
 
 class _Status(BaseHTTPRequestHandler):
@@ -364,8 +366,8 @@ def test_backend_groups_are_the_ones_envoy_asks_for() -> None:
 
 @pytest.mark.parametrize("service", ["web", "api"])
 def test_backend_labels_give_an_endpoint(service: str) -> None:
-    """What the Docker source makes of a replica: compose puts every container of the project on
-    one network, `<project>_default`; traefik/whoami exposes 80/tcp only."""
+    """What the Docker source makes of a replica: compose puts the backends on one network,
+    `<project>_default`; traefik/whoami exposes 80/tcp only, and answers GET /health."""
     args = build_parser().parse_args(command_of(SERVICES["eds-server"]))
     options = DockerOptions(
         label_prefix=args.docker_label_prefix,
@@ -384,19 +386,24 @@ def test_backend_labels_give_an_endpoint(service: str) -> None:
     }
     found = container_endpoints(inspect, options)
     assert found.warning is None, found.warning
+    check = HealthSpec("http", path="/health", interval=1.0, timeout=0.5, healthy_threshold=2, unhealthy_threshold=2)
     assert found.endpoints == {
-        service: Endpoint("172.18.0.5", 80, health=Health.HEALTHY, hostname=f"{PROJECT}-{service}-1")
+        service: Endpoint("172.18.0.5", 80, health=Health.HEALTHY, hostname=f"{PROJECT}-{service}-1", check=check)
     }
 
 
-@pytest.mark.parametrize("source", ["Dockerfile CMD", "compose eds-server command"])
-def test_image_and_compose_listen_beyond_loopback_on_purpose(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """eds-server's --listen defaults to loopback, which in a container reaches no Envoy: the image and
-    compose.yaml say 0.0.0.0:18000 themselves, the port the image EXPOSEs."""
+@pytest.mark.parametrize(
+    ("source", "listen"), [("Dockerfile CMD", "0.0.0.0:18000"), ("compose eds-server command", "eds-control:18000")]
+)
+def test_image_and_compose_listen_beyond_loopback_on_purpose(
+    source: str, listen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eds-server's --listen defaults to loopback, which in a container reaches no Envoy: the image says
+    0.0.0.0:18000, compose.yaml its address on the control network alone; the port the image EXPOSEs."""
     monkeypatch.delenv("EDS_LISTEN", raising=False)
     assert build_parser().parse_args(["serve", "--docker"]).listen == ("127.0.0.1", 18000)
     cmd = exec_form(instruction("CMD")) if source == "Dockerfile CMD" else command_of(SERVICES["eds-server"])
-    assert cmd[cmd.index("--listen") + 1] == "0.0.0.0:18000"
+    assert cmd[cmd.index("--listen") + 1] == listen
     assert instruction("EXPOSE").split() == ["18000"]
 
 
@@ -406,7 +413,7 @@ def test_envoy_reaches_eds_server_and_is_published() -> None:
     assert xds["type"] in ("STRICT_DNS", "LOGICAL_DNS") and xds["dns_lookup_family"] == "V4_ONLY"
     sock = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     listen = build_parser().parse_args(command_of(SERVICES["eds-server"])).listen
-    assert sock["address"] == "eds-server" in SERVICES and sock["port_value"] == listen[1]
+    assert (sock["address"], sock["port_value"]) == listen == ("eds-control", 18000)
     # Envoy's listener listens on 0.0.0.0 in the container, and compose publishes it.
     listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
     published = {int(str(p).rsplit(":", 1)[1]) for p in SERVICES["envoy"]["ports"]}
@@ -471,18 +478,29 @@ def test_envoy_routes() -> None:
 
 
 def test_backends_cannot_reach_eds_server() -> None:
-    """eds-server (xDS and admin, registrations included) shares a network with Envoy only; the
-    backends are on the other one, with Envoy."""
+    """eds-server shares the backends' network to check them, but its ports (xDS and admin,
+    registrations included) listen on its control-network address alone, named by an alias that only
+    "control" has, and on its own loopback (the healthcheck's /readyz). The backends cannot send raw
+    packets to that address over the shared network (NET_RAW dropped). The published admin port
+    reaches the control address: Docker forwards to the network that sorts first by name."""
 
     def networks(name: str) -> set[str]:
         return set(SERVICES[name].get("networks") or ["default"])
 
-    assert networks("eds-server") == {"control"}
+    assert networks("eds-server") == {"control", "default"}
     assert networks("envoy") == {"control", "default"}
     for backend in ("web", "api"):
-        assert networks(backend) & networks("eds-server") == set()
+        assert networks(backend) & networks("eds-server") == {"default"}
         assert networks(backend) & networks("envoy")
-    assert set(COMPOSE["networks"]) == {"default", "control"}
+        assert "NET_RAW" in SERVICES[backend]["cap_drop"]
+        assert labels_of(SERVICES[backend])["eds.health.http"] == "/health"
+    assert set(COMPOSE["networks"]) == {"default", "control"} and "control" < "default"
+    eds_networks = SERVICES["eds-server"]["networks"]
+    assert eds_networks["control"]["aliases"] == ["eds-control"]
+    assert not (eds_networks["default"] or {}).get("aliases")
+    args = build_parser().parse_args(command_of(SERVICES["eds-server"]))
+    assert args.listen == ("eds-control", 18000) and args.admin == ("eds-control", 18001)
+    assert args.metrics_listen == ("127.0.0.1", 18001) and args.rest_listen is None
 
 
 def test_compose_header_and_docs_set_docker_gid_the_same_way() -> None:

@@ -1,10 +1,12 @@
 """The compose stack run for real: compose.yaml with `docker compose` (or Compose v1, `docker-compose`) on
 a private dockerd, with traffic from this host through Envoy's published listener while the stack is
-scaled, restarted, half-stopped, crashed and misconfigured. Not one request may fail while its
-backend is alive. A backend that exits at once on SIGTERM (whoami does, as PID 1) cuts the answer it
-is writing: Envoy has already passed the headers on and cannot retry. Such a cut (a response begun,
-then ended short) is counted apart, allowed only in a phase that stops backends, at most one per
-traffic thread per backend stopped; every other failure fails the test.
+scaled, restarted, half-stopped, crashed and misconfigured, and while a backend hangs (paused, then
+frozen) until eds-server's health check, from compose.yaml's labels, takes it out. Not one request may
+fail while its backend is alive. A backend that exits at once on SIGTERM (whoami does, as PID 1) cuts
+the answer it is writing: Envoy has already passed the headers on and cannot retry. Such a cut (a
+response begun, then ended short) is counted apart, allowed only in a phase that stops backends, at
+most one per traffic thread per backend stopped. So is a request sent to a hung backend before it was
+marked (it times out), at most one per traffic thread; every other failure fails the test.
 
 Images are the real ones where a registry answers, otherwise stand-ins built under the same names by
 ``build-standins.sh`` (``$EDS_COMPOSE_STANDINS``, default ``../shared/compose-standins/`` beside the
@@ -43,6 +45,11 @@ LISTENER, ADMIN = 10000, 18001  # compose.yaml publishes these on the host's 127
 STANDINS = Path(os.environ.get("EDS_COMPOSE_STANDINS", ROOT.parent / "shared/compose-standins/build-standins.sh"))
 REQUESTS_MAX, TRAFFIC_SECONDS_MAX = 40_000, 900.0  # bounds of the traffic loop, far above what a run needs
 STEP = 120.0  # bound of each wait for the stack to reach a state (a loaded 2-core host)
+# compose.yaml's eds.health.* labels on web: a backend that stops answering is out of Envoy's rotation
+# within unhealthy_threshold x interval + timeout (2 x 1 s + 0.5 s), well inside the traffic's 10 s
+# timeout: each traffic thread can have sent it at most one request before then, which hangs and fails.
+CHECK_BOUND = 2 * 1.0 + 0.5
+OUT_MIN = 100  # answers required while a backend is held out (after it was marked), and after it is back
 
 
 def _images() -> list[str]:
@@ -80,6 +87,7 @@ class Traffic:
     ok: Counter[str] = field(default_factory=Counter)
     failed: Counter[str] = field(default_factory=Counter)
     cut: Counter[str] = field(default_factory=Counter)
+    answered: Counter[tuple[str, str]] = field(default_factory=Counter)  # (phase, whoami's Hostname) of "/"
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -91,6 +99,12 @@ class Traffic:
             thread = threading.Thread(target=self._run, args=(i, deadline), daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def wait_ok(self, phase: str, n: int) -> None:
+        """Until `n` requests of `phase` have been answered (bounded)."""
+        wait_for_blocking(
+            lambda: self.ok[phase], lambda k: k >= n, timeout=STEP, interval=0.2, what=f"{n} answers in {phase!r}"
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -115,6 +129,7 @@ class Traffic:
                 body = resp.read().decode("utf-8", "replace")
                 good = resp.status == 200 and (('"name": "api"' in body) if path == "/api" else "Hostname:" in body)
                 outcome = None if good else f"{resp.status} {body[:120]!r}"
+                host = re.search(r"^Hostname: (\S+)", body, re.M) if good and path == "/" else None
                 cut = False
             except http.client.IncompleteRead as exc:  # headers passed on, then the backend went
                 conn, outcome, cut = None, repr(exc), True
@@ -123,6 +138,8 @@ class Traffic:
             with self._lock:
                 if outcome is None:
                     self.ok[phase] += 1
+                    if host:
+                        self.answered[phase, host.group(1)] += 1
                 elif cut:
                     self.cut[phase] += 1
                     if len(self.failures) < 20:
@@ -203,6 +220,34 @@ class Stack:
             what=f"eds-server serving Envoy again {want}",
             retry=(*NOT_YET_DOCKER, KeyError, json.JSONDecodeError, http.client.HTTPException),
         )
+
+    def backend_address(self, cid: str) -> str:
+        """A backend's address on the project's "default" network: the one eds-server serves and checks."""
+        nets = self.engine.inspect(cid)["NetworkSettings"]["Networks"]
+        return str(next(n["IPAddress"] for name, n in nets.items() if name.endswith("_default")))
+
+    def served(self, group: str, address: str) -> dict[str, Any] | None:
+        """The endpoint at `address` in eds-server's /v1/groups/GROUP (its served health, its check)."""
+        endpoints = json.loads(_get(ADMIN, f"/v1/groups/{group}"))["endpoints"]
+        return next((e for e in endpoints if e["address"] == address), None)
+
+    def wait_served(self, address: str, health: str, *, checked: bool) -> dict[str, Any]:
+        """Until eds-server serves the web endpoint at `address` with `health` (and, if `checked`, its own
+        check says so too); returns the endpoint."""
+
+        def done(ep: dict[str, Any] | None) -> bool:
+            return ep is not None and ep["health"] == health and (not checked or ep["check"]["checked"] == health)
+
+        found = wait_for_blocking(
+            lambda: self.served("web", address),
+            done,
+            timeout=STEP,
+            interval=0.1,
+            what=f"eds-server to serve web endpoint {address} {health}",
+            retry=(*NOT_YET_DOCKER, KeyError, json.JSONDecodeError, http.client.HTTPException),
+        )
+        assert found is not None
+        return found
 
 
 def _get(port: int, path: str) -> str:
@@ -298,6 +343,9 @@ def test_compose_stack_keeps_serving(stack: Stack) -> None:
     try:
         _check_network_separation(stack)
 
+        for how in ("paused", "frozen"):
+            _backend_out(stack, traffic, how)
+
         traffic.phase = "scale up"
         stack.run("up", "-d", "--scale", "web=5")
         stack.wait_hosts(5)
@@ -342,7 +390,13 @@ def test_compose_stack_keeps_serving(stack: Stack) -> None:
         traffic.stop()
     summary = ", ".join(f"{p}: {traffic.ok[p]}" for p in traffic.ok)
     print(f"requests: {traffic.total}, failed {sum(traffic.failed.values())}, cut {dict(traffic.cut)} ({summary})")
-    assert not traffic.failed, traffic.failures
+    # a request sent to the backend in the window between its pause (or freeze) and its mark hangs: at most one
+    # per traffic thread; every other request must be answered, those while it is held out included
+    hung = {p: n for p, n in traffic.failed.items() if p in ("backend paused", "backend frozen")}
+    assert not traffic.failed - Counter(hung), traffic.failures
+    assert all(n <= traffic.workers for n in hung.values()), traffic.failures
+    why = [f for f in traffic.failures if f.startswith(("backend paused GET", "backend frozen GET"))]
+    print(f"failed before the mark (counted apart, at most {traffic.workers} each): {hung or 'none'} {why}")
     # backends stopped in each phase (scale 5 -> 2, one `docker stop`, scale 3 -> 2); nowhere else may an answer be cut
     stops = {"scale down": 3, "backend stopped": 1, "wrong DOCKER_GID": 1}
     assert all(n <= traffic.workers * stops.get(p, 0) for p, n in traffic.cut.items()), traffic.failures
@@ -350,6 +404,10 @@ def test_compose_stack_keeps_serving(stack: Stack) -> None:
         traffic.ok[p] > 0
         for p in (
             "up",
+            "backend paused, marked",
+            "backend paused, back",
+            "backend frozen, marked",
+            "backend frozen, back",
             "scale up",
             "scale down",
             "restart eds-server",
@@ -360,24 +418,84 @@ def test_compose_stack_keeps_serving(stack: Stack) -> None:
     ), traffic.ok
 
 
+def _backend_out(stack: Stack, traffic: Traffic, how: str) -> None:
+    """One web backend stops answering while traffic runs: `docker pause` ("paused": Docker says so, and
+    eds-server's Docker source marks it unhealthy at once) or SIGSTOP of its process ("frozen": Docker
+    still says running; only eds-server's health check, from compose.yaml's labels, sees it). Once
+    eds-server marks it and Envoy holds it unhealthy, OUT_MIN requests, none failing; then it resumes,
+    its checks pass again, and it answers again.
+
+    Requests sent to it between the stop and the mark hang (its kernel still accepts connections) until
+    the traffic's timeout: phase "backend HOW", counted apart by the caller."""
+    cid = stack.ids("web")[0]
+    address, hostname = stack.backend_address(cid), stack.engine.inspect(cid)["Config"]["Hostname"]
+    before = stack.served("web", address)
+    assert before and before["health"] == "healthy" and before["check"]["result"] == "pass", before
+    pid = int(stack.engine.inspect(cid)["State"]["Pid"])
+    traffic.phase = f"backend {how}"
+    started = time.monotonic()
+    if how == "paused":
+        stack.engine.cli("pause", cid)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        marked = stack.wait_served(address, "unhealthy", checked=how == "frozen")
+        to_marked = time.monotonic() - started
+        stack.wait_hosts(2)  # Envoy holds it as /failed_eds_health
+        to_envoy = time.monotonic() - started
+        traffic.phase = f"backend {how}, marked"
+        traffic.wait_ok(traffic.phase, OUT_MIN)
+        if how == "frozen":  # the check's own verdict, from its timeouts
+            assert marked["check"]["result"] == "fail" and marked["check"]["in_a_row"] >= 2, marked
+        else:  # and the checks agree with Docker
+            stack.wait_served(address, "unhealthy", checked=True)
+    finally:
+        if how == "paused":
+            stack.engine.cli("unpause", cid)
+        else:
+            os.kill(pid, signal.SIGCONT)
+    traffic.phase = f"backend {how}, back"
+    stack.wait_served(address, "healthy", checked=True)
+    stack.wait_hosts(3)
+    traffic.wait_ok(traffic.phase, OUT_MIN)
+    wait_for_blocking(
+        lambda: traffic.answered[traffic.phase, hostname], timeout=STEP, interval=0.2, what=f"an answer from {hostname}"
+    )
+    assert traffic.answered[f"backend {how}, marked", hostname] == 0
+    print(
+        f"backend {how}: eds-server marked it after {to_marked:.1f}s (the check's bound: {CHECK_BOUND:g}s), "
+        f"Envoy after {to_envoy:.1f}s "
+        f"({marked['check']}); failed before: {traffic.failed[f'backend {how}']}, "
+        f"answered while out: {traffic.ok[f'backend {how}, marked']}"
+    )
+
+
 def _check_network_separation(stack: Stack) -> None:
     """From inside a backend (its network namespace), eds-server's xDS and admin ports and Envoy's admin
     are out of reach; from inside Envoy, eds-server's admin answers.
 
-    A backend shares no network with eds-server, so it reaches eds-server's address only through the
-    host's routing, which Docker's firewall rules close on a normal host. This engine runs without them
-    (the test leaves the host's firewall alone), so the check by address runs only where this host
-    does not forward between its interfaces (net.ipv4.ip_forward=0; other dockerds turn it on).
+    A backend shares the "default" network with eds-server (which checks it from there): eds-server's
+    address on it, and the name "eds-server" that resolves to it, are reached directly and must refuse
+    both ports (eds-server listens on its control address alone). The alias `eds-control` does not
+    resolve there. The control address itself is reached only through the host's routing, which
+    Docker's firewall rules close on a normal host. This engine runs without them (the test leaves
+    the host's firewall alone), so that address is checked only where this host does not forward
+    between its interfaces (net.ipv4.ip_forward=0; other dockerds turn it on). The backends have no
+    NET_RAW, without which they cannot hand eds-server a packet for its control address directly.
     """
     web, envoy = stack.ids("web")[0], stack.ids("envoy")[0]
     eds_nets = stack.eds_server()["NetworkSettings"]["Networks"]
-    web_nets = stack.engine.inspect(web)["NetworkSettings"]["Networks"]
-    assert not set(eds_nets) & set(web_nets), (sorted(eds_nets), sorted(web_nets))
-    hosts = ["eds-server"]
+    web_info = stack.engine.inspect(web)
+    web_nets = web_info["NetworkSettings"]["Networks"]
+    shared = set(eds_nets) & set(web_nets)
+    assert len(shared) == 1 and next(iter(shared)).endswith("_default"), (sorted(eds_nets), sorted(web_nets))
+    assert "NET_RAW" in (web_info["HostConfig"]["CapDrop"] or []), web_info["HostConfig"]["CapDrop"]
+    control = {n["IPAddress"] for name, n in eds_nets.items() if name not in shared}
+    hosts = ["eds-server", "eds-control", *(eds_nets[name]["IPAddress"] for name in shared)]
     if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "0":
-        hosts += [n["IPAddress"] for n in eds_nets.values()]
+        hosts += sorted(control)
     else:
-        print("this host forwards between interfaces: eds-server checked by name only, not by address")
+        print("this host forwards between interfaces: eds-server's control address not checked from a backend")
     targets = [f"http://{host}:{port}/" for host in hosts for port in (18000, ADMIN)]
     targets.append("http://envoy:9901/ready")  # Envoy's admin is on its container's loopback
     curl = next(i for i in _images() if i.startswith("curlimages/curl:"))
@@ -399,6 +517,6 @@ def _check_network_separation(stack: Stack) -> None:
         "10",
         "-o",
         "/dev/null",
-        f"http://eds-server:{ADMIN}/readyz",
+        f"http://eds-control:{ADMIN}/readyz",
         timeout=60,
     )
