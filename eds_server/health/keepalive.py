@@ -1,8 +1,12 @@
-"""Plain HTTP checks over connections kept between checks of the same endpoint, within a descriptor
-budget.
+"""HTTP and HTTPS checks over connections kept between checks of the same endpoint, within a
+descriptor budget.
 
 A check's cost was mostly its fresh TCP connection (connect, then reset; the kernel's share counts as
-ours): a kept connection turns a check into one write and one read. To reuse a connection the whole
+ours), and for `tls: true` its handshake (most of an HTTPS check's CPU): a kept connection turns a
+check into one write and one read, encrypted or not. TLS is asyncio's layer under the same protocol,
+with the context and server name a fresh HTTPS check has always had (probes.tls_context; an address
+is no server name, so no SNI), so what is read, and its bounds, are the same over TLS; a kept TLS
+connection costs ~47 KB of memory where a plain one costs ~2 KB. To reuse a connection the whole
 answer must be read, so it is parsed here, boundedly: the status line and headers within MAX_HEAD
 bytes, then a Content-Length or chunked body of at most MAX_BODY bytes. Anything else (a body to be
 read until close, `Connection: close`, HTTP/1.0 without keep-alive, a 1xx, a head or body over its
@@ -25,10 +29,10 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from . import probes
-from .probes import MAX_HEAD, request_head, status_of
+from .probes import MAX_HEAD, request_head, status_of, tls_context
 from .spec import HealthSpec
 from .tracker import Result
 
@@ -42,6 +46,13 @@ MAX_KEPT = 10_000
 MAX_CHUNK_LINE = 1024  # a chunk-size line (hex size and extensions)
 
 Key = tuple[str, int, HealthSpec]
+KINDS = ("http", "https")  # the kinds of kept connections, as counted
+HOW = ("opened", "reused", "evicted")
+
+
+def kind_of(spec: HealthSpec) -> str:
+    """The kind a kept connection is counted under: `http` or `https` (`tls: true`)."""
+    return "https" if spec.tls else "http"
 
 
 def budget(reserved: int) -> int:
@@ -264,8 +275,9 @@ class _Conn(asyncio.Protocol):
 
 
 class KeptConnections:
-    """The probe with kept connections for plain HTTP checks (`check`); any other kind goes to
-    probes.check, fresh each time. `reserved` (descriptors the gRPC port may hold) sizes the budget."""
+    """The probe with kept connections for HTTP and HTTPS checks (`check`); TCP and gRPC go to
+    probes.check, fresh each time. `reserved` (descriptors the gRPC port may hold) sizes the budget,
+    one for both: a kept TLS connection holds a descriptor as a plain one does."""
 
     def __init__(self, reserved: int = 0, budget_: int | None = None) -> None:
         self.reserved = reserved
@@ -273,9 +285,28 @@ class KeptConnections:
         self._idle: OrderedDict[Key, _Conn] = OrderedDict()  # least recently used first
         self._busy: dict[Key, _Conn] = {}  # carrying a check
         self._closed = False
-        self.opened = 0  # connections opened
-        self.reused = 0  # checks on a kept connection
-        self.evicted = 0  # idle connections closed (or not kept) for the budget
+        # (http|https, how) -> count: connections opened, checks on a kept connection (no connect, no
+        # handshake), idle connections closed (or not kept) for the budget
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def _total(self, how: str) -> int:
+        return sum(n for (_, h), n in self.counts.items() if h == how)
+
+    @property
+    def opened(self) -> int:
+        return self._total("opened")
+
+    @property
+    def reused(self) -> int:
+        return self._total("reused")
+
+    @property
+    def evicted(self) -> int:
+        return self._total("evicted")
+
+    def idle_by_kind(self) -> Counter[str]:
+        """Idle kept connections by kind, for the metrics (a walk over them: at most MAX_KEPT)."""
+        return Counter(kind_of(key[2]) for key in self._idle)
 
     @property
     def budget(self) -> int:
@@ -288,9 +319,10 @@ class KeptConnections:
         return len(self._idle)
 
     async def check(self, address: str, port: int, spec: HealthSpec) -> Result:
-        if spec.kind != "http" or spec.tls:
+        if spec.kind != "http":
             return await probes.check(address, port, spec)
         key = (address, port, spec)
+        kind = kind_of(spec)
         start, wall = time.perf_counter(), time.time()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + spec.timeout
@@ -299,18 +331,21 @@ class KeptConnections:
         try:
             if conn is not None:
                 try:
-                    self.reused += 1
+                    self.counts[(kind, "reused")] += 1
                     status = await self._ask(key, conn, loop, deadline)
                 except _Stale:
-                    self.reused -= 1  # closed before it could carry the check: not one reused
+                    self.counts[(kind, "reused")] -= 1  # closed before it could carry the check
                     conn = None
             if conn is None:
                 request = request_head(address, spec.port or port, spec.path, keep=True)
-                async with asyncio.timeout_at(deadline):  # the connect; the answer has its own timer
+                async with asyncio.timeout_at(deadline):  # the connect and handshake; the answer has its own timer
                     _, conn = await loop.create_connection(
-                        lambda: _Conn(self._idle, key, request), address, spec.port or port
+                        lambda: _Conn(self._idle, key, request),
+                        address,
+                        spec.port or port,
+                        ssl=tls_context() if spec.tls else None,  # the server name: the address, as before
                     )
-                self.opened += 1
+                self.counts[(kind, "opened")] += 1
                 status = await self._ask(key, conn, loop, deadline)
         except TimeoutError:
             if conn is not None:
@@ -356,16 +391,16 @@ class KeptConnections:
         idle = self._idle
         if len(idle) >= self.budget:
             if not idle:
-                self.evicted += 1
+                self.counts[(kind_of(key[2]), "evicted")] += 1
                 conn.abort()
                 return
             oldest_key, oldest = next(iter(idle.items()))
             if oldest.next_use <= next_use:  # the oldest is needed sooner than the newcomer
-                self.evicted += 1
+                self.counts[(kind_of(key[2]), "evicted")] += 1
                 conn.abort()
                 return
             del idle[oldest_key]
-            self.evicted += 1
+            self.counts[(kind_of(oldest_key[2]), "evicted")] += 1
             oldest.abort()
         idle[key] = conn
 

@@ -6,8 +6,8 @@ answer is read, at most MAX_HEAD bytes of it, and a redirect is a status like an
 followed, nothing else is contacted); a gRPC answer is read through a fixed buffer, MAX_GRPC_READ
 bytes per check at most, its message refused past MAX_ANSWER and its headers past MAX_HEADERS, the
 connection reset at once. Every probe returns a Result and never raises for the target's faults.
-The checker sends plain HTTP checks through keepalive.py instead (a connection kept between checks);
-`tls: true` ones, and every check before keep-alive, come here.
+The checker sends HTTP checks, `tls: true` or not, through keepalive.py instead (a connection kept
+between checks); TCP and gRPC checks come here, as every check did before keep-alive.
 """
 
 from __future__ import annotations
