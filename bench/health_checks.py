@@ -17,7 +17,8 @@ time.
 
 `--https`: the same with `tls: true` checks against backends serving TLS (a throwaway P-256
 certificate made here), eds-server's checker and fresh connections only (a handshake per fresh
-check: fewer endpoints, e.g. `--endpoints 250`, keep the fresh rate within reach of one core).
+check: fewer endpoints, e.g. `--endpoints 100`, keep the fresh rate within reach of one core;
+`--kept-only` leaves fresh connections out, for the full rate).
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--https", action="store_true", help="tls: true checks against TLS backends")
+    p.add_argument("--kept-only", action="store_true", help="eds-server's checker alone (no fresh, naive rows)")
     args = p.parse_args()
     spec = HealthSpec("http", path="/health", interval=args.interval, timeout=min(1.0, args.interval), tls=args.https)
     warm = 2 * args.interval + 1
@@ -178,9 +180,9 @@ def main() -> None:
         issued = CertAuthority("bench CA", where).issue(where / "backend", dns=["backend.internal"])
         cert = (str(issued.cert), str(issued.key))
     q: multiprocessing.Queue[list[int]] = multiprocessing.get_context("spawn").Queue()
-    scenarios = ("eds-server", "fresh connections")
-    if not args.https:
-        scenarios += ("naive aiohttp", "checker alone")
+    scenarios: tuple[str, ...] = ("eds-server",)
+    if not args.kept_only:
+        scenarios += ("fresh connections",) if args.https else ("fresh connections", "naive aiohttp", "checker alone")
     proc = multiprocessing.get_context("spawn").Process(
         target=_backends, args=(args.endpoints, q, len(scenarios) * (warm + args.seconds) + 10, cert), daemon=True
     )
