@@ -331,11 +331,12 @@ class KeptConnections:
         try:
             if conn is not None:
                 try:
-                    self.counts[(kind, "reused")] += 1
                     status = await self._ask(key, conn, loop, deadline)
                 except _Stale:
-                    self.counts[(kind, "reused")] -= 1  # closed before it could carry the check
-                    conn = None
+                    conn = None  # closed before it could carry the check: not one reused
+                finally:
+                    if conn is not None:  # counted once it carried the check: a counter never goes down
+                        self.counts[(kind, "reused")] += 1
             if conn is None:
                 request = request_head(address, spec.port or port, spec.path, keep=True)
                 async with asyncio.timeout_at(deadline):  # the connect and handshake; the answer has its own timer
