@@ -224,7 +224,8 @@ class HealthChecks(Collector):
         connections = CounterMetricFamily(
             "eds_health_connections",
             "HTTP(S) check connections: opened (a connect, and for https a TLS handshake), reused (a check "
-            "on a kept connection), evicted (an idle one closed, or not kept, for the descriptor budget)",
+            "on a kept connection), evicted (an idle one closed, or not kept, for the descriptor budget or the "
+            "TLS memory bound)",
             labels=["kind", "how"],
         )
         for kind in CONNECTION_KINDS:

@@ -20,8 +20,9 @@ target at once, so a connection is either idle here or carrying its one check. I
 `budget` (half of what the open-file limit leaves after the gRPC port's connections and reserve, at
 most MAX_KEPT); when full, the least recently used idle one is closed if it will be needed later than
 the newcomer, else the newcomer is: plain LRU would close, under a round robin of more endpoints than
-the budget, exactly the one due next, and keep none useful. `forget` (an endpoint no longer checked)
-and `close` (the checker stops) close what is kept.
+the budget, exactly the one due next, and keep none useful. Kept TLS connections, ~47 KB each, are
+also at most TLS_MEMORY_SHARE of the memory watermark's limit, chosen among by the same rule. `forget`
+(an endpoint no longer checked) and `close` (the checker stops) close what is kept.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ MAX_BODY = 65536
 # costs a descriptor, a socket's kernel memory and one open connection on its backend.
 MAX_KEPT = 10_000
 MAX_CHUNK_LINE = 1024  # a chunk-size line (hex size and extensions)
+# An idle kept TLS connection holds ~47 KB (OpenSSL's state and buffers; a plain one ~2 KB, measured
+# RSS). That is the server's own memory, but it counts in the resident size the memory watermark
+# compares with --memory-limit: kept TLS connections take at most this share of the limit.
+TLS_CONN_BYTES = 48 * 1024
+TLS_MEMORY_SHARE = 0.1
 
 Key = tuple[str, int, HealthSpec]
 KINDS = ("http", "https")  # the kinds of kept connections, as counted
@@ -53,6 +59,12 @@ HOW = ("opened", "reused", "evicted")
 def kind_of(spec: HealthSpec) -> str:
     """The kind a kept connection is counted under: `http` or `https` (`tls: true`)."""
     return "https" if spec.tls else "http"
+
+
+def tls_budget(memory_limit: int) -> int:
+    """Idle kept TLS connections allowed by memory: TLS_MEMORY_SHARE of `memory_limit` (0: no limit
+    known, none beyond the descriptor budget)."""
+    return MAX_KEPT if memory_limit <= 0 else int(memory_limit * TLS_MEMORY_SHARE) // TLS_CONN_BYTES
 
 
 def budget(reserved: int) -> int:
@@ -277,12 +289,19 @@ class _Conn(asyncio.Protocol):
 class KeptConnections:
     """The probe with kept connections for HTTP and HTTPS checks (`check`); TCP and gRPC go to
     probes.check, fresh each time. `reserved` (descriptors the gRPC port may hold) sizes the budget,
-    one for both: a kept TLS connection holds a descriptor as a plain one does."""
+    one for both: a kept TLS connection holds a descriptor as a plain one does. TLS ones are also at
+    most `tls_budget` (by `memory_limit`, the watermark's): each holds ~47 KB where a plain one holds
+    ~2 KB. Each kind waits in its own least-recently-used order."""
 
-    def __init__(self, reserved: int = 0, budget_: int | None = None) -> None:
+    def __init__(
+        self, reserved: int = 0, budget_: int | None = None, memory_limit: int = 0, tls_budget_: int | None = None
+    ) -> None:
         self.reserved = reserved
+        self.memory_limit = memory_limit
         self._budget = budget_
-        self._idle: OrderedDict[Key, _Conn] = OrderedDict()  # least recently used first
+        self._tls_budget = tls_budget_
+        self._idle: OrderedDict[Key, _Conn] = OrderedDict()  # plain, least recently used first
+        self._idle_tls: OrderedDict[Key, _Conn] = OrderedDict()  # TLS, the same
         self._busy: dict[Key, _Conn] = {}  # carrying a check
         self._closed = False
         # (http|https, how) -> count: connections opened, checks on a kept connection (no connect, no
@@ -305,8 +324,8 @@ class KeptConnections:
         return self._total("evicted")
 
     def idle_by_kind(self) -> Counter[str]:
-        """Idle kept connections by kind, for the metrics (a walk over them: at most MAX_KEPT)."""
-        return Counter(kind_of(key[2]) for key in self._idle)
+        """Idle kept connections by kind, for the metrics."""
+        return Counter({"http": len(self._idle), "https": len(self._idle_tls)})
 
     @property
     def budget(self) -> int:
@@ -315,8 +334,17 @@ class KeptConnections:
         return self._budget
 
     @property
+    def tls_budget(self) -> int:
+        if self._tls_budget is None:  # as the budget: the memory limit is known once the server runs
+            self._tls_budget = min(self.budget, tls_budget(self.memory_limit))
+        return self._tls_budget
+
+    @property
     def idle(self) -> int:
-        return len(self._idle)
+        return len(self._idle) + len(self._idle_tls)
+
+    def _idle_of(self, key: Key) -> OrderedDict[Key, _Conn]:
+        return self._idle_tls if key[2].tls else self._idle
 
     async def check(self, address: str, port: int, spec: HealthSpec) -> Result:
         if spec.kind != "http":
@@ -326,7 +354,8 @@ class KeptConnections:
         start, wall = time.perf_counter(), time.time()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + spec.timeout
-        conn = self._idle.pop(key, None)
+        idle = self._idle_of(key)
+        conn = idle.pop(key, None)
         status: int | None = None
         try:
             if conn is not None:
@@ -341,7 +370,7 @@ class KeptConnections:
                 request = request_head(address, spec.port or port, spec.path, keep=True)
                 async with asyncio.timeout_at(deadline):  # the connect and handshake; the answer has its own timer
                     _, conn = await loop.create_connection(
-                        lambda: _Conn(self._idle, key, request),
+                        lambda: _Conn(idle, key, request),
                         address,
                         spec.port or port,
                         ssl=tls_context() if spec.tls else None,  # the server name: the address, as before
@@ -389,25 +418,42 @@ class KeptConnections:
             conn.abort()
             return
         conn.next_use = next_use
-        idle = self._idle
-        if len(idle) >= self.budget:
-            if not idle:
-                self.counts[(kind_of(key[2]), "evicted")] += 1
-                conn.abort()
-                return
-            oldest_key, oldest = next(iter(idle.items()))
-            if oldest.next_use <= next_use:  # the oldest is needed sooner than the newcomer
-                self.counts[(kind_of(key[2]), "evicted")] += 1
-                conn.abort()
-                return
-            del idle[oldest_key]
-            self.counts[(kind_of(oldest_key[2]), "evicted")] += 1
-            oldest.abort()
+        idle = self._idle_of(key)
+        if key[2].tls and len(idle) >= self.tls_budget:
+            among: tuple[OrderedDict[Key, _Conn], ...] | None = (idle,)  # TLS ones at their memory bound
+        elif self.idle >= self.budget:
+            among = (self._idle, self._idle_tls)
+        else:
+            among = None
+        if among is not None and not self._make_room(key, next_use, among):
+            conn.abort()
+            return
         idle[key] = conn
+
+    def _make_room(self, key: Key, next_use: float, among: tuple[OrderedDict[Key, _Conn], ...]) -> bool:
+        """Close the least recently used idle connection (of `among`'s kinds, the one due later) if it
+        is needed later than the newcomer; else the newcomer is not kept (False). Counted as evicted."""
+        found: tuple[Key, _Conn, OrderedDict[Key, _Conn]] | None = None
+        for idle in among:
+            if idle:
+                head_key, head = next(iter(idle.items()))
+                if found is None or head.next_use > found[1].next_use:
+                    found = (head_key, head, idle)
+        if found is None:
+            self.counts[(kind_of(key[2]), "evicted")] += 1
+            return False
+        oldest_key, oldest, idle = found
+        if oldest.next_use <= next_use:  # the oldest is needed sooner than the newcomer
+            self.counts[(kind_of(key[2]), "evicted")] += 1
+            return False
+        del idle[oldest_key]
+        self.counts[(kind_of(oldest_key[2]), "evicted")] += 1
+        oldest.abort()
+        return True
 
     def forget(self, key: Key) -> None:
         """`key` is no longer checked: close its connection (at once, or when its check ends)."""
-        conn = self._idle.pop(key, None)
+        conn = self._idle_of(key).pop(key, None)
         if conn is not None:
             conn.abort()
         busy = self._busy.get(key)
@@ -419,5 +465,6 @@ class KeptConnections:
         self._closed = True
         for conn in self._busy.values():
             conn.doomed = True
-        while self._idle:
-            self._idle.popitem()[1].abort()
+        for idle in (self._idle, self._idle_tls):
+            while idle:
+                idle.popitem()[1].abort()

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import os
 import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -128,7 +129,9 @@ async def test_repeated_checks_use_one_connection(tls: TLS | None) -> None:
         async with serving(backend, tls) as port:
             got = await checks(pool, port, 5, over(tls))
             assert backend.accepted == 1 and backend.requests == 5, got
-            assert pool.counts == {(kind, "opened"): 1, (kind, "reused"): 4} and pool.idle_by_kind() == {kind: 1}
+            assert pool.counts == {(kind, "opened"): 1, (kind, "reused"): 4} and pool.idle_by_kind() == Counter(
+                {kind: 1}
+            )
             pool.close()
         if len(answers) > 1:
             assert got == ["pass HTTP 200", "fail HTTP 503", "pass HTTP 204", "pass HTTP 200", "pass HTTP 200"]
@@ -239,6 +242,27 @@ async def test_budget_closes_the_least_recently_used_when_it_is_needed_later() -
     assert keepalive.budget(0) <= keepalive.MAX_KEPT
     soft = os.sysconf("SC_OPEN_MAX")
     assert keepalive.budget(soft) == 0  # nothing left past the gRPC port's share: nothing kept
+
+
+async def test_kept_tls_connections_stop_at_their_memory_bound_and_plain_ones_do_not(cert: Issued) -> None:
+    tls_a, tls_b = TLS(cert), TLS(cert)
+    a, b, plain = Backend(OK), Backend(OK), Backend(OK)
+    slow = HealthSpec("http", path="/health", interval=60.0, timeout=0.5, tls=True)
+    fast = dataclasses.replace(slow, interval=0.1)
+    pool = KeptConnections(budget_=10, tls_budget_=1)
+    async with serving(a, tls_a) as port_a, serving(b, tls_b) as port_b, serving(plain) as port_p:
+        await checks(pool, port_a, 1, slow)
+        await checks(pool, port_b, 1, fast)  # at the bound: a's, unused for 60 s, makes room
+        await wait_for(lambda: a.ended, timeout=5)
+        await checks(pool, port_a, 2, slow)  # needed later than b's: not kept, b's stays
+        await checks(pool, port_p, 3)  # plain ones keep to the descriptor budget alone
+        await checks(pool, port_b, 2, fast)
+        assert (a.accepted, b.accepted, plain.accepted) == (3, 1, 1)
+        assert (tls_a.handshakes, tls_b.handshakes) == (3, 1)
+        assert pool.idle_by_kind() == Counter({"http": 1, "https": 1}) and pool.counts[("https", "evicted")] == 3
+        pool.close()
+    assert keepalive.tls_budget(1 << 30) == int((1 << 30) * keepalive.TLS_MEMORY_SHARE) // keepalive.TLS_CONN_BYTES
+    assert keepalive.tls_budget(0) == keepalive.MAX_KEPT  # no limit known: the descriptor budget alone
 
 
 def fds() -> int:
