@@ -128,6 +128,8 @@ class App:
         if self.checker is not None:  # kept health-check connections fit beside the gRPC port's
             reserve = 2 * net.http_limits.max_connections + FILE_HEADROOM
             self.checker.connections.reserved = net.connection_limits.max_connections + reserve
+            # and kept TLS ones (~47 KB each) within a share of what the memory watermark allows
+            self.checker.connections.memory_limit = net.connection_limits.memory_limit or overload.default_limit()
         # an observer of the streams from the first one on (made before anything serves)
         self.registry = make_registry(
             self.store,

@@ -24,6 +24,8 @@ from . import __version__
 from .encoded import Resource
 from .health.checker import LATENCY_BUCKETS as CHECK_BUCKETS
 from .health.checker import Checker
+from .health.keepalive import HOW as KEPT_HOW
+from .health.keepalive import KINDS as CONNECTION_KINDS
 from .observe import Counters, Observers, StreamObserver, StreamView
 from .serving_state import serving_state, source_kind
 
@@ -183,7 +185,8 @@ class _StateCollector(Collector):
 
 class HealthChecks(Collector):
     """The health checker's counts, read when scraped: checks by kind and result, their latency,
-    checked endpoints by checked health, and whether the checker finds itself cut off."""
+    checked endpoints by checked health, whether the checker finds itself cut off, and its HTTP(S)
+    check connections: opened, reused and evicted, and those kept idle now."""
 
     def __init__(self, checker: Checker) -> None:
         self.checker = checker
@@ -217,6 +220,25 @@ class HealthChecks(Collector):
             value=int(c.frozen_since is not None),
         )
         yield CounterMetricFamily("eds_health_changes", "Changes of an endpoint's checked health", value=c.changes)
+        kept = c.connections
+        connections = CounterMetricFamily(
+            "eds_health_connections",
+            "HTTP(S) check connections: opened (a connect, and for https a TLS handshake), reused (a check "
+            "on a kept connection), evicted (an idle one closed, or not kept, for the descriptor budget or the "
+            "TLS memory bound)",
+            labels=["kind", "how"],
+        )
+        for kind in CONNECTION_KINDS:
+            for how in KEPT_HOW:
+                connections.add_metric([kind, how], kept.counts.get((kind, how), 0))
+        yield connections
+        idle = GaugeMetricFamily(
+            "eds_health_kept_connections", "Idle connections kept for an endpoint's next HTTP(S) check", labels=["kind"]
+        )
+        by_kind = kept.idle_by_kind()
+        for kind in CONNECTION_KINDS:
+            idle.add_metric([kind], by_kind.get(kind, 0))
+        yield idle
 
 
 # Series labelled with a group's name: not on the --metrics-listen port (docs/security.md), which

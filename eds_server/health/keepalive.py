@@ -1,8 +1,12 @@
-"""Plain HTTP checks over connections kept between checks of the same endpoint, within a descriptor
-budget.
+"""HTTP and HTTPS checks over connections kept between checks of the same endpoint, within a
+descriptor budget.
 
 A check's cost was mostly its fresh TCP connection (connect, then reset; the kernel's share counts as
-ours): a kept connection turns a check into one write and one read. To reuse a connection the whole
+ours), and for `tls: true` its handshake (most of an HTTPS check's CPU): a kept connection turns a
+check into one write and one read, encrypted or not. TLS is asyncio's layer under the same protocol,
+with the context and server name a fresh HTTPS check has always had (probes.tls_context; an address
+is no server name, so no SNI), so what is read, and its bounds, are the same over TLS; a kept TLS
+connection costs ~47 KB of memory where a plain one costs ~2 KB. To reuse a connection the whole
 answer must be read, so it is parsed here, boundedly: the status line and headers within MAX_HEAD
 bytes, then a Content-Length or chunked body of at most MAX_BODY bytes. Anything else (a body to be
 read until close, `Connection: close`, HTTP/1.0 without keep-alive, a 1xx, a head or body over its
@@ -16,8 +20,9 @@ target at once, so a connection is either idle here or carrying its one check. I
 `budget` (half of what the open-file limit leaves after the gRPC port's connections and reserve, at
 most MAX_KEPT); when full, the least recently used idle one is closed if it will be needed later than
 the newcomer, else the newcomer is: plain LRU would close, under a round robin of more endpoints than
-the budget, exactly the one due next, and keep none useful. `forget` (an endpoint no longer checked)
-and `close` (the checker stops) close what is kept.
+the budget, exactly the one due next, and keep none useful. Kept TLS connections, ~47 KB each, are
+also at most TLS_MEMORY_SHARE of the memory watermark's limit, chosen among by the same rule. `forget`
+(an endpoint no longer checked) and `close` (the checker stops) close what is kept.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from . import probes
-from .probes import MAX_HEAD, request_head, status_of
+from .probes import MAX_HEAD, request_head, status_of, tls_context
 from .spec import HealthSpec
 from .tracker import Result
 
@@ -40,8 +45,26 @@ MAX_BODY = 65536
 # costs a descriptor, a socket's kernel memory and one open connection on its backend.
 MAX_KEPT = 10_000
 MAX_CHUNK_LINE = 1024  # a chunk-size line (hex size and extensions)
+# An idle kept TLS connection holds ~47 KB (OpenSSL's state and buffers; a plain one ~2 KB, measured
+# RSS). That is the server's own memory, but it counts in the resident size the memory watermark
+# compares with --memory-limit: kept TLS connections take at most this share of the limit.
+TLS_CONN_BYTES = 48 * 1024
+TLS_MEMORY_SHARE = 0.1
 
 Key = tuple[str, int, HealthSpec]
+KINDS = ("http", "https")  # the kinds of kept connections, as counted
+HOW = ("opened", "reused", "evicted")
+
+
+def kind_of(spec: HealthSpec) -> str:
+    """The kind a kept connection is counted under: `http` or `https` (`tls: true`)."""
+    return "https" if spec.tls else "http"
+
+
+def tls_budget(memory_limit: int) -> int:
+    """Idle kept TLS connections allowed by memory: TLS_MEMORY_SHARE of `memory_limit` (0: no limit
+    known, none beyond the descriptor budget)."""
+    return MAX_KEPT if memory_limit <= 0 else int(memory_limit * TLS_MEMORY_SHARE) // TLS_CONN_BYTES
 
 
 def budget(reserved: int) -> int:
@@ -264,18 +287,45 @@ class _Conn(asyncio.Protocol):
 
 
 class KeptConnections:
-    """The probe with kept connections for plain HTTP checks (`check`); any other kind goes to
-    probes.check, fresh each time. `reserved` (descriptors the gRPC port may hold) sizes the budget."""
+    """The probe with kept connections for HTTP and HTTPS checks (`check`); TCP and gRPC go to
+    probes.check, fresh each time. `reserved` (descriptors the gRPC port may hold) sizes the budget,
+    one for both: a kept TLS connection holds a descriptor as a plain one does. TLS ones are also at
+    most `tls_budget` (by `memory_limit`, the watermark's): each holds ~47 KB where a plain one holds
+    ~2 KB. Each kind waits in its own least-recently-used order."""
 
-    def __init__(self, reserved: int = 0, budget_: int | None = None) -> None:
+    def __init__(
+        self, reserved: int = 0, budget_: int | None = None, memory_limit: int = 0, tls_budget_: int | None = None
+    ) -> None:
         self.reserved = reserved
+        self.memory_limit = memory_limit
         self._budget = budget_
-        self._idle: OrderedDict[Key, _Conn] = OrderedDict()  # least recently used first
+        self._tls_budget = tls_budget_
+        self._idle: OrderedDict[Key, _Conn] = OrderedDict()  # plain, least recently used first
+        self._idle_tls: OrderedDict[Key, _Conn] = OrderedDict()  # TLS, the same
         self._busy: dict[Key, _Conn] = {}  # carrying a check
         self._closed = False
-        self.opened = 0  # connections opened
-        self.reused = 0  # checks on a kept connection
-        self.evicted = 0  # idle connections closed (or not kept) for the budget
+        # (http|https, how) -> count: connections opened, checks on a kept connection (no connect, no
+        # handshake), idle connections closed (or not kept) for the budget
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def _total(self, how: str) -> int:
+        return sum(n for (_, h), n in self.counts.items() if h == how)
+
+    @property
+    def opened(self) -> int:
+        return self._total("opened")
+
+    @property
+    def reused(self) -> int:
+        return self._total("reused")
+
+    @property
+    def evicted(self) -> int:
+        return self._total("evicted")
+
+    def idle_by_kind(self) -> Counter[str]:
+        """Idle kept connections by kind, for the metrics."""
+        return Counter({"http": len(self._idle), "https": len(self._idle_tls)})
 
     @property
     def budget(self) -> int:
@@ -284,33 +334,48 @@ class KeptConnections:
         return self._budget
 
     @property
+    def tls_budget(self) -> int:
+        if self._tls_budget is None:  # as the budget: the memory limit is known once the server runs
+            self._tls_budget = min(self.budget, tls_budget(self.memory_limit))
+        return self._tls_budget
+
+    @property
     def idle(self) -> int:
-        return len(self._idle)
+        return len(self._idle) + len(self._idle_tls)
+
+    def _idle_of(self, key: Key) -> OrderedDict[Key, _Conn]:
+        return self._idle_tls if key[2].tls else self._idle
 
     async def check(self, address: str, port: int, spec: HealthSpec) -> Result:
-        if spec.kind != "http" or spec.tls:
+        if spec.kind != "http":
             return await probes.check(address, port, spec)
         key = (address, port, spec)
+        kind = kind_of(spec)
         start, wall = time.perf_counter(), time.time()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + spec.timeout
-        conn = self._idle.pop(key, None)
+        idle = self._idle_of(key)
+        conn = idle.pop(key, None)
         status: int | None = None
         try:
             if conn is not None:
                 try:
-                    self.reused += 1
                     status = await self._ask(key, conn, loop, deadline)
                 except _Stale:
-                    self.reused -= 1  # closed before it could carry the check: not one reused
-                    conn = None
+                    conn = None  # closed before it could carry the check: not one reused
+                finally:
+                    if conn is not None:  # counted once it carried the check: a counter never goes down
+                        self.counts[(kind, "reused")] += 1
             if conn is None:
                 request = request_head(address, spec.port or port, spec.path, keep=True)
-                async with asyncio.timeout_at(deadline):  # the connect; the answer has its own timer
+                async with asyncio.timeout_at(deadline):  # the connect and handshake; the answer has its own timer
                     _, conn = await loop.create_connection(
-                        lambda: _Conn(self._idle, key, request), address, spec.port or port
+                        lambda: _Conn(idle, key, request),
+                        address,
+                        spec.port or port,
+                        ssl=tls_context() if spec.tls else None,  # the server name: the address, as before
                     )
-                self.opened += 1
+                self.counts[(kind, "opened")] += 1
                 status = await self._ask(key, conn, loop, deadline)
         except TimeoutError:
             if conn is not None:
@@ -353,25 +418,42 @@ class KeptConnections:
             conn.abort()
             return
         conn.next_use = next_use
-        idle = self._idle
-        if len(idle) >= self.budget:
-            if not idle:
-                self.evicted += 1
-                conn.abort()
-                return
-            oldest_key, oldest = next(iter(idle.items()))
-            if oldest.next_use <= next_use:  # the oldest is needed sooner than the newcomer
-                self.evicted += 1
-                conn.abort()
-                return
-            del idle[oldest_key]
-            self.evicted += 1
-            oldest.abort()
+        idle = self._idle_of(key)
+        if key[2].tls and len(idle) >= self.tls_budget:
+            among: tuple[OrderedDict[Key, _Conn], ...] | None = (idle,)  # TLS ones at their memory bound
+        elif self.idle >= self.budget:
+            among = (self._idle, self._idle_tls)
+        else:
+            among = None
+        if among is not None and not self._make_room(key, next_use, among):
+            conn.abort()
+            return
         idle[key] = conn
+
+    def _make_room(self, key: Key, next_use: float, among: tuple[OrderedDict[Key, _Conn], ...]) -> bool:
+        """Close the least recently used idle connection (of `among`'s kinds, the one due later) if it
+        is needed later than the newcomer; else the newcomer is not kept (False). Counted as evicted."""
+        found: tuple[Key, _Conn, OrderedDict[Key, _Conn]] | None = None
+        for idle in among:
+            if idle:
+                head_key, head = next(iter(idle.items()))
+                if found is None or head.next_use > found[1].next_use:
+                    found = (head_key, head, idle)
+        if found is None:
+            self.counts[(kind_of(key[2]), "evicted")] += 1
+            return False
+        oldest_key, oldest, idle = found
+        if oldest.next_use <= next_use:  # the oldest is needed sooner than the newcomer
+            self.counts[(kind_of(key[2]), "evicted")] += 1
+            return False
+        del idle[oldest_key]
+        self.counts[(kind_of(oldest_key[2]), "evicted")] += 1
+        oldest.abort()
+        return True
 
     def forget(self, key: Key) -> None:
         """`key` is no longer checked: close its connection (at once, or when its check ends)."""
-        conn = self._idle.pop(key, None)
+        conn = self._idle_of(key).pop(key, None)
         if conn is not None:
             conn.abort()
         busy = self._busy.get(key)
@@ -383,5 +465,6 @@ class KeptConnections:
         self._closed = True
         for conn in self._busy.values():
             conn.doomed = True
-        while self._idle:
-            self._idle.popitem()[1].abort()
+        for idle in (self._idle, self._idle_tls):
+            while idle:
+                idle.popitem()[1].abort()

@@ -6,8 +6,8 @@ answer is read, at most MAX_HEAD bytes of it, and a redirect is a status like an
 followed, nothing else is contacted); a gRPC answer is read through a fixed buffer, MAX_GRPC_READ
 bytes per check at most, its message refused past MAX_ANSWER and its headers past MAX_HEADERS, the
 connection reset at once. Every probe returns a Result and never raises for the target's faults.
-The checker sends plain HTTP checks through keepalive.py instead (a connection kept between checks);
-`tls: true` ones, and every check before keep-alive, come here.
+The checker sends HTTP checks, `tls: true` or not, through keepalive.py instead (a connection kept
+between checks); TCP and gRPC checks come here, as every check did before keep-alive.
 """
 
 from __future__ import annotations
@@ -128,13 +128,14 @@ class _StatusLine(asyncio.Protocol):
 
 
 @functools.cache
-def tls_context() -> ssl.SSLContext:
+def tls_context(alpn: str = "http/1.1") -> ssl.SSLContext:
     """`tls: true`: encrypted, not verified. A check asks whether the backend answers; an endpoint is
-    an IP whose certificate rarely names it, and what is checked is where Envoy is told to go."""
+    an IP whose certificate rarely names it, and what is checked is where Envoy is told to go. `alpn`:
+    `h2` for gRPC, which servers over TLS require."""
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["http/1.1"])
+    ctx.set_alpn_protocols([alpn])
     return ctx
 
 
@@ -185,12 +186,17 @@ def _h2_why(e: ProtocolError) -> str:
 
 
 class _HealthCall(asyncio.BufferedProtocol):
-    """One grpc.health.v1 Check on a fresh HTTP/2 connection, every byte read counted: h2 on our own
-    transport rather than grpclib's Channel, which buffers a message of any announced length (up to
-    4 GiB) and headers of any size. The answer (ok, reason) is set once; then the connection is reset."""
+    """One grpc.health.v1 Check on a fresh HTTP/2 connection, every byte read counted (over TLS, every
+    decrypted byte; the TLS layer below holds no more than the socket reads it made before the reset):
+    h2 on our own transport rather than grpclib's Channel, which buffers a
+    message of any announced length (up to 4 GiB) and headers of any size. The answer (ok, reason) is
+    set once; then the connection is reset."""
 
-    def __init__(self, authority: bytes, service: str, answer: asyncio.Future[tuple[bool, str]]) -> None:
+    def __init__(
+        self, authority: bytes, service: str, answer: asyncio.Future[tuple[bool, str]], scheme: bytes = b"http"
+    ) -> None:
         self.authority = authority
+        self.scheme = scheme  # https over TLS
         self.service = service
         self.answer = answer
         self.buffer = bytearray(_CHUNK)
@@ -210,7 +216,7 @@ class _HealthCall(asyncio.BufferedProtocol):
             1,
             [
                 (b":method", b"POST"),
-                (b":scheme", b"http"),
+                (b":scheme", self.scheme),
                 (b":path", b"/grpc.health.v1.Health/Check"),
                 (b":authority", self.authority),
                 (b"te", b"trailers"),
@@ -296,7 +302,10 @@ async def _grpc(address: str, port: int, spec: HealthSpec, start: float, wall: f
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[tuple[bool, str]] = loop.create_future()
     authority = (f"[{address}]:{port}" if ":" in address else f"{address}:{port}").encode("ascii")
-    transport, _ = await loop.create_connection(lambda: _HealthCall(authority, spec.service, answer), address, port)
+    scheme, tls = (b"https", tls_context("h2")) if spec.tls else (b"http", None)
+    transport, _ = await loop.create_connection(
+        lambda: _HealthCall(authority, spec.service, answer, scheme), address, port, ssl=tls
+    )
     try:
         ok, reason = await answer
     finally:

@@ -35,7 +35,7 @@ class HealthSpec:
     healthy_threshold: int = 2
     unhealthy_threshold: int = 3
     expected_statuses: tuple[tuple[int, int], ...] = ((200, 299),)  # inclusive ranges (http)
-    tls: bool = False  # http: over TLS, the certificate not verified (liveness, not identity)
+    tls: bool = False  # http, grpc: over TLS, the certificate not verified (liveness, not identity)
 
     def expects(self, status: int) -> bool:
         return any(lo <= status <= hi for lo, hi in self.expected_statuses)
@@ -44,7 +44,7 @@ class HealthSpec:
         what = {
             "http": f"{'https' if self.tls else 'http'} {self.path}",
             "tcp": "tcp",
-            "grpc": f"grpc {self.service or '(server)'}",
+            "grpc": f"grpc{' tls' if self.tls else ''} {self.service or '(server)'}",
         }[self.kind]
         return f"{what} every {self.interval:g}s"
 
@@ -188,9 +188,10 @@ def build(values: Mapping[str, Any]) -> HealthSpec | None:
         raise SpecError("interval", f"{spec.interval:g}s is too short (at least {MIN_INTERVAL:g}s)")
     if spec.timeout > spec.interval:
         raise SpecError("timeout", f"{spec.timeout:g}s is longer than the interval ({spec.interval:g}s)")
-    for http_only in ("expected_statuses", "tls"):
-        if http_only in values and kind != "http":
-            raise SpecError(http_only, "only for http checks")
+    if "expected_statuses" in values and kind != "http":
+        raise SpecError("expected_statuses", "only for http checks")
+    if "tls" in values and kind == "tcp":
+        raise SpecError("tls", "only for http and grpc checks")
     return spec
 
 

@@ -4,11 +4,14 @@ the probe read stays under its bounds while the backend sent more than them.
 
 The backends write HTTP/2 frames by hand (hyperframe, hpack): they break the rules h2 would keep.
 The probe's own count of bytes read is the measure; each backend counts what the kernel took of
-what it wrote before the probe could read it (the floor: the attack really sent past the bound)."""
+what it wrote before the probe could read it (the floor: the attack really sent past the bound).
+Most run again over TLS (`tls: true`): the same bounds hold on the decrypted answer."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +22,7 @@ from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, Setting
 
 from eds_server.health import probes
 from eds_server.health.spec import HealthSpec
+from tests.support.tls import CertAuthority, Issued
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SPEC = HealthSpec("grpc", interval=1.0, timeout=0.5)
@@ -39,9 +43,30 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[probes._HealthCall]:
     return made
 
 
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> Issued:
+    where = tmp_path_factory.mktemp("tls")
+    return CertAuthority("backend CA", where).issue(where / "backend", dns=["backend.internal"])
+
+
+@pytest.fixture(params=["plain", "tls"])
+def tls(request: pytest.FixtureRequest, cert: Issued) -> ssl.SSLContext | None:
+    """The backend's TLS context (ALPN h2), or None: the tests so marked run both ways."""
+    if request.param == "plain":
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert.cert, cert.key)
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+def spec_for(tls: ssl.SSLContext | None) -> HealthSpec:
+    return dataclasses.replace(SPEC, tls=tls is not None)
+
+
 @asynccontextmanager
-async def backend(handler: Handler) -> AsyncIterator[int]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+async def backend(handler: Handler, tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=tls)
     try:
         yield server.sockets[0].getsockname()[1]
     finally:
@@ -84,7 +109,9 @@ async def finish(reader: asyncio.StreamReader, closed: asyncio.Event) -> None:
     closed.set()
 
 
-async def test_a_huge_answer_is_refused_from_its_length(calls: list[probes._HealthCall]) -> None:
+async def test_a_huge_answer_is_refused_from_its_length(
+    calls: list[probes._HealthCall], tls: ssl.SSLContext | None
+) -> None:
     sent: list[int] = []
     closed = asyncio.Event()
 
@@ -96,11 +123,11 @@ async def test_a_huge_answer_is_refused_from_its_length(calls: list[probes._Heal
         sent.append(write_now(writer, SettingsFrame(0).serialize() + headers(OK_HEADERS) + data(first) + rest))
         await finish(reader, closed)
 
-    async with backend(huge) as port:
-        r = await probes.check("127.0.0.1", port, SPEC)
+    async with backend(huge, tls) as port:
+        r = await probes.check("127.0.0.1", port, spec_for(tls))
         await asyncio.wait_for(closed.wait(), 5)
     assert not r.ok and r.reason == f"gRPC: answer of {TEN_MIB} bytes (limit 1024)", r
-    assert sent[0] > probes.MAX_GRPC_READ  # the backend did send past the bound
+    assert sent[0] > probes.MAX_GRPC_READ  # the backend did send past the bound (TLS: to its TLS layer)
     assert 0 < calls[0].read <= probes.MAX_GRPC_READ
 
 
@@ -125,7 +152,7 @@ async def test_data_past_the_window_is_refused(calls: list[probes._HealthCall]) 
     assert 0 < calls[0].read <= probes.MAX_GRPC_READ
 
 
-async def test_a_drip_fed_answer_costs_one_timeout(calls: list[probes._HealthCall]) -> None:
+async def test_a_drip_fed_answer_costs_one_timeout(calls: list[probes._HealthCall], tls: ssl.SSLContext | None) -> None:
     answer = (
         SettingsFrame(0).serialize()
         + headers(OK_HEADERS)
@@ -147,15 +174,19 @@ async def test_a_drip_fed_answer_costs_one_timeout(calls: list[probes._HealthCal
             await asyncio.sleep(0.1)
         await watch
 
-    async with backend(drip) as port:
-        r = await probes.check("127.0.0.1", port, SPEC)
+    # over TLS the timeout covers a handshake first: 1 s leaves room for a slow one on a busy host
+    spec = spec_for(tls) if tls is None else dataclasses.replace(spec_for(tls), timeout=1.0)
+    async with backend(drip, tls) as port:
+        r = await probes.check("127.0.0.1", port, spec)
         await asyncio.wait_for(closed.wait(), 5)  # its connection was closed, not held
-    assert not r.ok and r.reason == "timed out after 0.5s", r
+    assert not r.ok and r.reason == f"timed out after {spec.timeout:g}s", r
     assert 2 <= dripped < len(answer)  # it did drip, and never got to finish
     assert calls[0].read <= dripped
 
 
-async def test_an_endless_header_block_stops_at_the_read_bound(calls: list[probes._HealthCall]) -> None:
+async def test_an_endless_header_block_stops_at_the_read_bound(
+    calls: list[probes._HealthCall], tls: ssl.SSLContext | None
+) -> None:
     sent: list[int] = []
 
     closed = asyncio.Event()
@@ -167,8 +198,8 @@ async def test_an_endless_header_block_stops_at_the_read_bound(calls: list[probe
         sent.append(write_now(writer, SettingsFrame(0).serialize() + headers(OK_HEADERS, end_headers=False) + more))
         await finish(reader, closed)
 
-    async with backend(endless) as port:
-        r = await probes.check("127.0.0.1", port, SPEC)
+    async with backend(endless, tls) as port:
+        r = await probes.check("127.0.0.1", port, spec_for(tls))
         await asyncio.wait_for(closed.wait(), 5)  # the probe closed its connection
     assert not r.ok and r.reason == f"gRPC: {probes.MAX_GRPC_READ} bytes read and no answer (limit)", r
     assert sent[0] > probes.MAX_GRPC_READ
@@ -201,14 +232,16 @@ async def test_a_huge_header_list_is_refused(calls: list[probes._HealthCall], bl
     assert calls[0].read <= probes.MAX_GRPC_READ
 
 
-async def test_a_backend_that_never_answers_costs_one_timeout(calls: list[probes._HealthCall]) -> None:
+async def test_a_backend_that_never_answers_costs_one_timeout(
+    calls: list[probes._HealthCall], tls: ssl.SSLContext | None
+) -> None:
     closed = asyncio.Event()
 
     async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await finish(reader, closed)  # reads the request, answers nothing
 
-    async with backend(hung) as port:
-        r = await probes.check("127.0.0.1", port, SPEC)
+    async with backend(hung, tls) as port:
+        r = await probes.check("127.0.0.1", port, spec_for(tls))
         await asyncio.wait_for(closed.wait(), 5)
     assert not r.ok and r.reason == "timed out after 0.5s", r
     assert calls[0].read == 0
@@ -216,7 +249,7 @@ async def test_a_backend_that_never_answers_costs_one_timeout(calls: list[probes
 
 @pytest.mark.parametrize(("status", "ok", "reason"), [(1, True, "gRPC SERVING"), (3, False, "gRPC SERVICE_UNKNOWN")])
 async def test_a_hand_written_answer_reads_as_grpc_does(
-    calls: list[probes._HealthCall], status: int, ok: bool, reason: str
+    calls: list[probes._HealthCall], tls: ssl.SSLContext | None, status: int, ok: bool, reason: str
 ) -> None:
     """The answer a Watch-style server gives for an unknown service (SERVICE_UNKNOWN in the message),
     and a plain pass, written frame by frame: the probe reads to the trailers and no further."""
@@ -234,8 +267,8 @@ async def test_a_hand_written_answer_reads_as_grpc_does(
         )
         await finish(reader, closed)
 
-    async with backend(answer) as port:
-        r = await probes.check("127.0.0.1", port, SPEC)
+    async with backend(answer, tls) as port:
+        r = await probes.check("127.0.0.1", port, spec_for(tls))
         await asyncio.wait_for(closed.wait(), 5)  # the probe closed its connection
     assert (r.ok, r.reason) == (ok, reason), r
     assert 0 < calls[0].read < 200

@@ -1,6 +1,7 @@
-"""Kept HTTP check connections against real backends on 127.0.0.1 that count the connections they
-accept: one connection for repeated checks, a new one whenever the answer forbids reuse (with the
-check's result as without keep-alive), the budget, and nothing left open when a target goes or the
+"""Kept HTTP and HTTPS check connections against real backends on 127.0.0.1 (and ::1) that count the
+connections they accept and, over TLS, the handshakes they complete: one connection (one handshake)
+for repeated checks, a new one whenever the answer forbids reuse (with the check's result as without
+keep-alive), the same bounds over TLS, the budget, and nothing left open when a target goes or the
 checker stops."""
 
 from __future__ import annotations
@@ -8,18 +9,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
 
 from eds_server.encode import encode_group
-from eds_server.health import keepalive
+from eds_server.health import keepalive, probes
 from eds_server.health.checker import Checker
 from eds_server.health.keepalive import KeptConnections
 from eds_server.health.spec import HealthSpec
+from eds_server.metrics import HealthChecks
 from eds_server.model import Endpoint, Group
 from eds_server.store import Store
+from tests.support.tls import CertAuthority, Issued
 from tests.support.waiting import wait_for
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -56,44 +63,81 @@ class Backend:
                     await answer(writer)
                 if self.close:
                     return
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
             self.ended += 1
         finally:
             writer.close()
             self.finished += 1
 
 
+class TLS:
+    """A backend's TLS side: a fresh server context that counts its completed handshakes and records
+    the server name (SNI) each client sent (None: none)."""
+
+    def __init__(self, cert: Issued) -> None:
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(cert.cert, cert.key)
+        self.names: list[str | None] = []
+        self.context.sni_callback = lambda _sock, name, _ctx: self.names.append(name)
+
+    @property
+    def handshakes(self) -> int:
+        return int(self.context.session_stats()["accept_good"])
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> Issued:
+    where = tmp_path_factory.mktemp("tls")
+    return CertAuthority("backend CA", where).issue(where / "backend", dns=["backend.internal"])  # no IP, as usual
+
+
+@pytest.fixture(params=["http", "https"])
+def tls(request: pytest.FixtureRequest, cert: Issued) -> TLS | None:
+    """Each test so marked runs against a plain backend and again against the same one over TLS."""
+    return TLS(cert) if request.param == "https" else None
+
+
+def over(tls: TLS | None, spec: HealthSpec = SPEC) -> HealthSpec:
+    return dataclasses.replace(spec, tls=tls is not None)
+
+
 @asynccontextmanager
-async def serving(backend: Backend) -> AsyncIterator[int]:
-    server = await asyncio.start_server(backend.handle, "127.0.0.1", 0)
+async def serving(backend: Backend, tls: TLS | None = None, host: str = "127.0.0.1") -> AsyncIterator[int]:
+    server = await asyncio.start_server(backend.handle, host, 0, ssl=tls.context if tls else None)
+    handshakes = tls.handshakes if tls else 0
     try:
         yield server.sockets[0].getsockname()[1]
         await wait_for(lambda: backend.finished == backend.accepted, timeout=5)  # nothing left open
     finally:
         server.close()
+    if tls is not None:
+        assert tls.handshakes - handshakes == backend.accepted  # a connection, a handshake: none on a kept one
 
 
-async def checks(pool: KeptConnections, port: int, n: int, spec: HealthSpec = SPEC) -> list[str]:
-    return [
-        ("pass " if r.ok else "fail ") + r.reason for r in [await pool.check("127.0.0.1", port, spec) for _ in range(n)]
-    ]
+async def checks(
+    pool: KeptConnections, port: int, n: int, spec: HealthSpec = SPEC, host: str = "127.0.0.1"
+) -> list[str]:
+    return [("pass " if r.ok else "fail ") + r.reason for r in [await pool.check(host, port, spec) for _ in range(n)]]
 
 
-async def test_repeated_checks_use_one_connection() -> None:
+async def test_repeated_checks_use_one_connection(tls: TLS | None) -> None:
     chunked = b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n4;x=y\r\nbusy\r\n2\r\nno\r\n0\r\nA: b\r\n\r\n"
+    kind = "https" if tls else "http"
     for answers in ((OK,), (OK, chunked, b"HTTP/1.1 204 No Content\r\n\r\n", OK)):
         backend = Backend(*answers)
         pool = KeptConnections(budget_=10)
-        async with serving(backend) as port:
-            got = await checks(pool, port, 5)
+        async with serving(backend, tls) as port:
+            got = await checks(pool, port, 5, over(tls))
             assert backend.accepted == 1 and backend.requests == 5, got
-            assert pool.opened == 1 and pool.reused == 4 and pool.idle == 1
+            assert pool.counts == {(kind, "opened"): 1, (kind, "reused"): 4} and pool.idle_by_kind() == Counter(
+                {kind: 1}
+            )
             pool.close()
         if len(answers) > 1:
             assert got == ["pass HTTP 200", "fail HTTP 503", "pass HTTP 204", "pass HTTP 200", "pass HTTP 200"]
 
 
-async def test_answers_that_forbid_reuse_get_a_new_connection_and_still_pass() -> None:
+async def test_answers_that_forbid_reuse_get_a_new_connection_and_still_pass(tls: TLS | None) -> None:
     for backend in (
         Backend(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", close=True),
         Backend(b"HTTP/1.1 200 OK\r\nConnection: Close\r\nContent-Length: 2\r\n\r\nok"),  # the checker closes it
@@ -101,18 +145,18 @@ async def test_answers_that_forbid_reuse_get_a_new_connection_and_still_pass() -
         Backend(b"HTTP/1.1 200 OK\r\n\r\nuntil close"),  # no length: read until close
     ):
         pool = KeptConnections(budget_=10)
-        async with serving(backend) as port:
-            assert await checks(pool, port, 3) == ["pass HTTP 200"] * 3
+        async with serving(backend, tls) as port:
+            assert await checks(pool, port, 3, over(tls)) == ["pass HTTP 200"] * 3
             assert backend.accepted == 3 and pool.reused == 0 and pool.idle == 0
     keep10 = Backend(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok")
     pool = KeptConnections(budget_=10)
-    async with serving(keep10) as port:
-        assert await checks(pool, port, 3) == ["pass HTTP 200"] * 3
+    async with serving(keep10, tls) as port:
+        assert await checks(pool, port, 3, over(tls)) == ["pass HTTP 200"] * 3
         assert keep10.accepted == 1
         pool.close()
 
 
-async def test_huge_malformed_and_extra_answers_as_before_and_not_reused() -> None:
+async def test_huge_malformed_and_extra_answers_as_before_and_not_reused(tls: TLS | None) -> None:
     big = keepalive.MAX_BODY + 1
     cases = {
         "huge body": (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % big + b"x" * big, "pass HTTP 200"),
@@ -136,12 +180,12 @@ async def test_huge_malformed_and_extra_answers_as_before_and_not_reused() -> No
     for name, (answer, result) in cases.items():
         backend = Backend(answer)
         pool = KeptConnections(budget_=10)
-        async with serving(backend) as port:
-            assert await checks(pool, port, 2) == [result] * 2, name
+        async with serving(backend, tls) as port:
+            assert await checks(pool, port, 2, over(tls)) == [result] * 2, name
             assert backend.accepted == 2 and pool.reused == 0 and pool.idle == 0, name
 
 
-async def test_a_dripping_answer_costs_one_timeout_and_its_connection() -> None:
+async def test_a_dripping_answer_costs_one_timeout_and_its_connection(tls: TLS | None) -> None:
     async def drip(writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
         for _ in range(30):  # bounded: 3 s at most
@@ -155,24 +199,25 @@ async def test_a_dripping_answer_costs_one_timeout_and_its_connection() -> None:
             await writer.drain()
             await asyncio.sleep(0.1)
 
-    spec = HealthSpec("http", path="/health", interval=1.0, timeout=0.3)
-    for answer, result in ((drip, "pass HTTP 200"), (drip_head, "fail timed out after 0.3s")):
+    # over TLS a fresh connection's timeout covers a handshake too: 1 s leaves room on a busy host
+    spec = HealthSpec("http", path="/health", interval=1.0, timeout=1.0 if tls else 0.3, tls=tls is not None)
+    for answer, result in ((drip, "pass HTTP 200"), (drip_head, f"fail timed out after {spec.timeout:g}s")):
         backend = Backend(OK, answer, OK)
         pool = KeptConnections(budget_=10)
-        async with serving(backend) as port:
+        async with serving(backend, tls) as port:
             assert await checks(pool, port, 3, spec) == ["pass HTTP 200", result, "pass HTTP 200"]
             assert backend.accepted == 2 and pool.reused == 1  # the slow answer's connection was closed
             pool.close()
 
 
-async def test_a_kept_connection_closed_by_the_backend_is_retried_fresh() -> None:
+async def test_a_kept_connection_closed_by_the_backend_is_retried_fresh(tls: TLS | None) -> None:
     async def hang_up(writer: asyncio.StreamWriter) -> None:
         writer.close()  # the request lands as the backend closes its idle connection
 
     backend = Backend(OK, hang_up)  # every second request on a connection is hung up on
     pool = KeptConnections(budget_=10)
-    async with serving(backend) as port:
-        assert await checks(pool, port, 3) == ["pass HTTP 200"] * 3
+    async with serving(backend, tls) as port:
+        assert await checks(pool, port, 3, over(tls)) == ["pass HTTP 200"] * 3
         assert backend.accepted == 3 and backend.requests == 5 and pool.reused == 0
         pool.close()
 
@@ -197,6 +242,27 @@ async def test_budget_closes_the_least_recently_used_when_it_is_needed_later() -
     assert keepalive.budget(0) <= keepalive.MAX_KEPT
     soft = os.sysconf("SC_OPEN_MAX")
     assert keepalive.budget(soft) == 0  # nothing left past the gRPC port's share: nothing kept
+
+
+async def test_kept_tls_connections_stop_at_their_memory_bound_and_plain_ones_do_not(cert: Issued) -> None:
+    tls_a, tls_b = TLS(cert), TLS(cert)
+    a, b, plain = Backend(OK), Backend(OK), Backend(OK)
+    slow = HealthSpec("http", path="/health", interval=60.0, timeout=0.5, tls=True)
+    fast = dataclasses.replace(slow, interval=0.1)
+    pool = KeptConnections(budget_=10, tls_budget_=1)
+    async with serving(a, tls_a) as port_a, serving(b, tls_b) as port_b, serving(plain) as port_p:
+        await checks(pool, port_a, 1, slow)
+        await checks(pool, port_b, 1, fast)  # at the bound: a's, unused for 60 s, makes room
+        await wait_for(lambda: a.ended, timeout=5)
+        await checks(pool, port_a, 2, slow)  # needed later than b's: not kept, b's stays
+        await checks(pool, port_p, 3)  # plain ones keep to the descriptor budget alone
+        await checks(pool, port_b, 2, fast)
+        assert (a.accepted, b.accepted, plain.accepted) == (3, 1, 1)
+        assert (tls_a.handshakes, tls_b.handshakes) == (3, 1)
+        assert pool.idle_by_kind() == Counter({"http": 1, "https": 1}) and pool.counts[("https", "evicted")] == 3
+        pool.close()
+    assert keepalive.tls_budget(1 << 30) == int((1 << 30) * keepalive.TLS_MEMORY_SHARE) // keepalive.TLS_CONN_BYTES
+    assert keepalive.tls_budget(0) == keepalive.MAX_KEPT  # no limit known: the descriptor budget alone
 
 
 def fds() -> int:
@@ -262,3 +328,44 @@ async def test_an_aiohttp_backend_over_ipv4_and_ipv6_keeps_one_connection() -> N
     finally:
         pool.close()
         await runner.cleanup()
+
+
+async def test_https_over_ipv4_and_ipv6_keeps_one_tls_connection_and_sends_no_server_name(cert: Issued) -> None:
+    for host in ("127.0.0.1", "::1"):
+        tls = TLS(cert)
+        backend = Backend(OK)
+        pool = KeptConnections(budget_=10)
+        async with serving(backend, tls, host) as port:
+            assert await checks(pool, port, 6, over(tls), host) == ["pass HTTP 200"] * 6, host
+            assert (backend.accepted, tls.handshakes, backend.requests) == (1, 1, 6), host
+            assert pool.counts == {("https", "opened"): 1, ("https", "reused"): 5}, host
+            fresh = await probes.check(host, port, over(tls))  # a check without keep-alive, as before
+            assert fresh.ok and backend.accepted == 2, fresh
+            assert tls.names == [None, None], host  # an IP is no server name: none sent, kept or not
+            pool.close()
+
+
+async def test_the_metrics_count_connections_opened_and_reused_and_those_kept_by_kind(cert: Issued) -> None:
+    plain, secure, tls = Backend(OK), Backend(OK), TLS(cert)
+    spec = HealthSpec("http", path="/health", interval=0.1, timeout=0.5)
+    async with serving(plain) as p, serving(secure, tls) as s:
+        store = Store(encode_group)
+        store.add_source("file")
+        checker = Checker(store)
+        registry = CollectorRegistry()
+        registry.register(HealthChecks(checker))
+        eps = (Endpoint("127.0.0.1", p, check=spec), Endpoint("127.0.0.1", s, check=over(tls, spec)))
+        store.update("file", {"web": Group("web", eps)})
+        stop = asyncio.Event()
+        task = asyncio.create_task(checker.run(stop))
+        await wait_for(lambda: (plain.requests, secure.requests), lambda r: min(r) >= 4, timeout=10)
+        kept = ['eds_health_kept_connections{kind="http"} 1.0', 'eds_health_kept_connections{kind="https"} 1.0']
+        scrape = lambda: generate_latest(registry).decode()  # noqa: E731
+        text = await wait_for(scrape, lambda t: all(k in t for k in kept), timeout=5)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    for kind in ("http", "https"):
+        assert f'eds_health_connections_total{{how="opened",kind="{kind}"}} 1.0' in text
+        assert f'eds_health_connections_total{{how="evicted",kind="{kind}"}} 0.0' in text
+    reused = {kind: checker.connections.counts[(kind, "reused")] for kind in ("http", "https")}
+    assert min(reused.values()) >= 3 and (plain.accepted, secure.accepted, tls.handshakes) == (1, 1, 1), reused

@@ -4,6 +4,7 @@ drip-feeding backend costs one timeout."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -164,3 +165,35 @@ async def test_https_checks_encrypt_without_verifying(tmp_path: Path) -> None:
     async with web_backend() as port:
         r = await probes.check("127.0.0.1", port, HealthSpec("http", path="/health", tls=True))
         assert not r.ok and r.reason.startswith("TLS"), r
+
+
+async def test_grpc_checks_over_tls_encrypt_without_verifying_over_ipv4_and_ipv6(tmp_path: Path) -> None:
+    ca = CertAuthority("backend CA", tmp_path)
+    issued = ca.issue(tmp_path / "backend", dns=["backend.internal"])  # names no IP, as usual
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(issued.cert, issued.key)
+    server_tls.set_alpn_protocols(["h2"])  # as gRPC servers over TLS ask
+    names: list[str | None] = []
+    server_tls.sni_callback = lambda _sock, name, _ctx: names.append(name)
+    status = ServiceStatus()
+    status.set(True)
+    for host, family in (("127.0.0.1", socket.AF_INET), ("::1", socket.AF_INET6)):
+        for tls in (server_tls, None):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            server = Server([Health({Cart(): [status]})])
+            await server.start(sock=sock, ssl=tls)
+            try:
+                secure = await probes.check(host, port, HealthSpec("grpc", service="shop.Cart", tls=True))
+                plain = await probes.check(host, port, HealthSpec("grpc", service="shop.Cart"))
+            finally:
+                server.close()
+                await server.wait_closed()
+            if tls is not None:
+                assert secure.ok and secure.reason == "gRPC SERVING", secure
+                assert not plain.ok, plain  # plain HTTP/2 to a TLS port
+            else:
+                assert not secure.ok and secure.reason.startswith("TLS"), secure
+                assert plain.ok, plain
+    assert names == [None, None], names  # an IP is no server name: none sent, as for HTTPS

@@ -41,6 +41,9 @@ def test_other_kinds_and_defaults() -> None:
     https = spec.parse({"http": "/h", "tls": "true"})
     assert https == HealthSpec("http", path="/h", tls=True) and https.describe().startswith("https /h")
     assert spec.parse(spec.to_json(https)) == https
+    grpcs = spec.parse({"grpc": "shop.Cart", "tls": True})
+    assert grpcs == HealthSpec("grpc", service="shop.Cart", tls=True) and grpcs.describe().startswith("grpc tls shop")
+    assert spec.parse(spec.to_json(grpcs)) == grpcs
     assert spec.parse({"http": "/", "interval": 0.5}).timeout == 0.5  # type: ignore[union-attr]
     labels = spec.parse({"http": "/h", "healthy_threshold": "3", "expected_statuses": "200,204"})
     assert labels is not None and labels.healthy_threshold == 3 and labels.expected_statuses == ((200, 200), (204, 204))
@@ -61,7 +64,7 @@ def test_other_kinds_and_defaults() -> None:
         ({"http": "/", "expected_statuses": [700]}, "expected_statuses", "100-599"),
         ({"http": "/", "port": 0}, "port", "a port"),
         ({"tcp": "no"}, "tcp", "write true"),
-        ({"tcp": True, "tls": True}, "tls", "only for http"),
+        ({"tcp": True, "tls": True}, "tls", "only for http and grpc"),
     ],
 )
 def test_refusals_name_the_field(raw: dict[str, object], field: str, says: str) -> None:

@@ -16,6 +16,7 @@ from eds_server.metrics import HealthChecks
 from eds_server.settings import Settings, SourceSettings
 from eds_server.sources.relay import UpstreamOptions
 from eds_server.store import Store
+from eds_server.transport.h2.overload import default_limit
 
 
 async def test_only_an_app_that_owns_its_sources_checks() -> None:
@@ -25,6 +26,7 @@ async def test_only_an_app_that_owns_its_sources_checks() -> None:
     net = app.settings.transport
     reserved = app.checker.connections.reserved
     assert reserved == net.connection_limits.max_connections + 2 * net.http_limits.max_connections + 88
+    assert app.checker.connections.memory_limit == default_limit()  # the memory watermark's, by default
     relay = App(Settings(sources=SourceSettings(upstream_eds=UpstreamOptions("127.0.0.1", 1))))
     assert relay.checker is None and relay.store.overlay is None
 
