@@ -139,9 +139,18 @@ def tls_context(alpn: str = "http/1.1") -> ssl.SSLContext:
     return ctx
 
 
+def _retrieved(future: asyncio.Future[bytes]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 async def _http(address: str, port: int, spec: HealthSpec, start: float, wall: float) -> Result:
     loop = asyncio.get_running_loop()
     line: asyncio.Future[bytes] = loop.create_future()
+    # A timeout that ends create_connection after the connection was made leaves no one to await
+    # `line`, which the connection's loss still fails: read it here, or asyncio logs "Future
+    # exception was never retrieved" for a check already counted as timed out.
+    line.add_done_callback(_retrieved)
     request = request_head(address, port, spec.path)
     tls = tls_context() if spec.tls else None
     transport, _ = await loop.create_connection(lambda: _StatusLine(request, line), address, port, ssl=tls)

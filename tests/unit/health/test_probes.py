@@ -4,11 +4,13 @@ drip-feeding backend costs one timeout."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from grpclib.health.check import ServiceStatus
@@ -197,3 +199,39 @@ async def test_grpc_checks_over_tls_encrypt_without_verifying_over_ipv4_and_ipv6
                 assert not secure.ok and secure.reason.startswith("TLS"), secure
                 assert plain.ok, plain
     assert names == [None, None], names  # an IP is no server name: none sent, as for HTTPS
+
+
+async def test_a_timeout_as_the_connection_is_made_leaves_no_unretrieved_failure() -> None:
+    """The check's timeout may end create_connection after the connection was made: the connection,
+    closed then, still fails the status-line future that no one awaits any more. asyncio would log
+    "Future exception was never retrieved" for a check already counted as timed out."""
+    loop = asyncio.get_running_loop()
+    real = loop.create_connection
+    made: list[asyncio.BaseTransport] = []
+
+    async def made_then_timed_out(*args: Any, **kwargs: Any) -> Any:
+        transport, _ = await real(*args, **kwargs)
+        made.append(transport)
+        transport.abort()  # what the cancelled create_connection does with it
+        raise TimeoutError
+
+    unretrieved: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+
+    async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    try:
+        async with raw_server(hung) as port:
+            setattr(loop, "create_connection", made_then_timed_out)  # noqa: B010 (this loop only)
+            try:
+                r = await probes.check("127.0.0.1", port, HealthSpec("http", path="/", interval=1.0, timeout=1.0))
+            finally:
+                delattr(loop, "create_connection")
+            assert not r.ok and r.reason == "timed out after 1s" and made
+            for _ in range(3):
+                await asyncio.sleep(0)  # the connection's loss runs
+            gc.collect()  # an unretrieved failure is logged as its future goes
+    finally:
+        loop.set_exception_handler(None)
+    assert not [c for c in unretrieved if "never retrieved" in c.get("message", "")], unretrieved
