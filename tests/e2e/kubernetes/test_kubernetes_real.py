@@ -559,7 +559,7 @@ async def test_in_cluster_token_is_read_again(
         monkeypatch.delenv("KUBECONFIG", raising=False)
 
         store = Store(encode_group)
-        source = alone(KubernetesSource, store, KubernetesOptions(namespaces=(ns,)), watch_timeout=(1, 1))
+        source = alone(KubernetesSource, store, KubernetesOptions(namespaces=(ns,)), watch_timeout=1)
         stop = asyncio.Event()
         task = asyncio.create_task(source.run(stop))
         try:
