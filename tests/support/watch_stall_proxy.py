@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tests.support.tls import CertAuthority
 
-CHUNKED_END = b"0\r\n\r\n"
+CHUNKED_END = b"\r\n0\r\n\r\n"  # the end of a chunked answer (after the head's or the last chunk's CRLF)
 
 
 def what(request_line: str) -> str:
@@ -41,6 +41,7 @@ def what(request_line: str) -> str:
 class Connection:
     request: str = ""  # the latest request line
     answered: bool = True  # the answer to it ended (a watch's: its last chunk came)
+    tail: bytes = b""  # the last bytes of the answer so far
     stalled: asyncio.Event = field(default_factory=asyncio.Event)
 
     def in_watch(self) -> bool:
@@ -155,7 +156,7 @@ class WatchStallProxy:
             await self._held(conn)
             conn.request = head.split(b"\r\n", 1)[0].decode(errors="replace")
             self.lines.append(conn.request)
-            conn.answered = False
+            conn.answered, conn.tail = False, b""
             self.requests[what(conn.request)] += 1
             writer.write(head)
             await writer.drain()
@@ -164,7 +165,8 @@ class WatchStallProxy:
         """API server to client, as it comes; a chunk that ends the answer marks it answered."""
         while data := await reader.read(65536):
             await self._held(conn)
-            if data == CHUNKED_END or data.endswith(b"\r\n" + CHUNKED_END) or not conn.in_watch():
+            conn.tail = (conn.tail + data[-len(CHUNKED_END) :])[-len(CHUNKED_END) :]
+            if conn.tail == CHUNKED_END or not conn.in_watch():
                 conn.answered = True
             writer.write(data)
             with contextlib.suppress(ConnectionError):

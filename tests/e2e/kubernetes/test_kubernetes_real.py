@@ -701,10 +701,10 @@ async def test_a_stalled_watch_connection_is_opened_again_while_the_apiserver_an
                 )
                 assert quiet["renewals"] - first["renewals"] >= 4 and quiet["relists"] == first["relists"]
                 assert spent["list"] == 0 and spent["watch"] >= 4
-                # each EndpointSlices watch resumed from a newer version than the last, with nothing new
-                # here: the bookmark's (the other namespace moved it on)
+                # the EndpointSlices watches resumed from newer versions, with nothing new here: the
+                # bookmarks' (the other namespace moved the cache on)
                 versions = [int(v) for v in SLICE_WATCH_RV.findall("\n".join(proxy.lines[seen:]))]
-                assert len(versions) >= 2 and versions == sorted(set(versions)), versions
+                assert versions == sorted(versions) and len(set(versions)) >= 2, versions
 
                 for n in range(3):
                     stalled: list[str] = []
@@ -739,3 +739,79 @@ async def test_a_stalled_watch_connection_is_opened_again_while_the_apiserver_an
             assert len(proxy.stalled) == 3 and last["reopened"] - first["reopened"] == 3, (proxy.stalled, last)
             assert last["relists"] == first["relists"] and last["connected"] and not last["stale"]
             assert failure_lines(s.server.log_text()) == []  # never said failing
+
+
+async def expired(api: KubeApi, path: str, version: str) -> bool:
+    """Whether a watch from `version` without bookmarks gets 410 Gone: the watch cache no longer holds it."""
+    assert api.session is not None
+    params = {"watch": "1", "resourceVersion": version, "timeoutSeconds": "1"}
+    async with api.session.get(api.url + path, params=params, ssl=api.ssl) as r:
+        text = await r.text()
+    return r.status == 410 or '"code":410' in text
+
+
+async def test_a_quiet_namespace_is_not_listed_again_when_the_watch_cache_moves_past_its_listing(
+    kube: KubeCluster,
+) -> None:
+    """Another namespace's EndpointSlices change about five times a second until the watch cache no
+    longer holds the version this namespace was listed at (it keeps 75 s of history, then drops the
+    oldest: a watch from that version gets 410), and a few seconds more. This namespace's watches,
+    renewed every 4 s meanwhile with nothing new here, resume from the bookmarks' versions and never
+    list again (watches without bookmarks would resume from the listing's version, and list again)."""
+    from eds_server.encode import encode_group
+    from eds_server.sources.kubernetes import KubernetesSource
+    from eds_server.sources.kubernetes_map import KubernetesOptions
+    from eds_server.store import Store
+
+    ns, busy = "window", "window-busy"
+    slices = f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+    async with KubeApi(kube) as api:
+        for name in (ns, busy):
+            await api.namespace(name)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, 8080, False))
+        await api.create(slices, endpoint_slice("web-1", "web", 8080, [pod_ip(2)]))
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{busy}/endpointslices",
+            endpoint_slice("other-1", "other", 8080, [pod_ip(20)]),
+        )
+        store = Store(encode_group)
+        source = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(kube.kubeconfig), namespaces=(ns,)))
+        stop = asyncio.Event()
+        task = asyncio.create_task(source.run(stop))
+        try:
+            for _ in range(200):
+                if store.ready and "web" in store.resources():
+                    break
+                await asyncio.sleep(0.1)
+            assert store.ready and source.connected
+            listed = str((await api.get(slices))["metadata"]["resourceVersion"])  # not older than the source's
+            renewals, loop = source.renewals, asyncio.get_running_loop()
+            started, writes, gone = loop.time(), 0, False
+
+            async def write() -> None:
+                nonlocal writes
+                await api.merge(
+                    f"/apis/discovery.k8s.io/v1/namespaces/{busy}/endpointslices/other-1",
+                    {"endpoints": [{"addresses": [pod_ip(20 + writes % 50)], "conditions": {"ready": True}}]},
+                )
+                writes += 1
+                await asyncio.sleep(0.2)
+
+            for _ in range(80):  # at most ~2,000 writes
+                for _ in range(25):
+                    await write()
+                if await expired(api, slices, listed):
+                    gone = True
+                    break
+            assert gone, "the watch cache still holds the listing's version"
+            print(f"\nthe listing's version left the watch cache {loop.time() - started:.0f} s and {writes} writes on")
+            for _ in range(30):  # ~6 s more: a renewal or more after that
+                await write()
+            print(f"{source.renewals - renewals} renewals, {source.relists} relists, {source.reopened} reopened")
+            assert source.relists == 0 and source.renewals - renewals >= 20
+            assert source.connected and "web" in store.resources()
+        finally:
+            stop.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
