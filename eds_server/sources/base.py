@@ -278,6 +278,10 @@ class Heartbeat:
         """The peer said something: no probe is needed for another `every` seconds."""
         self._heard = asyncio.get_running_loop().time()
 
+    def heard_since(self, moment: float) -> bool:
+        """Whether the peer said something (or answered a probe) after `moment`, a loop time."""
+        return self._heard > moment
+
     @contextlib.asynccontextmanager
     async def guard(self) -> AsyncIterator[None]:
         """Run the block until it ends or the peer is found hung (then `Hung` is raised from it)."""

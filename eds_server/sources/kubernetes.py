@@ -12,6 +12,17 @@ just like a quiet one) is found by a heartbeat: once nothing was heard for a sec
 with two seconds to answer, twice running (any status counts); unanswered, every list and watch in
 flight is ended and the source is marked stale, about 5 s after its last answer, as for a server that went away.
 
+The heartbeat rides other pooled connections, so it cannot tell that one watch's own connection died
+(a proxy or NAT in between stalled or forgot it) while the server answers. So each watch is short: it
+asks the API server to end it after WATCH_SECONDS (4 s), and the watch cache sends a bookmark with its
+current resourceVersion 2 s before that, so the next watch resumes from a fresh version and a quiet
+watch filtered by namespace or label never falls out of the cache's history (no relist per renewal).
+A watch not ended WATCH_GRACE (1 s) after that, with nothing heard on it for as long, is Stalled: within
+5 s of its last news. If the API server then answers GET /livez on another connection, the watch is
+opened again at once from where it was, and the source stays live; if not, the heartbeat's verdict
+stands (hung: stale). A watch opened again that way and stalling again before its first proper end
+is a failure as any other (stale, backoff): a path that stalls every watch is not hidden.
+
 A backoff grows to 30 s during a long outage, and the server's return should not wait that out: while
 the API server is away it is probed (GET /readyz, short timeout) about once a second, and the wait
 ends once it answers again. The configuration's files (kubeconfig, the certificates it names) are
@@ -30,7 +41,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +67,8 @@ from .kubernetes_map import ClusterView, KubernetesOptions
 log = logging.getLogger("eds_server.sources.kubernetes")
 
 LIST_PAGE = 500
+WATCH_SECONDS = 4  # timeoutSeconds: the API server ends each watch then (a bookmark 2 s before)
+WATCH_GRACE = 1.0  # past its end, this long silent: the watch's connection is dead
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,18 @@ NODES = Kind("Nodes", "/api/v1", "nodes")  # cluster-scoped; only with --kuberne
 
 class Gone(Exception):
     """410: the resourceVersion we resume from is no longer kept: list again."""
+
+
+class Stalled(TimeoutError):
+    """A watch not ended by the API server when asked, and silent: its connection is dead or stalled."""
+
+
+@dataclass
+class Cursor:
+    """Where a scope resumes: the last resourceVersion seen, an event's or a bookmark's (kept when a
+    watch fails midway, so that the next one replays nothing already applied); None: list first."""
+
+    version: str | None = None
 
 
 class ApiError(Exception):
@@ -181,7 +205,7 @@ def cert_files(api: Any) -> list[str]:
 
 def describe(kind: Kind, e: BaseException, request: str = "request") -> str:
     """What went wrong, in words an operator can act on, rather than an exception's repr."""
-    if isinstance(e, Hung):
+    if isinstance(e, Hung | Stalled):
         return f"{kind.name}: {e}"
     if isinstance(e, Unauthorized):
         return f"{kind.name}: the API server refused our credentials (401): {_after_status(e)}"
@@ -273,7 +297,7 @@ class KubernetesSource(Followed):
         *,
         debounce: float = 0.05,
         request_timeout: float = 30.0,
-        watch_timeout: tuple[int, int] = (60, 120),
+        watch_timeout: int = WATCH_SECONDS,
         probe_every: float = 1.0,
         probe_timeout: float = 2.0,
         backoff: tuple[float, float] = (0.2, 30.0),  # first delay, cap
@@ -289,6 +313,9 @@ class KubernetesSource(Followed):
         self._answering = True  # the last probe's answer, to say once that the server is back
         self.liveness = Liveness(feed, self.name, "the API server")
         self.watches_open = 0
+        self.renewals = 0  # watches ended by the API server when asked, and resumed
+        self.reopened = 0  # watches gone silent while the API server answered, opened again at once
+        self._reopens_said = LogBudget(log, most=1, window=300.0)
         self.events = 0  # watch events applied, for tests and benchmarks
         self.relists = 0
         self.view = ClusterView(options.annotation_prefix)  # the mapper: objects read -> groups
@@ -338,6 +365,8 @@ class KubernetesSource(Followed):
             node_regions=len(self.view.regions) if self.options.node_regions else None,
             watches=self.watches_open,
             relists=self.relists,
+            renewals=self.renewals,
+            reopened=self.reopened,
             events=self.events,
             namespaces=list(self.options.namespaces) or "all",
         )
@@ -455,29 +484,49 @@ class KubernetesSource(Followed):
             self.liveness.live(f"{len(self.view.services)} annotated Services, {len(self.view.slices)} EndpointSlices")
 
     async def _follow(self, kind: Kind, namespace: str | None, stop: asyncio.Event) -> None:
-        """List, then watch from the list's version; on 410 list again; on errors back off, until
+        """List, then watch from the list's version, watch after watch; on 410 list again; a watch
+        gone silent is opened again at once while the API server answers; on errors back off, until
         the API server answers again or its configuration is rewritten."""
         scope = (kind, namespace)
         backoff = Backoff(*self.backoff)
         comeback = Comeback()
-        version: str | None = None
+        at = Cursor()
+        reopen = True  # a silent watch may be opened again at once (not one opened so, before it ends)
+        loop = asyncio.get_running_loop()
         while not stop.is_set():
             if self._stamps.changed():
                 with contextlib.suppress(Exception):  # kept as it is; the error is the next attempt's
                     await self._reload(changed=True)
             api, loads = self._api, self.loads
-            request = "list" if version is None else "watch"
+            request = "list" if at.version is None else "watch"
             try:
-                if version is None:
+                if at.version is None:
                     async with self.heartbeat.guard():
-                        version = await self._list(kind, namespace)
+                        at.version = await self._list(kind, namespace)
                     self._recovered(scope)
                     self._changed.set()  # the first full listing is published even if empty
-                started, request = asyncio.get_running_loop().time(), "watch"
+                started, request = loop.time(), "watch"
                 async with self.heartbeat.guard():
-                    version = await self._watch(kind, namespace, version, backoff, comeback)
-                if asyncio.get_running_loop().time() - started > 1.0:
-                    continue  # the server ended the watch (its timeout): resume from `version`
+                    try:
+                        await self._watch(kind, namespace, at, backoff, comeback)
+                    except Stalled as e:
+                        if not reopen or not await self._answers():  # Hung from the guard if it is hung
+                            raise
+                        reopen = False
+                        self.reopened += 1
+                        self._reopens_said.log(
+                            logging.INFO,
+                            "%s: %s; the API server answers on another connection: opened again from "
+                            "resourceVersion %s",
+                            self.name,
+                            describe(kind, e),
+                            at.version,
+                        )
+                        continue
+                if loop.time() - started > 1.0:
+                    self.renewals += 1
+                    reopen = True
+                    continue  # the server ended the watch (its timeout): resume from `at`
                 # ended at once: the server may be going away; resume after a pause
                 delay = backoff.next()
                 log.debug(
@@ -487,7 +536,7 @@ class KubernetesSource(Followed):
             except Gone:
                 log.info("%s: %s watch expired (410 Gone); listing again", self.name, kind.name)
                 self.relists += 1
-                version = None
+                at.version = None
                 continue
             except Exception as e:
                 if self._api is not api or self._stamps.changed():
@@ -504,6 +553,25 @@ class KubernetesSource(Followed):
                 comeback.away()
             await pause(delay, stop, self._try_now(comeback, loads, probe=away is not False), self.probe_every)
 
+    async def _answers(self) -> bool:
+        """After a watch went silent: whether the API server answers on another connection. GET /livez
+        with the heartbeat's timeout; unanswered, the heartbeat's verdict. Awaited in the heartbeat's
+        guard, so that a hung server is said hung in the heartbeat's words (Hung is raised here)
+        whichever of the two noticed first."""
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.probe_timeout):
+                await self._pulse()
+            self.heartbeat.beat()
+            return True
+        bound = self.probe_every + 2 * self.probe_timeout
+        while loop.time() - asked < 2 * bound:  # the heartbeat decides well before this
+            if self.heartbeat.heard_since(asked):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
     def _try_now(self, comeback: Comeback, loads: int, probe: bool) -> Callable[[], Any]:
         """When to end a backoff early: the configuration changed, or the API server, seen away,
         answers again."""
@@ -515,7 +583,7 @@ class KubernetesSource(Followed):
 
         return check
 
-    async def _get(self, path: str, query: list[tuple[str, str]], read_timeout: float) -> Any:
+    async def _get(self, path: str, query: list[tuple[str, str]], read_timeout: float | None) -> Any:
         timeout = aiohttp.ClientTimeout(sock_connect=self.request_timeout, sock_read=read_timeout)
         resp = await self._api.call_api(
             path,
@@ -559,46 +627,58 @@ class KubernetesSource(Followed):
                 self.replace(kind, namespace, items)
                 return str(meta.get("resourceVersion") or "")
 
-    async def _watch(
-        self, kind: Kind, namespace: str | None, version: str, backoff: Backoff, comeback: Comeback
-    ) -> str:
-        """Apply events until the server ends the watch; returns the last resourceVersion seen."""
-        seconds = random.randint(*self.watch_timeout)  # spread the reconnects of many replicas
+    async def _watch(self, kind: Kind, namespace: str | None, at: Cursor, backoff: Backoff, comeback: Comeback) -> None:
+        """Apply events until the server ends the watch (it is asked to after `watch_timeout` s),
+        keeping `at` at the last resourceVersion seen. Stalled when it has not ended WATCH_GRACE
+        after that, with nothing heard on it for as long: its connection is dead, whatever the
+        heartbeat hears on the others."""
+        loop = asyncio.get_running_loop()
         query = [
             ("watch", "1"),
-            ("allowWatchBookmarks", "true"),
-            ("resourceVersion", version),
-            ("timeoutSeconds", str(seconds)),
+            ("allowWatchBookmarks", "true"),  # and one 2 s before the end: `at` stays fresh when quiet
+            ("resourceVersion", str(at.version)),
+            ("timeoutSeconds", str(self.watch_timeout)),
         ]
         if kind.label_selector:
             query.append(("labelSelector", kind.label_selector))
-        # bookmarks come about once a minute; past the server's own timeout, the connection is dead
-        resp = await self._get(kind.path(namespace), query, seconds + 30.0)
-        self.watches_open += 1
+        deadline = asyncio.timeout(self.watch_timeout + WATCH_GRACE)
         try:
-            self._recovered((kind, namespace))
-            backoff.reset()
-            comeback.reset()
-            async for line in resp.content:
-                self.heartbeat.beat()
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                etype, obj = event.get("type"), event.get("object") or {}
-                if etype == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone()
-                    code = obj.get("code")
-                    status = code if isinstance(code, int) else 0
-                    raise ApiError(f"watch {kind.name}: {code}: {obj.get('message')}", status)
-                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
-                if etype in ("ADDED", "MODIFIED", "DELETED"):
-                    self.apply(kind, etype, obj)
-                    self._touch()
-            return version
-        finally:
-            self.watches_open -= 1
-            resp.release()
+            async with deadline:
+                resp = await self._get(kind.path(namespace), query, None)
+                self.watches_open += 1
+                try:
+                    self._recovered((kind, namespace))
+                    backoff.reset()
+                    comeback.reset()
+                    async for line in resp.content:
+                        self.heartbeat.beat()
+                        if (due := loop.time() + WATCH_GRACE) > (deadline.when() or 0.0):
+                            deadline.reschedule(due)  # still talking past its end: not dead
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        etype, obj = event.get("type"), event.get("object") or {}
+                        if etype == "ERROR":
+                            if obj.get("code") == 410:
+                                raise Gone()
+                            code = obj.get("code")
+                            status = code if isinstance(code, int) else 0
+                            raise ApiError(f"watch {kind.name}: {code}: {obj.get('message')}", status)
+                        at.version = str((obj.get("metadata") or {}).get("resourceVersion") or at.version)
+                        if etype in ("ADDED", "MODIFIED", "DELETED"):
+                            self.apply(kind, etype, obj)
+                            self._touch()
+                finally:
+                    self.watches_open -= 1
+                    resp.release()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise Stalled(
+                f"the watch's connection went silent: the API server did not end it within "
+                f"{self.watch_timeout + WATCH_GRACE:g} s of asking for {self.watch_timeout} s "
+                f"(a proxy or NAT in between stalled or forgot it)"
+            ) from None
 
 
 def _message(body: str) -> str:

@@ -1,6 +1,8 @@
 """A small stand-in for a Kubernetes API server on 127.0.0.1: lists and watches of Services and
 EndpointSlices in one namespace (with history, so a watch resumed from an old version misses
-nothing), a bearer token, /readyz. It can go away and come back on the same port in-process, or run
+nothing; a bookmark 2 s before a watch's end, as the watch cache sends), a bearer token, /readyz,
+/livez; it can stall the next watches of a kind (their headers, then nothing: a connection stalled in
+between). It can go away and come back on the same port in-process, or run
 as its own process (``python -m tests.support.fake_kube_api [PORT IP...]``: it prints its port and
 serves one Service, group ``web``, with one slice of those endpoints) for a test that freezes it with
 SIGSTOP.
@@ -62,6 +64,9 @@ class FakeApiServer:
         self.refused = 0  # 401s
         self.failing = 0  # a status every API request gets (503: up, answering probes, not serving)
         self.failed = 0
+        self.stall: dict[str, int] = {}  # per plural: how many of the next watches stall (headers, then nothing)
+        self.stalled = 0
+        self.watched: list[tuple[str, int]] = []  # each watch asked: plural, resourceVersion
         self._bump = asyncio.Event()
         self._runner: web.AppRunner | None = None
 
@@ -111,15 +116,29 @@ class FakeApiServer:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
         sent = int(request.query["resourceVersion"])
-        deadline = asyncio.get_running_loop().time() + float(request.query["timeoutSeconds"])
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        self.watched.append((plural, sent))
+        if self.stall.get(plural):  # a connection stalled in between: nothing more, never ended
+            self.stall[plural] -= 1
+            self.stalled += 1
+            await asyncio.sleep(60)
+            return resp
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(request.query["timeoutSeconds"])
+        # as the watch cache: a bookmark with the current version 2 s before the end
+        bookmark: float | None = deadline - 2.0 if request.query.get("allowWatchBookmarks") == "true" else None
+        while (left := deadline - loop.time()) > 0:
             for rv, kind, etype, obj in list(self.history):
                 if rv > sent:
                     sent = rv
                     if kind == plural:
                         await resp.write(json.dumps({"type": etype, "object": obj}).encode() + b"\n")
+            if bookmark is not None and loop.time() >= bookmark:
+                bookmark = None
+                mark = {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": str(self.rv)}}}
+                await resp.write(json.dumps(mark).encode() + b"\n")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._bump.wait(), left)
+                wake = left if bookmark is None else max(0.0, min(left, bookmark - loop.time()))
+                await asyncio.wait_for(self._bump.wait(), wake)
         await resp.write_eof()
         return resp
 

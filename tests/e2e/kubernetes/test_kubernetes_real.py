@@ -18,6 +18,7 @@ import json
 import re
 import ssl
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,13 @@ from tests.support.backends import Backend, serve_backend
 from tests.support.connect_proxy import ConnectProxy, http11_proxy_socket, loopback_for, pod_ip
 from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bootstrap
 from tests.support.feeds import alone
-from tests.support.hung_peer import frozen_is_said, wait_source
+from tests.support.hung_peer import HUNG_WAIT, frozen_is_said, wait_source
 from tests.support.kube_apiserver import KubeApi, KubeCluster, kube
 from tests.support.paths import ROOT
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
 from tests.support.tls import CertAuthority
+from tests.support.watch_stall_proxy import WatchStallProxy
 
 pytestmark = pytest.mark.envoy
 __all__ = ["kube"]  # the module-scoped fixture
@@ -287,6 +289,7 @@ async def test_apiserver_restart_and_outage_keep_endpoints(kube: KubeCluster, tm
         assert said and all("reconnecting in" in line for line in said), said
 
 
+SLICE_WATCH_RV = re.compile(r"/endpointslices\?watch=1&\S*resourceVersion=(\d+)")
 REPR = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|<\w+")  # an exception's class name or repr
 
 
@@ -559,7 +562,7 @@ async def test_in_cluster_token_is_read_again(
         monkeypatch.delenv("KUBECONFIG", raising=False)
 
         store = Store(encode_group)
-        source = alone(KubernetesSource, store, KubernetesOptions(namespaces=(ns,)), watch_timeout=(1, 1))
+        source = alone(KubernetesSource, store, KubernetesOptions(namespaces=(ns,)), watch_timeout=1)
         stop = asyncio.Event()
         task = asyncio.create_task(source.run(stop))
         try:
@@ -641,3 +644,174 @@ async def test_a_frozen_apiserver_is_said_stale_within_the_bound_and_envoy_keeps
         await s.wait_hosts(lambda h: set(h) == {pod_ip(2)})
         said = failure_lines(s.server.log_text())
         assert any("did not answer within" in line for line in said), said
+
+
+async def test_a_stalled_watch_connection_is_opened_again_while_the_apiserver_answers(
+    kube: KubeCluster, tmp_path: Path
+) -> None:
+    """eds-server reaches kube-apiserver through a proxy that stalls the EndpointSlices watch in
+    flight (no byte either way, nothing closed) while every other connection, the heartbeat's
+    /livez included, goes through. A change made right after each stall reaches Envoy within the
+    hung-peer wait (the old 60-120 s watches waited their read timeout, 90-150 s), the source is never
+    said stale, and it does not list again: the short watches resume from the bookmark the watch
+    cache sends before each ends, while another namespace's EndpointSlices keep changing (the cache
+    moves on) and this one stays quiet between the changes."""
+    ns, busy, port = "stalled", "busy", free_port()
+    async with KubeApi(kube) as api:
+        for name in (ns, busy):
+            await api.namespace(name)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("api", {"eds.group": "web"}, port, False))
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            endpoint_slice("api-1", "api", port, [pod_ip(2), pod_ip(3)]),
+        )
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{busy}/endpointslices",
+            endpoint_slice("other-1", "other", port, [pod_ip(20)]),
+        )
+    loop = asyncio.get_running_loop()
+    async with WatchStallProxy(kube.port, kube.ca, tmp_path / "proxy") as proxy:
+        config = tmp_path / "proxied.kubeconfig"
+        config.write_text(proxy.kubeconfig(kube.token))
+        async with stack(kube, tmp_path, "--kubernetes-namespace", ns, kubeconfig=config) as s, KubeApi(kube) as api:
+
+            async def churn() -> None:  # elsewhere: a change every 0.5 s, bounded
+                for i in range(400):
+                    await api.merge(
+                        f"/apis/discovery.k8s.io/v1/namespaces/{busy}/endpointslices/other-1",
+                        {"endpoints": [{"addresses": [pod_ip(20 + i % 50)], "conditions": {"ready": True}}]},
+                    )
+                    await asyncio.sleep(0.5)
+
+            async def slice_watches() -> int:
+                return sum("/endpointslices?" in line and "watch=1" in line for line in proxy.lines)
+
+            churning = asyncio.create_task(churn())
+            try:
+                await s.wait_hosts(lambda h: set(h) == {pod_ip(2), pod_ip(3)})
+                first = await s.source()
+                # quiet here for 12 s: the watches are renewed, nothing is listed again
+                counted, since, seen = Counter(proxy.requests), loop.time(), len(proxy.lines)
+                await asyncio.sleep(12)
+                quiet = await s.source()
+                spent = proxy.requests - counted
+                print(
+                    f"\nquiet, {loop.time() - since:.0f} s: {dict(spent)} requests through the proxy, "
+                    f"{quiet['renewals'] - first['renewals']} renewals"
+                )
+                assert quiet["renewals"] - first["renewals"] >= 4 and quiet["relists"] == first["relists"]
+                assert spent["list"] == 0 and spent["watch"] >= 4
+                # the EndpointSlices watches resumed from newer versions, with nothing new here: the
+                # bookmarks' (the other namespace moved the cache on)
+                versions = [int(v) for v in SLICE_WATCH_RV.findall("\n".join(proxy.lines[seen:]))]
+                assert versions == sorted(versions) and len(set(versions)) >= 2, versions
+
+                for n in range(3):
+                    stalled: list[str] = []
+                    for _ in range(100):  # the EndpointSlices watch in flight (it is renewed every 4 s)
+                        stalled = proxy.stall_watches("/endpointslices?")
+                        if stalled:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert len(stalled) == 1 and "watch=1" in stalled[0], stalled
+                    stalled_at, asked = loop.time(), await slice_watches()
+                    ip = pod_ip(4 + n)
+                    await api.merge(
+                        f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/api-1",
+                        {"endpoints": [{"addresses": [ip], "conditions": {"ready": True}}]},
+                    )
+
+                    async def arrived(ip: str = ip) -> bool:  # never stale on the way
+                        source = await s.source()
+                        assert source["connected"] and not source["stale"], source
+                        return set(await s.hosts()) == {ip}
+
+                    await s.envoy.wait_for(arrived, lambda done: done, timeout=HUNG_WAIT)
+                    print(f"change {n + 1} reached Envoy {loop.time() - stalled_at:.1f} s after its watch stalled")
+                    # the next stall comes after the re-opened watch's proper end (one opened again that
+                    # stalls too is a failure, by design): the watch after it asked
+                    await s.envoy.wait_for(slice_watches, lambda n, asked=asked: n >= asked + 2, timeout=HUNG_WAIT)
+            finally:
+                churning.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await churning
+            last = await s.source()
+            assert len(proxy.stalled) == 3 and last["reopened"] - first["reopened"] == 3, (proxy.stalled, last)
+            assert last["relists"] == first["relists"] and last["connected"] and not last["stale"]
+            assert failure_lines(s.server.log_text()) == []  # never said failing
+
+
+async def expired(api: KubeApi, path: str, version: str) -> bool:
+    """Whether a watch from `version` without bookmarks gets 410 Gone: the watch cache no longer holds it."""
+    assert api.session is not None
+    params = {"watch": "1", "resourceVersion": version, "timeoutSeconds": "1"}
+    async with api.session.get(api.url + path, params=params, ssl=api.ssl) as r:
+        text = await r.text()
+    return r.status == 410 or '"code":410' in text
+
+
+async def test_a_quiet_namespace_is_not_listed_again_when_the_watch_cache_moves_past_its_listing(
+    kube: KubeCluster,
+) -> None:
+    """Another namespace's EndpointSlices change about five times a second until the watch cache no
+    longer holds the version this namespace was listed at (it keeps 75 s of history, then drops the
+    oldest: a watch from that version gets 410), and a few seconds more. This namespace's watches,
+    renewed every 4 s meanwhile with nothing new here, resume from the bookmarks' versions and never
+    list again (watches without bookmarks would resume from the listing's version, and list again)."""
+    from eds_server.encode import encode_group
+    from eds_server.sources.kubernetes import KubernetesSource
+    from eds_server.sources.kubernetes_map import KubernetesOptions
+    from eds_server.store import Store
+
+    ns, busy = "window", "window-busy"
+    slices = f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+    async with KubeApi(kube) as api:
+        for name in (ns, busy):
+            await api.namespace(name)
+        await api.create(f"/api/v1/namespaces/{ns}/services", service("web", {"eds.group": "web"}, 8080, False))
+        await api.create(slices, endpoint_slice("web-1", "web", 8080, [pod_ip(2)]))
+        await api.create(
+            f"/apis/discovery.k8s.io/v1/namespaces/{busy}/endpointslices",
+            endpoint_slice("other-1", "other", 8080, [pod_ip(20)]),
+        )
+        store = Store(encode_group)
+        source = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(kube.kubeconfig), namespaces=(ns,)))
+        stop = asyncio.Event()
+        task = asyncio.create_task(source.run(stop))
+        try:
+            for _ in range(200):
+                if store.ready and "web" in store.resources():
+                    break
+                await asyncio.sleep(0.1)
+            assert store.ready and source.connected
+            listed = str((await api.get(slices))["metadata"]["resourceVersion"])  # not older than the source's
+            renewals, loop = source.renewals, asyncio.get_running_loop()
+            started, writes, gone = loop.time(), 0, False
+
+            async def write() -> None:
+                nonlocal writes
+                await api.merge(
+                    f"/apis/discovery.k8s.io/v1/namespaces/{busy}/endpointslices/other-1",
+                    {"endpoints": [{"addresses": [pod_ip(20 + writes % 50)], "conditions": {"ready": True}}]},
+                )
+                writes += 1
+                await asyncio.sleep(0.2)
+
+            for _ in range(80):  # at most ~2,000 writes
+                for _ in range(25):
+                    await write()
+                if await expired(api, slices, listed):
+                    gone = True
+                    break
+            assert gone, "the watch cache still holds the listing's version"
+            print(f"\nthe listing's version left the watch cache {loop.time() - started:.0f} s and {writes} writes on")
+            for _ in range(30):  # ~6 s more: a renewal or more after that
+                await write()
+            print(f"{source.renewals - renewals} renewals, {source.relists} relists, {source.reopened} reopened")
+            assert source.relists == 0 and source.renewals - renewals >= 20
+            assert source.connected and "web" in store.resources()
+        finally:
+            stop.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

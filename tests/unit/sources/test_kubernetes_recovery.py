@@ -251,3 +251,39 @@ async def test_a_frozen_api_server_is_found_within_the_bound_and_followed_again_
     print(f"\nstale {took:.1f} s after the freeze")
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(said) == 1 and "the API server at http://127.0.0.1" in said[0], said
+
+
+async def test_a_silent_watch_is_opened_again_at_once_while_the_api_server_answers(
+    fake: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Watches are asked to end after 4 s; one not ended 1 s later is dead, whatever the heartbeat
+    hears on other connections. The API server answering /livez, it is opened again at once from
+    where it was, and the source stays live; a quiet watch resumes from the bookmark sent before
+    each end (the other kind's changes move the version on), never from the list's version. A watch
+    opened again that way that stalls too is a failure: said, and stale."""
+    config = kubeconfig(tmp_path / "kubeconfig", fake.url, fake.token)
+    caplog.set_level(logging.INFO, "eds_server")
+    async with following(config) as (store, source):
+        listed = fake.rv
+        fake.put("services", {**service(), "spec": {"ports": [{"name": "http", "port": 81, "targetPort": 8080}]}})
+        moved = fake.rv
+        await until(lambda: ("endpointslices", moved) in fake.watched, 8, "a slice watch from the bookmark's version")
+        assert all(rv >= listed for plural, rv in fake.watched)
+
+        fake.stall["endpointslices"] = 1
+        await until(lambda: fake.stalled == 1, 6, "a slice watch stalled")
+        livez = fake.livez
+        fake.put("endpointslices", endpoint_slice("127.0.0.3"))
+
+        def arrived() -> bool:
+            assert source.connected and not store.is_stale("web")  # live all along
+            return addresses(store) == {"127.0.0.3"}
+
+        await until(arrived, 8, "the change held back by the stalled watch")
+        assert source.reopened == 1 and source.relists == 0 and fake.livez > livez
+        assert any("watch's connection went silent" in r.getMessage() for r in caplog.records)
+
+        fake.stall["endpointslices"] = 2  # every watch stalls: after the one opened again, a failure
+        await until(lambda: not source.connected, 16, "a path that stalls every watch said")
+        assert source.reopened == 2 and store.is_stale("web") and addresses(store) == {"127.0.0.3"}
+        assert "EndpointSlices: the watch's connection went silent" in str(source.last_error)
