@@ -163,7 +163,7 @@ def _kubernetes(args: argparse.Namespace) -> KubernetesOptions:
         raise Refused(f"not starting: --kubeconfig {args.kubeconfig}: no such file")
     if not _installed("kubernetes_asyncio"):
         raise Refused("--kubernetes needs the kubernetes extra: pip install 'eds-server[kubernetes]'")
-    from ..sources.kubernetes import missing_configuration
+    from ..sources.kubernetes_config import missing_configuration
 
     if nothing := missing_configuration(args.kubeconfig):
         raise Refused(f"not starting: --kubernetes: {nothing}")

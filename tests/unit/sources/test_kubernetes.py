@@ -20,7 +20,9 @@ import pytest
 
 from eds_server.encode import encode_group
 from eds_server.model import Health, Locality
-from eds_server.sources.kubernetes import NODES, SERVICES, SLICES, ConfigProblem, KubernetesSource, make_client
+from eds_server.sources.kubernetes import KubernetesSource
+from eds_server.sources.kubernetes_api import NODES, SERVICES, SLICES
+from eds_server.sources.kubernetes_config import ConfigProblem, make_client
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 from tests.support.feeds import alone
@@ -212,7 +214,7 @@ async def test_a_configuration_error_is_said_once_as_such_not_blamed_on_the_api_
         attempts += 1
         return await make_client(options)
 
-    monkeypatch.setattr("eds_server.sources.kubernetes.make_client", counted)
+    monkeypatch.setattr("eds_server.sources.kubernetes_config.make_client", counted)
     task = asyncio.create_task(src.run(stop))
     await wait_for(lambda: attempts, lambda n: n >= 10, timeout=10, what="many attempts")
     stop.set()
@@ -245,10 +247,10 @@ async def test_reloads_after_refused_credentials_are_said_now_and_then(
     caplog.set_level(logging.INFO, "eds_server")
     try:
         for _ in range(5):
-            src._loaded_at = -1000.0  # as if 10 s had passed since the last load
-            await src._reload()
+            src.config.loaded_at = -1000.0  # as if 10 s had passed since the last load
+            await src.config.reload()
         assert src.loads == 5
     finally:
-        await src._api.close()
+        await src.config.close()
     said = [r.getMessage() for r in caplog.records if "configuration loaded again" in r.getMessage()]
     assert said == ["kubernetes: configuration loaded again (the credentials were refused); watches resume with it"]

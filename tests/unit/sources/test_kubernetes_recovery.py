@@ -18,14 +18,8 @@ import aiohttp
 import pytest
 
 from eds_server.encode import encode_group
-from eds_server.sources.kubernetes import (
-    SLICES,
-    ApiError,
-    KubernetesSource,
-    Unauthorized,
-    describe,
-    went_away,
-)
+from eds_server.sources.kubernetes import KubernetesSource
+from eds_server.sources.kubernetes_api import SLICES, ApiError, Unauthorized, describe, went_away
 from eds_server.sources.kubernetes_map import KubernetesOptions
 from eds_server.store import Store
 from tests.support.fake_kube_api import NS, FakeApiServer, endpoint_slice, kubeconfig, run_process, service
