@@ -135,6 +135,25 @@ async def stack(
                 assert await envoy.update_rejected(c) == 0
 
 
+@contextlib.asynccontextmanager
+async def serving_web(source: Any, store: Any) -> AsyncIterator[None]:
+    """`source` running (in-process) until the block ends, entered once the store serves "web"."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(source.run(stop))
+    try:
+        for _ in range(200):
+            if store.ready and "web" in store.resources():
+                break
+            await asyncio.sleep(0.1)
+        assert store.ready and source.connected
+        yield
+    finally:
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def hits_through(envoy: EnvoyProcess, n: int) -> dict[str, int]:
     """Send `n` requests through Envoy (bounded); count which backend answered each."""
     seen: dict[str, int] = {}
@@ -563,14 +582,7 @@ async def test_in_cluster_token_is_read_again(
 
         store = Store(encode_group)
         source = alone(KubernetesSource, store, KubernetesOptions(namespaces=(ns,)), watch_timeout=1)
-        stop = asyncio.Event()
-        task = asyncio.create_task(source.run(stop))
-        try:
-            for _ in range(200):
-                if store.ready and "web" in store.resources():
-                    break
-                await asyncio.sleep(0.1)
-            assert store.ready and source.connected
+        async with serving_web(source, store):
             loads = source.loads
             # rotate: a new token in the file, then the old one revoked (its Secret deleted)
             token_file.write_text(await bound_token("token-b"))
@@ -601,11 +613,6 @@ async def test_in_cluster_token_is_read_again(
             assert source.connected and source.last_error is None, source.last_error
             assert source.loads == loads  # no 401 and reload: the hook read the new token
             assert source.events > events_before
-        finally:
-            stop.set()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 async def test_a_frozen_apiserver_is_said_stale_within_the_bound_and_envoy_keeps_its_hosts(
@@ -776,14 +783,7 @@ async def test_a_quiet_namespace_is_not_listed_again_when_the_watch_cache_moves_
         )
         store = Store(encode_group)
         source = alone(KubernetesSource, store, KubernetesOptions(kubeconfig=str(kube.kubeconfig), namespaces=(ns,)))
-        stop = asyncio.Event()
-        task = asyncio.create_task(source.run(stop))
-        try:
-            for _ in range(200):
-                if store.ready and "web" in store.resources():
-                    break
-                await asyncio.sleep(0.1)
-            assert store.ready and source.connected
+        async with serving_web(source, store):
             listed = str((await api.get(slices))["metadata"]["resourceVersion"])  # not older than the source's
             renewals, loop = source.renewals, asyncio.get_running_loop()
             started, writes, gone = loop.time(), 0, False
@@ -810,8 +810,3 @@ async def test_a_quiet_namespace_is_not_listed_again_when_the_watch_cache_moves_
             print(f"{source.renewals - renewals} renewals, {source.relists} relists, {source.reopened} reopened")
             assert source.relists == 0 and source.renewals - renewals >= 20
             assert source.connected and "web" in store.resources()
-        finally:
-            stop.set()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
