@@ -11,7 +11,8 @@ checks run at a time.
 Fail static: when every target with a result fails its latest check at once (tracker.CutOff), the
 checked health is frozen as it was and the checker reports itself degraded; it thaws on the first
 pass. A failure that took far longer than its timeout says this process's loop was starved (the
-timeout could not fire on time): it is not counted, either way. Every change of an endpoint's
+timeout could not fire on time), and a check never sent for want of a TLS handshake slot
+(keepalive.py) says it was busy: neither is counted, either way. Every change of an endpoint's
 checked health is one log line, at most `log_most` a minute.
 """
 
@@ -258,16 +259,16 @@ class Checker:
             target.running = False
         if self._targets.get(target.key) is not target:
             return  # the endpoint left meanwhile
-        if not result.ok and result.latency > STARVED * spec.timeout + STARVED_SLACK:
-            # Its timeout fired that late: this process's loop was starved, not the backend slow.
+        late = not result.ok and result.latency > STARVED * spec.timeout + STARVED_SLACK
+        if result.starved or late:
+            # Never sent (no TLS handshake slot), or its timeout fired that late: this process was
+            # too busy, the backend is not to blame.
             self.checks[(spec.kind, "starved")] += 1
             self._log.log(
                 logging.WARNING,
-                "health: check of %s not counted: it took %.2fs for a %gs timeout "
-                "(this process was too busy to run it on time)",
+                "health: check of %s not counted: %s (this process was too busy to run it on time)",
                 fields.address_port(address, port),
-                result.latency,
-                spec.timeout,
+                result.reason if result.starved else f"it took {result.latency:.2f}s for a {spec.timeout:g}s timeout",
             )
         else:
             self._record(target, result)

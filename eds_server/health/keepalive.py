@@ -23,6 +23,16 @@ the newcomer, else the newcomer is: plain LRU would close, under a round robin o
 the budget, exactly the one due next, and keep none useful. Kept TLS connections, ~47 KB each, are
 also at most TLS_MEMORY_SHARE of the memory watermark's limit, chosen among by the same rule. `forget`
 (an endpoint no longer checked) and `close` (the checker stops) close what is kept.
+
+TLS handshakes in flight are at most `max_handshakes` (MAX_HANDSHAKES): a cold start with a thousand
+HTTPS endpoints is a thousand handshakes at once, each ~1 ms of this process's CPU, and all of them
+interleaved on one loop finish late together, each past its timeout: the checker's congestion, not
+the backends'. So an HTTPS check connects first (a backend that does not answer costs no slot), then
+waits for a slot, and its timeout is paused while it waits: it covers the connect, the handshake and
+the answer, never the queue. A check that gets no slot within its interval was never sent: its
+result is `starved` (not counted, as a check whose timeout fired far too late), and the next one is
+due anyway. gRPC checks over TLS (a fresh connection each, probes.check) wait for a slot the same
+way, before they connect.
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ TLS_MEMORY_SHARE = 0.1
 Key = tuple[str, int, HealthSpec]
 KINDS = ("http", "https")  # the kinds of kept connections, as counted
 HOW = ("opened", "reused", "evicted")
+# TLS handshakes in flight at most. A client handshake costs ~1 ms of CPU here (P-256, measured with
+# bench/health_checks.py --https); 32 at once are ~30 ms of work, far inside any check's timeout on a
+# busy host, and with 50 ms of round trip still ~300 handshakes a second: 1,000 endpoints connected
+# within a few seconds of a cold start, after which kept connections need none.
+MAX_HANDSHAKES = 32
 
 
 def kind_of(spec: HealthSpec) -> str:
@@ -75,6 +90,15 @@ def budget(reserved: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return MAX_KEPT
     return max(0, min(MAX_KEPT, (soft - reserved) // 2))
+
+
+class _NoSlot(Exception):
+    """No TLS handshake slot within the check's interval (or its connection closed while it waited):
+    the check was never sent."""
+
+    def __init__(self, waited: float) -> None:
+        super().__init__(waited)
+        self.waited = waited
 
 
 class _Stale(Exception):
@@ -286,15 +310,25 @@ class _Conn(asyncio.Protocol):
                 answer.set_exception(error or ValueError("no status line"))
 
 
+def _not_sent(waited: float) -> Result:
+    return Result(False, f"not sent: no TLS handshake slot in {waited:.2f}s", waited, time.time(), True)
+
+
 class KeptConnections:
     """The probe with kept connections for HTTP and HTTPS checks (`check`); TCP and gRPC go to
     probes.check, fresh each time. `reserved` (descriptors the gRPC port may hold) sizes the budget,
     one for both: a kept TLS connection holds a descriptor as a plain one does. TLS ones are also at
     most `tls_budget` (by `memory_limit`, the watermark's): each holds ~47 KB where a plain one holds
-    ~2 KB. Each kind waits in its own least-recently-used order."""
+    ~2 KB. Each kind waits in its own least-recently-used order. TLS handshakes in flight are at most
+    `max_handshakes`; `handshaking` and `handshakes_peak` say how many are and have been at once."""
 
     def __init__(
-        self, reserved: int = 0, budget_: int | None = None, memory_limit: int = 0, tls_budget_: int | None = None
+        self,
+        reserved: int = 0,
+        budget_: int | None = None,
+        memory_limit: int = 0,
+        tls_budget_: int | None = None,
+        max_handshakes: int = MAX_HANDSHAKES,
     ) -> None:
         self.reserved = reserved
         self.memory_limit = memory_limit
@@ -307,6 +341,12 @@ class KeptConnections:
         # (http|https, how) -> count: connections opened, checks on a kept connection (no connect, no
         # handshake), idle connections closed (or not kept) for the budget
         self.counts: Counter[tuple[str, str]] = Counter()
+        self.max_handshakes = max_handshakes
+        self._slots = asyncio.Semaphore(max_handshakes)  # first come, first served
+        self.handshaking = 0  # TLS handshakes (or gRPC-over-TLS checks) holding a slot now
+        self.handshakes_peak = 0  # the most at once so far
+        self.handshakes = 0  # TLS handshakes of HTTPS checks completed
+        self.slot_waits = 0  # checks that found every slot taken and waited
 
     def _total(self, how: str) -> int:
         return sum(n for (_, h), n in self.counts.items() if h == how)
@@ -346,8 +386,63 @@ class KeptConnections:
     def _idle_of(self, key: Key) -> OrderedDict[Key, _Conn]:
         return self._idle_tls if key[2].tls else self._idle
 
+    async def _slot(self, spec: HealthSpec) -> tuple[float, bool]:
+        """Take a TLS handshake slot, waiting at most the check's interval: the time waited, and
+        whether every slot was taken. _NoSlot if none came (the check is then not sent)."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        queued = self._slots.locked()
+        if queued:
+            self.slot_waits += 1
+            try:
+                async with asyncio.timeout(spec.interval):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise _NoSlot(loop.time() - began) from None
+        else:
+            await self._slots.acquire()
+        self.handshaking += 1
+        self.handshakes_peak = max(self.handshakes_peak, self.handshaking)
+        return loop.time() - began, queued
+
+    def _unslot(self) -> None:
+        self.handshaking -= 1
+        self._slots.release()
+
+    async def _handshake(self, conn: _Conn, address: str, spec: HealthSpec, deadline: float) -> float:
+        """TLS over `conn`, connected, in a slot: the time spent waiting for it (the check's timeout
+        is moved on by that much)."""
+        waited, queued = await self._slot(spec)
+        try:
+            if conn.lost or conn.transport is None:
+                if queued:
+                    raise _NoSlot(waited)  # closed while it queued: the wait's doing, not a check
+                raise ConnectionResetError("connection closed before the TLS handshake")
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout_at(deadline + waited):
+                tls = await loop.start_tls(conn.transport, conn, tls_context(), server_hostname=address)
+            assert tls is not None
+            conn.transport = tls
+            self.handshakes += 1
+        finally:
+            self._unslot()
+        return waited
+
+    async def _fresh_tls(self, address: str, port: int, spec: HealthSpec) -> Result:
+        """A check on a fresh TLS connection of its own (gRPC), in a slot; its timeout starts there."""
+        try:
+            await self._slot(spec)
+        except _NoSlot as e:
+            return _not_sent(e.waited)
+        try:
+            return await probes.check(address, port, spec)
+        finally:
+            self._unslot()
+
     async def check(self, address: str, port: int, spec: HealthSpec) -> Result:
         if spec.kind != "http":
+            if spec.tls:
+                return await self._fresh_tls(address, port, spec)
             return await probes.check(address, port, spec)
         key = (address, port, spec)
         kind = kind_of(spec)
@@ -368,13 +463,14 @@ class KeptConnections:
                         self.counts[(kind, "reused")] += 1
             if conn is None:
                 request = request_head(address, spec.port or port, spec.path, keep=True)
-                async with asyncio.timeout_at(deadline):  # the connect and handshake; the answer has its own timer
+                async with asyncio.timeout_at(deadline):  # the connect; the answer has its own timer
                     _, conn = await loop.create_connection(
-                        lambda: _Conn(idle, key, request),
-                        address,
-                        spec.port or port,
-                        ssl=tls_context() if spec.tls else None,  # the server name: the address, as before
+                        lambda: _Conn(idle, key, request), address, spec.port or port
                     )
+                if spec.tls:  # in a slot; the server name: the address, as before (no SNI for an IP)
+                    waited = await self._handshake(conn, address, spec, deadline)
+                    deadline += waited  # the wait is not the backend's: its timeout stood still
+                    start += waited
                 self.counts[(kind, "opened")] += 1
                 status = await self._ask(key, conn, loop, deadline)
         except TimeoutError:
@@ -383,6 +479,10 @@ class KeptConnections:
                 status = conn.status  # the status line was read, the rest of the answer was slow
             if status is None:
                 return Result(False, f"timed out after {spec.timeout:g}s", time.perf_counter() - start, wall)
+        except _NoSlot as e:
+            if conn is not None:
+                conn.abort()
+            return _not_sent(e.waited)
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, _Stale) as e:
             if conn is not None:
                 conn.abort()

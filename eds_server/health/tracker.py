@@ -29,6 +29,9 @@ class Result:
     reason: str  # "HTTP 200", "HTTP 500", "connection refused", "timed out after 0.5s"
     latency: float
     at: float
+    # Not a check at all: this process was too busy to send it (no TLS handshake slot came within the
+    # check's interval). Not counted, either way, as a check whose timeout fired far too late.
+    starved: bool = False
 
 
 class Tracker:

@@ -26,17 +26,21 @@ SPEC = HealthSpec("http", path="/health", interval=0.1, timeout=0.05, healthy_th
 
 class Script:
     """Answers per port: True passes, False fails; counts the checks. `late` ports fail as a check
-    whose timeout fired long after it was due (a starved loop)."""
+    whose timeout fired long after it was due (a starved loop); `unsent` ones as a check never sent
+    for want of a TLS handshake slot."""
 
     def __init__(self) -> None:
         self.up: dict[int, bool] = {}
         self.late: set[int] = set()
+        self.unsent: set[int] = set()
         self.calls: Counter[int] = Counter()
 
     async def probe(self, address: str, port: int, spec: HealthSpec) -> Result:
         self.calls[port] += 1
         if port in self.late:
             return Result(False, "timed out after 0.05s", 10 * spec.timeout + 1, time.time())
+        if port in self.unsent:
+            return Result(False, "not sent: no TLS handshake slot in 0.10s", 0.1, time.time(), starved=True)
         ok = self.up.get(port, True)
         return Result(ok, "HTTP 200" if ok else "HTTP 500", 0.001, time.time())
 
@@ -149,6 +153,11 @@ async def test_a_starved_loop_is_not_the_backends_fault() -> None:
         script.late.add(1)
         await wait_for(lambda: checker.checks[("http", "starved")], lambda n: n >= 4, timeout=5)
         assert health(store, "web")[1] == Health.HEALTHY
+        script.late.clear()
+        script.unsent.add(2)  # and a check never sent: not a failure either
+        await wait_for(lambda: checker.checks[("http", "starved")], lambda n: n >= 8, timeout=5)
+        assert health(store, "web") == {1: Health.HEALTHY, 2: Health.HEALTHY}
+        assert checker.checks[("http", "fail")] == 0 and checker.status()["last_error"] is None
 
 
 async def test_an_edited_check_keeps_the_endpoints_checked_health() -> None:
