@@ -29,10 +29,10 @@ HTTPS endpoints is a thousand handshakes at once, each ~1 ms of this process's C
 interleaved on one loop finish late together, each past its timeout: the checker's congestion, not
 the backends'. So an HTTPS check connects first (a backend that does not answer costs no slot), then
 waits for a slot, and its timeout is paused while it waits: it covers the connect, the handshake and
-the answer, never the queue. A check that gets no slot within its interval was never sent: its
-result is `starved` (not counted, as a check whose timeout fired far too late), and the next one is
-due anyway. gRPC checks over TLS (a fresh connection each, probes.check) wait for a slot the same
-way, before they connect.
+the answer, never the queue. A check that gets no slot within its interval (SLOT_WAIT at least)
+was never sent: its result is `starved` (not counted, as a check whose timeout fired far too late),
+and the next one is due anyway. gRPC checks over TLS (a fresh connection each, probes.check) wait
+for a slot the same way, before they connect.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ HOW = ("opened", "reused", "evicted")
 # busy host, and with 50 ms of round trip still ~300 handshakes a second: 1,000 endpoints connected
 # within a few seconds of a cold start, after which kept connections need none.
 MAX_HANDSHAKES = 32
+# A check waits for a handshake slot at most its interval, and never less than this: a cold start's
+# queue (1,000 endpoints every 0.5 s) drains within it on a loaded 2-core host, where a wait of one
+# 0.5 s interval gave up on a thousand checks, each a connection opened and closed unused (a
+# handshake error in the backend's log) and a warning here.
+SLOT_WAIT = 5.0
 
 
 def kind_of(spec: HealthSpec) -> str:
@@ -329,6 +334,7 @@ class KeptConnections:
         memory_limit: int = 0,
         tls_budget_: int | None = None,
         max_handshakes: int = MAX_HANDSHAKES,
+        slot_wait: float = SLOT_WAIT,
     ) -> None:
         self.reserved = reserved
         self.memory_limit = memory_limit
@@ -342,6 +348,7 @@ class KeptConnections:
         # handshake), idle connections closed (or not kept) for the budget
         self.counts: Counter[tuple[str, str]] = Counter()
         self.max_handshakes = max_handshakes
+        self.slot_wait = slot_wait
         self._slots = asyncio.Semaphore(max_handshakes)  # first come, first served
         self.handshaking = 0  # TLS handshakes (or gRPC-over-TLS checks) holding a slot now
         self.handshakes_peak = 0  # the most at once so far
@@ -387,15 +394,16 @@ class KeptConnections:
         return self._idle_tls if key[2].tls else self._idle
 
     async def _slot(self, spec: HealthSpec) -> tuple[float, bool]:
-        """Take a TLS handshake slot, waiting at most the check's interval: the time waited, and
-        whether every slot was taken. _NoSlot if none came (the check is then not sent)."""
+        """Take a TLS handshake slot, waiting at most the check's interval or `slot_wait`, whichever is
+        longer: the time waited, and whether every slot was taken. _NoSlot if none came (the check is
+        then not sent)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
         queued = self._slots.locked()
         if queued:
             self.slot_waits += 1
             try:
-                async with asyncio.timeout(spec.interval):
+                async with asyncio.timeout(max(spec.interval, self.slot_wait)):
                     await self._slots.acquire()
             except TimeoutError:
                 raise _NoSlot(loop.time() - began) from None

@@ -118,7 +118,7 @@ async def test_the_wait_for_a_slot_is_not_the_backends_and_no_slot_in_an_interva
     good_port, mute_port = (s.sockets[0].getsockname()[1] for s in (good, mute))
     spec = HealthSpec("http", path="/health", interval=5.0, timeout=0.3, tls=True)
     slow = HealthSpec("http", path="/health", interval=5.0, timeout=0.6, tls=True)  # holds its slot longer
-    pool = keepalive.KeptConnections(max_handshakes=1)
+    pool = keepalive.KeptConnections(max_handshakes=1, slot_wait=0.0)  # a wait of one interval at most
     try:
         holder = asyncio.create_task(pool.check("127.0.0.1", mute_port, slow))
         await wait_for(lambda: pool.handshaking, timeout=5)
