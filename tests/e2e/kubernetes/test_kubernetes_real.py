@@ -5,7 +5,10 @@ No kubelet runs: Pods are bound to a Node object by name and their status (a pod
 condition) is written through `pods/status`, as a kubelet would. kube-apiserver refuses loopback
 addresses in EndpointSlices, so Pod IPs are TEST-NET-1 addresses (192.0.2.N, never routed) and Envoy
 reaches them through a CONNECT proxy on 127.0.0.1 that maps 192.0.2.N to 127.0.0.N, where HTTPS test
-backends listen (tests/connect_proxy.py): no socket is opened to anything but 127.0.0.0/8.
+backends listen (tests/connect_proxy.py): no socket is opened to anything but 127.0.0.0/8. The one
+exception is the test of health checks, which eds-server sends to the Pod's own address: that Pod is
+a backend in a network namespace the test makes, on a veth pair of its own (tests/support/netns.py),
+and every packet stays on that pair.
 Skipped, with the reason, without kube-apiserver binaries (see tests/kube_apiserver.py).
 """
 
@@ -17,6 +20,7 @@ import datetime
 import json
 import re
 import ssl
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -33,6 +37,7 @@ from tests.support.envoy_harness import EdsCluster, EnvoyProcess, Host, envoy_bo
 from tests.support.feeds import alone
 from tests.support.hung_peer import HUNG_WAIT, frozen_is_said, wait_source
 from tests.support.kube_apiserver import KubeApi, KubeCluster, kube
+from tests.support.netns import private_link
 from tests.support.paths import ROOT
 from tests.support.ports import free_port
 from tests.support.server_process import EdsServerProcess
@@ -810,3 +815,76 @@ async def test_a_quiet_namespace_is_not_listed_again_when_the_watch_cache_moves_
             print(f"{source.renewals - renewals} renewals, {source.relists} relists, {source.reopened} reopened")
             assert source.relists == 0 and source.renewals - renewals >= 20
             assert source.connected and "web" in store.resources()
+
+
+async def test_a_health_check_annotated_on_a_service_takes_its_pod_out_and_back(
+    kube: KubeCluster, tmp_path: Path
+) -> None:
+    """`eds.health.*` annotations on a Service: eds-server checks the Pod's own address (a backend in a
+    network namespace this test makes, reached over a veth pair), and Envoy sees the Pod unhealthy
+    while its /health answers 500, healthy again once it answers 200."""
+    with private_link() as link:
+        ns, port = "health", free_port()
+        health = tmp_path / "health-status"
+        health.write_text("200")
+        backend = await asyncio.create_subprocess_exec(
+            "ip",
+            "netns",
+            "exec",
+            link.namespace,
+            sys.executable,
+            "-m",
+            "tests.support.netns_backend",
+            link.inside,
+            str(port),
+            "web-0",
+            str(health),
+            "300",  # it stops by itself after that, whatever happens here
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert backend.stdout is not None
+            assert await asyncio.wait_for(backend.stdout.readline(), 30) == b"listening\n"
+            annotations = {
+                "eds.group": "web",
+                "eds.health.http": "/health",
+                "eds.health.interval": "500ms",
+                "eds.health.timeout": "400ms",
+                "eds.health.healthy_threshold": "2",
+                "eds.health.unhealthy_threshold": "2",
+            }
+            async with KubeApi(kube) as api:
+                await api.namespace(ns)
+                await api.create(f"/api/v1/namespaces/{ns}/services", service("web", annotations, port, False))
+                await api.create(
+                    f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                    endpoint_slice("web-1", "web", port, [link.inside]),
+                )
+            async with stack(kube, tmp_path, "--kubernetes-namespace", ns) as s:
+
+                async def served() -> dict[str, Any]:
+                    group = await s.server.admin("/v1/groups/web")
+                    return next(e for e in group["endpoints"] if e["address"] == link.inside)
+
+                await s.wait_hosts(lambda h: set(h) == {link.inside})
+                ep = await s.envoy.wait_for(served, lambda e: e.get("check", {}).get("checked") == "healthy")
+                assert ep["check"]["spec"] == "http /health every 0.5s" and ep["check"]["reason"] == "HTTP 200"
+                await s.wait_hosts(lambda h: h[link.inside].health == "HEALTHY")
+                assert await hits_through(s.envoy, 5) == {"web-0": 5}
+
+                health.write_text("500")
+                await s.wait_hosts(lambda h: h[link.inside].health == "UNHEALTHY")
+                ep = await served()
+                assert ep["health"] == "unhealthy" and ep["check"]["checked"] == "unhealthy", ep
+                assert ep["check"]["reason"] == "HTTP 500" and ep["check"]["in_a_row"] >= 2, ep
+
+                health.write_text("200")
+                await s.wait_hosts(lambda h: h[link.inside].health == "HEALTHY")
+                ep = await served()
+                assert ep["check"]["checked"] == "healthy" and ep["check"]["reason"] == "HTTP 200", ep
+                assert (await s.source())["connected"]
+        finally:
+            if backend.returncode is None:
+                backend.terminate()
+            await asyncio.wait_for(backend.wait(), 10)
