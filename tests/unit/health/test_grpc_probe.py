@@ -21,8 +21,10 @@ from hpack import Encoder
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, SettingsFrame
 
 from eds_server.health import probes
+from eds_server.health.keepalive import KeptConnections
 from eds_server.health.spec import HealthSpec
 from tests.support.tls import CertAuthority, Issued
+from tests.support.waiting import wait_for
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SPEC = HealthSpec("grpc", interval=1.0, timeout=0.5)
@@ -272,3 +274,30 @@ async def test_a_hand_written_answer_reads_as_grpc_does(
         await asyncio.wait_for(closed.wait(), 5)  # the probe closed its connection
     assert (r.ok, r.reason) == (ok, reason), r
     assert 0 < calls[0].read < 200
+
+
+async def test_a_check_over_tls_waits_for_a_handshake_slot_before_it_connects(
+    calls: list[probes._HealthCall], cert: Issued
+) -> None:
+    """The checker's probe (keepalive.KeptConnections) bounds TLS handshakes in flight for gRPC too:
+    a check that finds the one slot held past its interval is not sent, nor counted, nor connected."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert.cert, cert.key)
+    ctx.set_alpn_protocols(["h2"])
+    closed = asyncio.Event()
+
+    async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await finish(reader, closed)
+
+    pool = KeptConnections(max_handshakes=1, slot_wait=0.0)
+    async with backend(hung, ctx) as port:
+        holder = asyncio.create_task(pool.check("127.0.0.1", port, spec_for(ctx)))
+        await wait_for(lambda: pool.handshaking, timeout=5)
+        brief = dataclasses.replace(spec_for(ctx), interval=0.1, timeout=0.1)
+        missed = await pool.check("127.0.0.1", port, brief)
+        assert not missed.ok and missed.starved and missed.reason.startswith("not sent: no TLS handshake slot")
+        held = await holder
+        await asyncio.wait_for(closed.wait(), 5)
+    assert (held.ok, held.reason, held.starved) == (False, "timed out after 0.5s", False)
+    assert len(calls) == 1  # the check not sent never connected
+    assert (pool.slot_waits, pool.handshakes_peak, pool.handshaking) == (1, 1, 0)
