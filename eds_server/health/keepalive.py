@@ -476,6 +476,7 @@ class KeptConnections:
                         lambda: _Conn(idle, key, request), address, spec.port or port
                     )
                 if spec.tls:  # in a slot; the server name: the address, as before (no SNI for an IP)
+                    self._busy[key] = conn  # so that `forget` while it waits for a slot closes it after
                     waited = await self._handshake(conn, address, spec, deadline)
                     deadline += waited  # the wait is not the backend's: its timeout stood still
                     start += waited

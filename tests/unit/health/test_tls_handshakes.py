@@ -32,9 +32,27 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> Issued:
     return CertAuthority("backend CA", where).issue(where / "backend", dns=["backend.internal"])
 
 
-async def test_a_cold_start_of_many_https_endpoints_marks_none_unhealthy(cert: Issued) -> None:
+def server_context(cert: Issued) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert.cert, cert.key)
+    return context
+
+
+async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One check answered, then the connection held until the checker closes it."""
+    try:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(OK)
+        await writer.drain()
+        await reader.read(1)
+    except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+        pass
+    finally:
+        writer.close()
+
+
+async def test_a_cold_start_of_many_https_endpoints_marks_none_unhealthy(cert: Issued) -> None:
+    context = server_context(cert)
     connections: list[asyncio.StreamWriter] = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,26 +112,14 @@ async def test_a_cold_start_of_many_https_endpoints_marks_none_unhealthy(cert: I
 
 
 async def test_the_wait_for_a_slot_is_not_the_backends_and_no_slot_in_an_interval_is_no_check(cert: Issued) -> None:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert.cert, cert.key)
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(OK)
-            await writer.drain()
-            await reader.read(1)  # until the checker closes it
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
+    context = server_context(cert)
 
     hung: list[asyncio.StreamWriter] = []
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hung.append(writer)  # accepts, never answers a ClientHello: holds its slot until its timeout
 
-    good = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=context)
+    good = await asyncio.start_server(answer_once, "127.0.0.1", 0, ssl=context)
     mute = await asyncio.start_server(silent, "127.0.0.1", 0)
     good_port, mute_port = (s.sockets[0].getsockname()[1] for s in (good, mute))
     spec = HealthSpec("http", path="/health", interval=5.0, timeout=0.3, tls=True)
@@ -138,6 +144,36 @@ async def test_the_wait_for_a_slot_is_not_the_backends_and_no_slot_in_an_interva
         assert not missed.ok and missed.starved and missed.reason.startswith("not sent: no TLS handshake slot")
         assert not (await holder).ok
         assert (pool.slot_waits, pool.handshakes_peak, pool.handshakes, pool.handshaking) == (2, 1, 1, 0)
+    finally:
+        pool.close()
+        for w in hung:
+            w.close()
+        for s in (good, mute):
+            s.close()
+
+
+async def test_an_endpoint_forgotten_while_its_check_waits_for_a_slot_keeps_no_connection(cert: Issued) -> None:
+    context = server_context(cert)
+
+    hung: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.append(writer)
+
+    good = await asyncio.start_server(answer_once, "127.0.0.1", 0, ssl=context)
+    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
+    good_port, mute_port = (s.sockets[0].getsockname()[1] for s in (good, mute))
+    spec = HealthSpec("http", path="/health", interval=5.0, timeout=0.3, tls=True)
+    pool = keepalive.KeptConnections(max_handshakes=1)
+    try:
+        holder = asyncio.create_task(pool.check("127.0.0.1", mute_port, spec))
+        await wait_for(lambda: pool.handshaking, timeout=5)
+        waiter = asyncio.create_task(pool.check("127.0.0.1", good_port, spec))
+        await wait_for(lambda: pool.slot_waits, timeout=5)  # connected, and queued for the slot
+        pool.forget(("127.0.0.1", good_port, spec))  # its endpoint leaves meanwhile
+        await holder
+        assert (await waiter).ok  # the check still ends as checks do
+        assert pool.idle == 0  # and its connection is not kept
     finally:
         pool.close()
         for w in hung:
