@@ -186,7 +186,8 @@ class _StateCollector(Collector):
 class HealthChecks(Collector):
     """The health checker's counts, read when scraped: checks by kind and result, their latency,
     checked endpoints by checked health, whether the checker finds itself cut off, and its HTTP(S)
-    check connections: opened, reused and evicted, and those kept idle now."""
+    check connections: opened, reused and evicted, and those kept idle now; TLS handshakes in flight
+    and the checks that waited for a slot."""
 
     def __init__(self, checker: Checker) -> None:
         self.checker = checker
@@ -239,6 +240,16 @@ class HealthChecks(Collector):
         for kind in CONNECTION_KINDS:
             idle.add_metric([kind], by_kind.get(kind, 0))
         yield idle
+        yield GaugeMetricFamily(
+            "eds_health_tls_handshakes",
+            "TLS handshakes of health checks in flight now (at most 32: a check waits for a slot)",
+            value=kept.handshaking,
+        )
+        yield CounterMetricFamily(
+            "eds_health_tls_handshake_waits",
+            "Health checks over TLS that found every handshake slot taken and waited for one",
+            value=kept.slot_waits,
+        )
 
 
 # Series labelled with a group's name: not on the --metrics-listen port (docs/security.md), which

@@ -364,6 +364,7 @@ async def test_the_metrics_count_connections_opened_and_reused_and_those_kept_by
         text = await wait_for(scrape, lambda t: all(k in t for k in kept), timeout=5)
         stop.set()
         await asyncio.wait_for(task, 5)
+    assert "eds_health_tls_handshakes 0.0" in text and "eds_health_tls_handshake_waits_total 0.0" in text
     for kind in ("http", "https"):
         assert f'eds_health_connections_total{{how="opened",kind="{kind}"}} 1.0' in text
         assert f'eds_health_connections_total{{how="evicted",kind="{kind}"}} 0.0' in text
