@@ -65,9 +65,10 @@ Key = tuple[str, int, HealthSpec]
 KINDS = ("http", "https")  # the kinds of kept connections, as counted
 HOW = ("opened", "reused", "evicted")
 # TLS handshakes in flight at most. A client handshake costs ~1 ms of CPU here (P-256, measured with
-# bench/health_checks.py --https); 32 at once are ~30 ms of work, far inside any check's timeout on a
-# busy host, and with 50 ms of round trip still ~300 handshakes a second: 1,000 endpoints connected
-# within a few seconds of a cold start, after which kept connections need none.
+# bench/health_checks.py --https); 32 at once are ~30 ms of work, inside a 0.5 s timeout on a busy
+# 2-core host (not always inside 0.1 s at a load average of 7: docs/health-checks.md), and with 50 ms
+# of round trip still ~300 handshakes a second: 1,000 endpoints connected within a few seconds of a
+# cold start, after which kept connections need none.
 MAX_HANDSHAKES = 32
 # A check waits for a handshake slot at most its interval, and never less than this: a cold start's
 # queue (1,000 endpoints every 0.5 s) drains within it on a loaded 2-core host, where a wait of one
