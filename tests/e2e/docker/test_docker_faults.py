@@ -42,6 +42,7 @@ class Proxy:
         self.frozen = False
         self.writers: list[asyncio.StreamWriter] = []
         self.event_connections: list[EventConnection] = []  # the connections that asked for events
+        self.event_requests = 0  # requests for events seen (a renewal asks again)
         self.server: asyncio.Server | None = None
         self.port = 0
 
@@ -63,8 +64,10 @@ class Proxy:
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, ask: bool) -> None:
             with contextlib.suppress(OSError, asyncio.IncompleteReadError):
                 while data := await src.read(65536):
-                    if ask and b"/events?" in data and events not in self.event_connections:
-                        self.event_connections.append(events)
+                    if ask and b"/events?" in data:
+                        self.event_requests += 1
+                        if events not in self.event_connections:
+                            self.event_connections.append(events)
                     for _ in range(100_000):  # a half-open connection: nothing gets through, nothing closes
                         if not (self.frozen or events.frozen) or writer.is_closing() or up_writer.is_closing():
                             break
@@ -83,9 +86,12 @@ class Proxy:
             c.frozen = True
         return len(live)
 
+    def live_events(self) -> list[EventConnection]:
+        return [c for c in self.event_connections if not c.ends[0].is_closing()]
+
     def cut_events(self) -> int:
         """Close each connection that carries an event stream now, and only those; returns how many."""
-        live = [c for c in self.event_connections if not c.ends[0].is_closing()]
+        live = self.live_events()
         for c in live:
             for w in c.ends:
                 w.close()
@@ -207,6 +213,15 @@ async def test_a_renewed_event_stream_that_fails_keeps_the_source_live(
     events = source.events
     assert events is not None
     await wait_for(lambda: events.renewals, lambda n: n >= 1, timeout=20, interval=0.05, what="a renewal")
+    # The renewed subscription's request has reached the engine, and the old one's connection is
+    # closed: on a busy host either may come a while after the renewal is counted.
+    await wait_for(
+        lambda: (proxy.event_requests, len(proxy.live_events())),
+        lambda seen: seen[0] >= 2 and seen[1] == 1,
+        timeout=10,
+        interval=0.05,
+        what="the renewed event stream alone",
+    )
     relists, stale_seen = source.relists, 0
 
     async def watch_stale() -> None:
