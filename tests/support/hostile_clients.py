@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -861,17 +862,25 @@ async def malformed_headers(port: int, src: str, seconds: float, connections: in
 
 
 async def fill_table(
-    port: int, src: str, seconds: float, addresses: int = 50, per_address: int = 8, most: int = 5000
+    port: int,
+    src: str,
+    seconds: float,
+    addresses: int = 50,
+    per_address: int = 8,
+    most: int = 5000,
+    stopped: asyncio.Event | None = None,
 ) -> dict[str, Any]:
     """Fill the connection table from `addresses` addresses from `src` up, `per_address` connections
     each, every one with a valid EDS stream (its request sent) and answering every PING, so no budget
-    is charged; a connection the server closes is opened again (at most `most` in all)."""
+    is charged; a connection the server closes is opened again (at most `most` in all). It holds the
+    table for `seconds`, or until `stopped` is set (SIGTERM, once the test has seen what it needs)."""
     deadline = time.monotonic() + seconds
+    stopped = stopped or asyncio.Event()
     base = src.rsplit(".", 1)
     stats = {"opened": 0, "closed_by_server": 0, "failed": 0, "held_at_end": 0}
 
     async def hold(ip: str) -> None:
-        while time.monotonic() < deadline and stats["opened"] < most:
+        while time.monotonic() < deadline and stats["opened"] < most and not stopped.is_set():
             try:
                 conn = await Conn.open(port, ip)
                 _, opening = conn.open_stream()
@@ -883,8 +892,11 @@ async def fill_table(
             stats["opened"] += 1
             buffer = b""
             try:
-                while time.monotonic() < deadline:
-                    chunk = await asyncio.wait_for(conn.reader.read(65536), max(0.01, deadline - time.monotonic()))
+                while time.monotonic() < deadline and not stopped.is_set():
+                    try:  # a look at `stopped` at least every half second
+                        chunk = await asyncio.wait_for(conn.reader.read(65536), min(0.5, deadline - time.monotonic()))
+                    except TimeoutError:
+                        continue
                     if not chunk:
                         stats["closed_by_server"] += 1
                         break
@@ -894,8 +906,6 @@ async def fill_table(
                             await conn.send(frame(PING, 1, 0, f.payload))
                 else:
                     stats["held_at_end"] += 1
-            except TimeoutError:
-                stats["held_at_end"] += 1
             except OSError:
                 stats["closed_by_server"] += 1
             finally:
@@ -982,7 +992,11 @@ ATTACKS: dict[str, Callable[[int, str, float], Awaitable[dict[str, Any]]]] = {
 async def main(name: str, port: int, src: str, seconds: float, *more: str) -> None:
     assert src.startswith("127."), "loopback only"
     if name == "fill_table" and more:  # connections per address
-        stats = await asyncio.wait_for(fill_table(port, src, seconds, per_address=int(more[0])), seconds + 30)
+        stopped = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+        stats = await asyncio.wait_for(
+            fill_table(port, src, seconds, per_address=int(more[0]), stopped=stopped), seconds + 30
+        )
     else:
         stats = await asyncio.wait_for(ATTACKS[name](port, src, seconds), seconds + 30)
     print(json.dumps({"attack": name, **stats}))
