@@ -19,16 +19,19 @@ setup: $(STAMP)
 demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine (DEMO_ARGS=--free-ports if a port is busy)
 	$(VENV)/bin/eds-server demo $(DEMO_ARGS)
 
-test: $(STAMP)  ## the whole suite, real Envoy included
-	$(PY) -m pytest --durations=25
+# The gRPC, Envoy, frame guard, admission and HTTP/2 attack tests: run again on the stock HTTP/2 path.
+STOCK_TESTS := tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py tests/hostile/test_memory.py tests/transport/h2/test_closed_connections.py
 
-FAST := not (envoy or docker or kubernetes or etcd or browser or hostile)
+test: $(STAMP)  ## the whole suite on both HTTP/2 paths, real Envoy included: in parallel, then the `alone` tests one at a time (scripts/test_suite.sh)
+	PY=$(PY) STOCK_TESTS="$(STOCK_TESTS)" scripts/test_suite.sh
+
+FAST := not (envoy or docker or kubernetes or etcd or browser or hostile or alone)
 
 test-fast: $(STAMP)  ## the inner loop (under a minute): all but real Envoy, Docker, Kubernetes, etcd, Chromium and the attacks, on every core, a fifth of the hypothesis examples
 	EDS_HYPOTHESIS_SCALE=$${EDS_HYPOTHESIS_SCALE:-0.2} $(PY) -m pytest -q -n auto -m "$(FAST)"
 
-test-stock: $(STAMP)  ## the gRPC, Envoy, frame guard, admission and HTTP/2 attack tests again, on the stock HTTP/2 path (docs/limits.md)
-	EDS_HTTP2=stock $(PY) -m pytest tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py tests/hostile/test_memory.py tests/transport/h2/test_closed_connections.py
+test-stock: $(STAMP)  ## the stock HTTP/2 path's share of `make test` alone, one test at a time (docs/limits.md)
+	EDS_HTTP2=stock $(PY) -m pytest $(STOCK_TESTS)
 
 test-hostile-loaded: $(STAMP)  ## the attack matrix on a loaded host: three busy loops beside the server and the attacker, both HTTP/2 paths (about 12 minutes)
 	HOSTILE_LOAD=$${HOSTILE_LOAD:-3} $(PY) -m pytest tests/hostile/test_clients.py

@@ -30,7 +30,7 @@ FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
     "e2e/kubernetes": ("kubernetes", "envoy"),
     "e2e/etcd": ("etcd",),
     "e2e/browser": ("browser", "envoy"),
-    "hostile": ("hostile",),
+    "hostile": ("hostile", "alone"),
 }
 DOCKER_FIXTURES = {"docker_engine", "docker_cleanup", "swarm_engine", "swarm", "swarm_pair"}
 
@@ -51,6 +51,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     item.add_marker(name)
         if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("docker"):
             raise pytest.UsageError(f"{item.nodeid} uses a Docker engine without the `docker` marker")
+        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            # Under `pytest -n` (`make test`), the tests of the shared engines run in one worker: one
+            # private dockerd for them all, and no two swarms on this machine's ports at once. (The
+            # compose test starts an engine of its own.)
+            item.add_marker(pytest.mark.xdist_group("docker"))
     if os.environ.get("EDS_HTTP2") != "stock":
         return
     skip = pytest.mark.skip(reason="tests the fast HTTP/2 path (EDS_HTTP2=stock runs the stock one)")

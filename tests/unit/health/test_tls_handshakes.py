@@ -51,6 +51,7 @@ async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         writer.close()
 
 
+@pytest.mark.alone  # the backends' handshakes share this loop: a timeout of 1 s with the CPU shared is not one
 async def test_a_cold_start_of_many_https_endpoints_marks_none_unhealthy(cert: Issued) -> None:
     context = server_context(cert)
     connections: list[asyncio.StreamWriter] = []
