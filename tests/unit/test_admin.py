@@ -105,6 +105,12 @@ async def test_the_metrics_listener_names_no_group_path_or_file_content(tmp_path
 
         write_atomically(path, "groups:\n  payments-7f3a:\n    endpoints: [hunter2:99999]\n")  # degraded: quoted
         await wait_for(lambda: get(probes + "/readyz"), lambda text: '"degraded"' in text, timeout=30)
+        # the file's refusal itself (a busy host's loop lag says degraded too, before the file is read)
+        await wait_for(
+            lambda: get(probes + "/metrics"),
+            lambda text: 'eds_source_healthy{source="file"} 0.0' in text.splitlines(),
+            timeout=30,
+        )
         for where in ("/metrics", "/readyz"):
             text = await get(probes + where)
             for secret in ("payments-7f3a", "hunter2", str(tmp_path), "upstreams.yaml"):
