@@ -20,6 +20,9 @@ from .delta import DeltaStream
 from .sotw import SotwStream
 
 STREAM_NAMES_SHOWN = 100  # per stream in /v1/streams; Envoy follows one name per stream
+# A plain ACK (version, one name, type URL, nonce) is well under this; a longer request, such as one
+# carrying Envoy's Node (tens of kilobytes), is not tried against it and goes straight to the decode.
+PLAIN_ACK_MOST = 2048
 
 
 class Machine(Protocol):
@@ -187,7 +190,12 @@ class SessionDriver:
         """One request; raises ProtocolError when the stream must end."""
         observers = self.observers
         observers.request(self)
-        if not first and (ack := self.kind.ack) is not None and (acked := ack(self.sm, data)) is not None:
+        if (
+            not first
+            and len(data) <= PLAIN_ACK_MOST
+            and (ack := self.kind.ack) is not None
+            and (acked := ack(self.sm, data)) is not None
+        ):
             observers.ack(self, acked)  # Envoy's usual request, recognised whole: as below, in one step
             return
         request, node = decode_request(self.kind.decode, data, self.limits)
