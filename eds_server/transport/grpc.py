@@ -381,8 +381,7 @@ class StreamSession(SessionDriver):
         self._handed: tuple[Framed, Iterable[Resource]] | None = None  # taken from the machine, not queued
 
     def on_change(self, names: frozenset[str] | None) -> None:
-        super().on_change(names)
-        if self.sm.wants_poll:
+        if self.sm.changed_due(names):  # the machine marks the names and says if a poll may answer
             self.send_due()
 
     def _move(self, step: SendStep) -> None:

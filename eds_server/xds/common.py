@@ -240,6 +240,11 @@ class StreamState(Generic[R]):
         """Whether `poll` may have a response now (each kind says from its own state)."""
         raise NotImplementedError
 
+    def changed_due(self, names: frozenset[str] | None) -> bool:
+        """`changed(names)`, then whether `poll` may have a response now."""
+        self.changed(names)
+        return self.wants_poll
+
     def acked_version(self, name: str) -> str | None:
         """The version of `name` Envoy holds, as far as this stream knows (not one it rejected)."""
         return self.acked.get(name)

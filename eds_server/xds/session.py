@@ -20,6 +20,9 @@ from .delta import DeltaStream
 from .sotw import SotwStream
 
 STREAM_NAMES_SHOWN = 100  # per stream in /v1/streams; Envoy follows one name per stream
+# A plain ACK (version, one name, type URL, nonce) is well under this; a longer request, such as one
+# carrying Envoy's Node (tens of kilobytes), is not tried against it and goes straight to the decode.
+PLAIN_ACK_MOST = 2048
 
 
 class Machine(Protocol):
@@ -30,6 +33,7 @@ class Machine(Protocol):
     nacked: dict[str, str]
 
     def receive(self, req: Any) -> list[Event]: ...
+    def changed_due(self, names: frozenset[str] | None) -> bool: ...
     def acked_version(self, name: str) -> str | None: ...
     def changed(self, names: Iterable[str] | None) -> None: ...
     @property
@@ -46,6 +50,20 @@ class StreamKind:
     machine: Callable[[Resources, SubscriptionLimits, Nonces], Machine]
     encode: Callable[[Any, wire.Responses], bytes]  # the state machine's response -> wire bytes
     version: Callable[[Any], str]  # the response's version
+    # (machine, request bytes) -> the names a plain ACK settled, or None (nothing done: `receive` reads it)
+    ack: Callable[[Any, bytes], tuple[str, ...] | None] | None = None
+
+
+def sotw_ack(sm: SotwStream, data: bytes) -> tuple[str, ...] | None:
+    """A request that is, byte for byte, the plain ACK of the one-resource response in flight
+    (`wire.plain_ack`), settled without a decode: a bytes comparison instead of a parse, a Request
+    and the general `receive`. None for anything else, which is read the usual way."""
+    flight = sm.in_flight
+    if flight is None or len(flight.resources) != 1:
+        return None
+    if data != wire.plain_ack(flight.version_info, flight.resources[0].name, flight.nonce):
+        return None
+    return sm.ack_one()
 
 
 SOTW = StreamKind(
@@ -54,6 +72,7 @@ SOTW = StreamKind(
     SotwStream,
     lambda r, enc: enc.discovery_response(r.version_info, r.resources, r.nonce),
     lambda r: r.version_info,
+    sotw_ack,
 )
 DELTA = StreamKind(
     "delta",
@@ -171,6 +190,14 @@ class SessionDriver:
         """One request; raises ProtocolError when the stream must end."""
         observers = self.observers
         observers.request(self)
+        if (
+            not first
+            and len(data) <= PLAIN_ACK_MOST
+            and (ack := self.kind.ack) is not None
+            and (acked := ack(self.sm, data)) is not None
+        ):
+            observers.ack(self, acked)  # Envoy's usual request, recognised whole: as below, in one step
+            return
         request, node = decode_request(self.kind.decode, data, self.limits)
         if first:
             node_id, cluster = node_fields(node)

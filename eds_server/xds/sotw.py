@@ -224,8 +224,78 @@ class SotwStream(StreamState[Response]):
             self._resend(name)
         return again
 
+    def changed_due(self, names: frozenset[str] | None) -> bool:
+        """`changed(names)`, then `wants_poll`, in one call: the fan-out asks both of every stream of
+        every change. The same answer and state as the two calls (a property test compares them)."""
+        if names is not None and self.phase is _IDLE and len(names) == 1 and len(self.subscribed) == 1:
+            for name in names:
+                if name in self.subscribed:
+                    self._dirty.add(name)
+                    return True
+            return bool(self._dirty)
+        self.changed(names)
+        return self.wants_poll
+
     def poll(self) -> Response | None:
         """The next response to send, if one is due; it stays in flight until Envoy answers it."""
+        if self.phase is _IDLE and len(self.subscribed) == 1 and not self._suspects:
+            return self._poll_one()
+        return self._poll_any()
+
+    def _poll_one(self) -> Response | None:
+        """`_poll_any` for an idle stream that follows one name, no suspects (the fan-out's stream),
+        in one step: its rules inlined, the same result and state (a property test compares them),
+        the phase still moved through TRANSITIONS."""
+        dirty = self._dirty
+        if not dirty:
+            return None  # wants_poll says no
+        view = self.view
+        if not view.ready:
+            return None
+        (name,) = self.subscribed
+        due = name in dirty
+        dirty.clear()
+        if not due or (view.withholds and name not in view.resources()):
+            return None
+        r = view.get(name)
+        version = r.version
+        if self.sent.get(name) == version or self.nacked.get(name) == version:
+            return None
+        self.sent[name] = version
+        self._last_nonce = nonce = self._next_nonce()
+        self.in_flight = response = Response(version, (r,), nonce)
+        after = _ON_SEND.get(_IDLE)
+        if after is None:
+            raise _illegal(_IDLE, Step.SEND)
+        self.phase = after
+        return response
+
+    def ack_one(self) -> tuple[str, ...] | None:
+        """The plain ACK of the one-resource response in flight, on a stream following that one name
+        and nothing dropped, taken as `receive` takes it (the caller recognised its bytes: see
+        xds/session.py `sotw_ack`): the names acked, or None (nothing changed) for any other case.
+        The ACK's read and settle in one step."""
+        flight = self.in_flight
+        if flight is None or self._dropped or len(self.subscribed) != 1 or len(flight.resources) != 1:
+            return None
+        r = flight.resources[0]
+        name = r.name
+        if name not in self.subscribed:
+            return None
+        self.acked[name] = r.version
+        if self.nacked:
+            self.nacked.pop(name, None)
+        if self._suspects:
+            self._suspects.pop(name, None)
+        self.in_flight = None
+        after = _ON_ANSWER.get(self.phase)
+        if after is None:
+            raise _illegal(self.phase, Step.ANSWER)
+        self.phase = after
+        return (name,)
+
+    def _poll_any(self) -> Response | None:
+        """`poll`, for every phase and any names."""
         current = self._take_dirty()
         if current is None:
             return None

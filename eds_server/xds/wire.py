@@ -88,6 +88,23 @@ class Responses:
         return _response(system_version_info, map(self.delta_resource_field, resources), _DELTA_TAIL, nonce)
 
 
+_plain_ack: tuple[str, str, str, bytes] = ("", "", "", b"")
+
+
+def plain_ack(version_info: str, name: str, nonce: str) -> bytes:
+    """The bytes of the request Envoy ACKs a one-resource response with when its Node went only
+    with the first request: version_info, the one name, the type URL and the nonce, in field order
+    (as every protobuf serializer writes them). Every stream answering one change ACKs the same
+    response, so the last one built is kept (a pure function's one-entry memo)."""
+    global _plain_ack
+    last = _plain_ack
+    if last[2] == nonce and last[0] == version_info and last[1] == name:
+        return last[3]
+    data = b"".join([string_field(1, version_info), string_field(3, name), _TYPE_URL, string_field(5, nonce)])
+    _plain_ack = (version_info, name, nonce, data)
+    return data
+
+
 # -- requests ---------------------------------------------------------------------------------------
 # Envoy sends its whole Node (tens of kilobytes) in every request unless told otherwise, ACKs
 # included. These read a request's few small fields and leave the Node as a view into the buffer.
