@@ -141,6 +141,7 @@ class SessionDriver:
         self.id = 0  # set once the service takes the stream: ids grow with opening order
         self.requested = False  # its first request was read
         self.last_nack: str | None = None
+        self.acks_read_whole = 0  # plain ACKs recognised by their bytes (`sotw_ack`), never decoded
         self.access: Callable[[str], bool] | None = None  # set from the first request, with authorize
 
     @property
@@ -180,6 +181,7 @@ class SessionDriver:
             "names": names,
             "names_total": len(self.sm.subscribed),
             "last_nack": self.last_nack,
+            "acks_read_whole": self.acks_read_whole,
         }
 
     def on_change(self, names: frozenset[str] | None) -> None:
@@ -196,6 +198,7 @@ class SessionDriver:
             and (ack := self.kind.ack) is not None
             and (acked := ack(self.sm, data)) is not None
         ):
+            self.acks_read_whole += 1
             observers.ack(self, acked)  # Envoy's usual request, recognised whole: as below, in one step
             return
         request, node = decode_request(self.kind.decode, data, self.limits)
