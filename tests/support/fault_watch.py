@@ -164,8 +164,10 @@ class FaultWatch:
         assert self._session is not None
         for port in self.backends:
             try:
+                # 1 s: on a loaded host (a benchmark beside the suite) a live busybox httpd once took
+                # longer than 0.5 s to answer, and the scenario was called one that killed a backend
                 async with self._session.get(
-                    f"http://127.0.0.1:{port}/", timeout=aiohttp.ClientTimeout(total=0.5)
+                    f"http://127.0.0.1:{port}/", timeout=aiohttp.ClientTimeout(total=1.0)
                 ) as resp:
                     await resp.read()
                     if resp.status != 200:
