@@ -31,6 +31,7 @@ use is stopped. It also gives the load generators' CPU per change and RSS, and t
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import resource
@@ -186,8 +187,9 @@ def one_round(
             cfg.memory_cap,
             lambda: [*server.pids(), *(origin.pids() if origin else []), *(w.p.pid for w in workers.procs)],
         )
+        eds = name != "peer" and not name.startswith("floor")
         try:
-            if name != "peer" and not name.startswith("floor"):
+            if eds:
                 wait_ready(server)
             server.settle()
             rss0 = server.rss()
@@ -242,13 +244,15 @@ def one_round(
             errors = workers.dump()["n_errors"]
             if errors:
                 raise RuntimeError(f"{name}: {errors} stream errors (refused, reset or ended early)")
+            refused = refusals(server) if eds else {}
         except (RuntimeError, OSError, ValueError) as e:  # a killed child: EOF, a broken pipe or a cut line
             if cap.tripped:
                 raise RuntimeError(
                     f"{name}, {streams} streams: stopped at {cap.tripped / 1e9:.1f} GB of memory used over "
                     f"the start (cap {cfg.memory_cap / 1e9:.0f} GB)"
                 ) from e
-            raise
+            why = refusals(server) if eds else {}
+            raise RuntimeError(f"{e}; refused by eds-server: {why}" if why else str(e)) from e
         finally:
             cap.stop()
             workers.stop()
@@ -270,7 +274,18 @@ def one_round(
         "client_cpu_per_change_s": (client_cpu1 - client_cpu0) / shape.changes,
         "client_rss_b": client_rss,
         "peak_memory_growth_b": cap.peak,
+        "refused": refused,
     }
+
+
+def refusals(server: Served) -> dict[str, int]:
+    """What eds-server refused or shed, by reason (its /v1/stats, every worker's added up), bounded."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.admin}/v1/stats", timeout=10) as r:
+            stats = json.load(r)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in (stats.get("refused_by_reason") or {}).items() if v}
 
 
 def rss_of(pid: int) -> int:
@@ -291,6 +306,7 @@ def describe(got: dict[str, Any]) -> str:
         f"{got['rss_per_stream_b'] / 1000:.1f} KB/stream; load generators {got['load_generators']}: "
         f"{got['client_cpu_per_change_s'] * 1000:.0f} ms CPU/change, RSS {got['client_rss_b'] / 1e6:.0f} MB; "
         f"memory peak +{got['peak_memory_growth_b'] / 1e9:.1f} GB"
+        + (f"; refused {got['refused']}" if got.get("refused") else "")
     )
 
 
@@ -355,7 +371,8 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
     if top is not None:
         out["huge"] = {"shape": top.name, "streams": top.streams, "rounds": top_rounds}
         if done:
-            out["huge"] |= {k: statistics.median(x[k] for x in done) for k in done[0] if k != "load_generators"}
+            numbers = [k for k, v in done[0].items() if isinstance(v, float | int) and k != "load_generators"]
+            out["huge"] |= {k: statistics.median(x[k] for x in done) for k in numbers}
     for shape in shapes:
         out["shapes"][shape.name] = {}
         for name in configs:
