@@ -65,9 +65,10 @@ BIG = CoreShape("20k streams x 1k eps, --workers 2", 20_000, 1000, 2)
 HUGE_STREAMS = 100_000  # shape 4, unless --streams says otherwise
 
 
-def huge(streams: int) -> CoreShape:
-    """Shape 4: `streams` (100,000 by default) x 1k eps on --workers 2, every round (not in the default run)."""
-    return CoreShape(f"{streams // 1000}k streams x 1k eps, --workers 2", streams, 1000, 3)
+def huge(streams: int, shown: int) -> CoreShape:
+    """Shape 4: `streams` (100,000 by default) x 1k eps on --workers 2, every round (not in the default
+    run); `shown`: the streams it runs with (a tenth with --quick), for its name."""
+    return CoreShape(f"{shown / 1000:g}k streams x 1k eps, --workers 2", streams, 1000, 3)
 
 
 def used_memory() -> int:
@@ -194,7 +195,8 @@ def one_round(
             server.settle()
             rss0 = server.rss()
             t0, connect_cpu0 = time.monotonic(), server.cpu() + (origin.cpu() if origin else 0.0)
-            workers.open(server.port, ["g0"] * streams, False, per_conn=PER_CONN, own_addresses=cfg.own_addresses)
+            every = ["g0"] * streams
+            workers.open(server.port, every, False, PER_CONN, own_addresses=cfg.own_addresses, rate=cfg.connect_rate)
             missing = sum(
                 r["remaining"]
                 for r in workers.all(
@@ -320,7 +322,8 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
         raise SystemExit(f"--shapes of cores: numbers from 1 to 4, got {cfg.shapes!r}")
     shapes = [SHAPES[n - 1] for n in picked if n <= len(SHAPES)]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n in configs} for s in shapes}
-    top = huge(cfg.streams or HUGE_STREAMS) if 4 in picked else None
+    top_streams = cfg.streams or HUGE_STREAMS
+    top = huge(top_streams, cfg.size(top_streams)) if 4 in picked else None
     top_rounds: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
         if top is not None:
@@ -369,7 +372,7 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
     }
     done = [x for x in top_rounds if "error" not in x]
     if top is not None:
-        out["huge"] = {"shape": top.name, "streams": top.streams, "rounds": top_rounds}
+        out["huge"] = {"shape": top.name, "streams": cfg.size(top.streams), "rounds": top_rounds}
         if done:
             numbers = [k for k, v in done[0].items() if isinstance(v, float | int) and k != "load_generators"]
             out["huge"] |= {k: statistics.median(x[k] for x in done) for k in numbers}

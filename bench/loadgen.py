@@ -15,6 +15,7 @@ comparable with the server process's clock.
 Control protocol: one JSON object per line on stdin, one JSON reply per line on stdout:
   {"cmd": "open", "port": P, "conns": [[group, ...], ...], "node_every": bool, "sources": [addr, ...]}
                           # sources (optional): each connection's own loopback address, as one Envoy per host
+                          # pace (optional): seconds between this process's connections (0: all at once)
   {"cmd": "wait", "targets": {group: version}, "timeout": s}   # every stream of a listed group has
                                                                # received that version, the others any
   {"cmd": "wait", "counts": {group: n}, "timeout": s}   # every stream of a listed group has received
@@ -402,7 +403,7 @@ class Generator:
                 self.satisfied.set()
 
     async def open(
-        self, port: int, conns: list[list[str]], node_every: bool, sources: list[str] | None = None
+        self, port: int, conns: list[list[str]], node_every: bool, sources: list[str] | None = None, pace: float = 0.0
     ) -> dict[str, Any]:
         self.node_every = node_every
         loop = asyncio.get_running_loop()
@@ -412,12 +413,12 @@ class Generator:
             return lambda: Conn(self, groups)
 
         froms = [(a, 0) for a in sources] if sources else [None] * len(conns)
-        made = await asyncio.gather(
-            *(
-                loop.create_connection(factory(g), "127.0.0.1", port, local_addr=a)
-                for g, a in zip(conns, froms, strict=True)
-            )
-        )
+        opening = []
+        for g, a in zip(conns, froms, strict=True):
+            opening.append(asyncio.ensure_future(loop.create_connection(factory(g), "127.0.0.1", port, local_addr=a)))
+            if pace:
+                await asyncio.sleep(pace)
+        made = await asyncio.gather(*opening)
         self.conns += [p for _, p in made]
         return {"t_start": self.t_start, "node_bytes": len(self.node_field)}
 
@@ -476,7 +477,9 @@ async def main(node_bytes: int) -> None:
         reply: dict[str, Any]
         match cmd["cmd"]:
             case "open":
-                reply = await gen.open(cmd["port"], cmd["conns"], cmd["node_every"], cmd.get("sources"))
+                reply = await gen.open(
+                    cmd["port"], cmd["conns"], cmd["node_every"], cmd.get("sources"), cmd.get("pace", 0.0)
+                )
             case "wait":
                 reply = await gen.wait(cmd.get("targets", {}), cmd["timeout"], cmd.get("counts", {}))
             case "counts":

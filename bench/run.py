@@ -65,6 +65,7 @@ class Config:
     streams: int = 0  # streams of the cores scenario's shape 4 (0: 100,000)
     memory_cap: float = 16e9  # bytes a cores round may add to the machine's used memory before it is stopped
     own_addresses: bool = False  # cores: each load generator connection from its own loopback address
+    connect_rate: float = 0.0  # cores: connections opened per second in all (0: all at once)
 
     def size(self, full: int) -> int:
         return max(1, full // 10) if self.quick else full
@@ -128,13 +129,18 @@ class Workers:
         node_every: bool,
         per_conn: int = STREAMS_PER_CONN,
         own_addresses: bool = False,
+        rate: float = 0.0,
     ) -> list[Any]:
         """`own_addresses`: each connection from its own loopback address (127.1.0.1 on), as a
-        fleet of Envoys on their own hosts meets a server's per-address limits; else all from 127.0.0.1."""
+        fleet of Envoys on their own hosts meets a server's per-address limits; else all from 127.0.0.1.
+        `rate`: connections opened per second in all, as a fleet reconnecting over time (0: all at once)."""
         conns = [groups[i : i + per_conn] for i in range(0, len(groups), per_conn)]
         n = len(self.procs)
         mine: list[list[list[str]]] = [conns[i::n] for i in range(n)]
         cmds: list[dict[str, Any]] = [{"cmd": "open", "port": port, "conns": c, "node_every": node_every} for c in mine]
+        if rate:
+            for cmd in cmds:
+                cmd["pace"] = n / rate
         if own_addresses:
             addresses = [f"127.{1 + (k >> 16)}.{k >> 8 & 255}.{k & 255}" for k in range(1, len(conns) + 1)]
             for i, cmd in enumerate(cmds):
@@ -634,6 +640,9 @@ def main() -> None:
         help="cores: each load generator connection from its own loopback address (127.1.0.1 on)",
     )
     p.add_argument(
+        "--connect-rate", type=float, default=0, help="cores: connections opened per second (default: all at once)"
+    )
+    p.add_argument(
         "--memory-cap", type=float, default=16, help="GB of memory use a cores round may add before it is stopped"
     )
     args = p.parse_args()
@@ -664,6 +673,7 @@ def main() -> None:
         args.streams,
         args.memory_cap * 1e9,
         args.own_addresses,
+        args.connect_rate,
     )
 
     def too_long(*_: Any) -> None:
