@@ -243,9 +243,12 @@ def one_round(
                         latencies.append((min(after) - t_change) / 1e9)
             user1, sys1 = server.user_sys()
             ouser1, osys1 = origin.user_sys() if origin else (0.0, 0.0)
-            errors = workers.dump()["n_errors"]
+            end = workers.dump()
+            errors = end["n_errors"]
             if errors:
-                raise RuntimeError(f"{name}: {errors} stream errors (refused, reset or ended early)")
+                raise RuntimeError(
+                    f"{name}: {errors} stream errors (refused, reset or ended early), first: {end['errors'][:2]}"
+                )
             refused = refusals(server) if eds else {}
         except (RuntimeError, OSError, ValueError) as e:  # a killed child: EOF, a broken pipe or a cut line
             if cap.tripped:
