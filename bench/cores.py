@@ -377,7 +377,8 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
     if top is not None:
         out["huge"] = {"shape": top.name, "streams": cfg.size(top.streams), "rounds": top_rounds}
         if done:
-            numbers = [k for k, v in done[0].items() if isinstance(v, float | int) and k != "load_generators"]
+            counts = ("load_generators", "streams")
+            numbers = [k for k, v in done[0].items() if isinstance(v, float | int) and k not in counts]
             out["huge"] |= {k: statistics.median(x[k] for x in done) for k in numbers}
     for shape in shapes:
         out["shapes"][shape.name] = {}
