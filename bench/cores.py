@@ -20,15 +20,28 @@ same response bytes written to every stream with one sendmsg per connection, the
 dropped; "floor C" the same in C (bench/floor.c, when gcc is here). The table gives CPU per change
 as user and system apart (/proc/PID/stat of every process, clock ticks, over a round's changes) and
 each server's CPU per change over the floors' and the peer's.
+
+Shape 4 (`--shapes 4`, not in the default run): 100,000 streams (`--streams N` for another count)
+on eds-server --workers 2 alone, every round, each round recorded (a failed one with what stopped
+it). Its load generators are `--clients` processes (one per 1,000 streams at most), 100 streams a
+connection; a round that adds more than `--memory-cap` GB (default 16) to the machine's memory in
+use is stopped. It also gives the load generators' CPU per change and RSS, and the memory peak.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+import resource
 import shlex
+import signal
 import statistics
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +62,54 @@ SHAPES = [
     CoreShape("10k streams x 1k eps", 10_000, 1000, 3),
 ]
 BIG = CoreShape("20k streams x 1k eps, --workers 2", 20_000, 1000, 2)
+HUGE_STREAMS = 100_000  # shape 4, unless --streams says otherwise
+
+
+def huge(streams: int, shown: int) -> CoreShape:
+    """Shape 4: `streams` (100,000 by default) x 1k eps on --workers 2, every round (not in the default
+    run); `shown`: the streams it runs with (a tenth with --quick), for its name."""
+    return CoreShape(f"{shown / 1000:g}k streams x 1k eps, --workers 2", streams, 1000, 3)
+
+
+def used_memory() -> int:
+    """Bytes in use on this machine (MemTotal less MemAvailable): every process and the kernel's
+    socket buffers, where 100,000 streams' first requests wait on flow control."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
+class MemoryCap:
+    """Stops a round whose memory grows past `cap` bytes over what the machine used at its start
+    (checked every 0.5 s, from a thread: the bench waits on its children meanwhile) by killing the
+    processes `victims` gives; the peak growth is a figure of the round."""
+
+    def __init__(self, cap: float, victims: Callable[[], list[int]]) -> None:
+        self.cap, self.victims = cap, victims
+        self.base = used_memory()
+        self.peak = 0
+        self.tripped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            grown = used_memory() - self.base
+            self.peak = max(self.peak, grown)
+            if grown > self.cap:
+                self.tripped = grown
+                for pid in self.victims():
+                    with contextlib.suppress(OSError):  # gone already
+                        os.kill(pid, signal.SIGKILL)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def wait_ready(server: Served, limit: float = 60.0) -> None:
@@ -86,10 +147,22 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def check_descriptors(streams: int, processes: int) -> None:
+    """Each load generator holds its share of the connections: refuse a round the descriptor limit
+    (raised to the hard limit by bench/run.py) cannot hold, with the figures, rather than fail midway."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = math.ceil(math.ceil(streams / PER_CONN) / processes) + 64
+    if need > soft:
+        raise RuntimeError(f"{streams} streams on {processes} load generators: {need} descriptors each, limit {soft}")
+
+
 def one_round(
     cfg: Config, shape: CoreShape, name: str, extra: list[str] | None, peer: list[str] | None
 ) -> dict[str, Any]:
     streams, endpoints = cfg.size(shape.streams), cfg.size(shape.endpoints)
+    connect_timeout, change_timeout = max(180.0, streams * 0.003), max(120.0, streams * 0.0012)
+    n_workers = max(1, min(cfg.clients, math.ceil(streams / 1000)))
+    check_descriptors(streams, n_workers)
     work = cfg.out / "cores"
     work.mkdir(parents=True, exist_ok=True)
     path = work / "upstreams.yaml"
@@ -110,17 +183,25 @@ def one_round(
             server = Served(EDS_SERVER, None, log, extra=["--upstream-eds", f"127.0.0.1:{origin.port}"], pin=False)
         else:
             server = Served(EDS_SERVER, path, log, extra=[*extra, *tuning], pin=False)
-        workers = Workers(max(1, min(cfg.clients, math.ceil(streams / 1000))), cfg.node_bytes, log)
+        workers = Workers(n_workers, cfg.node_bytes, log)
+        cap = MemoryCap(
+            cfg.memory_cap,
+            lambda: [*server.pids(), *(origin.pids() if origin else []), *(w.p.pid for w in workers.procs)],
+        )
+        eds = name != "peer" and not name.startswith("floor")
         try:
-            if name != "peer" and not name.startswith("floor"):
+            if eds:
                 wait_ready(server)
             server.settle()
             rss0 = server.rss()
             t0, connect_cpu0 = time.monotonic(), server.cpu() + (origin.cpu() if origin else 0.0)
-            workers.open(server.port, ["g0"] * streams, False, per_conn=PER_CONN)
+            every = ["g0"] * streams
+            workers.open(server.port, every, False, PER_CONN, own_addresses=cfg.own_addresses, rate=cfg.connect_rate)
             missing = sum(
                 r["remaining"]
-                for r in workers.all([{"cmd": "wait", "counts": {"g0": 1}, "timeout": 180}] * len(workers.procs))
+                for r in workers.all(
+                    [{"cmd": "wait", "counts": {"g0": 1}, "timeout": connect_timeout}] * len(workers.procs)
+                )
             )
             connect = time.monotonic() - t0
             connect_cpu = server.cpu() + (origin.cpu() if origin else 0.0) - connect_cpu0
@@ -129,7 +210,8 @@ def one_round(
             server.settle()
             time.sleep(IDLE_WAIT)
             rss1 = server.rss()
-            workers.dump(clear=True)
+            client_rss = sum(rss_of(w.p.pid) for w in workers.procs)
+            client_cpu0 = workers.dump(clear=True)["cpu"]
             cpus, origin_cpus, latencies = [], [], []
             user0, sys0 = server.user_sys()
             ouser0, osys0 = origin.user_sys() if origin else (0.0, 0.0)
@@ -143,7 +225,7 @@ def one_round(
                 missing = sum(
                     r["remaining"]
                     for r in workers.all(
-                        [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": 120}] * len(workers.procs)
+                        [{"cmd": "wait", "counts": {"g0": base + 1}, "timeout": change_timeout}] * len(workers.procs)
                     )
                 )
                 if missing:
@@ -153,21 +235,38 @@ def one_round(
                     origin.settle()
                     origin_cpus.append(origin.cpu() - o0)
                 cpus.append(server.cpu() - c0 + (origin_cpus[-1] if origin else 0.0))
-                for _, recv, _ in workers.dump(clear=True)["streams"]:
+                got = workers.dump(clear=True)
+                client_cpu1 = got["cpu"]
+                for _, recv, _ in got["streams"]:
                     after = [t for _, t in recv if t >= t_change]
                     if after:
                         latencies.append((min(after) - t_change) / 1e9)
             user1, sys1 = server.user_sys()
             ouser1, osys1 = origin.user_sys() if origin else (0.0, 0.0)
-            errors = workers.dump()["n_errors"]
+            end = workers.dump()
+            errors = end["n_errors"]
             if errors:
-                raise RuntimeError(f"{name}: {errors} stream errors (refused, reset or ended early)")
+                raise RuntimeError(
+                    f"{name}: {errors} stream errors (refused, reset or ended early), first: {end['errors'][:2]}"
+                )
+            refused = refusals(server) if eds else {}
+        except (RuntimeError, OSError, ValueError) as e:  # a killed child: EOF, a broken pipe or a cut line
+            if cap.tripped:
+                raise RuntimeError(
+                    f"{name}, {streams} streams: stopped at {cap.tripped / 1e9:.1f} GB of memory used over "
+                    f"the start (cap {cfg.memory_cap / 1e9:.0f} GB)"
+                ) from e
+            why = refusals(server) if eds else {}
+            raise RuntimeError(f"{e}; refused by eds-server: {why}" if why else str(e)) from e
         finally:
+            cap.stop()
             workers.stop()
             server.stop()
             if origin:
                 origin.stop()
     return {
+        "streams": streams,
+        "load_generators": n_workers,
         "connect_s": connect,
         "connect_cpu_s": connect_cpu,
         "p50_s": quantile(latencies, 0.5),
@@ -177,30 +276,73 @@ def one_round(
         "rss_per_stream_b": (rss1 - rss0) / streams,
         "user_per_change_s": (user1 - user0 + ouser1 - ouser0) / shape.changes,
         "sys_per_change_s": (sys1 - sys0 + osys1 - osys0) / shape.changes,
+        "client_cpu_per_change_s": (client_cpu1 - client_cpu0) / shape.changes,
+        "client_rss_b": client_rss,
+        "peak_memory_growth_b": cap.peak,
+        "refused": refused,
     }
 
 
+def refusals(server: Served) -> dict[str, int]:
+    """What eds-server refused or shed, by reason (its /v1/stats, every worker's added up), bounded."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.admin}/v1/stats", timeout=10) as r:
+            stats = json.load(r)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in (stats.get("refused_by_reason") or {}).items() if v}
+
+
+def rss_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def describe(got: dict[str, Any]) -> str:
+    """One round's figures on one line."""
+    return (
+        f"connect {got['connect_s']:.2f} s ({got['connect_cpu_s']:.2f} s CPU), "
+        f"p50 {got['p50_s'] * 1000:.0f} ms, p99 {got['p99_s'] * 1000:.0f} ms, "
+        f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change "
+        f"(user {got['user_per_change_s'] * 1000:.0f}, system {got['sys_per_change_s'] * 1000:.0f}), "
+        f"{got['rss_per_stream_b'] / 1000:.1f} KB/stream; load generators {got['load_generators']}: "
+        f"{got['client_cpu_per_change_s'] * 1000:.0f} ms CPU/change, RSS {got['client_rss_b'] / 1e6:.0f} MB; "
+        f"memory peak +{got['peak_memory_growth_b'] / 1e9:.1f} GB"
+        + (f"; refused {got['refused']}" if got.get("refused") else "")
+    )
+
+
 def scenario_cores(cfg: Config) -> dict[str, Any]:
-    """`--shapes 1,2,3`: 1k streams, 10k streams, 20k streams with --workers 2 (default: all)."""
+    """`--shapes 1,2,3,4`: 1k streams, 10k streams, 20k streams with --workers 2 (once), 100k streams
+    (or `--streams N`) with --workers 2 (every round); default 1,2,3."""
     peer = shlex.split(cfg.peer) if cfg.peer else None
     configs = configurations(peer, cfg)
     picked = [int(n) for n in cfg.shapes.split(",") if n.strip()] if cfg.shapes else [1, 2, 3]
+    if any(not 1 <= n <= 4 for n in picked):
+        raise SystemExit(f"--shapes of cores: numbers from 1 to 4, got {cfg.shapes!r}")
     shapes = [SHAPES[n - 1] for n in picked if n <= len(SHAPES)]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {n: [] for n in configs} for s in shapes}
+    top_streams = cfg.streams or HUGE_STREAMS
+    top = huge(top_streams, cfg.size(top_streams)) if 4 in picked else None
+    top_rounds: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
+        if top is not None:
+            try:
+                got = one_round(cfg, top, "eds --workers 2", ["--workers", "2"], peer)
+            except RuntimeError as e:  # recorded: what stopped a round is a result too
+                got = {"error": str(e)}
+                print(f"  round {r + 1}/{cfg.rounds} {top.name}: FAILED: {e}", flush=True)
+            else:
+                print(f"  round {r + 1}/{cfg.rounds} {top.name}: {describe(got)}", flush=True)
+            top_rounds.append(got)
         for shape in shapes:
             for name, extra in configs.items():
                 got = one_round(cfg, shape, name, extra, peer)
                 results[shape.name][name].append(got)
-                print(
-                    f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: connect {got['connect_s']:.2f} s "
-                    f"({got['connect_cpu_s']:.2f} s CPU), "
-                    f"p50 {got['p50_s'] * 1000:.0f} ms, p99 {got['p99_s'] * 1000:.0f} ms, "
-                    f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change "
-                    f"(user {got['user_per_change_s'] * 1000:.0f}, "
-                    f"system {got['sys_per_change_s'] * 1000:.0f})",
-                    flush=True,
-                )
+                print(f"  round {r + 1}/{cfg.rounds} {shape.name} {name}: {describe(got)}", flush=True)
     big = one_round(cfg, BIG, "eds --workers 2", ["--workers", "2"], peer) if 3 in picked else None
     if big is not None:
         print(f"  {BIG.name}: {big['rss_per_stream_b'] / 1000:.1f} KB per stream", flush=True)
@@ -228,8 +370,16 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
         "floor": [n for n, _ in floors(cfg)],
         "shapes": {},
         "big": big,
+        "huge": None,
         "debounce": cfg.debounce or "default",
     }
+    done = [x for x in top_rounds if "error" not in x]
+    if top is not None:
+        out["huge"] = {"shape": top.name, "streams": cfg.size(top.streams), "rounds": top_rounds}
+        if done:
+            counts = ("load_generators", "streams")
+            numbers = [k for k, v in done[0].items() if isinstance(v, float | int) and k not in counts]
+            out["huge"] |= {k: statistics.median(x[k] for x in done) for k in numbers}
     for shape in shapes:
         out["shapes"][shape.name] = {}
         for name in configs:
@@ -290,6 +440,28 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
                 "-",
                 "-",
                 f"{big['rss_per_stream_b'] / 1000:.1f}",
+            )
+        )
+    for i, x in enumerate(top_rounds):
+        assert top is not None
+        if "error" in x:
+            rows.append((top.name, f"round {i + 1}: {x['error']}"[:60], *["-"] * 11))
+            continue
+        rows.append(
+            (
+                top.name,
+                f"eds --workers 2, round {i + 1}",
+                f"{x['connect_s']:.2f}",
+                f"{x['connect_cpu_s']:.2f}",
+                f"{x['p50_s'] * 1000:.0f}",
+                f"{x['p99_s'] * 1000:.0f}",
+                f"{x['cpu_per_change_s'] * 1000:.0f}",
+                f"{x['user_per_change_s'] * 1000:.1f}",
+                f"{x['sys_per_change_s'] * 1000:.1f}",
+                "-",
+                "-",
+                "-",
+                f"{x['rss_per_stream_b'] / 1000:.1f}",
             )
         )
     table(

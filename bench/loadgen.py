@@ -13,7 +13,9 @@ field scanner. Receive times are CLOCK_MONOTONIC (time.monotonic_ns), taken once
 comparable with the server process's clock.
 
 Control protocol: one JSON object per line on stdin, one JSON reply per line on stdout:
-  {"cmd": "open", "port": P, "conns": [[group, ...], ...], "node_every": bool}
+  {"cmd": "open", "port": P, "conns": [[group, ...], ...], "node_every": bool, "sources": [addr, ...]}
+                          # sources (optional): each connection's own loopback address, as one Envoy per host
+                          # pace (optional): seconds between this process's connections (0: all at once)
   {"cmd": "wait", "targets": {group: version}, "timeout": s}   # every stream of a listed group has
                                                                # received that version, the others any
   {"cmd": "wait", "counts": {group: n}, "timeout": s}   # every stream of a listed group has received
@@ -35,6 +37,7 @@ import socket
 import struct
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -164,6 +167,7 @@ class Stream:
         "id",
         "last_size",
         "out",
+        "pending",
         "rbuf",
         "recv",
         "tail",
@@ -173,7 +177,10 @@ class Stream:
     def __init__(self, sid: int, group: str, window: int) -> None:
         self.id, self.group, self.window = sid, group, window
         self.tail = pb_bytes(3, group.encode()) + pb_bytes(4, EDS_TYPE_URL.encode())  # names, type_url
-        self.out = bytearray()  # gRPC-framed request bytes not yet sent (flow control)
+        # gRPC-framed request bytes not yet sent (flow control), as pieces: the Node is one shared
+        # view, not a 60 KB copy per stream (100,000 streams' first requests would be 6 GB here)
+        self.out: deque[bytes | memoryview] = deque()
+        self.pending = 0  # bytes in out
         self.rbuf = bytearray()
         self.recv: list[tuple[str, int]] = []  # (version_info, receive time ns)
         self.last_size = self.count = 0  # count: responses received in all (recv can be cleared)
@@ -190,7 +197,7 @@ class Conn(asyncio.Protocol):
         self.streams: dict[int, Stream] = {}
         self.blocked: dict[int, Stream] = {}  # streams with request bytes waiting for window
         self.buf = bytearray()
-        self.out: list[bytes] = []
+        self.out: list[bytes | memoryview] = []
         self.send_window = 65535
         self.peer_initial = 65535
         self.peer_max_frame = 16384
@@ -213,7 +220,7 @@ class Conn(asyncio.Protocol):
             s = Stream(2 * i + 1, group, self.peer_initial)
             self.streams[s.id] = s
             self.out.append(frame(HEADERS, END_HEADERS, s.id, REQUEST_HEADERS))
-            self.send_request(s, self.gen.node_field + s.tail)
+            self.send_request(s, self.gen.node_view, s.tail)
         self.flush()
 
     def flush(self) -> None:
@@ -221,21 +228,36 @@ class Conn(asyncio.Protocol):
             self.transport.write(b"".join(self.out))
             self.out.clear()
 
-    def send_request(self, s: Stream, message: bytes) -> None:
-        s.out += b"\x00" + len(message).to_bytes(4, "big") + message
+    def send_request(self, s: Stream, *parts: bytes | memoryview) -> None:
+        """Queue one gRPC message made of `parts` (views are kept, not copied) and send what the windows allow."""
+        size = sum(len(p) for p in parts)
+        s.out.append(b"\x00" + size.to_bytes(4, "big"))
+        s.out.extend(parts)
+        s.pending += 5 + size
         if not self.push(s):
             self.blocked[s.id] = s
 
     def push(self, s: Stream) -> bool:
-        """Frame as much of the stream's pending bytes as the windows allow; True when all is sent."""
-        out = s.out
-        while out:
-            n = min(len(out), s.window, self.send_window, self.peer_max_frame)
+        """Frame as much of the stream's pending bytes as the windows allow; True when all is sent.
+        A frame's payload may span pieces: the frames are those of the message sent whole."""
+        out, frames = s.out, self.out
+        while s.pending:
+            n = min(s.pending, s.window, self.send_window, self.peer_max_frame)
             if n <= 0:
                 return False
-            self.out.append(FRAME.pack(n << 8 | DATA, 0, s.id))
-            self.out.append(bytes(out[:n]))
-            del out[:n]
+            frames.append(FRAME.pack(n << 8 | DATA, 0, s.id))
+            left = n
+            while left:
+                piece = out[0]
+                if len(piece) <= left:
+                    frames.append(piece)
+                    out.popleft()
+                    left -= len(piece)
+                else:
+                    frames.append(piece[:left])
+                    out[0] = piece[left:]
+                    left = 0
+            s.pending -= n
             s.window -= n
             self.send_window -= n
         return True
@@ -313,8 +335,11 @@ class Conn(asyncio.Protocol):
             s.recv.append((version, now))
             s.count += 1
             s.last_size = size
-            node = self.gen.node_field if self.gen.node_every else b""
-            self.send_request(s, pb_bytes(1, version.encode()) + node + s.tail + pb_bytes(5, nonce.encode()))
+            head = pb_bytes(1, version.encode())
+            if self.gen.node_every:
+                self.send_request(s, head, self.gen.node_view, s.tail + pb_bytes(5, nonce.encode()))
+            else:
+                self.send_request(s, head + s.tail + pb_bytes(5, nonce.encode()))
             self.gen.arrived(s, version)
         # stream-level WINDOW_UPDATEs are needed only past 256 MiB per stream; bench streams stay below
         if flags & END_STREAM:
@@ -353,6 +378,7 @@ class Conn(asyncio.Protocol):
 class Generator:
     def __init__(self, node_bytes: int) -> None:
         self.node_field = pb_bytes(2, make_node(node_bytes))
+        self.node_view = memoryview(self.node_field)  # every stream's requests send views of it
         self.node_every = True
         self.conns: list[Conn] = []
         self.errors: list[str] = []
@@ -376,7 +402,9 @@ class Generator:
             if self.remaining <= 0:
                 self.satisfied.set()
 
-    async def open(self, port: int, conns: list[list[str]], node_every: bool) -> dict[str, Any]:
+    async def open(
+        self, port: int, conns: list[list[str]], node_every: bool, sources: list[str] | None = None, pace: float = 0.0
+    ) -> dict[str, Any]:
         self.node_every = node_every
         loop = asyncio.get_running_loop()
         self.t_start = time.monotonic_ns()
@@ -384,7 +412,13 @@ class Generator:
         def factory(groups: list[str]) -> Callable[[], Conn]:
             return lambda: Conn(self, groups)
 
-        made = await asyncio.gather(*(loop.create_connection(factory(g), "127.0.0.1", port) for g in conns))
+        froms = [(a, 0) for a in sources] if sources else [None] * len(conns)
+        opening = []
+        for g, a in zip(conns, froms, strict=True):
+            opening.append(asyncio.ensure_future(loop.create_connection(factory(g), "127.0.0.1", port, local_addr=a)))
+            if pace:
+                await asyncio.sleep(pace)
+        made = await asyncio.gather(*opening)
         self.conns += [p for _, p in made]
         return {"t_start": self.t_start, "node_bytes": len(self.node_field)}
 
@@ -443,7 +477,9 @@ async def main(node_bytes: int) -> None:
         reply: dict[str, Any]
         match cmd["cmd"]:
             case "open":
-                reply = await gen.open(cmd["port"], cmd["conns"], cmd["node_every"])
+                reply = await gen.open(
+                    cmd["port"], cmd["conns"], cmd["node_every"], cmd.get("sources"), cmd.get("pace", 0.0)
+                )
             case "wait":
                 reply = await gen.wait(cmd.get("targets", {}), cmd["timeout"], cmd.get("counts", {}))
             case "counts":

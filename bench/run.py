@@ -4,7 +4,8 @@
                                   [--peer COMMAND] [--rounds N] [--no-floor]
 
 Scenarios (NAME): fanout, churn, memory, storm, big, cores (bench/cores.py: --workers 1 and 2, two
-tiers, the floor and --peer, unpinned; by default only with --peer) and sidebyside (bench/sidebyside.py:
+tiers, the floor and --peer, unpinned; by default only with --peer; `--shapes 4 [--streams N]`:
+100,000 streams on --workers 2) and sidebyside (bench/sidebyside.py:
 eds-server, the floor and --peer COMMAND, any server taking `serve --upstreams FILE --listen HOST:PORT
 [--admin HOST:PORT]`, all driven through the file, interleaved over --rounds). The floor
 (bench/floor.py; --no-floor leaves it out) is a bare server that writes the same response bytes to
@@ -30,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -60,6 +62,10 @@ class Config:
     shapes: str = ""  # side-by-side shapes to run: comma list of numbers (1-5), all if empty
     debounce: str = ""  # eds-server's --debounce in the cores scenario ("": its default)
     floor: bool = True  # run bench/floor.py beside eds-server in sidebyside and cores
+    streams: int = 0  # streams of the cores scenario's shape 4 (0: 100,000)
+    memory_cap: float = 16e9  # bytes a cores round may add to the machine's used memory before it is stopped
+    own_addresses: bool = False  # cores: each load generator connection from its own loopback address
+    connect_rate: float = 0.0  # cores: connections opened per second in all (0: all at once)
 
     def size(self, full: int) -> int:
         return max(1, full // 10) if self.quick else full
@@ -116,10 +122,30 @@ class Workers:
             p.send(json.dumps(c))
         return [p.recv() for p in self.procs]
 
-    def open(self, port: int, groups: list[str], node_every: bool, per_conn: int = STREAMS_PER_CONN) -> list[Any]:
+    def open(
+        self,
+        port: int,
+        groups: list[str],
+        node_every: bool,
+        per_conn: int = STREAMS_PER_CONN,
+        own_addresses: bool = False,
+        rate: float = 0.0,
+    ) -> list[Any]:
+        """`own_addresses`: each connection from its own loopback address (127.1.0.1 on), as a
+        fleet of Envoys on their own hosts meets a server's per-address limits; else all from 127.0.0.1.
+        `rate`: connections opened per second in all, as a fleet reconnecting over time (0: all at once)."""
         conns = [groups[i : i + per_conn] for i in range(0, len(groups), per_conn)]
-        mine: list[list[list[str]]] = [conns[i :: len(self.procs)] for i in range(len(self.procs))]
-        return self.all([{"cmd": "open", "port": port, "conns": c, "node_every": node_every} for c in mine])
+        n = len(self.procs)
+        mine: list[list[list[str]]] = [conns[i::n] for i in range(n)]
+        cmds: list[dict[str, Any]] = [{"cmd": "open", "port": port, "conns": c, "node_every": node_every} for c in mine]
+        if rate:
+            for cmd in cmds:
+                cmd["pace"] = n / rate
+        if own_addresses:
+            addresses = [f"127.{1 + (k >> 16)}.{k >> 8 & 255}.{k & 255}" for k in range(1, len(conns) + 1)]
+            for i, cmd in enumerate(cmds):
+                cmd["sources"] = addresses[i::n]
+        return self.all(cmds)
 
     def wait(self, targets: dict[str, str], timeout: float) -> int:
         """Streams still not there after `timeout` (0: all arrived)."""
@@ -607,6 +633,18 @@ def main() -> None:
     p.add_argument(
         "--no-floor", action="store_true", help="leave out the floor (bench/floor.py) in sidebyside and cores"
     )
+    p.add_argument("--streams", type=int, default=0, help="streams of cores' shape 4 (default 100000)")
+    p.add_argument(
+        "--own-addresses",
+        action="store_true",
+        help="cores: each load generator connection from its own loopback address (127.1.0.1 on)",
+    )
+    p.add_argument(
+        "--connect-rate", type=float, default=0, help="cores: connections opened per second (default: all at once)"
+    )
+    p.add_argument(
+        "--memory-cap", type=float, default=16, help="GB of memory use a cores round may add before it is stopped"
+    )
     args = p.parse_args()
     if args.profile and not (Path(PY).parent / "py-spy").exists():
         p.error(f"--profile needs py-spy beside {PY}: {Path(PY).parent / 'pip'} install py-spy")
@@ -617,6 +655,9 @@ def main() -> None:
         if n not in SCENARIOS:
             p.error(f"unknown scenario {n!r}")
     os.sched_setaffinity(0, set(CLIENT_CORES))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:  # the load generators inherit it: a thousand connections and more in cores' shape 4
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     out = HERE / "results" / ("profile" if args.profile else "") / ("quick" if args.quick else "")
     cfg = Config(
         args.quick,
@@ -629,6 +670,10 @@ def main() -> None:
         args.shapes,
         args.debounce,
         not args.no_floor,
+        args.streams,
+        args.memory_cap * 1e9,
+        args.own_addresses,
+        args.connect_rate,
     )
 
     def too_long(*_: Any) -> None:

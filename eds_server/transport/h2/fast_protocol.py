@@ -129,6 +129,8 @@ class FastProtocol(TransportReading, H2Protocol):
             self._split(h2, data)
         elif self._feed(h2, data):
             self.connection.flush()
+        if self._closed():  # by what the slice held: grpclib has let go of h2 and the transport
+            return False
         if self._stall is None and not self._guard.between_frames and not self._dead:
             self._stall = asyncio.get_running_loop().call_later(
                 self.gate.limits.request_timeout, self._check_stall, self._guard.frames
@@ -188,7 +190,10 @@ class FastProtocol(TransportReading, H2Protocol):
         self._close("Over a budget")
 
     def _feed(self, h2: GuardedH2Connection, data: bytes | bytearray | memoryview) -> bool:
-        """Through h2, and its events to grpclib; False once the connection is being closed."""
+        """Through h2, and its events to grpclib; False once the connection is being closed (and
+        then nothing more is fed: grpclib's close takes h2's frame table and the transport away)."""
+        if self._closed():
+            return False
         h2.window_before_read = h2.outbound_flow_control_window
         try:
             events = self.connection.feed(data)  # type: ignore[arg-type]  # h2 takes any buffer
@@ -256,7 +261,11 @@ class FastProtocol(TransportReading, H2Protocol):
                 self.processor.process(event)
         if started and self._input is not None:  # their handlers run later: charged now
             self._input.charge(started * STREAM_ESTIMATE)
-        return True
+        return not self._closed()
+
+    def _closed(self) -> bool:
+        """Closed by us, or by grpclib (a client's GOAWAY): nothing more may reach h2."""
+        return self._dead or self.connection.is_closing()
 
     def _sweep_later(self) -> None:
         if self._sweep is None:
@@ -365,6 +374,8 @@ class FastProtocol(TransportReading, H2Protocol):
                         self._direct_unacked += length
                         self._active()
                         reader.take(view[pos + 9 : after])
+                        if self._closed():  # by what the message led to: the rest is not read
+                            return
                         run = after
                     else:
                         reader.fall_back()

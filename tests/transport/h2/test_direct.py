@@ -444,3 +444,29 @@ async def test_a_direct_data_frame_inside_a_header_block_is_a_protocol_error(
         assert await client.until(lambda: client.goaway is not None)
         assert client.goaway == 1  # PROTOCOL_ERROR
         assert tagged("a1") not in handled("a")
+
+
+# 9. Frames after the connection ended, in the same read
+
+
+async def test_frames_after_a_goaway_in_the_same_read_are_not_fed_to_a_closed_connection(
+    handled: Callable[[str], list[bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's GOAWAY makes grpclib close the connection, taking h2's frame table and the
+    transport away; a direct DATA frame after it splits the read, and the frames after that must
+    not reach h2 (they did: an AttributeError in the read scheduler's turn, seen with 100,000
+    streams in the bench)."""
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
+        a, _ = await direct_stream(client, service, "a")
+        reader = reader_of(service, "a")
+        assert reader is not None
+        before = reader.messages
+        goaway = frame(7, 0, 0, (0).to_bytes(4, "big") + (0).to_bytes(4, "big"))  # last stream 0, NO_ERROR
+        ping = frame(6, 0, 0, b"12345678")
+        with caplog.at_level(logging.ERROR):
+            await client.send(goaway + data(a, grpc(tagged("a1"))) + ping)
+            assert not await client.until(lambda: False)  # read until the server has closed (bounded)
+            assert client.eof
+        no_tracebacks(caplog)
+        assert reader.messages == before  # nothing read past the end
+        assert tagged("a1") not in handled("a")
