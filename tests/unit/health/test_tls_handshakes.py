@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -112,17 +113,30 @@ async def test_a_cold_start_of_many_https_endpoints_marks_none_unhealthy(cert: I
     assert kept.handshaking == 0
 
 
-async def test_the_wait_for_a_slot_is_not_the_backends_and_no_slot_in_an_interval_is_no_check(cert: Issued) -> None:
-    context = server_context(cert)
-
+@pytest.fixture
+async def good_and_mute(cert: Issued) -> AsyncIterator[tuple[int, int]]:
+    """Two TLS backends' ports: one that answers a check once, one that accepts and never answers a
+    ClientHello (a check to it holds its handshake slot until its timeout)."""
     hung: list[asyncio.StreamWriter] = []
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hung.append(writer)  # accepts, never answers a ClientHello: holds its slot until its timeout
+        hung.append(writer)
 
-    good = await asyncio.start_server(answer_once, "127.0.0.1", 0, ssl=context)
+    good = await asyncio.start_server(answer_once, "127.0.0.1", 0, ssl=server_context(cert))
     mute = await asyncio.start_server(silent, "127.0.0.1", 0)
-    good_port, mute_port = (s.sockets[0].getsockname()[1] for s in (good, mute))
+    try:
+        yield good.sockets[0].getsockname()[1], mute.sockets[0].getsockname()[1]
+    finally:
+        for w in hung:
+            w.close()
+        for server in (good, mute):
+            server.close()
+
+
+async def test_the_wait_for_a_slot_is_not_the_backends_and_no_slot_in_an_interval_is_no_check(
+    good_and_mute: tuple[int, int],
+) -> None:
+    good_port, mute_port = good_and_mute
     spec = HealthSpec("http", path="/health", interval=5.0, timeout=0.3, tls=True)
     slow = HealthSpec("http", path="/health", interval=5.0, timeout=0.6, tls=True)  # holds its slot longer
     pool = keepalive.KeptConnections(max_handshakes=1, slot_wait=0.0)  # a wait of one interval at most
@@ -147,23 +161,12 @@ async def test_the_wait_for_a_slot_is_not_the_backends_and_no_slot_in_an_interva
         assert (pool.slot_waits, pool.handshakes_peak, pool.handshakes, pool.handshaking) == (2, 1, 1, 0)
     finally:
         pool.close()
-        for w in hung:
-            w.close()
-        for s in (good, mute):
-            s.close()
 
 
-async def test_an_endpoint_forgotten_while_its_check_waits_for_a_slot_keeps_no_connection(cert: Issued) -> None:
-    context = server_context(cert)
-
-    hung: list[asyncio.StreamWriter] = []
-
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hung.append(writer)
-
-    good = await asyncio.start_server(answer_once, "127.0.0.1", 0, ssl=context)
-    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
-    good_port, mute_port = (s.sockets[0].getsockname()[1] for s in (good, mute))
+async def test_an_endpoint_forgotten_while_its_check_waits_for_a_slot_keeps_no_connection(
+    good_and_mute: tuple[int, int],
+) -> None:
+    good_port, mute_port = good_and_mute
     spec = HealthSpec("http", path="/health", interval=5.0, timeout=0.3, tls=True)
     pool = keepalive.KeptConnections(max_handshakes=1)
     try:
@@ -177,7 +180,3 @@ async def test_an_endpoint_forgotten_while_its_check_waits_for_a_slot_keeps_no_c
         assert pool.idle == 0  # and its connection is not kept
     finally:
         pool.close()
-        for w in hung:
-            w.close()
-        for s in (good, mute):
-            s.close()
