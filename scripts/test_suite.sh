@@ -15,10 +15,17 @@ JOBS=${TEST_JOBS:-3}
 read -r -a stock_tests <<<"${STOCK_TESTS:?set STOCK_TESTS to the stock path test files (Makefile)}"
 
 stock_log=$(mktemp)
-trap 'rm -f "$stock_log"' EXIT
 EDS_HTTP2=stock "$PY" -m pytest -m "not alone" "${stock_tests[@]}" >"$stock_log" 2>&1 &
 stock=$!
-"$PY" -m pytest -n "$JOBS" --dist loadgroup -m "not alone" --durations=25 "$@"
+main=
+# Interrupted (Ctrl-C, CI's timeout): both passes go too, not on alone. The first pass runs in the
+# background as well, so that the script's `wait`, unlike a command in the foreground, lets the
+# trap run at once.
+trap 'kill $main "$stock" 2>/dev/null; rm -f "$stock_log"' EXIT
+trap 'exit 130' INT TERM
+"$PY" -m pytest -n "$JOBS" --dist loadgroup -m "not alone" --durations=25 "$@" &
+main=$!
+wait "$main"
 first=$?
 wait "$stock"
 stock_first=$?
