@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import copy
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,9 @@ from typing import Any
 from aiohttp import web
 
 from tests.support.paths import ROOT
+from tests.support.ports import free_port
 
 NS = "fake"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def service() -> dict[str, Any]:
