@@ -94,7 +94,7 @@ class App:
             self.registrations = RegistrationSource(feed, reg.state, max_registrations=reg.max_registrations)
         self.relay = None
         if src.upstream_eds is not None:  # its client: bytes as they are, keepalive every 30 s
-            config = keepalive_config(30.0, 10.0, server=False)
+            config = keepalive_config(30.0, 10.0)
             self.relay = RelaySource(feed, src.upstream_eds, codec=PassThroughCodec(), config=config)
         by_kind: dict[str, Source | None] = {
             "file": self.file_source,

@@ -18,6 +18,7 @@ from typing import Any
 import grpclib.const
 import grpclib.server
 from grpclib import GRPCError
+from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 
 from ..encoded import Resource
@@ -37,7 +38,7 @@ from ..xds.common import (
     response_version,
 )
 from ..xds.session import DELTA, SOTW, Authorize, SessionDriver, StreamKind, decode_request, node_fields, shown
-from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server, keepalive_config
+from .h2 import ConnectionLimits, Framed, GrpcServer, StreamIO, build_server
 from .h2.limits import ThrottledLog
 from .h2.stock import StockIO
 from .reflection import ReflectionService
@@ -584,9 +585,12 @@ def make_server(
     limit; `limits` (its max_streams and reset_budget replaced by the arguments of the same
     meaning) for connections and budgets; `http2` picks the path (h2/compat.py)."""
     limits = dataclasses.replace(
-        limits or ConnectionLimits(), max_streams=max_streams_per_connection, reset_budget=reset_budget
+        limits or ConnectionLimits(),
+        max_streams=max_streams_per_connection,
+        reset_budget=reset_budget,
+        keepalive_time=keepalive_time,
+        keepalive_timeout=keepalive_timeout,
     )
-    config = keepalive_config(keepalive_time, keepalive_timeout)
     counted = {
         path: handler
         for svc in (HealthService(service.store), ReflectionService(SERVED))
@@ -598,7 +602,7 @@ def make_server(
         enter=service.enter_stream,
         leave=service.leave_stream,
         limits=limits,
-        config=config,
+        config=Configuration(),  # no keepalive of grpclib's: ours (h2/keepalive.py)
         max_message_size=max_message_size,
         mode=http2,
         mapping=lambda table: UnknownMethods(table, EDS_SERVICE),

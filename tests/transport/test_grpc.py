@@ -248,6 +248,83 @@ async def test_keepalive_pings_close_a_silent_connection() -> None:
             frame_types += [f.type for f in frames]
         assert PING in frame_types
         assert not chunk  # closed, since we never answered it
+        assert server.refused["keepalive"] == 1  # counted (and logged), not closed in silence
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_ping_ack_that_does_not_echo_ours_is_no_answer() -> None:
+    """A client that never reads cannot answer a PING it never saw: ACKs sent blind, with a payload
+    of their own, keep nothing open (on either path), and each is charged as a control frame."""
+    store = Store(encode_group)
+    server = make_server(
+        EdsService(store),
+        max_streams_per_connection=10,
+        keepalive_time=0.2,
+        keepalive_timeout=0.3,
+        max_message_size=1 << 20,
+        http2=os.environ.get("EDS_HTTP2", "auto"),
+    )
+    await server.start("127.0.0.1", 0)
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(PREFACE)
+        blind = 0
+        for _ in range(60):  # bounded: ~3 s of blind ACKs, one every 50 ms; closed after ~0.5 s
+            writer.write(frame(PING, 1, 0, b"\x00" * 8))
+            blind += 1
+            await asyncio.sleep(0.05)
+            if server.connections == 0:
+                break
+        assert server.connections == 0, f"still open after {blind} blind ACKs"
+        assert blind >= 5  # the floor: it did send ACKs past the first PING's timeout
+        assert server.refused["keepalive"] == 1
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_keepalive_waits_for_an_answer_held_in_our_own_read_queue() -> None:
+    """A PING ACK that arrived in time but waits in the server's own read queue (a fleet's first
+    requests ahead of it) is the server's wait, not the client's: the connection stays, and the
+    answer counts once read. Here the queue is held by the read scheduler's next turn coming only
+    after the keepalive timeout."""
+    store = Store(encode_group)
+    server = make_server(
+        EdsService(store),
+        max_streams_per_connection=10,
+        keepalive_time=0.3,
+        keepalive_timeout=0.3,
+        max_message_size=1 << 20,
+        http2=os.environ.get("EDS_HTTP2", "auto"),
+    )
+    await server.start("127.0.0.1", 0)
+    reads = server.gate.reads  # type: ignore[attr-defined]  # both paths' servers have a gate
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(PREFACE)
+        answered = 0
+        buffer = b""
+        for _ in range(200):  # bounded: three PINGs come within ~1.5 s
+            chunk = await asyncio.wait_for(reader.read(65536), 5)
+            assert chunk, f"closed after {answered} PINGs answered"
+            frames, buffer = split(buffer + chunk)
+            for f in frames:
+                if f.type == PING and not f.flags & 1:
+                    await asyncio.sleep(0.05)  # the turns of the loop already asked for have run
+                    reads.spent = reads.turn_budget  # this turn's reading is spent,
+                    reads.call_soon = lambda tick: loop.call_later(0.7, tick)  # and the next comes late
+                    writer.write(frame(PING, 1, 0, f.payload))
+                    answered += 1
+            if answered == 3:
+                break
+        await wait_for(lambda: reads.slices >= 1 and reads.deferred >= 3, what="the answers queued, then read")
+        reads.call_soon = None
+        assert server.connections == 1 and server.refused["keepalive"] == 0
     finally:
         writer.close()
         server.close()

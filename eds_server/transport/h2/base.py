@@ -113,16 +113,8 @@ def timeout_middleware(
     return limit
 
 
-def keepalive_config(keepalive_time: float, keepalive_timeout: float, *, server: bool = True) -> Configuration:
-    """grpclib's Configuration with keepalive: its keyword arguments for it are private (a leading
-    underscore), so they are named here only. A server keeps pinging however long no data flows
-    (EDS streams sit idle for hours), at most every half keepalive time."""
-    if not server:
-        return Configuration(_keepalive_time=keepalive_time, _keepalive_timeout=keepalive_timeout)
-    return Configuration(
-        _keepalive_time=keepalive_time,
-        _keepalive_timeout=keepalive_timeout,
-        _keepalive_permit_without_calls=True,
-        _http2_max_pings_without_data=0,
-        _http2_min_sent_ping_interval_without_data=max(1.0, keepalive_time / 2),
-    )
+def keepalive_config(keepalive_time: float, keepalive_timeout: float) -> Configuration:
+    """grpclib's Configuration with keepalive, for our gRPC clients (the relay): its keyword
+    arguments for it are private (a leading underscore), so they are named here only. The server
+    runs its own keepalive (keepalive.py)."""
+    return Configuration(_keepalive_time=keepalive_time, _keepalive_timeout=keepalive_timeout)

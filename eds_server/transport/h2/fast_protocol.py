@@ -40,6 +40,7 @@ from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
 from .headers import request_problem, trailers_problem
+from .keepalive import Keepalive
 from .limits import Gate, PeerBudgets
 from .overload import STREAM_MEMORY
 
@@ -56,6 +57,7 @@ class PingCheckingProcessor(EventsProcessor):
     wakes the streams only when one may wait on it."""
 
     wakes = 0  # connection WINDOW_UPDATEs that woke every stream (the work the tests count)
+    keepalive: Keepalive | None = None
 
     def process_window_updated(self, event: WindowUpdated) -> None:
         """grpclib wakes every stream on each WINDOW_UPDATE of the connection: 10,000 streams'
@@ -78,9 +80,8 @@ class PingCheckingProcessor(EventsProcessor):
             super().process_data_received(event)
 
     def process_ping_ack_received(self, event: PingAckReceived) -> None:
-        h2 = cast(FlushingConnection, self.connection).h2
-        if h2.ping_payload is not None and event.ping_data == h2.ping_payload:
-            self.connection.ping_ack_process()
+        if self.keepalive is not None and self.keepalive.answered(event.ping_data):
+            cast(FlushingConnection, self.connection).h2.ping_payload = None  # a second one is charged
 
 
 class FastProtocol(TransportReading, H2Protocol):
@@ -108,6 +109,7 @@ class FastProtocol(TransportReading, H2Protocol):
     _held: bytes | bytearray = b""  # the start of a frame not yet complete, while frames are split here
     _direct_unacked = 0  # bytes of DATA read directly, not yet granted back to the client
     _input: MeteredInput | None = None
+    _keepalive: Keepalive | None = None
 
     def data_received(self, data: bytes) -> None:
         """Through the read scheduler (fair.py): in slices of whole frames, each charged to the
@@ -398,8 +400,21 @@ class FastProtocol(TransportReading, H2Protocol):
             self._direct_unacked = 0
         self.connection.flush()
 
+    def _ping(self, payload: bytes) -> None:
+        if not self._dead:
+            self.h2.ping(payload)
+            self.connection.flush()
+
+    def _unanswered(self, why: str) -> None:
+        """Our keepalive's PING went unanswered: the client is gone, or never reads."""
+        if not self._dead and self._peer_budgets is not None:
+            self.gate.shed("keepalive", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
+            self._goaway(ErrorCodes.NO_ERROR, why, "Keepalive")
+
     def _close(self, reason: str) -> None:
         self._dead = True
+        if self._keepalive is not None:
+            self._keepalive.stop()
         if self._input is not None:
             self._input.close()
         transport = self._transport
@@ -512,6 +527,12 @@ class FastProtocol(TransportReading, H2Protocol):
         self.connection.flush()
         self.connection.initialize()
         self.processor = PingCheckingProcessor(self.handler, self.connection)
+        limits = self.gate.limits
+        keepalive = Keepalive(
+            limits.keepalive_time, limits.keepalive_timeout, self._ping, self._unanswered, lambda: self._input
+        )
+        self.processor.keepalive = self._keepalive = keepalive
+        keepalive.start()
         self._input = MeteredInput(self.gate.reads, admitted.cost, self, self._process)
         self._stall_deferral, self._sweep_deferral = Deferral(), Deferral()
         self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._check_idle)
@@ -537,4 +558,6 @@ class FastProtocol(TransportReading, H2Protocol):
             self._stall = None
         if self._sweep is not None:
             self._sweep.cancel()
+        if self._keepalive is not None:
+            self._keepalive.stop()
         super().connection_lost(exc)

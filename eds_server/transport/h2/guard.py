@@ -380,7 +380,8 @@ class FrameGuard:
         )
 
 
-_SMALL = frozenset((SettingsFrame.type, WindowUpdateFrame.type))  # frames whose payload on_small reads
+# frames whose payload on_small reads
+_SMALL = frozenset((SettingsFrame.type, WindowUpdateFrame.type, PingFrame.type))
 MAX_WINDOW = 2**31 - 1  # RFC 9113 section 6.9.1: no flow-control window may exceed it
 
 

@@ -52,6 +52,7 @@ REASONS = (
     "message_size",  # a message over --max-message-size, refused from its length prefix
     "overload",  # a connection shed: it held the most unread input while the server held too much
     "slow_input",  # a message or frame drip-fed past the request timeout (the stream or connection ended)
+    "keepalive",  # a connection whose PING went unanswered (keepalive.py)
 )
 
 
@@ -70,6 +71,8 @@ class ConnectionLimits:
     idle_timeout: float = 300.0  # a connection holding no stream this long is closed (GOAWAY NO_ERROR)
     max_header_block: int = 64 * 1024  # bytes of one header block, HEADERS and CONTINUATION frames together
     tls_handshake_timeout: float = 5.0
+    keepalive_time: float = 30.0  # a PING every this long (0: none)
+    keepalive_timeout: float = 10.0  # closed when its ACK has not come within this (keepalive.py)
     partial_message_budget: int = 64 * 1024 * 1024  # bytes of messages being received, server-wide
     memory_limit: int = 0  # resident bytes past which the heaviest address gives way (overload.py; 0: derived)
     # descriptors kept out of the connection limit: the admin and REST ports (256 each by default),

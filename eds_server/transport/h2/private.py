@@ -144,13 +144,10 @@ TOUCHES: tuple[Touch, ...] = (
         (
             "_keepalive_time",
             "_keepalive_timeout",
-            "_keepalive_permit_without_calls",
-            "_http2_max_pings_without_data",
-            "_http2_min_sent_ping_interval_without_data",
         ),
         ("base",),
         "grpclib's Configuration takes its keepalive settings as private keyword arguments; named "
-        "in keepalive_config only (the relay's client and the server take it from there)",
+        "in keepalive_config only (the relay's client; the server runs its own, keepalive.py)",
         "behaviour: a dead peer is found (keepalive), no public way to set it",
     ),
     Touch(

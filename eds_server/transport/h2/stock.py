@@ -31,7 +31,7 @@ import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Status
 from h2.errors import ErrorCodes
-from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
+from hyperframe.frame import GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from ...ratelimit import Bucket
 from .base import Framed, plain_status
@@ -39,6 +39,7 @@ from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, Transpo
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .handlers import releasing
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
+from .keepalive import Keepalive
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 from .overload import STREAM_MEMORY
 
@@ -53,7 +54,7 @@ STOCK_MAX_STREAMS = 100  # h2's default SETTINGS_MAX_CONCURRENT_STREAMS, which g
 STOCK_PENDING_STREAMS = 16 * STOCK_MAX_STREAMS
 MAX_HEADER_LIST = 1 << 16  # bytes of a decoded header list: h2's own limit (its decoder's default)
 CLOSE_GRACE = 2.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
-_HEADERS, _RST, _SETTINGS = HeadersFrame.type, RstStreamFrame.type, SettingsFrame.type
+_HEADERS, _RST, _SETTINGS, _PING = HeadersFrame.type, RstStreamFrame.type, SettingsFrame.type, PingFrame.type
 
 Stream = grpclib.server.Stream[Any, Any]
 
@@ -146,6 +147,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._stalled = -1.0  # seconds of checks the same frame stayed begun (-1: none was at the last check)
         self._input: MeteredInput | None = None
         self._deferral = Deferral()
+        self._keepalive: Keepalive | None = None
 
     # the gate's view (limits.Holder)
     def busy(self) -> bool:
@@ -175,6 +177,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self.peer = self.gate.admit(str(addr[0]) if isinstance(addr, tuple) else "?", self)
         loop = asyncio.get_running_loop()
         control = Bucket(limits.control_budget, BUDGET_WINDOW)
+        self._control = control
         self._ledger = StreamLedger(self.peer, control, loop.time)
         self._relay = HeaderRelay(STOCK_MAX_FRAME, MAX_HEADER_LIST)
         self._meter = MessageMeter(self.max_message_size, self.budget, self.peer)
@@ -199,6 +202,10 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
+        self._keepalive = Keepalive(
+            limits.keepalive_time, limits.keepalive_timeout, self._ping, self._unanswered, lambda: self._input
+        )
+        self._keepalive.start()
 
     def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         if ftype == 1:
@@ -219,9 +226,14 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         return refusal
 
     def _small(self, ftype: int, flags: int, sid: int, payload: bytes) -> Refusal | None:
-        """A WINDOW_UPDATE's or SETTINGS' payload (a WINDOW_UPDATE on a closed stream is ignored, as h2 does).
-        A stream window taken past its maximum makes h2 reset that stream: a reset the client caused,
-        charged as its own (as the fast path charges every reset h2 answers a frame with)."""
+        """A WINDOW_UPDATE's, SETTINGS' or PING's payload (a WINDOW_UPDATE on a closed stream is
+        ignored, as h2 does). A stream window taken past its maximum makes h2 reset that stream: a
+        reset the client caused, charged as its own (as the fast path charges every reset h2 answers
+        a frame with). A PING ACK is free only if it answers our keepalive."""
+        if ftype == _PING:
+            if not flags & 1 or (self._keepalive is not None and self._keepalive.answered(payload)):
+                return None  # a PING is charged from its header; the answer to ours is free
+            return None if self._control.take() else over_budget("control frames (PING ACK)")
         if sid and sid not in self._ledger.open:
             return None
         windows = self._windows
@@ -420,11 +432,24 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._opened_at_check = ledger.opened
         self._timer = asyncio.get_running_loop().call_later(tick, self._check)
 
+    def _ping(self, payload: bytes) -> None:
+        """Our keepalive's PING, below h2 (which hears only its ACK, and makes nothing of it)."""
+        if not self._dead:
+            self._tap.inject(PingFrame(0, opaque_data=payload).serialize())
+
+    def _unanswered(self, why: str) -> None:
+        """Our keepalive's PING went unanswered: the client is gone, or never reads."""
+        if not self._dead:
+            self.gate.shed("keepalive", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
+            self._goaway(ErrorCodes.NO_ERROR, why)
+
     def _goaway(self, code: ErrorCodes, why: str) -> None:
         """GOAWAY written here, below h2 (whose state no longer matters: the connection ends), then closed."""
         if self._dead:
             return
         self._dead = True
+        if self._keepalive is not None:
+            self._keepalive.stop()
         if self._input is not None:
             self._input.close()
         transport = self._transport
@@ -455,6 +480,8 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             self.gate.release(self.peer, self)
         if self._timer is not None:
             self._timer.cancel()
+        if self._keepalive is not None:
+            self._keepalive.stop()
         self.inner.connection_lost(exc)
         # what holds this protocol's methods, and is held by it (cycles), is let go: it all goes now
         self._input = None
