@@ -166,6 +166,7 @@ class App:
             "connections_open": self.grpc.connections,
             "refused_by_reason": self.grpc.refused,
             "reading": self.grpc.reading,
+            "keepalive": self.grpc.keepalive,
             "http2_path": "fast" if self.grpc.fast else "stock",
         }
 

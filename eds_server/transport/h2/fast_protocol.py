@@ -529,7 +529,12 @@ class FastProtocol(TransportReading, H2Protocol):
         self.processor = PingCheckingProcessor(self.handler, self.connection)
         limits = self.gate.limits
         keepalive = Keepalive(
-            limits.keepalive_time, limits.keepalive_timeout, self._ping, self._unanswered, lambda: self._input
+            limits.keepalive_time,
+            limits.keepalive_timeout,
+            self._ping,
+            self._unanswered,
+            lambda: self._input,
+            self.gate.keepalive,
         )
         self.processor.keepalive = self._keepalive = keepalive
         keepalive.start()

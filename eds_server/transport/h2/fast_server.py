@@ -112,6 +112,11 @@ class Server(grpclib.server.Server):
         return {"slices": reads.slices, "deferred": reads.deferred, "shed": reads.shed, "held_bytes": reads.held}
 
     @property
+    def keepalive(self) -> dict[str, int]:
+        """PINGs sent to clients (keepalive.py), and those answered."""
+        return self.gate.keepalive.as_dict()
+
+    @property
     def connections(self) -> int:
         return self.gate.connections
 

@@ -28,6 +28,19 @@ _PAYLOAD = struct.Struct(">Q")
 _COUNTER = itertools.count(1)  # payloads differ across connections and pings: no ACK is guessed from another
 
 
+class KeepaliveCounts:
+    """A server's PINGs sent and answered (`/v1/stats`: `keepalive`)."""
+
+    __slots__ = ("answered", "pings")
+
+    def __init__(self) -> None:
+        self.pings = 0
+        self.answered = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"pings": self.pings, "answered": self.answered}
+
+
 def _ignore(_: object) -> None:
     pass
 
@@ -40,7 +53,18 @@ class Keepalive:
     """One connection's keepalive. `send(payload)` writes a PING; `expire(why)` closes the
     connection; `queued()` is its metered input (or None), whose wait may put the expiry off."""
 
-    __slots__ = ("_deferral", "_handle", "_sent_at", "expire", "interval", "payload", "queued", "send", "timeout")
+    __slots__ = (
+        "_deferral",
+        "_handle",
+        "_sent_at",
+        "counts",
+        "expire",
+        "interval",
+        "payload",
+        "queued",
+        "send",
+        "timeout",
+    )
 
     def __init__(
         self,
@@ -49,7 +73,9 @@ class Keepalive:
         send: Callable[[bytes], None],
         expire: Callable[[str], None],
         queued: Callable[[], MeteredInput | None],
+        counts: KeepaliveCounts,
     ) -> None:
+        self.counts = counts
         self.interval = interval
         self.timeout = timeout
         self.send = send
@@ -79,6 +105,7 @@ class Keepalive:
         if self.payload is None or payload != self.payload:
             return False
         self.payload = None
+        self.counts.answered += 1
         if self._handle is not None:
             self._handle.cancel()
             loop = asyncio.get_running_loop()
@@ -91,6 +118,7 @@ class Keepalive:
         self._deferral.since = None  # a deferral of the last PING's expiry says nothing of this one
         self._sent_at = loop.time()
         self._handle = loop.call_later(self.timeout, self._due)
+        self.counts.pings += 1
         self.send(self.payload)
 
     def _due(self) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from ...ratelimit import Bucket
 from .fair import AddressCost, ReadScheduler
+from .keepalive import KeepaliveCounts
 
 log = logging.getLogger("eds_server.grpc")
 
@@ -203,6 +204,7 @@ class Gate:
     limits: ConnectionLimits
     peers: dict[str, PeerBudgets] = field(default_factory=dict)
     reads: ReadScheduler = field(default_factory=ReadScheduler)  # every connection's input, metered
+    keepalive: KeepaliveCounts = field(default_factory=KeepaliveCounts)  # PINGs sent and answered
     connections: int = 0
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     _prune_at: int = 0  # table size at which idle peers are forgotten next

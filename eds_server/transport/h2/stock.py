@@ -203,7 +203,12 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
         self._keepalive = Keepalive(
-            limits.keepalive_time, limits.keepalive_timeout, self._ping, self._unanswered, lambda: self._input
+            limits.keepalive_time,
+            limits.keepalive_timeout,
+            self._ping,
+            self._unanswered,
+            lambda: self._input,
+            self.gate.keepalive,
         )
         self._keepalive.start()
 
@@ -574,6 +579,11 @@ class StockServer(grpclib.server.Server):
         turn, connections shed over the watermark, and the bytes held unread now."""
         reads = self.gate.reads
         return {"slices": reads.slices, "deferred": reads.deferred, "shed": reads.shed, "held_bytes": reads.held}
+
+    @property
+    def keepalive(self) -> dict[str, int]:
+        """PINGs sent to clients (keepalive.py), and those answered."""
+        return self.gate.keepalive.as_dict()
 
     @property
     def connections(self) -> int:

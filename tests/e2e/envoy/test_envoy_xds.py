@@ -341,3 +341,29 @@ async def test_envoy_restart_converges_and_leaves_no_streams_behind(
         assert await second.version_text("web") == await envoy.version_text("web")
     # the second Envoy has gone: its streams are closed on the server
     await envoy.wait_for(lambda: server.admin("/v1/streams"), lambda s: len(s["streams"]) == before)
+
+
+@pytest.mark.parametrize("api", ["GRPC", "DELTA_GRPC"])
+async def test_envoy_answers_our_keepalive_and_keeps_its_one_connection(
+    api: ApiType, tmp_path: Path, backends: list[Backend]
+) -> None:
+    """eds-server's own keepalive (a PING every 300 ms here, closed unanswered after 300 ms) against
+    a real Envoy: Envoy echoes every PING, so its one connection to eds-server is never reset, and
+    its endpoints stay."""
+    path = tmp_path / "upstreams.yaml"
+    path.write_text(upstreams_yaml(backends[:2], backends[2:]))
+    async with EdsServerProcess(path, "--keepalive-time", "300ms", "--keepalive-timeout", "300ms") as server:
+        bootstrap = envoy_bootstrap(server.port, [EdsCluster("web", api_type=api)], free_port(), routes={"/": "web"})
+        async with EnvoyProcess(bootstrap) as envoy:
+            await envoy.wait_live()
+            for _ in range(40):  # bounded: until ten PINGs were answered (about 3 s), at most 20 s
+                keepalive = (await server.admin("/v1/stats"))["keepalive"]
+                if keepalive["answered"] >= 10:
+                    break
+                await asyncio.sleep(0.5)
+            stats = await server.admin("/v1/stats")
+            assert stats["keepalive"]["answered"] >= 10, stats["keepalive"]  # the floor: PINGs went, and came back
+            assert stats["refused_by_reason"]["keepalive"] == 0
+            connections = await envoy.stats("cluster.xds_cluster.upstream_cx_total")
+            assert connections["cluster.xds_cluster.upstream_cx_total"] == 1  # never reset, never reopened
+            assert await ports(envoy, "web") == {backends[0].port, backends[1].port}
