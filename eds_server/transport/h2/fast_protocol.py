@@ -460,7 +460,13 @@ class FastProtocol(TransportReading, H2Protocol):
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
 
     def awaiting(self) -> int:
-        return len(self.h2.awaiting) if self._peer_budgets is not None else 0
+        """Its streams awaiting a request, less those whose requests wait in the read
+        scheduler's queue (fair.MeteredInput.requests_for)."""
+        if self._peer_budgets is None:
+            return 0
+        awaiting = self.h2.awaiting
+        count = len(awaiting)
+        return count - self._input.requests_for(awaiting, count) if self._input is not None else count
 
     def memory(self) -> int:
         """Bytes it holds, as estimated (for the memory watermark's choice of whom to close)."""

@@ -106,7 +106,8 @@ class Holder(Protocol):
         """Bytes it holds, as estimated: unread input, unsent output, its streams (overload.py)."""
 
     def awaiting(self) -> int:
-        """Its streams opened that have sent no request yet (overload.py)."""
+        """Its streams opened that have sent no request yet, less those whose requests are
+        received and wait in the read scheduler's queue (overload.py)."""
 
 
 class PeerBudgets:

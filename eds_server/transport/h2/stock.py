@@ -157,7 +157,13 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
 
     def awaiting(self) -> int:
-        return len(self._ledger.awaiting) if self.peer is not None else 0
+        """Its streams awaiting a request, less those whose requests wait in the read
+        scheduler's queue (fair.MeteredInput.requests_for)."""
+        if self.peer is None:
+            return 0
+        awaiting = self._ledger.awaiting
+        count = len(awaiting)
+        return count - self._input.requests_for(awaiting, count) if self._input is not None else count
 
     def memory(self) -> int:
         if self._transport is None or self.peer is None:
