@@ -69,6 +69,7 @@ class GuardedH2Connection(H2Connection):
     def __init__(self, config: H2Configuration, peer: PeerBudgets, limits: ConnectionLimits) -> None:
         self._settings_credit = 1  # the client's first SETTINGS; one more per SETTINGS we send (its ACK)
         self.first = FirstWindow()  # the window the client knows it has (h2's __init__ sends no frame)
+        self.window_unknown = False  # first.unknown, read per DATA frame: one attribute, not two
         self.held_back = False  # the window the client knows is spent: its streams awaiting a request wait on it
         super().__init__(config=config)
         self.peer = peer
@@ -107,7 +108,9 @@ class GuardedH2Connection(H2Connection):
         once what it knows is spent, its streams awaiting a request are held back by flow control
         (not counted against the address's bound) until it has the raise and we have read what it
         sent by then (release_held)."""
-        if self.first.data(length) and not self.held_back:
+        spent = self.first.data(length)
+        self.window_unknown = self.first.unknown
+        if spent and not self.held_back:
             self.held_back = True
             self.peer.held_back += len(self.awaiting)
 
@@ -180,7 +183,7 @@ class GuardedH2Connection(H2Connection):
                 self._answered(sid)
                 if not frame.data and "END_STREAM" in frame.flags:
                     self._wasted("ended before its request")
-            if self.first.unknown:
+            if self.window_unknown:
                 self.spend(frame.flow_controlled_length)
             if frame.data or "END_STREAM" in frame.flags:
                 return
@@ -201,6 +204,7 @@ class GuardedH2Connection(H2Connection):
         elif isinstance(frame, SettingsFrame):
             if "ACK" in frame.flags:
                 self.first.ack()
+                self.window_unknown = self.first.unknown
             if self._settings_credit > 0:  # the first SETTINGS of a connection, or the ACK of ours
                 self._settings_credit -= 1
                 return
@@ -263,6 +267,7 @@ class GuardedH2Connection(H2Connection):
     def increment_flow_control_window(self, increment: int, stream_id: int | None = None) -> None:
         if not stream_id:
             self.first.raised()
+            self.window_unknown = self.first.unknown
         super().increment_flow_control_window(increment, stream_id)
 
     def send_headers(self, stream_id: int, *args: Any, **kwargs: Any) -> None:

@@ -138,7 +138,7 @@ class FastProtocol(TransportReading, H2Protocol):
             self._stall = asyncio.get_running_loop().call_later(
                 self.gate.limits.request_timeout, self._check_stall, self._guard.frames
             )
-        if h2.held_back and not h2.first.unknown and self._release is None:
+        if h2.held_back and not h2.window_unknown and self._release is None:
             self._release = asyncio.get_running_loop().call_soon(self._release_held)
         return not self._dead
 
@@ -386,7 +386,7 @@ class FastProtocol(TransportReading, H2Protocol):
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
                         self._direct_unacked += length
-                        if h2.first.unknown:
+                        if h2.window_unknown:
                             h2.spend(length)
                         self._active()
                         reader.take(view[pos + 9 : after])
