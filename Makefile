@@ -20,7 +20,7 @@ demo: $(STAMP)  ## eds-server + sample backends + a real Envoy, on this machine 
 	$(VENV)/bin/eds-server demo $(DEMO_ARGS)
 
 # The gRPC, Envoy, frame guard, admission and HTTP/2 attack tests: run again on the stock HTTP/2 path.
-STOCK_TESTS := tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py tests/hostile/test_memory.py tests/transport/h2/test_closed_connections.py
+STOCK_TESTS := tests/transport/test_grpc.py tests/transport/h2/test_guard.py tests/transport/h2/test_overload.py tests/transport/h2/test_admission.py tests/transport/h2/test_request_guard.py tests/e2e/envoy/test_envoy_xds.py tests/e2e/envoy/test_big_envoy.py tests/e2e/envoy/test_relay.py tests/e2e/envoy/test_workers.py tests/hostile/test_clients.py tests/hostile/test_full_table.py tests/hostile/test_memory.py tests/transport/h2/test_closed_connections.py tests/transport/h2/test_fleet_at_once.py
 
 test: $(STAMP)  ## the whole suite on both HTTP/2 paths, real Envoy included: in parallel, then the `alone` tests one at a time (scripts/test_suite.sh)
 	PY=$(PY) STOCK_TESTS="$(STOCK_TESTS)" scripts/test_suite.sh

@@ -30,7 +30,7 @@ from hyperframe.frame import (
 )
 
 from ...ratelimit import Bucket
-from .limits import BUDGET_WINDOW, ConnectionLimits, PeerBudgets
+from .limits import BUDGET_WINDOW, ConnectionLimits, FirstWindow, PeerBudgets
 
 WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
 OPEN_WINDOW = 65_535  # bytes of connection window left: the client could have sent its requests
@@ -68,6 +68,9 @@ class GuardedH2Connection(H2Connection):
 
     def __init__(self, config: H2Configuration, peer: PeerBudgets, limits: ConnectionLimits) -> None:
         self._settings_credit = 1  # the client's first SETTINGS; one more per SETTINGS we send (its ACK)
+        self.first = FirstWindow()  # the window the client knows it has (h2's __init__ sends no frame)
+        self.window_unknown = False  # first.unknown, read per DATA frame: one attribute, not two
+        self.held_back = False  # the window the client knows is spent: its streams awaiting a request wait on it
         super().__init__(config=config)
         self.peer = peer
         self.control = Bucket(limits.control_budget, BUDGET_WINDOW)
@@ -97,6 +100,26 @@ class GuardedH2Connection(H2Connection):
     def _answered(self, stream_id: int) -> None:
         self.awaiting.discard(stream_id)
         self.peer.pending -= 1
+        if self.held_back:
+            self.peer.held_back -= 1
+
+    def spend(self, length: int) -> None:
+        """`length` bytes of DATA received while the client may not know our raise of its window:
+        once what it knows is spent, its streams awaiting a request are held back by flow control
+        (not counted against the address's bound) until it has the raise and we have read what it
+        sent by then (release_held)."""
+        spent = self.first.data(length)
+        self.window_unknown = self.first.unknown
+        if spent and not self.held_back:
+            self.held_back = True
+            self.peer.held_back += len(self.awaiting)
+
+    def release_held(self) -> None:
+        """The client knows its window, and its input up to then is read: its streams awaiting a
+        request count again."""
+        if self.held_back:
+            self.held_back = False
+            self.peer.held_back -= len(self.awaiting)
 
     def timed_out(self, stream_id: int, timeout: float, defer: bool = False) -> None:
         """A stream that sent no request within `timeout`: counted, logged and charged."""
@@ -122,6 +145,7 @@ class GuardedH2Connection(H2Connection):
         """The connection is gone: its streams no longer await a request, and its hooks (bound to
         the protocol, which holds this connection: a cycle) are let go, so both go as it closes."""
         self.peer.pending -= len(self.awaiting)
+        self.release_held()
         self.awaiting.clear()
         self.held.clear()
         self.on_calm, self.on_active, self.on_shed = None, _nothing, _ignore
@@ -137,16 +161,19 @@ class GuardedH2Connection(H2Connection):
             if "END_STREAM" in frame.flags:
                 self._wasted("ended by its headers")
                 return
-            full = peer.pending >= peer.pending_room(self.pending_limit)
-            if full and self.inbound_flow_control_window >= OPEN_WINDOW:
+            full = peer.pending - peer.held_back >= peer.pending_room(self.pending_limit)
+            if full and not self.held_back and self.inbound_flow_control_window >= OPEN_WINDOW:
                 # Refused cheaply (RST_STREAM REFUSED_STREAM, no handler): a client that sends its
-                # requests never gets here, nor one whose requests wait for our flow control (a big
-                # Envoy's first requests, 60 KB each); one that opens streams and sends nothing pays.
+                # requests never gets here, nor one whose requests wait on flow control (a big
+                # Envoy's first requests, 60 KB each: the window it knows, or ours, is spent); one
+                # that opens streams and sends nothing pays.
                 self.refused.add(sid)
-                self._wasted(f"refused, {peer.pending} streams awaiting a request")
+                self._wasted(f"refused, {peer.pending - peer.held_back} streams awaiting a request")
             else:
                 self.awaiting.add(sid)
                 peer.pending += 1
+                if self.held_back:
+                    peer.held_back += 1
                 self.on_active()
             return
         if isinstance(frame, DataFrame):
@@ -156,13 +183,15 @@ class GuardedH2Connection(H2Connection):
                 self._answered(sid)
                 if not frame.data and "END_STREAM" in frame.flags:
                     self._wasted("ended before its request")
+            if self.window_unknown:
+                self.spend(frame.flow_controlled_length)
             if frame.data or "END_STREAM" in frame.flags:
                 return
             what = "control frames (empty DATA)"
         elif isinstance(frame, RstStreamFrame):
             if sid in self.awaiting:
                 self._answered(sid)
-                if self.inbound_flow_control_window >= OPEN_WINDOW:  # not a request our window held back
+                if not self.held_back and self.inbound_flow_control_window >= OPEN_WINDOW:  # not held back by a window
                     self._wasted("reset before its request")
             if not peer.resets.take():
                 raise Calm("over its budget of stream resets")
@@ -173,6 +202,9 @@ class GuardedH2Connection(H2Connection):
                 return
             what = "control frames (WINDOW_UPDATE)"
         elif isinstance(frame, SettingsFrame):
+            if "ACK" in frame.flags:
+                self.first.ack()
+                self.window_unknown = self.first.unknown
             if self._settings_credit > 0:  # the first SETTINGS of a connection, or the ACK of ours
                 self._settings_credit -= 1
                 return
@@ -224,11 +256,19 @@ class GuardedH2Connection(H2Connection):
 
     def initiate_connection(self) -> None:
         self._settings_credit += 1
+        self.first.settings()
         super().initiate_connection()
 
     def update_settings(self, new_settings: dict[SettingCodes | int, int]) -> None:
         self._settings_credit += 1
+        self.first.settings()
         super().update_settings(new_settings)
+
+    def increment_flow_control_window(self, increment: int, stream_id: int | None = None) -> None:
+        if not stream_id:
+            self.first.raised()
+            self.window_unknown = self.first.unknown
+        super().increment_flow_control_window(increment, stream_id)
 
     def send_headers(self, stream_id: int, *args: Any, **kwargs: Any) -> None:
         self._touched.add(stream_id)

@@ -105,6 +105,7 @@ class FastProtocol(TransportReading, H2Protocol):
     _opened_at_check = 0  # the highest stream id at the last idle check
     _dead = False  # closing after a protocol error or a refusal: input is ignored
     _sweep: asyncio.Handle | None = None  # for streams held without a request
+    _release: asyncio.Handle | None = None  # streams held back by the client's first window, counted again
 
     _held: bytes | bytearray = b""  # the start of a frame not yet complete, while frames are split here
     _direct_unacked = 0  # bytes of DATA read directly, not yet granted back to the client
@@ -137,7 +138,18 @@ class FastProtocol(TransportReading, H2Protocol):
             self._stall = asyncio.get_running_loop().call_later(
                 self.gate.limits.request_timeout, self._check_stall, self._guard.frames
             )
+        if h2.held_back and not h2.window_unknown and self._release is None:
+            self._release = asyncio.get_running_loop().call_soon(self._release_held)
         return not self._dead
+
+    def _release_held(self) -> None:
+        """The client has our raise of its window: its streams held back by the first one count
+        again once its input up to now is read (its requests may be right behind the ACK: the
+        slices after this one run once the read that brought them is done)."""
+        self._release = None
+        if self._dead or self._peer_budgets is None or (self._input is not None and self._input.queued):
+            return  # queued: the last slice of what waits asks again
+        self.h2.release_held()
 
     def _check_stall(self, frames: int) -> None:
         """A frame (or header block) begun when this was set, a request timeout ago: if no frame has
@@ -374,6 +386,8 @@ class FastProtocol(TransportReading, H2Protocol):
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
                         self._direct_unacked += length
+                        if h2.window_unknown:
+                            h2.spend(length)
                         self._active()
                         reader.take(view[pos + 9 : after])
                         if self._closed():  # by what the message led to: the rest is not read
@@ -460,7 +474,13 @@ class FastProtocol(TransportReading, H2Protocol):
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
 
     def awaiting(self) -> int:
-        return len(self.h2.awaiting) if self._peer_budgets is not None else 0
+        """Its streams awaiting a request, less those whose requests wait in the read
+        scheduler's queue (fair.MeteredInput.requests_for)."""
+        if self._peer_budgets is None:
+            return 0
+        awaiting = self.h2.awaiting
+        count = len(awaiting)
+        return count - self._input.requests_for(awaiting, count) if self._input is not None else count
 
     def memory(self) -> int:
         """Bytes it holds, as estimated (for the memory watermark's choice of whom to close)."""

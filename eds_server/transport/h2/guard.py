@@ -44,7 +44,7 @@ from hyperframe.frame import (
 )
 
 from ...ratelimit import Bucket
-from .limits import PartialBudget, PeerBudgets
+from .limits import FirstWindow, PartialBudget, PeerBudgets
 
 PREFACE_LENGTH = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": the client's, before its first frame
 END_HEADERS = 0x4
@@ -486,6 +486,9 @@ class StreamLedger:
         self.opened = 0  # streams opened, in all
         self._settings_credit = 1  # the client's first SETTINGS, then one ACK per SETTINGS we send
         self._window_credit = 100
+        self.first = FirstWindow()  # the window the client knows it has
+        # the window the client knows is spent: its streams awaiting a request wait on it (PeerBudgets.held_back)
+        self.held_back = False
 
     def received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         peer = self.peer
@@ -510,6 +513,9 @@ class StreamLedger:
             if self.awaiting and self._answered(sid) and not length and flags & END_STREAM:
                 self._end(sid, remote=True)
                 return self._wasted()
+            if self.first.unknown and self.first.data(length) and not self.held_back:
+                self.held_back = True
+                peer.held_back += len(self.awaiting)
             if flags & END_STREAM:
                 self._end(sid, remote=True)
             if length or flags & END_STREAM:
@@ -526,6 +532,8 @@ class StreamLedger:
                 return None
             what = "WINDOW_UPDATE"
         elif ftype == _SETTINGS:
+            if flags & ACK:
+                self.first.ack()
             if self._settings_credit > 0:
                 self._settings_credit -= 1
                 return None
@@ -551,6 +559,9 @@ class StreamLedger:
             self._end(sid, remote=False)
         elif ftype == _SETTINGS and not flags & ACK:
             self._settings_credit += 1
+            self.first.settings()
+        elif ftype == _WINDOW_UPDATE and not sid:
+            self.first.raised()
 
     def expired(self, timeout: float) -> list[int]:
         """Streams that have sent no request within `timeout`: forgotten here, and charged."""
@@ -584,17 +595,29 @@ class StreamLedger:
     def forget(self) -> None:
         """The connection is gone: its streams no longer await a request."""
         self.peer.pending -= len(self.awaiting)
+        self.release_held()
         self.awaiting.clear()
+
+    def release_held(self) -> None:
+        """The client knows its window, and its input up to then is read: its streams awaiting a
+        request count again against its address's bound."""
+        if self.held_back:
+            self.held_back = False
+            self.peer.held_back -= len(self.awaiting)
 
     def _await(self, sid: int) -> None:
         self.awaiting[sid] = self.clock()
         self.peer.pending += 1
+        if self.held_back:
+            self.peer.held_back += 1
 
     def _answered(self, sid: int) -> bool:
         """The stream no longer awaits its first request: whether it did."""
         if self.awaiting.pop(sid, None) is None:
             return False
         self.peer.pending -= 1
+        if self.held_back:
+            self.peer.held_back -= 1
         return True
 
     def charge_expired(self) -> Refusal | None:

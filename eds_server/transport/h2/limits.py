@@ -6,7 +6,8 @@ clusters opens thousands of streams at once, each sending its request straight a
 Envoys may share one address (a NAT, a Docker proxy); none of that costs a budget. What does:
 - streams that end, or are refused, or time out, without ever sending a request (stream churn,
   idle streams); an IP's streams awaiting their first request are bounded while its connection
-  has window to send them (a big Envoy's first requests may wait on our flow control: not charged);
+  has window to send them, as far as the client knows (a big Envoy's first requests may wait on
+  flow control: not charged; see FirstWindow);
 - stream resets, the client's and those h2 sends on its own (DATA after END_STREAM);
 - control frames that carry no work: PING, PRIORITY, empty DATA, unknown frame types, SETTINGS
   after the connection's first, WINDOW_UPDATEs not paid for by our DATA. A connection's first
@@ -36,6 +37,10 @@ RECOVERY = 0.1  # share of its stream budget an address that spent it must get b
 BUDGET_WINDOW = 10.0  # seconds: budgets are "N per 10 s", refilled continuously
 COST_FORGOTTEN = 0.001  # seconds of loop an address's cost has decayed to when it may be forgotten
 SMALL_MESSAGE = 256 * 1024  # bytes: a request this small is never refused for others' partial messages
+INITIAL_WINDOW = 65_535  # bytes: HTTP/2's connection window until the client has our WINDOW_UPDATE
+# bytes of that window left under which a client cannot send its next request: a connection's
+# streams awaiting one are held back by flow control (less than a default-size frame)
+SPENT_WINDOW = 16_384
 
 # Why a connection, stream or message was refused or shed: the label values of eds_refused_total.
 REASONS = (
@@ -106,13 +111,26 @@ class Holder(Protocol):
         """Bytes it holds, as estimated: unread input, unsent output, its streams (overload.py)."""
 
     def awaiting(self) -> int:
-        """Its streams opened that have sent no request yet (overload.py)."""
+        """Its streams opened that have sent no request yet, less those whose requests are
+        received and wait in the read scheduler's queue (overload.py)."""
 
 
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""
 
-    __slots__ = ("connections", "cost", "held", "ip", "partial", "pending", "resets", "spent", "throttled", "wasted")
+    __slots__ = (
+        "connections",
+        "cost",
+        "held",
+        "held_back",
+        "ip",
+        "partial",
+        "pending",
+        "resets",
+        "spent",
+        "throttled",
+        "wasted",
+    )
 
     def __init__(self, limits: ConnectionLimits, ip: str = "?") -> None:
         self.ip = ip
@@ -121,6 +139,7 @@ class PeerBudgets:
         self.held: dict[Holder, None] = {}
         self.partial = 0  # bytes of its messages being received
         self.pending = 0  # streams opened that have not sent a request yet
+        self.held_back = 0  # of those, on connections whose window the client knows is spent (FirstWindow)
         self.wasted = Bucket(limits.stream_budget, BUDGET_WINDOW)  # streams ended without a request
         self.spent = False  # it ran out of that budget, and not a tenth of it has come back since
         self.resets = Bucket(limits.reset_budget, BUDGET_WINDOW)
@@ -177,6 +196,52 @@ class PeerBudgets:
                 break
         assert first is not None, "idlest() of an address that holds no connection"
         return first
+
+
+class FirstWindow:
+    """What a connection's client knows of its window to send (RFC 9113 section 6.9): HTTP/2's
+    initial 65,535 bytes, until it has acknowledged a SETTINGS we sent after our WINDOW_UPDATE
+    raising it (frames are read in order), or sent more than it: it knew then.
+
+    Why: a client's first flight is 65,535 bytes of DATA at most (one 60 KB Envoy request) with
+    all its HEADERS (a hundred), whatever window we raised the connection to as it opened. Its
+    other streams wait on flow control, not because it sends nothing; judged by our own window
+    (4 MiB at once), a whole first flight counted as idle, and an address's connections opened
+    at once were refused. Only our first raise is followed: later WINDOW_UPDATEs give back what
+    was read, and are judged by our own window as before (an RTT in flight)."""
+
+    __slots__ = ("acks", "known_at", "left", "sent", "unknown")
+
+    def __init__(self) -> None:
+        self.left = INITIAL_WINDOW  # of the initial window, what the client has not used yet
+        self.unknown = False  # our raise is sent, the client may not know it yet
+        self.sent = 0  # SETTINGS frames we sent
+        self.acks = 0  # of those, acknowledged
+        self.known_at = 0  # the acknowledgement (counted) that says the client has our raise
+
+    def raised(self) -> None:
+        """Our WINDOW_UPDATE raising the connection's window is sent (the first only)."""
+        if not self.known_at:
+            self.unknown = True
+            self.known_at = self.sent + 1  # the SETTINGS sent next follows it
+
+    def settings(self) -> None:
+        """A SETTINGS frame of ours is sent."""
+        self.sent += 1
+
+    def ack(self) -> None:
+        """The client acknowledged a SETTINGS of ours."""
+        self.acks += 1
+        if self.unknown and self.acks >= self.known_at:
+            self.unknown = False
+
+    def data(self, length: int) -> bool:
+        """The client sent `length` bytes of DATA (while our raise is unknown): whether the
+        window it knows has less than SPENT_WINDOW left."""
+        left = self.left = self.left - length
+        if left < 0:  # more than the initial window: it had our raise
+            self.unknown = False
+        return self.unknown and left < SPENT_WINDOW
 
 
 class ThrottledLog:

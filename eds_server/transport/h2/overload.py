@@ -21,7 +21,10 @@ Streams opened that have sent no request yet are bounded server-wide the same wa
 stream (and on the stock path a handler) held for nothing, and thousands of fresh addresses each
 under their own bound held half a million of them (350 MB). Past AWAITING_WATERMARK the connection
 holding the most gives way (GOAWAY NO_ERROR), until the total is under it again; an Envoy sends its
-request with its stream, so it holds few.
+request with its stream, so it holds few. A stream whose request is received and waits in the
+read scheduler's queue (a DATA frame of it among the first SCAN_FRAMES frames queued) is not
+counted: a fleet connecting at once has each fresh connection's HEADERS read before the megabytes
+of requests queued behind earlier ones. A flood of HEADERS queues more HEADERS: its streams count.
 
 Each action is logged and counted as `overload` with the address it hit. Sans-IO: the clock is the
 caller's (App.start checks every CHECK_INTERVAL), the resident size comes from a function.
@@ -146,10 +149,10 @@ class MemoryWatermark:
         """Past the watermark of streams awaiting a request, the connections holding the most of
         them give way, the heaviest first, until the total is under it."""
         peers = self.gate.peers.values()
-        total = sum(p.pending for p in peers)
-        if total <= self.awaiting_watermark:
+        if sum(p.pending for p in peers) <= self.awaiting_watermark:
             return
         holders = sorted(((h.awaiting(), peer, h) for peer in peers for h in peer.held), key=lambda x: -x[0])
+        total = sum(held for held, _, _ in holders)  # less those whose requests may wait in our queue
         for held, peer, holder in holders:
             if total <= self.awaiting_watermark or not held:
                 break

@@ -148,6 +148,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._input: MeteredInput | None = None
         self._deferral = Deferral()
         self._keepalive: Keepalive | None = None
+        self._release: asyncio.Handle | None = None  # streams held back by the client's first window, counted again
 
     # the gate's view (limits.Holder)
     def busy(self) -> bool:
@@ -157,7 +158,13 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
 
     def awaiting(self) -> int:
-        return len(self._ledger.awaiting) if self.peer is not None else 0
+        """Its streams awaiting a request, less those whose requests wait in the read
+        scheduler's queue (fair.MeteredInput.requests_for)."""
+        if self.peer is None:
+            return 0
+        awaiting = self._ledger.awaiting
+        count = len(awaiting)
+        return count - self._input.requests_for(awaiting, count) if self._input is not None else count
 
     def memory(self) -> int:
         if self._transport is None or self.peer is None:
@@ -306,8 +313,10 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
                 return self._refuse_stream(sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", why)
             peer = self.peer
             bound = min(self.gate.limits.pending_streams, STOCK_PENDING_STREAMS)
-            if peer is not None and peer.pending > (most := peer.pending_room(bound)):
-                why = f"{peer.pending - 1} of its streams await a request (limit {most})"
+            # this stream is counted already; those held back by the client's first window are not
+            counted = peer.pending - peer.held_back if peer is not None else 0
+            if peer is not None and not self._ledger.held_back and counted > (most := peer.pending_room(bound)):
+                why = f"{counted - 1} of its streams await a request (limit {most})"
                 return self._refuse_stream(sid, ErrorCodes.REFUSED_STREAM, "pending_streams", why)
         elif self._ledger.receiving(sid):  # trailers; HEADERS on a stream ended or closed are h2's to refuse
             why = problem(fields, request=False)
@@ -369,7 +378,18 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             guard.dropped_data = 0
         if passed:
             self.inner.data_received(cast(bytes, passed))
+        ledger = self._ledger
+        if ledger.held_back and not ledger.first.unknown and self._release is None and not self._dead:
+            self._release = asyncio.get_running_loop().call_soon(self._release_held)
         return not self._dead
+
+    def _release_held(self) -> None:
+        """The client has our raise of its window: its streams held back by the first one count
+        again once its input up to now is read (its requests may be right behind the ACK)."""
+        self._release = None
+        if self._dead or self.peer is None or (self._input is not None and self._input.queued):
+            return  # queued: the last slice of what waits asks again
+        self._ledger.release_held()
 
     # the read scheduler's view of the connection (fair.Reader): pause and resume from TransportReading
     def overloaded(self, why: str) -> None:

@@ -255,3 +255,23 @@ def test_a_check_waits_only_for_input_that_arrived_before_it_was_due() -> None:
     assert not begun.input.queued and begun.input.held == 5
     assert begun.input.waited() == 0.0 and not Deferral().holds(begun.input, now=60.0)
     assert not Deferral().holds(None, now=60.0)
+
+
+def test_the_requests_waiting_in_the_queue_are_found_and_headers_alone_are_not() -> None:
+    """What the watermark of streams awaiting a request asks of a connection's queue: of its streams
+    opened, which have DATA waiting there (their requests are received; the wait is ours). A
+    burst of HEADERS queues HEADERS: none is found. The look is bounded in frames."""
+    scheduler, clock, _ = setup(turn_budget=1e-9)
+    conn = Conn(scheduler, clock, AddressCost())
+    requests = b"".join(frame(DATA, 0, 2 * i + 1, b"\x00\x00\x00\x00\x10" + b"r" * 16) for i in range(100))
+    conn.input.feed(headers(100) + requests)
+    opened = set(range(1, 2 * SLICE_FRAMES, 2))  # the first slice's streams
+    assert conn.input.queued and [f.stream_id for f in split(conn.got[0])[0]] == sorted(opened)
+    assert conn.input.requests_for(opened, len(opened)) == len(opened)
+    behind = 100 - SLICE_FRAMES  # HEADERS still queued before the requests
+    assert conn.input.requests_for(opened, len(opened), most=behind) == 0  # HEADERS only in reach
+    assert conn.input.requests_for(opened, len(opened), most=behind + 10) == 10
+    flood = Conn(scheduler, clock, AddressCost())
+    flood.input.feed(headers(1000))
+    assert flood.input.queued and flood.input.requests_for(opened, len(opened)) == 0
+    assert Conn(scheduler, clock, AddressCost()).input.requests_for(opened, len(opened)) == 0  # nothing queued

@@ -25,7 +25,7 @@ from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, Discovery
 from eds_server.pb.grpc.health.v1 import HealthCheckRequest, HealthStub
 from eds_server.store import Store
 from eds_server.transport.h2.fast_connection import GuardedH2Connection
-from eds_server.transport.h2.limits import ConnectionLimits, PeerBudgets
+from eds_server.transport.h2.limits import INITIAL_WINDOW, SPENT_WINDOW, ConnectionLimits, FirstWindow, PeerBudgets
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import fetch_web, serving
 from tests.support.h2frames import PREFACE, read_frames
@@ -335,3 +335,28 @@ def test_a_spent_stream_budget_shrinks_what_an_address_may_open(monkeypatch: pyt
     assert not peer.may_open()
     now[0] += 0.5  # ten, a tenth
     assert peer.may_open() and peer.pending_room(16_384) == 1_638
+
+
+def test_the_window_a_client_knows_is_the_initial_one_until_it_acknowledges_settings_sent_after_our_raise() -> None:
+    """Our SETTINGS, our WINDOW_UPDATE raising the connection's window, our second SETTINGS (as
+    grpclib and the fast path open a connection): the client knows the raise once it has
+    acknowledged the second; until then what it may send is the initial 65,535 bytes, and once
+    less than SPENT_WINDOW of it is left, its waiting streams wait on flow control."""
+    first = FirstWindow()
+    first.settings()
+    first.raised()
+    first.settings()
+    first.raised()  # a later WINDOW_UPDATE (data read, given back) is not followed
+    assert first.unknown
+    assert not first.data(INITIAL_WINDOW - SPENT_WINDOW)  # SPENT_WINDOW left: it could send a request
+    assert first.data(1)
+    first.ack()
+    assert first.unknown  # the first SETTINGS went before the raise
+    first.ack()
+    assert not first.unknown
+    other = FirstWindow()
+    other.settings()
+    other.raised()  # no SETTINGS after it: known once the client sends more than the initial window
+    assert other.data(INITIAL_WINDOW)
+    assert not other.data(1) and not other.unknown
+    assert not FirstWindow().unknown  # never raised: our own window is what it knows
