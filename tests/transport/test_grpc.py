@@ -287,6 +287,59 @@ async def test_a_ping_ack_that_does_not_echo_ours_is_no_answer() -> None:
         await server.wait_closed()
 
 
+async def test_a_client_busy_sending_requests_is_alive_though_its_answer_is_late() -> None:
+    """A client's PING ACK may wait in its own output behind megabytes of its requests (a fleet's
+    first flights): requests received since the PING count as alive, and the next PING asks again.
+    Once it sends nothing more, the unanswered PING closes it. The client here never reads, so it
+    answers no PING: only its requests (new streams, each with a request) keep it."""
+    import socket
+
+    import h2.config
+    import h2.connection
+
+    store = Store(encode_group)  # no source loaded: nothing is sent on the streams
+    server = make_server(
+        EdsService(store),
+        max_streams_per_connection=100,
+        keepalive_time=0.2,
+        keepalive_timeout=0.3,
+        max_message_size=1 << 20,
+        http2=os.environ.get("EDS_HTTP2", "auto"),
+    )
+    await server.start("127.0.0.1", 0)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", STREAM),
+        (":authority", "test"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    body = bytes(first("web"))
+    sock = socket.socket()
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
+        for n in range(20):  # bounded: a stream with its request every 0.1 s, 2 s in all
+            sid = 1 + 2 * n
+            conn.send_headers(sid, headers)
+            conn.send_data(sid, b"\x00" + len(body).to_bytes(4, "big") + body)
+            await loop.sock_sendall(sock, conn.data_to_send())
+            await asyncio.sleep(0.1)
+        counts = server.keepalive  # type: ignore[attr-defined]  # both paths' servers count them
+        assert server.connections == 1 and server.refused["keepalive"] == 0, counts
+        assert counts["busy"] >= 3 and counts["answered"] == 0, counts  # the floor: PINGs went unanswered
+        await wait_for(lambda: server.connections == 0, what="closed once it sends nothing more")
+        assert server.refused["keepalive"] == 1
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_keepalive_waits_for_an_answer_held_in_our_own_read_queue() -> None:
     """A PING ACK that arrived in time but waits in the server's own read queue (a fleet's first
     requests ahead of it) is the server's wait, not the client's: the connection stays, and the

@@ -182,6 +182,7 @@ class MeteredInput:
         "process",
         "queued",
         "reader",
+        "received",
         "scheduler",
         "waiting",
     )
@@ -203,6 +204,7 @@ class MeteredInput:
         # (None while nothing is held: a deque is 760 bytes, and most connections hold nothing)
         self._arrivals: deque[tuple[int, float]] | None = None
         self._in = 0  # bytes ever held
+        self.received = 0  # bytes ever fed
         self._out = 0  # of those, bytes handed on
 
     @property
@@ -214,6 +216,7 @@ class MeteredInput:
         """New input from the transport: what may run now runs, the rest is held (and queued)."""
         if self.dead:
             return
+        self.received += len(data)
         scheduler = self.scheduler
         arrived = scheduler.clock()
         if not self.held and not self.queued and scheduler.may_run(self, len(data)):

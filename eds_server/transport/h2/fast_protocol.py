@@ -420,7 +420,10 @@ class FastProtocol(TransportReading, H2Protocol):
             self.connection.flush()
 
     def _unanswered(self, why: str) -> None:
-        """Our keepalive's PING went unanswered: the client is gone, or never reads."""
+        """Our keepalive's PING went unanswered: the client is gone, or never reads (or reads too
+        slowly: what of ours it has not taken is said)."""
+        if self._transport is not None:
+            why += f", {self._transport.get_write_buffer_size()} bytes of ours unsent"
         if not self._dead and self._peer_budgets is not None:
             self.gate.shed("keepalive", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
             self._goaway(ErrorCodes.NO_ERROR, why, "Keepalive")
@@ -554,6 +557,7 @@ class FastProtocol(TransportReading, H2Protocol):
             self._ping,
             self._unanswered,
             lambda: self._input,
+            lambda: self._guard.requests,
             self.gate.keepalive,
         )
         self.processor.keepalive = self._keepalive = keepalive

@@ -98,6 +98,7 @@ class FrameGuard:
         "on_frame",
         "on_small",
         "refusal",
+        "requests",
     )
 
     def __init__(
@@ -121,6 +122,9 @@ class FrameGuard:
         self.refusal: Refusal | None = None  # once refused, every later feed is too
         self._preface = PREFACE_LENGTH if server else 0
         self.frames = 0  # frame headers read: a frame begun and not complete at two checks is drip-fed
+        # bytes of DATA, HEADERS and CONTINUATION frames read (what a client sends while it is busy
+        # sending requests: keepalive.py counts it as alive; control frames cost nothing to send blind)
+        self.requests = 0
         self._head = b""  # the start of a frame header split across reads
         self._left = 0  # bytes of the current frame's payload still to come
         self._dropping = False  # the current frame is left out
@@ -210,6 +214,8 @@ class FrameGuard:
             self.frames += 1
             length = int.from_bytes(header[:3], "big")
             ftype = header[3]
+            if ftype <= 1 or ftype == _CONTINUATION:  # DATA (0), HEADERS (1), CONTINUATION
+                self.requests += length
             refusal = self._check(length, ftype, header[4])
             sid = -1
             if refusal is None and self.on_frame is not None and ftype in FRAMES:

@@ -1,19 +1,23 @@
 """The gRPC port's keepalive, one mechanism for both HTTP/2 paths: a PING every `interval`, and
-the connection closed when no PING ACK echoing its payload comes within `timeout`.
+the connection closed when no PING ACK echoing its payload comes within `timeout`, unless the client
+was plainly alive meanwhile.
 
 Why ours and not grpclib's: grpclib's timer closes the connection `timeout` after the PING
-whatever became of the answer, silently. But the answer may have arrived and wait in the server's
-own read queue (fair.py): a fleet of Envoys connecting at once sends megabytes of first requests,
-each connection's PING ACK behind its own, and grpclib reset those connections at 100,000 streams
-with nothing in the log. Here the expiry is put off while input received before it was due still
-waits in our queue (fair.Deferral, as the request deadlines are), and a connection closed for it is
-counted and logged (`keepalive`).
+whatever became of the answer, silently. At 100,000 streams it reset a fleet's connections with
+nothing in the log, for two reasons a client is not to blame for:
+- the answer arrived but waits in the server's own read queue (fair.py), behind the client's
+  first requests: the expiry is put off while input received before it was due still waits there
+  (fair.Deferral, as the request deadlines are);
+- the answer waits in the client's own output, behind megabytes of its first requests (measured:
+  0.3-3.6 MB received from such a client between the PING and its expiry): a client that sent
+  requests since the PING (bytes of DATA, HEADERS or CONTINUATION frames) is alive, and the next
+  PING asks again, as gRPC core and grpc-go count any data received as an answer.
+A connection closed for it is counted and logged (`keepalive`), with what was received since.
 
-What it keeps: only an ACK that echoes the payload answers (a client that never reads cannot
-answer a PING it never saw); mere input does not count as alive, unlike grpc-go and gRPC core,
-which is what lets a client that never reads be closed here, whatever it sends. A client that
-floods keeps its input queued, and that puts the expiry off only as long as the queue takes to
-reach what it had sent by the deadline."""
+What it keeps: only requests count, not control frames, and only an ACK that echoes the payload
+answers: a client that never reads cannot answer a PING it never saw, and PING ACKs or other
+control frames sent blind keep nothing open. A client that never reads but sends requests is
+held to its budgets as it sends them, and its streams to the send timeout."""
 
 from __future__ import annotations
 
@@ -31,14 +35,15 @@ _COUNTER = itertools.count(1)  # payloads differ across connections and pings: n
 class KeepaliveCounts:
     """A server's PINGs sent and answered (`/v1/stats`: `keepalive`)."""
 
-    __slots__ = ("answered", "pings")
+    __slots__ = ("answered", "busy", "pings")
 
     def __init__(self) -> None:
         self.pings = 0
         self.answered = 0
+        self.busy = 0  # unanswered, but the client was sending requests: asked again
 
     def as_dict(self) -> dict[str, int]:
-        return {"pings": self.pings, "answered": self.answered}
+        return {"pings": self.pings, "answered": self.answered, "busy": self.busy}
 
 
 def _ignore(_: object) -> None:
@@ -49,19 +54,27 @@ def _no_input() -> MeteredInput | None:
     return None
 
 
+def _nothing_sent() -> int:
+    return 0
+
+
 class Keepalive:
     """One connection's keepalive. `send(payload)` writes a PING; `expire(why)` closes the
-    connection; `queued()` is its metered input (or None), whose wait may put the expiry off."""
+    connection; `queued()` is its metered input (or None), whose wait may put the expiry off;
+    `requests()` counts the bytes of requests the client has sent (FrameGuard.requests)."""
 
     __slots__ = (
         "_deferral",
         "_handle",
+        "_received",
+        "_requests",
         "_sent_at",
         "counts",
         "expire",
         "interval",
         "payload",
         "queued",
+        "requests",
         "send",
         "timeout",
     )
@@ -73,8 +86,10 @@ class Keepalive:
         send: Callable[[bytes], None],
         expire: Callable[[str], None],
         queued: Callable[[], MeteredInput | None],
+        requests: Callable[[], int],
         counts: KeepaliveCounts,
     ) -> None:
+        self.requests = requests
         self.counts = counts
         self.interval = interval
         self.timeout = timeout
@@ -83,6 +98,8 @@ class Keepalive:
         self.queued = queued
         self.payload: bytes | None = None  # of the PING awaiting its ACK
         self._sent_at = 0.0
+        self._received = 0  # bytes received from the client before the PING
+        self._requests = 0  # of them, bytes of requests
         self._handle: asyncio.TimerHandle | None = None
         self._deferral = Deferral()
 
@@ -98,6 +115,7 @@ class Keepalive:
         self.payload = None
         self.send = self.expire = _ignore
         self.queued = _no_input
+        self.requests = _nothing_sent
 
     def answered(self, payload: bytes) -> bool:
         """A PING ACK carrying `payload`: True if it answers ours (then the next PING is due an
@@ -116,6 +134,9 @@ class Keepalive:
         loop = asyncio.get_running_loop()
         self.payload = _PAYLOAD.pack(next(_COUNTER))
         self._deferral.since = None  # a deferral of the last PING's expiry says nothing of this one
+        metered = self.queued()
+        self._received = metered.received if metered is not None else 0
+        self._requests = self.requests()
         self._sent_at = loop.time()
         self._handle = loop.call_later(self.timeout, self._due)
         self.counts.pings += 1
@@ -127,6 +148,12 @@ class Keepalive:
         if self._deferral.holds(self.queued(), loop.time()):
             self._handle = loop.call_later(HELD_RECHECK, self._due)
             return
+        if self.requests() > self._requests:  # its answer may wait behind its own requests
+            self.counts.busy += 1
+            self._handle = loop.call_later(max(0.0, self._sent_at + self.interval - loop.time()), self._ping)
+            return
         self._handle = None
         self.payload = None
-        self.expire(f"no answer to a PING within {self.timeout:g}s")
+        metered = self.queued()
+        since = metered.received - self._received if metered is not None else 0
+        self.expire(f"no answer to a PING within {self.timeout:g}s ({since} bytes received since)")

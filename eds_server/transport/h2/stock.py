@@ -215,6 +215,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             self._ping,
             self._unanswered,
             lambda: self._input,
+            lambda: self._guard.requests,
             self.gate.keepalive,
         )
         self._keepalive.start()
@@ -463,7 +464,10 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             self._tap.inject(PingFrame(0, opaque_data=payload).serialize())
 
     def _unanswered(self, why: str) -> None:
-        """Our keepalive's PING went unanswered: the client is gone, or never reads."""
+        """Our keepalive's PING went unanswered: the client is gone, or never reads (or reads too
+        slowly: what of ours it has not taken is said)."""
+        if self._transport is not None:
+            why += f", {self._transport.get_write_buffer_size()} bytes of ours unsent"
         if not self._dead:
             self.gate.shed("keepalive", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
             self._goaway(ErrorCodes.NO_ERROR, why)
