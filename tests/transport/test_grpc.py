@@ -440,6 +440,70 @@ async def test_keepalive_closes_a_connection_that_never_reads() -> None:
         await server.wait_closed()
 
 
+async def test_a_client_taking_our_output_slowly_is_alive_though_its_answer_is_late() -> None:
+    """A client busy elsewhere reads slowly: our PING waits in our own output behind a big
+    response, so its answer is late. That it takes some of that output between the PING and the
+    expiry says it reads, and it is asked again; once it stops reading, the PING goes unanswered
+    and the connection is closed. The client here reads raw bytes and answers no PING."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    from h2.settings import SettingCodes
+
+    store = Store(encode_group)
+    store.add_source(SOURCE)
+    store.update(SOURCE, {"web": group("web", *range(1000, 9000))})  # a response of about 200 KB
+    service = EdsService(store, send_timeout=300)  # so only keepalive can end it within the test
+    server = make_server(
+        service,
+        max_streams_per_connection=10,
+        keepalive_time=0.2,
+        keepalive_timeout=0.3,
+        max_message_size=1 << 20,
+        http2=os.environ.get("EDS_HTTP2", "auto"),
+    )
+    await server.start("127.0.0.1", 0)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})  # flow control never stops the server
+    conn.increment_flow_control_window(1 << 24)
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", STREAM),
+        (":authority", "test"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    conn.send_headers(1, headers)
+    body = bytes(first("web"))
+    conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    loop = asyncio.get_running_loop()
+    try:
+        sock.connect(("127.0.0.1", server.port))
+        sock.setblocking(False)
+        await loop.sock_sendall(sock, conn.data_to_send())
+        await wait_for(lambda: service.open_streams == 1, what="the stream open")
+        taken = 0
+        for _ in range(20):  # bounded: 2 s of reading 2 KB every 0.1 s, ten keepalive periods
+            await asyncio.sleep(0.1)
+            with contextlib.suppress(BlockingIOError):
+                taken += len(sock.recv(2048))
+        counts = server.keepalive  # type: ignore[attr-defined]  # both paths' servers count them
+        assert taken < 150_000  # the floor: the response was still being taken, not all read
+        assert server.connections == 1 and server.refused["keepalive"] == 0, counts
+        assert counts["busy"] >= 3 and counts["answered"] == 0, counts
+        await wait_for(lambda: server.connections == 0, what="closed once it stops reading")
+        assert server.refused["keepalive"] == 1 and service.counters.dropped == 0
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -40,7 +40,7 @@ from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
 from .headers import request_problem, trailers_problem
-from .keepalive import Keepalive
+from .keepalive import Keepalive, unsent
 from .limits import Gate, PeerBudgets
 from .overload import STREAM_MEMORY
 
@@ -419,11 +419,13 @@ class FastProtocol(TransportReading, H2Protocol):
             self.h2.ping(payload)
             self.connection.flush()
 
+    def _unsent(self) -> int:
+        return unsent(self._transport)
+
     def _unanswered(self, why: str) -> None:
         """Our keepalive's PING went unanswered: the client is gone, or never reads (or reads too
         slowly: what of ours it has not taken is said)."""
-        if self._transport is not None:
-            why += f", {self._transport.get_write_buffer_size()} bytes of ours unsent"
+        why += f", {self._unsent()} bytes of ours unsent"
         if not self._dead and self._peer_budgets is not None:
             self.gate.shed("keepalive", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
             self._goaway(ErrorCodes.NO_ERROR, why, "Keepalive")
@@ -475,6 +477,9 @@ class FastProtocol(TransportReading, H2Protocol):
         """Closed by the gate to make room for another connection (its slot is released already)."""
         if not self._dead:
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
+
+    def held_back(self) -> bool:
+        return self._peer_budgets is not None and self.h2.held_back
 
     def awaiting(self) -> int:
         """Its streams awaiting a request, less those whose requests wait in the read
@@ -558,6 +563,7 @@ class FastProtocol(TransportReading, H2Protocol):
             self._unanswered,
             lambda: self._input,
             lambda: self._guard.requests,
+            self._unsent,
             self.gate.keepalive,
         )
         self.processor.keepalive = self._keepalive = keepalive

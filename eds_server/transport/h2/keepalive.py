@@ -4,14 +4,18 @@ was plainly alive meanwhile.
 
 Why ours and not grpclib's: grpclib's timer closes the connection `timeout` after the PING
 whatever became of the answer, silently. At 100,000 streams it reset a fleet's connections with
-nothing in the log, for two reasons a client is not to blame for:
+nothing in the log, for reasons a client is not to blame for:
 - the answer arrived but waits in the server's own read queue (fair.py), behind the client's
   first requests: the expiry is put off while input received before it was due still waits there
   (fair.Deferral, as the request deadlines are);
 - the answer waits in the client's own output, behind megabytes of its first requests (measured:
   0.3-3.6 MB received from such a client between the PING and its expiry): a client that sent
   requests since the PING (bytes of DATA, HEADERS or CONTINUATION frames) is alive, and the next
-  PING asks again, as gRPC core and grpc-go count any data received as an answer.
+  PING asks again, as gRPC core and grpc-go count any data received as an answer;
+- the PING waits in our own output, behind responses a client busy elsewhere reads slowly
+  (measured: 70-200 KB of ours unsent at the expiry, nothing received): a client that took some of
+  it since the PING (what we hold unsent is less than when the PING was written) is reading, and is
+  asked again. One that takes nothing is closed, whether it is gone or never reads.
 A connection closed for it is counted and logged (`keepalive`), with what was received since.
 
 What it keeps: only requests count, not control frames, and only an ACK that echoes the payload
@@ -21,9 +25,13 @@ held to its budgets as it sends them, and its streams to the send timeout."""
 
 from __future__ import annotations
 
+import array
 import asyncio
+import contextlib
+import fcntl
 import itertools
 import struct
+import termios
 from collections.abc import Callable
 
 from .fair import HELD_RECHECK, Deferral, MeteredInput
@@ -44,6 +52,22 @@ class KeepaliveCounts:
 
     def as_dict(self) -> dict[str, int]:
         return {"pings": self.pings, "answered": self.answered, "busy": self.busy}
+
+
+def unsent(transport: asyncio.Transport | None) -> int:
+    """Bytes written to `transport` that its client has not taken: what the transport holds, and
+    what the kernel holds in the socket's send queue (Linux's SIOCOUTQ, the same number as
+    TIOCOUTQ), where a loopback connection keeps megabytes."""
+    if transport is None:
+        return 0
+    held = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        out = array.array("i", [0])
+        with contextlib.suppress(OSError, ValueError):
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, out, True)
+            held += out[0]
+    return held
 
 
 def _ignore(_: object) -> None:
@@ -69,6 +93,7 @@ class Keepalive:
         "_received",
         "_requests",
         "_sent_at",
+        "_unsent",
         "counts",
         "expire",
         "interval",
@@ -77,6 +102,7 @@ class Keepalive:
         "requests",
         "send",
         "timeout",
+        "unsent",
     )
 
     def __init__(
@@ -87,9 +113,11 @@ class Keepalive:
         expire: Callable[[str], None],
         queued: Callable[[], MeteredInput | None],
         requests: Callable[[], int],
+        unsent: Callable[[], int],
         counts: KeepaliveCounts,
     ) -> None:
         self.requests = requests
+        self.unsent = unsent
         self.counts = counts
         self.interval = interval
         self.timeout = timeout
@@ -100,6 +128,7 @@ class Keepalive:
         self._sent_at = 0.0
         self._received = 0  # bytes received from the client before the PING
         self._requests = 0  # of them, bytes of requests
+        self._unsent = 0  # bytes of ours the client had not taken when the PING was written
         self._handle: asyncio.TimerHandle | None = None
         self._deferral = Deferral()
 
@@ -115,7 +144,7 @@ class Keepalive:
         self.payload = None
         self.send = self.expire = _ignore
         self.queued = _no_input
-        self.requests = _nothing_sent
+        self.requests = self.unsent = _nothing_sent
 
     def answered(self, payload: bytes) -> bool:
         """A PING ACK carrying `payload`: True if it answers ours (then the next PING is due an
@@ -137,6 +166,7 @@ class Keepalive:
         metered = self.queued()
         self._received = metered.received if metered is not None else 0
         self._requests = self.requests()
+        self._unsent = self.unsent()
         self._sent_at = loop.time()
         self._handle = loop.call_later(self.timeout, self._due)
         self.counts.pings += 1
@@ -148,7 +178,8 @@ class Keepalive:
         if self._deferral.holds(self.queued(), loop.time()):
             self._handle = loop.call_later(HELD_RECHECK, self._due)
             return
-        if self.requests() > self._requests:  # its answer may wait behind its own requests
+        # its answer may wait behind its own requests, or the PING behind our output it is taking
+        if self.requests() > self._requests or self.unsent() < self._unsent:
             self.counts.busy += 1
             self._handle = loop.call_later(max(0.0, self._sent_at + self.interval - loop.time()), self._ping)
             return

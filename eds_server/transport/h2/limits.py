@@ -114,6 +114,10 @@ class Holder(Protocol):
         """Its streams opened that have sent no request yet, less those whose requests are
         received and wait in the read scheduler's queue (overload.py)."""
 
+    def held_back(self) -> bool:
+        """Whether those streams wait on a window the client does not know it has yet
+        (PeerBudgets.held_back): their requests come once it does."""
+
 
 class PeerBudgets:
     """One client IP's connections and budgets, shared by all its connections."""

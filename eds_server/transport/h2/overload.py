@@ -44,6 +44,12 @@ STREAM_MEMORY = 16 * 1024  # bytes a stream holds, as estimated (the bench measu
 # streams awaiting their first request, server-wide: two addresses' worth of the per-address bound
 # (16,384), where an Envoy's streams carry their request from the start
 AWAITING_WATERMARK = 32_768
+# and, apart, those waiting on a window the client does not know it has yet (it spent HTTP/2's first
+# 65,535 bytes, one Envoy request, and has not had our larger window): a fleet of 1,000 Envoys
+# connecting at once to a worker holds ~100 a connection until its requests come, 50,000 a worker
+# at 100,000 streams on two. On the fast path such a stream is an h2 stream alone, ~700 bytes (half
+# a million held 350 MB): 131,072 are ~90 MB. A flood of HEADERS alone never counts here
+HELD_BACK_WATERMARK = 131_072
 LAG_WATERMARK = 1.0  # seconds a check came late: the loop was held that long
 LAG_SHARE = 0.5  # of the addresses' recent cost of the loop, taken by one, for it to be the one refused
 
@@ -82,11 +88,17 @@ class MemoryWatermark:
     """One server's watermark (see the module's docstring)."""
 
     def __init__(
-        self, gate: Gate, limit: int, rss: Callable[[], int] = process_rss, awaiting_watermark: int = AWAITING_WATERMARK
+        self,
+        gate: Gate,
+        limit: int,
+        rss: Callable[[], int] = process_rss,
+        awaiting_watermark: int = AWAITING_WATERMARK,
+        held_back_watermark: int = HELD_BACK_WATERMARK,
     ) -> None:
         self.gate = gate
         self.limit = limit
         self.awaiting_watermark = awaiting_watermark
+        self.held_back_watermark = held_back_watermark
         self.rss = rss
         self.throttled: PeerBudgets | None = None
         # what it did: addresses refused new streams, connections closed
@@ -146,19 +158,30 @@ class MemoryWatermark:
             self.gate.shed("overload", peer.ip, f"refusing its new streams: {why}")
 
     def _streams(self) -> None:
-        """Past the watermark of streams awaiting a request, the connections holding the most of
-        them give way, the heaviest first, until the total is under it."""
+        """Past the watermark of streams awaiting a request (or that of those held back by the
+        client's first window), the connections holding the most of them give way, the heaviest
+        first, until the total is under it."""
         peers = self.gate.peers.values()
-        if sum(p.pending for p in peers) <= self.awaiting_watermark:
+        back = sum(p.held_back for p in peers)
+        if sum(p.pending for p in peers) - back <= self.awaiting_watermark and back <= self.held_back_watermark:
             return
-        holders = sorted(((h.awaiting(), peer, h) for peer in peers for h in peer.held), key=lambda x: -x[0])
-        total = sum(held for held, _, _ in holders)  # less those whose requests may wait in our queue
-        for held, peer, holder in holders:
-            if total <= self.awaiting_watermark or not held:
+        holders = sorted(
+            ((h.awaiting(), h.held_back(), peer, h) for peer in peers for h in peer.held), key=lambda x: -x[0]
+        )
+        # less those whose requests may wait in our queue
+        totals = {False: 0, True: 0}
+        for held, waits, _, _ in holders:
+            totals[waits] += held
+        limits = {False: self.awaiting_watermark, True: self.held_back_watermark}
+        for held, waits, peer, holder in holders:
+            if not held or (totals[False] <= limits[False] and totals[True] <= limits[True]):
                 break
-            total -= held
+            if totals[waits] <= limits[waits]:
+                continue
+            totals[waits] -= held
             self.closed += 1
-            why = f"{total + held} streams await a request server-wide (limit {self.awaiting_watermark})"
+            what = "await a request" if not waits else "await the window the client does not know yet"
+            why = f"{totals[waits] + held} streams {what} server-wide (limit {limits[waits]})"
             self.gate.release(peer, holder)
             self.gate.shed("overload", peer.ip, f"closing its connection holding {held} of them (GOAWAY): {why}")
             holder.give_way(why)

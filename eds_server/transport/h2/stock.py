@@ -39,7 +39,7 @@ from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, Transpo
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .handlers import releasing
 from .header_blocks import BlockError, HeaderRelay, literal_block, problem
-from .keepalive import Keepalive
+from .keepalive import Keepalive, unsent
 from .limits import BUDGET_WINDOW, REASONS, ConnectionLimits, Gate, PartialBudget, PeerBudgets, fit_to_file_limit
 from .overload import STREAM_MEMORY
 
@@ -157,6 +157,9 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
     def give_way(self, why: str) -> None:
         self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
 
+    def held_back(self) -> bool:
+        return self.peer is not None and self._ledger.held_back
+
     def awaiting(self) -> int:
         """Its streams awaiting a request, less those whose requests wait in the read
         scheduler's queue (fair.MeteredInput.requests_for)."""
@@ -216,6 +219,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
             self._unanswered,
             lambda: self._input,
             lambda: self._guard.requests,
+            self._unsent,
             self.gate.keepalive,
         )
         self._keepalive.start()
@@ -463,11 +467,13 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         if not self._dead:
             self._tap.inject(PingFrame(0, opaque_data=payload).serialize())
 
+    def _unsent(self) -> int:
+        return unsent(self._transport)
+
     def _unanswered(self, why: str) -> None:
         """Our keepalive's PING went unanswered: the client is gone, or never reads (or reads too
         slowly: what of ours it has not taken is said)."""
-        if self._transport is not None:
-            why += f", {self._transport.get_write_buffer_size()} bytes of ours unsent"
+        why += f", {self._unsent()} bytes of ours unsent"
         if not self._dead:
             self.gate.shed("keepalive", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
             self._goaway(ErrorCodes.NO_ERROR, why)

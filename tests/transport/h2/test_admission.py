@@ -52,6 +52,9 @@ class FakeConnection:
     def awaiting(self) -> int:
         return 0
 
+    def held_back(self) -> bool:
+        return False
+
     def __repr__(self) -> str:
         return self.name
 

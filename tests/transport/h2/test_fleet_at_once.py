@@ -235,3 +235,25 @@ async def test_streams_whose_requests_wait_in_our_read_queue_do_not_trip_the_ser
             watermark.check()  # its queue holds more HEADERS, no request: its streams count
             assert server.gate.refused["overload"] == 1, server.gate.refused
             assert await flood.until(lambda: flood.goaway is not None or flood.eof), "the flood is not closed"
+
+
+async def test_first_flights_waiting_on_their_window_do_not_trip_the_server_wide_watermark() -> None:
+    """Twelve addresses write their first flights at once (twenty streams, one 60 KB request
+    each, as much as HTTP/2's first window carries), and send the rest only once all twelve are
+    written: 19 streams a connection wait on the window the client does not know yet. They count
+    against a watermark of their own, not the one for streams that could send their request and do
+    not (scaled to 50 here, which they pass four times over): no connection is closed."""
+    async with serving(ConnectionLimits(stream_budget=100_000)) as (server, _, port):
+        watermark = MemoryWatermark(server.gate, 100 * MB, rss=lambda: 10 * MB, awaiting_watermark=50)
+        srcs = [f"127.0.3.{i}" for i in range(1, 13)]
+        async with flights(port, srcs, 20, 60_000) as fleet:
+            peers = [await wait_for(lambda s=src: server.gate.peers.get(s), what="its address") for src in srcs]
+            await wait_for(
+                lambda: sum(p.held_back for p in peers), lambda n: n >= 12 * 18, what="every flight held back"
+            )
+            assert sum(p.pending for p in peers) > 4 * watermark.awaiting_watermark  # the floor: crossed
+            watermark.check()
+            assert server.gate.refused["overload"] == 0, server.gate.refused
+            for flight in fleet:
+                assert await flight.finish(), (flight.client.resets, flight.client.goaway)
+            assert not any(f.client.resets or f.client.goaway is not None for f in fleet)

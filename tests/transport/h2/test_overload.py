@@ -17,8 +17,8 @@ MB = 1 << 20
 
 
 class Holding:
-    def __init__(self, memory: int, awaiting: int = 0) -> None:
-        self.held, self.gone, self.streams = memory, "", awaiting
+    def __init__(self, memory: int, awaiting: int = 0, back: bool = False) -> None:
+        self.held, self.gone, self.streams, self.back = memory, "", awaiting, back
 
     def busy(self) -> bool:
         return True
@@ -31,6 +31,9 @@ class Holding:
 
     def awaiting(self) -> int:
         return self.streams
+
+    def held_back(self) -> bool:
+        return self.back
 
 
 def test_the_heaviest_address_opens_no_stream_under_pressure_and_gives_way_past_the_limit() -> None:
@@ -75,6 +78,34 @@ def test_past_the_watermark_of_streams_awaiting_a_request_the_connections_holdin
     gate.peers["127.1.0.1"].pending = 0  # its connection gone
     watermark.check()
     assert gate.refused["overload"] == 1  # under the watermark: nothing more
+
+
+def test_a_fleet_held_back_by_its_first_window_has_a_watermark_of_its_own() -> None:
+    """A fleet connecting at once: each connection's streams wait for the window the client does
+    not know yet (its first 65,535 bytes carried one request). They count against a watermark of
+    their own, so a fleet does not trip the one for streams that could send and do not (a flood of
+    HEADERS); past theirs, they give way the same way."""
+    gate = Gate(ConnectionLimits())
+    fleet = [Holding(0, awaiting=98, back=True) for _ in range(300)]  # 29,400 held back
+    flood = Holding(0, awaiting=900)
+    for i, holder in enumerate(fleet):
+        peer = gate.admit(f"127.1.{i // 250}.{1 + i % 250}", holder)
+        peer.pending = peer.held_back = holder.streams
+    gate.admit("127.2.0.1", flood).pending = flood.streams
+    watermark = MemoryWatermark(
+        gate, 100 * MB, rss=lambda: 10 * MB, awaiting_watermark=1_000, held_back_watermark=50_000
+    )
+    watermark.check()
+    assert not any(h.gone for h in fleet) and not flood.gone  # 900 and 29,400: each under its own
+    later = Holding(0, awaiting=200)
+    gate.admit("127.2.0.2", later).pending = later.streams
+    watermark.check()
+    assert "await a request" in flood.gone and not later.gone  # 1,100 past 1,000: the heaviest of them
+    assert not any(h.gone for h in fleet)  # though each fleet connection holds fewer, it is not theirs to pay
+    watermark.held_back_watermark = 29_000
+    watermark.check()
+    gone = [h for h in fleet if h.gone]
+    assert len(gone) == 5 and "the window the client does not know yet" in gone[0].gone  # 29,400 less 5 x 98
 
 
 def test_memory_the_server_holds_itself_closes_nobody() -> None:
