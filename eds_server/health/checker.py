@@ -26,7 +26,7 @@ import random
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any, Protocol
 
 from .. import fields
@@ -35,7 +35,7 @@ from ..model import Endpoint, Group
 from ..ratelimit import LogBudget
 from ..source_merge import Overlay
 from ..subscriptions import Watcher
-from .keepalive import KeptConnections
+from .keepalive import KeptConnections, Outcome
 from .spec import HealthSpec
 from .tracker import CutOff, Result, Tracker, combine
 
@@ -91,6 +91,8 @@ class Checker:
         # plain HTTP checks reuse a connection per target; closed when the target goes or run() ends
         self.connections = KeptConnections()
         self.probe = probe or self.connections.check
+        # the default probe: a check on a kept connection is begun and ended by callbacks, no task
+        self._kept = probe is None
         self.max_running = max_running
         self._targets: dict[TargetKey, _Target] = {}
         self._by_group: dict[str, set[TargetKey]] = {}
@@ -107,6 +109,7 @@ class Checker:
         self._dirty: set[str] = set()  # groups whose served health changed: merged again soon
         self._unseen: set[str] | None = None  # groups to look at again (None: all)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running = 0  # checks in flight: tasks, and those driven by callbacks (KeptConnections.start)
         self.cut = CutOff()
         self.frozen_since: float | None = None  # wall time the checker found itself cut off
         self.checks: Counter[tuple[str, str]] = Counter()  # (kind, "pass"/"fail") -> count
@@ -199,11 +202,13 @@ class Checker:
             self._loop = None
             if self._timer is not None:
                 self._timer.cancel()
+            # first: checks driven by callbacks end here, with no outcome, as the tasks cancelled next
+            self.connections.close()
+            self._running = len(self._tasks)  # each counts itself out as it ends
             for task in list(self._tasks):
                 task.cancel()
             if self._tasks:
                 await asyncio.wait(self._tasks)
-            self.connections.close()
 
     def _poke(self) -> None:
         """Run _tick soon, once however many pokes come first."""
@@ -238,25 +243,63 @@ class Checker:
 
     def _start_due(self, now: float) -> None:
         heap = self._heap
-        while heap and heap[0][0] <= now and len(self._tasks) < self.max_running:
+        kept, loop = (self.connections if self._kept else None), self._loop
+        while heap and heap[0][0] <= now and self._running < self.max_running:
             due, _, key = heapq.heappop(heap)
             target = self._targets.get(key)
             if target is None or target.due != due or target.running:
                 continue  # removed, or rescheduled since
             target.running = True
-            task = asyncio.create_task(self._check(target))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._running += 1
+            if kept is not None and loop is not None:
+                try:
+                    if kept.start(loop, key, self._ended, target):
+                        continue
+                except Exception as e:  # as a probe's own bug in _check
+                    self._ended(target, self._internal_error(target, e))
+                    continue
+            self._spawn(target, None)
 
-    async def _check(self, target: _Target) -> None:
+    def _spawn(self, target: _Target, retry: Coroutine[Any, Any, Result] | None) -> None:
+        task = asyncio.create_task(self._check(target, retry))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _internal_error(self, target: _Target, e: Exception) -> Result:
+        """A probe's own bug: counted as a failure, never the end of checking."""
+        log.exception(
+            "health check of %s failed unexpectedly", fields.address_port(target.key[0], target.key[1]), exc_info=e
+        )
+        return Result(False, f"internal error: {type(e).__name__}", 0.0, time.time())
+
+    async def _check(self, target: _Target, retry: Coroutine[Any, Any, Result] | None = None) -> None:
+        """One check in a task: the probe, or `retry` (a callback-driven check tried again fresh)."""
         address, port, spec = target.key
         try:
-            result = await self.probe(address, port, spec)
-        except Exception as e:  # a probe's own bug: counted as a failure, never the end of checking
-            log.exception("health check of %s failed unexpectedly", fields.address_port(address, port))
-            result = Result(False, f"internal error: {type(e).__name__}", 0.0, time.time())
-        finally:
+            result = await (self.probe(address, port, spec) if retry is None else retry)
+        except Exception as e:
+            result = self._internal_error(target, e)
+        except BaseException:  # cancelled: run() ends
             target.running = False
+            self._running -= 1
+            raise
+        self._ended(target, result)
+
+    def _ended(self, target: _Target, outcome: Outcome) -> None:
+        """A check's outcome, from its task or from its connection's callback (KeptConnections.start):
+        a Result, or a retry to await in a task."""
+        if not isinstance(outcome, Result):
+            if self._loop is None:  # stopped meanwhile: not begun
+                outcome.close()
+                target.running = False
+                self._running -= 1
+                return
+            self._spawn(target, outcome)
+            return
+        result = outcome
+        target.running = False
+        self._running -= 1
+        address, port, spec = target.key
         if self._targets.get(target.key) is not target:
             return  # the endpoint left meanwhile
         late = not result.ok and result.latency > STARVED * spec.timeout + STARVED_SLACK

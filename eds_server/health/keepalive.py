@@ -41,6 +41,8 @@ import asyncio
 import resource
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from . import probes
 from .probes import MAX_HEAD, request_head, status_of, tls_context
@@ -112,7 +114,26 @@ class _Stale(Exception):
     race every keep-alive client has). The check is tried once on a fresh connection."""
 
 
-def _expire(answer: asyncio.Future[int]) -> None:
+_REASONS: dict[int, str] = {}  # status -> "HTTP <status>", made once (three digits: 900 at most)
+
+
+def _reason(status: int) -> str:
+    reason = _REASONS.get(status)
+    if reason is None:
+        reason = _REASONS[status] = f"HTTP {status}"
+    return reason
+
+
+class Answer(Protocol):
+    """Where a connection puts the status of the answer in progress: a Future (a check awaited in a
+    task) or a _Pending (a check driven by callbacks, KeptConnections.start)."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: int, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+def _expire(answer: Answer) -> None:
     if not answer.done():
         answer.set_exception(TimeoutError())
 
@@ -128,7 +149,7 @@ class _Conn(asyncio.Protocol):
         self.request = request  # the check's GET, the same each time
         self.doomed = False  # its target was forgotten while it carried a check: closed after it
         self.transport: asyncio.Transport | None = None
-        self.answer: asyncio.Future[int] | None = None  # set while a check is in progress
+        self.answer: Answer | None = None  # set while a check is in progress
         self.buf = b""
         self.status: int | None = None  # of the answer in progress, once its status line is read
         self.got = False  # a byte of the answer in progress has arrived
@@ -161,7 +182,7 @@ class _Conn(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False  # close: nothing more can be asked on it
 
-    def start(self, answer: asyncio.Future[int]) -> None:
+    def start(self, answer: Answer) -> None:
         self.answer = answer
         self.buf = b""
         self.status = None
@@ -316,6 +337,62 @@ class _Conn(asyncio.Protocol):
                 answer.set_exception(error or ValueError("no status line"))
 
 
+# What a callback-driven check reports: its Result, or (its kept connection closed before any byte of
+# the answer) the same check tried again on a fresh connection, to be awaited in a task.
+Outcome = Result | Coroutine[Any, Any, Result]
+OnResult = Callable[[Any, Outcome], None]
+
+
+class _Pending:
+    """A check on a kept connection driven by callbacks alone (KeptConnections.start): no task, no
+    coroutine, no Future. The connection sets its status (or an error) as it would a Future's; the
+    outcome goes to `on_result(arg, ...)` at once, read as KeptConnections.check reads an answer."""
+
+    __slots__ = ("arg", "conn", "deadline", "finished", "key", "loop", "on_result", "owner", "start", "timer", "wall")
+
+    def __init__(
+        self,
+        owner: KeptConnections,
+        loop: asyncio.AbstractEventLoop,
+        key: Key,
+        conn: _Conn,
+        on_result: OnResult,
+        arg: Any,
+        deadline: float,
+    ) -> None:
+        self.owner = owner
+        self.loop = loop
+        self.key = key
+        self.conn = conn
+        self.on_result = on_result
+        self.arg = arg
+        self.start, self.wall = time.perf_counter(), time.time()
+        self.deadline = deadline
+        self.timer: asyncio.TimerHandle | None = None
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_result(self, status: int, /) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner._answered(self, status, None)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner._answered(self, None, exception)
+
+    def cancel(self) -> None:
+        """The checker stops: no outcome, the connection closed."""
+        self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.conn.answer = None
+        self.conn.abort()
+
+
 def _not_sent(waited: float) -> Result:
     return Result(False, f"not sent: no TLS handshake slot in {waited:.2f}s", waited, time.time(), True)
 
@@ -448,16 +525,23 @@ class KeptConnections:
         finally:
             self._unslot()
 
-    async def check(self, address: str, port: int, spec: HealthSpec) -> Result:
+    async def check(
+        self, address: str, port: int, spec: HealthSpec, since: tuple[float, float, float] | None = None
+    ) -> Result:
+        """One check, awaited. `since`: (perf_counter, wall time, loop deadline) of a check begun by
+        `start` whose kept connection turned out closed: its retry keeps its timing."""
         if spec.kind != "http":
             if spec.tls:
                 return await self._fresh_tls(address, port, spec)
             return await probes.check(address, port, spec)
         key = (address, port, spec)
         kind = kind_of(spec)
-        start, wall = time.perf_counter(), time.time()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + spec.timeout
+        if since is None:
+            start, wall = time.perf_counter(), time.time()
+            deadline = loop.time() + spec.timeout
+        else:
+            start, wall, deadline = since
         idle = self._idle_of(key)
         conn = idle.pop(key, None)
         status: int | None = None
@@ -505,7 +589,67 @@ class KeptConnections:
                     self._busy[key] = busy  # a check of a target that came back meanwhile
                 self._release(key, conn, loop.time() + spec.interval)
         assert status is not None
-        return Result(spec.expects(status), f"HTTP {status}", time.perf_counter() - start, wall)
+        return Result(spec.expects(status), _reason(status), time.perf_counter() - start, wall)
+
+    def start(self, loop: asyncio.AbstractEventLoop, key: Key, on_result: OnResult, arg: Any) -> bool:
+        """Begin an HTTP(S) check of `key` on its idle kept connection, if it has one, driven by
+        callbacks: its outcome goes to `on_result(arg, outcome)`, from the connection's callback. False
+        (nothing begun): no such connection, or not an HTTP check; await `check` instead. The same
+        check as `check` makes on a kept connection, without a task and its coroutines (a third of
+        the CPU of a check on a kept connection). `loop`: the running one, handed in (asyncio's
+        get_running_loop asks the kernel for the process id each time)."""
+        spec = key[2]
+        if spec.kind != "http":
+            return False
+        idle = self._idle_tls if spec.tls else self._idle
+        conn = idle.get(key)
+        if conn is None or conn.lost:
+            return False  # none, or closed: `check` opens one (a closed one is tried fresh, as ever)
+        del idle[key]
+        pending = _Pending(self, loop, key, conn, on_result, arg, loop.time() + spec.timeout)
+        self._busy[key] = conn
+        pending.timer = loop.call_at(pending.deadline, _expire, pending)
+        try:
+            conn.start(pending)
+        except BaseException:
+            pending.cancel()
+            if self._busy.get(key) is conn:
+                del self._busy[key]
+            raise
+        return True
+
+    def _answered(self, pending: _Pending, status: int | None, error: BaseException | None) -> None:
+        """A callback-driven check's answer (or its end): as `check` reads one from `_ask`."""
+        if pending.timer is not None:
+            pending.timer.cancel()
+        key, conn, spec = pending.key, pending.conn, pending.key[2]
+        conn.answer = None
+        if isinstance(error, _Stale):  # closed before any byte of the answer: tried once, fresh
+            address, port, _ = key
+            retry = self.check(address, port, spec, since=(pending.start, pending.wall, pending.deadline))
+            pending.on_result(pending.arg, retry)
+            return
+        self.counts[(kind_of(spec), "reused")] += 1
+        why: str | None = None
+        if isinstance(error, TimeoutError):
+            conn.abort()
+            status = conn.status  # the status line was read, the rest of the answer was slow
+            if status is None:
+                why = f"timed out after {spec.timeout:g}s"
+        elif error is not None:  # malformed, cut short, a status line too long: as `check` has them
+            conn.abort()
+            why = probes._why(error)
+        took = time.perf_counter() - pending.start
+        if why is None:
+            assert status is not None
+            result = Result(spec.expects(status), _reason(status), took, pending.wall)
+        else:
+            result = Result(False, why, took, pending.wall)
+        busy = self._busy.pop(key, None)
+        if busy is not None and busy is not conn:
+            self._busy[key] = busy  # a check of a target that came back meanwhile
+        self._release(key, conn, pending.loop.time() + spec.interval)
+        pending.on_result(pending.arg, result)
 
     async def _ask(self, key: Key, conn: _Conn, loop: asyncio.AbstractEventLoop, deadline: float) -> int:
         """Send the check on `conn` and wait for its status until `deadline`: a plain timer on the
@@ -575,6 +719,8 @@ class KeptConnections:
         self._closed = True
         for conn in self._busy.values():
             conn.doomed = True
+            if isinstance(conn.answer, _Pending):
+                conn.answer.cancel()  # a callback-driven check: nothing awaits it to be cancelled
         for idle in (self._idle, self._idle_tls):
             while idle:
                 idle.popitem()[1].abort()
