@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -72,6 +72,7 @@ HOW = ("opened", "reused", "evicted")
 # of round trip still ~300 handshakes a second: 1,000 endpoints connected within a few seconds of a
 # cold start, after which kept connections need none.
 MAX_HANDSHAKES = 32
+TIMER_SLACK = 0.001  # a timer may fire this much before it is due (uvloop counts whole milliseconds)
 # A check waits for a handshake slot at most its interval, and never less than this: a cold start's
 # queue (1,000 endpoints every 0.5 s) drains within it on a loaded 2-core host, where a wait of one
 # 0.5 s interval gave up on a thousand checks, each a connection opened and closed unused (a
@@ -348,7 +349,7 @@ class _Pending:
     coroutine, no Future. The connection sets its status (or an error) as it would a Future's; the
     outcome goes to `on_result(arg, ...)` at once, read as KeptConnections.check reads an answer."""
 
-    __slots__ = ("arg", "conn", "deadline", "finished", "key", "loop", "on_result", "owner", "start", "timer", "wall")
+    __slots__ = ("arg", "conn", "deadline", "finished", "key", "loop", "on_result", "owner", "start", "wall")
 
     def __init__(
         self,
@@ -368,7 +369,6 @@ class _Pending:
         self.arg = arg
         self.start, self.wall = time.perf_counter(), time.time()
         self.deadline = deadline
-        self.timer: asyncio.TimerHandle | None = None
         self.finished = False
 
     def done(self) -> bool:
@@ -387,10 +387,50 @@ class _Pending:
     def cancel(self) -> None:
         """The checker stops: no outcome, the connection closed."""
         self.finished = True
-        if self.timer is not None:
-            self.timer.cancel()
         self.conn.answer = None
         self.conn.abort()
+
+
+class _Expiry:
+    """The timeouts of callback-driven checks that share one timeout, with one timer rather than one
+    per check (a timer made and cancelled per check was a tenth of its CPU). They begin in deadline
+    order (loop time only grows), so they wait in a queue in that order; the timer is due at the
+    deadline of the oldest still unanswered, and each one unanswered by its deadline gets
+    TimeoutError then, as its own timer would have given it. Answered ones leave the queue when the
+    timer next fires: about once per timeout, not once per check."""
+
+    __slots__ = ("loop", "queue", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: deque[_Pending] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, pending: _Pending) -> None:
+        self.queue.append(pending)
+        if self.timer is None:
+            self.timer = self.loop.call_at(pending.deadline, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        queue = self.queue
+        # uvloop's timers fire on whole milliseconds, possibly just before they are due: a
+        # per-check timer would have fired here too
+        now = self.loop.time() + TIMER_SLACK
+        while queue:
+            head = queue[0]
+            if not head.finished:
+                if head.deadline > now:
+                    self.timer = self.loop.call_at(head.deadline, self._fire)
+                    return
+                _expire(head)
+            queue.popleft()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.queue.clear()
 
 
 def _not_sent(waited: float) -> Result:
@@ -432,6 +472,7 @@ class KeptConnections:
         self.handshakes_peak = 0  # the most at once so far
         self.handshakes = 0  # TLS handshakes of HTTPS checks completed
         self.slot_waits = 0  # checks that found every slot taken and waited
+        self._expiries: dict[float, _Expiry] = {}  # timeout -> callback-driven checks in flight with it
 
     def _total(self, how: str) -> int:
         return sum(n for (_, h), n in self.counts.items() if h == how)
@@ -608,7 +649,10 @@ class KeptConnections:
         del idle[key]
         pending = _Pending(self, loop, key, conn, on_result, arg, loop.time() + spec.timeout)
         self._busy[key] = conn
-        pending.timer = loop.call_at(pending.deadline, _expire, pending)
+        expiry = self._expiries.get(spec.timeout)
+        if expiry is None or expiry.loop is not loop:
+            expiry = self._expiries[spec.timeout] = _Expiry(loop)
+        expiry.add(pending)
         try:
             conn.start(pending)
         except BaseException:
@@ -620,8 +664,6 @@ class KeptConnections:
 
     def _answered(self, pending: _Pending, status: int | None, error: BaseException | None) -> None:
         """A callback-driven check's answer (or its end): as `check` reads one from `_ask`."""
-        if pending.timer is not None:
-            pending.timer.cancel()
         key, conn, spec = pending.key, pending.conn, pending.key[2]
         conn.answer = None
         if isinstance(error, _Stale):  # closed before any byte of the answer: tried once, fresh
@@ -721,6 +763,8 @@ class KeptConnections:
             conn.doomed = True
             if isinstance(conn.answer, _Pending):
                 conn.answer.cancel()  # a callback-driven check: nothing awaits it to be cancelled
+        for expiry in self._expiries.values():
+            expiry.close()
         for idle in (self._idle, self._idle_tls):
             while idle:
                 idle.popitem()[1].abort()

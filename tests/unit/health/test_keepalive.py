@@ -132,7 +132,7 @@ async def one(pool: KeptConnections, host: str, port: int, spec: HealthSpec, way
     outcome: asyncio.Future[keepalive.Outcome] = loop.create_future()
     if not pool.start(loop, (host, port, spec), lambda arg, got: outcome.set_result(got), None):
         return await pool.check(host, port, spec)
-    got = await outcome
+    got = await asyncio.wait_for(outcome, spec.timeout + 5)  # bounded: a check whose timeout never fires fails
     return got if isinstance(got, Result) else await got
 
 
@@ -469,3 +469,39 @@ async def test_the_metrics_count_connections_opened_and_reused_and_those_kept_by
         assert f'eds_health_connections_total{{how="evicted",kind="{kind}"}} 0.0' in text
     reused = {kind: checker.connections.counts[(kind, "reused")] for kind in ("http", "https")}
     assert min(reused.values()) >= 3 and (plain.accepted, secure.accepted, tls.handshakes) == (1, 1, 1), reused
+
+
+class _Waiting:
+    """What _Expiry reads of a check in flight: its deadline and whether it was answered."""
+
+    def __init__(self, deadline: float, finished: bool) -> None:
+        self.deadline = deadline
+        self.finished = finished
+        self.expired_at: float | None = None
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_exception(self, exception: BaseException) -> None:
+        assert isinstance(exception, TimeoutError) and not self.finished
+        self.finished = True
+        self.expired_at = asyncio.get_running_loop().time()
+
+
+async def test_one_timer_expires_each_unanswered_check_at_its_own_deadline_and_no_answered_one() -> None:
+    loop = asyncio.get_running_loop()
+    expiry = keepalive._Expiry(loop)
+    base = loop.time()
+    waiting = [_Waiting(base + 0.05 * i, finished=False) for i in range(1, 8)]
+    for w in waiting:
+        expiry.add(w)  # type: ignore[arg-type]
+    for w in waiting[1::2]:
+        w.finished = True  # 2, 4, 6: answered in time
+    await wait_for(lambda: all(w.finished for w in waiting), timeout=5)
+    assert [i for i, w in enumerate(waiting, 1) if w.expired_at is not None] == [1, 3, 5, 7]
+    for w in waiting:
+        assert w.expired_at is None or w.expired_at >= w.deadline - keepalive.TIMER_SLACK  # never before its own
+    await wait_for(lambda: not expiry.queue and expiry.timer is None, timeout=5)  # all gone, no timer left
+    expiry.add(_Waiting(loop.time() + 60, finished=False))  # type: ignore[arg-type]
+    expiry.close()
+    assert expiry.timer is None and not expiry.queue
