@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import ssl
 import sys
 import tempfile
@@ -117,9 +118,9 @@ async def ours(
 
     watching = asyncio.create_task(watch())
     await asyncio.sleep(warm)
-    n0, c0 = sum(checker.checks.values()), time.process_time()
+    n0, c0, t0 = sum(checker.checks.values()), time.process_time(), os.times()
     await asyncio.sleep(seconds)
-    n1, c1 = sum(checker.checks.values()), time.process_time()
+    n1, c1, t1 = sum(checker.checks.values()), time.process_time(), os.times()
     stop.set()
     await task
     await watching
@@ -136,6 +137,9 @@ async def ours(
             f"  (endpoints marked unhealthy at once, at most: {most_unhealthy[0]}; at the end: "
             f"{checker.by_health()['unhealthy']}; checks not counted (starved): {checker.checks[('http', 'starved')]})"
         )
+    if n1 > n0:  # the process's CPU split: user (Python, uvloop) and system (the kernel's socket work)
+        user, system = (t1.user - t0.user) / (n1 - n0) * 1e6, (t1.system - t0.system) / (n1 - n0) * 1e6
+        print(f"  (CPU per check: {user:.1f} us user, {system:.1f} us system)")
     if not null and not fresh:
         kept = checker.connections
         peak = getattr(kept, "handshakes_peak", None)  # None: a version without the bound

@@ -6,7 +6,8 @@ endpoint, its check goes to the endpoint's own address. A heap of due times and 
 checks: a few targets that appear together are checked at once, more (a source's first load) each at
 a uniformly random point of its interval (checks spread evenly); each later check is due one interval
 (jittered by +-5%, as Envoy's interval_jitter_percent) after the last was due. At most `max_running`
-checks run at a time.
+checks run at a time. With the default probe, a check on a kept connection runs by callbacks
+(KeptConnections.start: no task); the rest, and any other probe, in a task each.
 
 Fail static: when every target with a result fails its latest check at once (tracker.CutOff), the
 checked health is frozen as it was and the checker reports itself degraded; it thaws on the first
@@ -47,6 +48,10 @@ JITTER = 0.05
 AT_ONCE = 16  # new targets checked at once; more appearing together are spread over their interval
 STARVED, STARVED_SLACK = 2.0, 0.25  # a failure that took longer than 2 x timeout + 0.25 s: the loop's fault
 CLOCK_SLACK = 0.002  # uvloop's timers fire on whole milliseconds, possibly just before they are due
+# Checks due within a short window start together, on one wake of the loop: 1% of a check's interval,
+# at most 10 ms (never less than CLOCK_SLACK). Each due time and its jitter are as before; a check
+# starts at most this much before it. A wake per few checks was a quarter of a kept check's CPU.
+BATCH, BATCH_SHARE = 0.010, 0.01
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -222,7 +227,7 @@ class Checker:
             return
         if self._unseen is None or self._unseen:
             self._reconcile()
-        self._start_due(self._loop.time() + CLOCK_SLACK)
+        self._start_due(self._loop.time())
         self._flush()
         self._arm()
 
@@ -242,13 +247,19 @@ class Checker:
         self._tick()
 
     def _start_due(self, now: float) -> None:
+        """Start the checks due by `now`, and those due within their batching window after it."""
         heap = self._heap
         kept, loop = (self.connections if self._kept else None), self._loop
-        while heap and heap[0][0] <= now and self._running < self.max_running:
-            due, _, key = heapq.heappop(heap)
+        latest = now + max(BATCH, CLOCK_SLACK)
+        while heap and heap[0][0] <= latest and self._running < self.max_running:
+            due, _, key = heap[0]
             target = self._targets.get(key)
             if target is None or target.due != due or target.running:
+                heapq.heappop(heap)
                 continue  # removed, or rescheduled since
+            if due > now + max(CLOCK_SLACK, min(BATCH, key[2].interval * BATCH_SHARE)):
+                break  # not within its own window: its timer wakes the loop for it
+            heapq.heappop(heap)
             target.running = True
             self._running += 1
             if kept is not None and loop is not None:
