@@ -50,7 +50,7 @@ STARVED, STARVED_SLACK = 2.0, 0.25  # a failure that took longer than 2 x timeou
 CLOCK_SLACK = 0.002  # uvloop's timers fire on whole milliseconds, possibly just before they are due
 # Checks due within a short window start together, on one wake of the loop: 1% of a check's interval,
 # at most 10 ms (never less than CLOCK_SLACK). Each due time and its jitter are as before; a check
-# starts at most this much before it. A wake per few checks was a quarter of a kept check's CPU.
+# starts at most this much before it. Fewer wakes: 10-25% of a kept check's CPU (docs/health-checks.md).
 BATCH, BATCH_SHARE = 0.010, 0.01
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
