@@ -374,6 +374,26 @@ async def test_the_checker_runs_checks_on_kept_connections_by_callbacks_within_m
         assert checker.connections.idle == 0 and checker.checks[("http", "fail")] == 0
 
 
+async def test_the_checker_retries_a_kept_connection_found_closed_fresh_in_a_task() -> None:
+    async def hang_up(writer: asyncio.StreamWriter) -> None:
+        writer.close()  # the request lands as the backend closes its idle connection
+
+    backend = Backend(OK, hang_up)  # every second request on a connection is hung up on
+    spec = HealthSpec("http", path="/health", interval=0.1, timeout=0.5)
+    async with serving(backend) as port:
+        store = Store(encode_group)
+        store.add_source("file")
+        checker = Checker(store)
+        store.update("file", {"web": Group("web", (Endpoint("127.0.0.1", port, check=spec),))})
+        stop = asyncio.Event()
+        task = asyncio.create_task(checker.run(stop))
+        await wait_for(lambda: checker.checks[("http", "pass")], lambda n: n >= 5, timeout=10)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert checker.checks[("http", "fail")] == 0 and backend.accepted >= 4  # each retry on a fresh one
+    assert checker.connections.reused == 0 and checker._running == 0
+
+
 async def test_a_bug_in_starting_a_check_by_callbacks_is_a_failed_check_not_the_end_of_checking() -> None:
     store = Store(encode_group)
     store.add_source("file")
