@@ -6,7 +6,8 @@ endpoint, its check goes to the endpoint's own address. A heap of due times and 
 checks: a few targets that appear together are checked at once, more (a source's first load) each at
 a uniformly random point of its interval (checks spread evenly); each later check is due one interval
 (jittered by +-5%, as Envoy's interval_jitter_percent) after the last was due. At most `max_running`
-checks run at a time.
+checks run at a time. With the default probe, a check on a kept connection runs by callbacks
+(KeptConnections.start: no task); the rest, and any other probe, in a task each.
 
 Fail static: when every target with a result fails its latest check at once (tracker.CutOff), the
 checked health is frozen as it was and the checker reports itself degraded; it thaws on the first
@@ -26,7 +27,7 @@ import random
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any, Protocol
 
 from .. import fields
@@ -35,7 +36,7 @@ from ..model import Endpoint, Group
 from ..ratelimit import LogBudget
 from ..source_merge import Overlay
 from ..subscriptions import Watcher
-from .keepalive import KeptConnections
+from .keepalive import KeptConnections, Outcome
 from .spec import HealthSpec
 from .tracker import CutOff, Result, Tracker, combine
 
@@ -47,6 +48,10 @@ JITTER = 0.05
 AT_ONCE = 16  # new targets checked at once; more appearing together are spread over their interval
 STARVED, STARVED_SLACK = 2.0, 0.25  # a failure that took longer than 2 x timeout + 0.25 s: the loop's fault
 CLOCK_SLACK = 0.002  # uvloop's timers fire on whole milliseconds, possibly just before they are due
+# Checks due within a short window start together, on one wake of the loop: 1% of a check's interval,
+# at most 10 ms (never less than CLOCK_SLACK). Each due time and its jitter are as before; a check
+# starts at most this much before it. Fewer wakes: 10-25% of a kept check's CPU (docs/health-checks.md).
+BATCH, BATCH_SHARE = 0.010, 0.01
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -91,6 +96,8 @@ class Checker:
         # plain HTTP checks reuse a connection per target; closed when the target goes or run() ends
         self.connections = KeptConnections()
         self.probe = probe or self.connections.check
+        # the default probe: a check on a kept connection is begun and ended by callbacks, no task
+        self._kept = probe is None
         self.max_running = max_running
         self._targets: dict[TargetKey, _Target] = {}
         self._by_group: dict[str, set[TargetKey]] = {}
@@ -107,6 +114,7 @@ class Checker:
         self._dirty: set[str] = set()  # groups whose served health changed: merged again soon
         self._unseen: set[str] | None = None  # groups to look at again (None: all)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running = 0  # checks in flight: tasks, and those driven by callbacks (KeptConnections.start)
         self.cut = CutOff()
         self.frozen_since: float | None = None  # wall time the checker found itself cut off
         self.checks: Counter[tuple[str, str]] = Counter()  # (kind, "pass"/"fail") -> count
@@ -199,11 +207,13 @@ class Checker:
             self._loop = None
             if self._timer is not None:
                 self._timer.cancel()
+            # first: checks driven by callbacks end here, with no outcome, as the tasks cancelled next
+            self.connections.close()
+            self._running = len(self._tasks)  # each counts itself out as it ends
             for task in list(self._tasks):
                 task.cancel()
             if self._tasks:
                 await asyncio.wait(self._tasks)
-            self.connections.close()
 
     def _poke(self) -> None:
         """Run _tick soon, once however many pokes come first."""
@@ -217,7 +227,7 @@ class Checker:
             return
         if self._unseen is None or self._unseen:
             self._reconcile()
-        self._start_due(self._loop.time() + CLOCK_SLACK)
+        self._start_due(self._loop.time())
         self._flush()
         self._arm()
 
@@ -237,26 +247,70 @@ class Checker:
         self._tick()
 
     def _start_due(self, now: float) -> None:
+        """Start the checks due by `now`, and those due within their batching window after it."""
         heap = self._heap
-        while heap and heap[0][0] <= now and len(self._tasks) < self.max_running:
-            due, _, key = heapq.heappop(heap)
+        kept, loop = (self.connections if self._kept else None), self._loop
+        latest = now + max(BATCH, CLOCK_SLACK)
+        while heap and heap[0][0] <= latest and self._running < self.max_running:
+            due, _, key = heap[0]
             target = self._targets.get(key)
             if target is None or target.due != due or target.running:
+                heapq.heappop(heap)
                 continue  # removed, or rescheduled since
+            if due > now + max(CLOCK_SLACK, min(BATCH, key[2].interval * BATCH_SHARE)):
+                break  # not within its own window: its timer wakes the loop for it
+            heapq.heappop(heap)
             target.running = True
-            task = asyncio.create_task(self._check(target))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._running += 1
+            if kept is not None and loop is not None:
+                try:
+                    if kept.start(loop, key, self._ended, target):
+                        continue
+                except Exception as e:  # as a probe's own bug in _check
+                    self._ended(target, self._internal_error(target, e))
+                    continue
+            self._spawn(target, None)
 
-    async def _check(self, target: _Target) -> None:
+    def _spawn(self, target: _Target, retry: Coroutine[Any, Any, Result] | None) -> None:
+        task = asyncio.create_task(self._check(target, retry))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _internal_error(self, target: _Target, e: Exception) -> Result:
+        """A probe's own bug: counted as a failure, never the end of checking."""
+        log.exception(
+            "health check of %s failed unexpectedly", fields.address_port(target.key[0], target.key[1]), exc_info=e
+        )
+        return Result(False, f"internal error: {type(e).__name__}", 0.0, time.time())
+
+    async def _check(self, target: _Target, retry: Coroutine[Any, Any, Result] | None = None) -> None:
+        """One check in a task: the probe, or `retry` (a callback-driven check tried again fresh)."""
         address, port, spec = target.key
         try:
-            result = await self.probe(address, port, spec)
-        except Exception as e:  # a probe's own bug: counted as a failure, never the end of checking
-            log.exception("health check of %s failed unexpectedly", fields.address_port(address, port))
-            result = Result(False, f"internal error: {type(e).__name__}", 0.0, time.time())
-        finally:
+            result = await (self.probe(address, port, spec) if retry is None else retry)
+        except Exception as e:
+            result = self._internal_error(target, e)
+        except BaseException:  # cancelled: run() ends
             target.running = False
+            self._running -= 1
+            raise
+        self._ended(target, result)
+
+    def _ended(self, target: _Target, outcome: Outcome) -> None:
+        """A check's outcome, from its task or from its connection's callback (KeptConnections.start):
+        a Result, or a retry to await in a task."""
+        if not isinstance(outcome, Result):
+            if self._loop is None:  # stopped meanwhile: not begun
+                outcome.close()
+                target.running = False
+                self._running -= 1
+                return
+            self._spawn(target, outcome)
+            return
+        result = outcome
+        target.running = False
+        self._running -= 1
+        address, port, spec = target.key
         if self._targets.get(target.key) is not target:
             return  # the endpoint left meanwhile
         late = not result.ok and result.latency > STARVED * spec.timeout + STARVED_SLACK
@@ -364,7 +418,10 @@ class Checker:
         }
 
     def by_health(self) -> Counter[str]:
-        return Counter(_name(self._published.get(key)) for key in self._targets)
+        """Targets by checked health as served. Counted in C (map), not a generator: the metrics and
+        the benchmark's watcher ask for it often, over every target."""
+        counts = Counter(map(self._published.get, self._targets))
+        return Counter({_name(healthy): n for healthy, n in counts.items()})
 
     def status(self) -> dict[str, Any]:
         """As a source's status (SourceStatus.as_json): degraded while cut off."""

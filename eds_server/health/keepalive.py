@@ -15,6 +15,13 @@ result is what it was before keep-alive: the status line decides. A parser of ou
 the four headers that matter and a chunk-size line are all a check reads, and h11's state machine and
 event objects in pure Python would cost as much CPU per check as the rest of the checker.
 
+A check on a kept connection is driven by callbacks when the checker runs it (`start`): the request
+written from the checker's timer, the status read in the connection's data_received and handed to
+the checker there, the timeouts of all such checks with one timeout value kept by one timer
+(_Expiry). No task, coroutine or Future per check, and no timer made and cancelled per check: about
+a fifth of a kept check's CPU (docs/health-checks.md). Its result, counts and bounds are `check`'s, which still runs a
+target's first check (a connect) and the fresh retry of a connection found closed, in a task.
+
 Kept connections are per target (address, port, spec): the checker never runs two checks of one
 target at once, so a connection is either idle here or carrying its one check. Idle ones are at most
 `budget` (half of what the open-file limit leaves after the gRPC port's connections and reserve, at
@@ -40,7 +47,9 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from . import probes
 from .probes import MAX_HEAD, request_head, status_of, tls_context
@@ -70,6 +79,7 @@ HOW = ("opened", "reused", "evicted")
 # of round trip still ~300 handshakes a second: 1,000 endpoints connected within a few seconds of a
 # cold start, after which kept connections need none.
 MAX_HANDSHAKES = 32
+TIMER_SLACK = 0.001  # a timer may fire this much before it is due (uvloop counts whole milliseconds)
 # A check waits for a handshake slot at most its interval, and never less than this: a cold start's
 # queue (1,000 endpoints every 0.5 s) drains within it on a loaded 2-core host, where a wait of one
 # 0.5 s interval gave up on a thousand checks, each a connection opened and closed unused (a
@@ -112,7 +122,26 @@ class _Stale(Exception):
     race every keep-alive client has). The check is tried once on a fresh connection."""
 
 
-def _expire(answer: asyncio.Future[int]) -> None:
+_REASONS: dict[int, str] = {}  # status -> "HTTP <status>", made once (three digits: 900 at most)
+
+
+def _reason(status: int) -> str:
+    reason = _REASONS.get(status)
+    if reason is None:
+        reason = _REASONS[status] = f"HTTP {status}"
+    return reason
+
+
+class Answer(Protocol):
+    """Where a connection puts the status of the answer in progress: a Future (a check awaited in a
+    task) or a _Pending (a check driven by callbacks, KeptConnections.start)."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: int, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+def _expire(answer: Answer) -> None:
     if not answer.done():
         answer.set_exception(TimeoutError())
 
@@ -128,7 +157,7 @@ class _Conn(asyncio.Protocol):
         self.request = request  # the check's GET, the same each time
         self.doomed = False  # its target was forgotten while it carried a check: closed after it
         self.transport: asyncio.Transport | None = None
-        self.answer: asyncio.Future[int] | None = None  # set while a check is in progress
+        self.answer: Answer | None = None  # set while a check is in progress
         self.buf = b""
         self.status: int | None = None  # of the answer in progress, once its status line is read
         self.got = False  # a byte of the answer in progress has arrived
@@ -161,7 +190,7 @@ class _Conn(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False  # close: nothing more can be asked on it
 
-    def start(self, answer: asyncio.Future[int]) -> None:
+    def start(self, answer: Answer) -> None:
         self.answer = answer
         self.buf = b""
         self.status = None
@@ -316,6 +345,101 @@ class _Conn(asyncio.Protocol):
                 answer.set_exception(error or ValueError("no status line"))
 
 
+# What a callback-driven check reports: its Result, or (its kept connection closed before any byte of
+# the answer) the same check tried again on a fresh connection, to be awaited in a task.
+Outcome = Result | Coroutine[Any, Any, Result]
+OnResult = Callable[[Any, Outcome], None]
+
+
+class _Pending:
+    """A check on a kept connection driven by callbacks alone (KeptConnections.start): no task, no
+    coroutine, no Future. The connection sets its status (or an error) as it would a Future's; the
+    outcome goes to `on_result(arg, ...)` at once, read as KeptConnections.check reads an answer."""
+
+    __slots__ = ("arg", "conn", "deadline", "finished", "key", "loop", "on_result", "owner", "start", "wall")
+
+    def __init__(
+        self,
+        owner: KeptConnections,
+        loop: asyncio.AbstractEventLoop,
+        key: Key,
+        conn: _Conn,
+        on_result: OnResult,
+        arg: Any,
+        deadline: float,
+    ) -> None:
+        self.owner = owner
+        self.loop = loop
+        self.key = key
+        self.conn = conn
+        self.on_result = on_result
+        self.arg = arg
+        self.start, self.wall = time.perf_counter(), time.time()
+        self.deadline = deadline
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_result(self, status: int, /) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner._answered(self, status, None)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner._answered(self, None, exception)
+
+    def cancel(self) -> None:
+        """The checker stops: no outcome, the connection closed."""
+        self.finished = True
+        self.conn.answer = None
+        self.conn.abort()
+
+
+class _Expiry:
+    """The timeouts of callback-driven checks that share one timeout, with one timer rather than one
+    per check (a timer made and cancelled costs 3.6 us, of some 50 us a check). They begin in deadline
+    order (loop time only grows), so they wait in a queue in that order; the timer is due at the
+    deadline of the oldest still unanswered, and each one unanswered by its deadline gets
+    TimeoutError then, as its own timer would have given it. Answered ones leave the queue when the
+    timer next fires: about once per timeout, not once per check."""
+
+    __slots__ = ("loop", "queue", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: deque[_Pending] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, pending: _Pending) -> None:
+        self.queue.append(pending)
+        if self.timer is None:
+            self.timer = self.loop.call_at(pending.deadline, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        queue = self.queue
+        # uvloop's timers fire on whole milliseconds, possibly just before they are due: a
+        # per-check timer would have fired here too
+        now = self.loop.time() + TIMER_SLACK
+        while queue:
+            head = queue[0]
+            if not head.finished:
+                if head.deadline > now:
+                    self.timer = self.loop.call_at(head.deadline, self._fire)
+                    return
+                _expire(head)
+            queue.popleft()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.queue.clear()
+
+
 def _not_sent(waited: float) -> Result:
     return Result(False, f"not sent: no TLS handshake slot in {waited:.2f}s", waited, time.time(), True)
 
@@ -355,6 +479,7 @@ class KeptConnections:
         self.handshakes_peak = 0  # the most at once so far
         self.handshakes = 0  # TLS handshakes of HTTPS checks completed
         self.slot_waits = 0  # checks that found every slot taken and waited
+        self._expiries: dict[float, _Expiry] = {}  # timeout -> callback-driven checks in flight with it
 
     def _total(self, how: str) -> int:
         return sum(n for (_, h), n in self.counts.items() if h == how)
@@ -448,16 +573,23 @@ class KeptConnections:
         finally:
             self._unslot()
 
-    async def check(self, address: str, port: int, spec: HealthSpec) -> Result:
+    async def check(
+        self, address: str, port: int, spec: HealthSpec, since: tuple[float, float, float] | None = None
+    ) -> Result:
+        """One check, awaited. `since`: (perf_counter, wall time, loop deadline) of a check begun by
+        `start` whose kept connection turned out closed: its retry keeps its timing."""
         if spec.kind != "http":
             if spec.tls:
                 return await self._fresh_tls(address, port, spec)
             return await probes.check(address, port, spec)
         key = (address, port, spec)
         kind = kind_of(spec)
-        start, wall = time.perf_counter(), time.time()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + spec.timeout
+        if since is None:
+            start, wall = time.perf_counter(), time.time()
+            deadline = loop.time() + spec.timeout
+        else:
+            start, wall, deadline = since
         idle = self._idle_of(key)
         conn = idle.pop(key, None)
         status: int | None = None
@@ -505,7 +637,68 @@ class KeptConnections:
                     self._busy[key] = busy  # a check of a target that came back meanwhile
                 self._release(key, conn, loop.time() + spec.interval)
         assert status is not None
-        return Result(spec.expects(status), f"HTTP {status}", time.perf_counter() - start, wall)
+        return Result(spec.expects(status), _reason(status), time.perf_counter() - start, wall)
+
+    def start(self, loop: asyncio.AbstractEventLoop, key: Key, on_result: OnResult, arg: Any) -> bool:
+        """Begin an HTTP(S) check of `key` on its idle kept connection, if it has one, driven by
+        callbacks: its outcome goes to `on_result(arg, outcome)`, from the connection's callback. False
+        (nothing begun): no such connection, or not an HTTP check; await `check` instead. The same
+        check as `check` makes on a kept connection, without a task and its coroutines (about a
+        fifth of the CPU of a check on a kept connection). `loop`: the running one, handed in (asyncio's
+        get_running_loop asks the kernel for the process id each time)."""
+        spec = key[2]
+        if spec.kind != "http":
+            return False
+        idle = self._idle_tls if spec.tls else self._idle
+        conn = idle.get(key)
+        if conn is None or conn.lost:
+            return False  # none, or closed: `check` opens one (a closed one is tried fresh, as ever)
+        del idle[key]
+        pending = _Pending(self, loop, key, conn, on_result, arg, loop.time() + spec.timeout)
+        self._busy[key] = conn
+        expiry = self._expiries.get(spec.timeout)
+        if expiry is None or expiry.loop is not loop:
+            expiry = self._expiries[spec.timeout] = _Expiry(loop)
+        expiry.add(pending)
+        try:
+            conn.start(pending)
+        except BaseException:
+            pending.cancel()
+            if self._busy.get(key) is conn:
+                del self._busy[key]
+            raise
+        return True
+
+    def _answered(self, pending: _Pending, status: int | None, error: BaseException | None) -> None:
+        """A callback-driven check's answer (or its end): as `check` reads one from `_ask`."""
+        key, conn, spec = pending.key, pending.conn, pending.key[2]
+        conn.answer = None
+        if isinstance(error, _Stale):  # closed before any byte of the answer: tried once, fresh
+            address, port, _ = key
+            retry = self.check(address, port, spec, since=(pending.start, pending.wall, pending.deadline))
+            pending.on_result(pending.arg, retry)
+            return
+        self.counts[(kind_of(spec), "reused")] += 1
+        why: str | None = None
+        if isinstance(error, TimeoutError):
+            conn.abort()
+            status = conn.status  # the status line was read, the rest of the answer was slow
+            if status is None:
+                why = f"timed out after {spec.timeout:g}s"
+        elif error is not None:  # malformed, cut short, a status line too long: as `check` has them
+            conn.abort()
+            why = probes._why(error)
+        took = time.perf_counter() - pending.start
+        if why is None:
+            assert status is not None
+            result = Result(spec.expects(status), _reason(status), took, pending.wall)
+        else:
+            result = Result(False, why, took, pending.wall)
+        busy = self._busy.pop(key, None)
+        if busy is not None and busy is not conn:
+            self._busy[key] = busy  # a check of a target that came back meanwhile
+        self._release(key, conn, pending.loop.time() + spec.interval)
+        pending.on_result(pending.arg, result)
 
     async def _ask(self, key: Key, conn: _Conn, loop: asyncio.AbstractEventLoop, deadline: float) -> int:
         """Send the check on `conn` and wait for its status until `deadline`: a plain timer on the
@@ -575,6 +768,10 @@ class KeptConnections:
         self._closed = True
         for conn in self._busy.values():
             conn.doomed = True
+            if isinstance(conn.answer, _Pending):
+                conn.answer.cancel()  # a callback-driven check: nothing awaits it to be cancelled
+        for expiry in self._expiries.values():
+            expiry.close()
         for idle in (self._idle, self._idle_tls):
             while idle:
                 idle.popitem()[1].abort()

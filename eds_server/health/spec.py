@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 Kind = Literal["http", "tcp", "grpc"]
@@ -36,6 +36,20 @@ class HealthSpec:
     unhealthy_threshold: int = 3
     expected_statuses: tuple[tuple[int, int], ...] = ((200, 299),)  # inclusive ranges (http)
     tls: bool = False  # http, grpc: over TLS, the certificate not verified (liveness, not identity)
+    # Hashed once: a spec is part of every target's key, looked up several times per check; the
+    # generated __hash__ built and hashed a tuple of all ten fields each time.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (and copied) as its fields: the hash is made again where it is loaded (a string's
+        hash differs from one process to the next)."""
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self) if f.init))
 
     def expects(self, status: int) -> bool:
         return any(lo <= status <= hi for lo, hi in self.expected_statuses)

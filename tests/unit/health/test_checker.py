@@ -168,3 +168,39 @@ async def test_an_edited_check_keeps_the_endpoints_checked_health() -> None:
         store.update("file", {"web": Group("web", endpoints(1, 2, check=slower))})
         await wait_for(lambda: {k[2] for k in checker.targets()}, lambda s: s == {slower}, timeout=5)
         assert health(store, "web")[2] == Health.UNHEALTHY  # not back to the source's health meanwhile
+
+
+async def test_checks_due_close_together_start_on_one_wake_never_more_than_their_window_early() -> None:
+    """Checks due within 1% of their interval (at most 10 ms) of a wake start on it: fewer wakes of the
+    loop than checks, and none starts more than its window before its due time."""
+    from eds_server.health import checker as module
+
+    slow = dataclasses.replace(SPEC, interval=1.0)  # window 10 ms
+    fast = dataclasses.replace(SPEC, interval=0.2)  # window 2 ms
+    groups = {
+        "a": Group("a", endpoints(*range(1, 301), check=slow)),
+        "b": Group("b", endpoints(*range(301, 311), check=fast)),
+    }
+    early: list[float] = []  # how long before its due time each check started
+    async with running(groups) as (_store, checker, script):
+        loop = asyncio.get_running_loop()
+        ticks = [0]  # wakes by the checker's timer
+        fire = checker._fire
+
+        def counted() -> None:
+            ticks[0] += 1
+            fire()
+
+        checker._fire = counted  # type: ignore[method-assign]
+        probe = script.probe
+
+        async def timed(address: str, port: int, spec: HealthSpec) -> Result:
+            target = checker._targets[(address, port, spec)]
+            early.append((target.due - loop.time()) / max(module.CLOCK_SLACK, min(module.BATCH, spec.interval / 100)))
+            return await probe(address, port, spec)
+
+        checker.probe = timed
+        await wait_for(lambda: sum(script.calls.values()), lambda n: n >= 1200, timeout=20)
+        checks, woken = sum(script.calls.values()), ticks[0]
+    assert max(early) <= 1.0  # never before its own window
+    assert woken < 0.45 * checks, (woken, checks)  # about 4 a wake (300 a second, 10 ms); 1.6 with 2 ms

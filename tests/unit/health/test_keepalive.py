@@ -7,6 +7,7 @@ checker stops."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import ssl
@@ -23,6 +24,7 @@ from eds_server.health import keepalive, probes
 from eds_server.health.checker import Checker
 from eds_server.health.keepalive import KeptConnections
 from eds_server.health.spec import HealthSpec
+from eds_server.health.tracker import Result
 from eds_server.metrics import HealthChecks
 from eds_server.model import Endpoint, Group
 from eds_server.store import Store
@@ -114,20 +116,41 @@ async def serving(backend: Backend, tls: TLS | None = None, host: str = "127.0.0
         assert tls.handshakes - handshakes == backend.accepted  # a connection, a handshake: none on a kept one
 
 
+@pytest.fixture(params=["awaited", "callbacks"])
+def way(request: pytest.FixtureRequest) -> str:
+    """How a check on a kept connection runs: awaited (KeptConnections.check, in a task) or driven by
+    callbacks (KeptConnections.start, as the checker runs it); the same results, counts and bounds."""
+    return str(request.param)
+
+
+async def one(pool: KeptConnections, host: str, port: int, spec: HealthSpec, way: str = "awaited") -> Result:
+    """A check as `way` runs it: by callbacks when the target has a kept connection, else awaited (as
+    the checker does), and a callback-driven check's fresh retry awaited as the checker awaits it."""
+    loop = asyncio.get_running_loop()
+    if way == "awaited":
+        return await pool.check(host, port, spec)
+    outcome: asyncio.Future[keepalive.Outcome] = loop.create_future()
+    if not pool.start(loop, (host, port, spec), lambda arg, got: outcome.set_result(got), None):
+        return await pool.check(host, port, spec)
+    got = await asyncio.wait_for(outcome, spec.timeout + 5)  # bounded: a check whose timeout never fires fails
+    return got if isinstance(got, Result) else await got
+
+
 async def checks(
-    pool: KeptConnections, port: int, n: int, spec: HealthSpec = SPEC, host: str = "127.0.0.1"
+    pool: KeptConnections, port: int, n: int, spec: HealthSpec = SPEC, host: str = "127.0.0.1", way: str = "awaited"
 ) -> list[str]:
-    return [("pass " if r.ok else "fail ") + r.reason for r in [await pool.check(host, port, spec) for _ in range(n)]]
+    results = [await one(pool, host, port, spec, way) for _ in range(n)]
+    return [("pass " if r.ok else "fail ") + r.reason for r in results]
 
 
-async def test_repeated_checks_use_one_connection(tls: TLS | None) -> None:
+async def test_repeated_checks_use_one_connection(tls: TLS | None, way: str) -> None:
     chunked = b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n4;x=y\r\nbusy\r\n2\r\nno\r\n0\r\nA: b\r\n\r\n"
     kind = "https" if tls else "http"
     for answers in ((OK,), (OK, chunked, b"HTTP/1.1 204 No Content\r\n\r\n", OK)):
         backend = Backend(*answers)
         pool = KeptConnections(budget_=10)
         async with serving(backend, tls) as port:
-            got = await checks(pool, port, 5, over(tls))
+            got = await checks(pool, port, 5, over(tls), way=way)
             assert backend.accepted == 1 and backend.requests == 5, got
             assert pool.counts == {(kind, "opened"): 1, (kind, "reused"): 4} and pool.idle_by_kind() == Counter(
                 {kind: 1}
@@ -137,7 +160,7 @@ async def test_repeated_checks_use_one_connection(tls: TLS | None) -> None:
             assert got == ["pass HTTP 200", "fail HTTP 503", "pass HTTP 204", "pass HTTP 200", "pass HTTP 200"]
 
 
-async def test_answers_that_forbid_reuse_get_a_new_connection_and_still_pass(tls: TLS | None) -> None:
+async def test_answers_that_forbid_reuse_get_a_new_connection_and_still_pass(tls: TLS | None, way: str) -> None:
     for backend in (
         Backend(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", close=True),
         Backend(b"HTTP/1.1 200 OK\r\nConnection: Close\r\nContent-Length: 2\r\n\r\nok"),  # the checker closes it
@@ -146,17 +169,17 @@ async def test_answers_that_forbid_reuse_get_a_new_connection_and_still_pass(tls
     ):
         pool = KeptConnections(budget_=10)
         async with serving(backend, tls) as port:
-            assert await checks(pool, port, 3, over(tls)) == ["pass HTTP 200"] * 3
+            assert await checks(pool, port, 3, over(tls), way=way) == ["pass HTTP 200"] * 3
             assert backend.accepted == 3 and pool.reused == 0 and pool.idle == 0
     keep10 = Backend(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok")
     pool = KeptConnections(budget_=10)
     async with serving(keep10, tls) as port:
-        assert await checks(pool, port, 3, over(tls)) == ["pass HTTP 200"] * 3
+        assert await checks(pool, port, 3, over(tls), way=way) == ["pass HTTP 200"] * 3
         assert keep10.accepted == 1
         pool.close()
 
 
-async def test_huge_malformed_and_extra_answers_as_before_and_not_reused(tls: TLS | None) -> None:
+async def test_huge_malformed_and_extra_answers_as_before_and_not_reused(tls: TLS | None, way: str) -> None:
     big = keepalive.MAX_BODY + 1
     cases = {
         "huge body": (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % big + b"x" * big, "pass HTTP 200"),
@@ -181,11 +204,19 @@ async def test_huge_malformed_and_extra_answers_as_before_and_not_reused(tls: TL
         backend = Backend(answer)
         pool = KeptConnections(budget_=10)
         async with serving(backend, tls) as port:
-            assert await checks(pool, port, 2, over(tls)) == [result] * 2, name
+            assert await checks(pool, port, 2, over(tls), way=way) == [result] * 2, name
             assert backend.accepted == 2 and pool.reused == 0 and pool.idle == 0, name
+    for name, (answer, result) in cases.items():  # the same on a kept connection: read, then closed
+        backend = Backend(OK, answer, OK)
+        pool = KeptConnections(budget_=10)
+        async with serving(backend, tls) as port:
+            got = await checks(pool, port, 3, over(tls), way=way)
+            assert got == ["pass HTTP 200", result, "pass HTTP 200"], name
+            assert backend.accepted == 2 and pool.reused == 1 and pool.idle == 1, name
+            pool.close()
 
 
-async def test_a_dripping_answer_costs_one_timeout_and_its_connection(tls: TLS | None) -> None:
+async def test_a_dripping_answer_costs_one_timeout_and_its_connection(tls: TLS | None, way: str) -> None:
     async def drip(writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
         for _ in range(30):  # bounded: 3 s at most
@@ -205,19 +236,19 @@ async def test_a_dripping_answer_costs_one_timeout_and_its_connection(tls: TLS |
         backend = Backend(OK, answer, OK)
         pool = KeptConnections(budget_=10)
         async with serving(backend, tls) as port:
-            assert await checks(pool, port, 3, spec) == ["pass HTTP 200", result, "pass HTTP 200"]
+            assert await checks(pool, port, 3, spec, way=way) == ["pass HTTP 200", result, "pass HTTP 200"]
             assert backend.accepted == 2 and pool.reused == 1  # the slow answer's connection was closed
             pool.close()
 
 
-async def test_a_kept_connection_closed_by_the_backend_is_retried_fresh(tls: TLS | None) -> None:
+async def test_a_kept_connection_closed_by_the_backend_is_retried_fresh(tls: TLS | None, way: str) -> None:
     async def hang_up(writer: asyncio.StreamWriter) -> None:
         writer.close()  # the request lands as the backend closes its idle connection
 
     backend = Backend(OK, hang_up)  # every second request on a connection is hung up on
     pool = KeptConnections(budget_=10)
     async with serving(backend, tls) as port:
-        assert await checks(pool, port, 3, over(tls)) == ["pass HTTP 200"] * 3
+        assert await checks(pool, port, 3, over(tls), way=way) == ["pass HTTP 200"] * 3
         assert backend.accepted == 3 and backend.requests == 5 and pool.reused == 0
         pool.close()
 
@@ -295,6 +326,94 @@ async def test_the_checker_closes_connections_of_endpoints_that_leave_and_when_i
         assert checker.connections.idle == 0
 
 
+async def test_the_checker_runs_checks_on_kept_connections_by_callbacks_within_max_running() -> None:
+    """The checker's own probe: a check on a kept connection starts no task; `max_running` still
+    bounds checks in flight, callback-driven or not; a check in flight when the checker stops ends
+    with nothing counted and its connection closed."""
+    in_flight = [0, 0]  # now, at most
+    release = asyncio.Event()
+
+    async def slow(writer: asyncio.StreamWriter) -> None:
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(release.wait(), 0.1)  # bounded: held until released, or 0.1 s
+        in_flight[0] -= 1
+        writer.write(OK)
+        await writer.drain()
+
+    backends = [Backend(OK, slow) for _ in range(3)]
+    spec = HealthSpec("http", path="/health", interval=0.1, timeout=1.0)
+    async with serving(backends[0]) as p0, serving(backends[1]) as p1, serving(backends[2]) as p2:
+        before = fds()
+        store = Store(encode_group)
+        store.add_source("file")
+        checker = Checker(store, max_running=1)
+        spawned = [0]
+        spawn = checker._spawn
+
+        def counted(*args: object) -> None:
+            spawned[0] += 1
+            spawn(*args)  # type: ignore[arg-type]
+
+        checker._spawn = counted  # type: ignore[method-assign]
+        store.update("file", {"web": Group("web", tuple(Endpoint("127.0.0.1", p, check=spec) for p in (p0, p1, p2)))})
+        stop = asyncio.Event()
+        task = asyncio.create_task(checker.run(stop))
+        await wait_for(lambda: [b.requests for b in backends], lambda r: min(r) >= 4, timeout=20)
+        assert in_flight[1] == 1  # never two checks at once, kept connections or not
+        assert spawned[0] == 3 and [b.accepted for b in backends] == [1, 1, 1]  # a task for each first check only
+        await wait_for(lambda: in_flight[0], timeout=5)  # a check in flight on a kept connection
+        counted_before = sum(checker.checks.values())
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        release.set()
+        await wait_for(lambda: sum(b.ended for b in backends), lambda n: n == 3, timeout=5)
+        await wait_for(fds, lambda n: n == before, timeout=5)
+        assert sum(checker.checks.values()) == counted_before and checker._running == 0  # ended, not counted
+        assert checker.connections.idle == 0 and checker.checks[("http", "fail")] == 0
+
+
+async def test_the_checker_retries_a_kept_connection_found_closed_fresh_in_a_task() -> None:
+    async def hang_up(writer: asyncio.StreamWriter) -> None:
+        writer.close()  # the request lands as the backend closes its idle connection
+
+    backend = Backend(OK, hang_up)  # every second request on a connection is hung up on
+    spec = HealthSpec("http", path="/health", interval=0.1, timeout=0.5)
+    async with serving(backend) as port:
+        store = Store(encode_group)
+        store.add_source("file")
+        checker = Checker(store)
+        store.update("file", {"web": Group("web", (Endpoint("127.0.0.1", port, check=spec),))})
+        stop = asyncio.Event()
+        task = asyncio.create_task(checker.run(stop))
+        await wait_for(lambda: checker.checks[("http", "pass")], lambda n: n >= 5, timeout=10)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert checker.checks[("http", "fail")] == 0 and backend.accepted >= 4  # each retry on a fresh one
+    assert checker.connections.reused == 0 and checker._running == 0
+
+
+async def test_a_bug_in_starting_a_check_by_callbacks_is_a_failed_check_not_the_end_of_checking() -> None:
+    store = Store(encode_group)
+    store.add_source("file")
+    checker = Checker(store)
+
+    def broken(*args: object) -> bool:
+        raise RuntimeError("a bug")
+
+    checker.connections.start = broken  # type: ignore[method-assign]
+    spec = HealthSpec("http", path="/health", interval=0.1, timeout=0.5, unhealthy_threshold=1)
+    store.update("file", {"web": Group("web", (Endpoint("127.0.0.1", 9, check=spec),))})
+    stop = asyncio.Event()
+    task = asyncio.create_task(checker.run(stop))
+    await wait_for(lambda: checker.checks[("http", "fail")], lambda n: n >= 3, timeout=10)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert checker.last_check("127.0.0.1", 9, spec)["reason"] == "internal error: RuntimeError"  # type: ignore[index]
+    assert checker._running == 0 and checker.by_health() == Counter({"unhealthy": 1})
+
+
 async def test_an_aiohttp_backend_over_ipv4_and_ipv6_keeps_one_connection() -> None:
     transports: set[int] = set()
 
@@ -370,3 +489,39 @@ async def test_the_metrics_count_connections_opened_and_reused_and_those_kept_by
         assert f'eds_health_connections_total{{how="evicted",kind="{kind}"}} 0.0' in text
     reused = {kind: checker.connections.counts[(kind, "reused")] for kind in ("http", "https")}
     assert min(reused.values()) >= 3 and (plain.accepted, secure.accepted, tls.handshakes) == (1, 1, 1), reused
+
+
+class _Waiting:
+    """What _Expiry reads of a check in flight: its deadline and whether it was answered."""
+
+    def __init__(self, deadline: float, finished: bool) -> None:
+        self.deadline = deadline
+        self.finished = finished
+        self.expired_at: float | None = None
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_exception(self, exception: BaseException) -> None:
+        assert isinstance(exception, TimeoutError) and not self.finished
+        self.finished = True
+        self.expired_at = asyncio.get_running_loop().time()
+
+
+async def test_one_timer_expires_each_unanswered_check_at_its_own_deadline_and_no_answered_one() -> None:
+    loop = asyncio.get_running_loop()
+    expiry = keepalive._Expiry(loop)
+    base = loop.time()
+    waiting = [_Waiting(base + 0.05 * i, finished=False) for i in range(1, 8)]
+    for w in waiting:
+        expiry.add(w)  # type: ignore[arg-type]
+    for w in waiting[1::2]:
+        w.finished = True  # 2, 4, 6: answered in time
+    await wait_for(lambda: all(w.finished for w in waiting), timeout=5)
+    assert [i for i, w in enumerate(waiting, 1) if w.expired_at is not None] == [1, 3, 5, 7]
+    for w in waiting:
+        assert w.expired_at is None or w.expired_at >= w.deadline - keepalive.TIMER_SLACK  # never before its own
+    await wait_for(lambda: not expiry.queue and expiry.timer is None, timeout=5)  # all gone, no timer left
+    expiry.add(_Waiting(loop.time() + 60, finished=False))  # type: ignore[arg-type]
+    expiry.close()
+    assert expiry.timer is None and not expiry.queue

@@ -71,3 +71,34 @@ def test_refusals_name_the_field(raw: dict[str, object], field: str, says: str) 
     with pytest.raises(SpecError) as e:
         spec.parse(raw)
     assert e.value.field == field and says in str(e.value), str(e.value)
+
+
+def test_a_spec_hashed_once_still_hashes_as_its_fields_do() -> None:
+    """The hash is kept from construction: equal specs hash equal, every field tells specs apart, and
+    a spec pickled or copied hashes as one made afresh."""
+    import copy
+    import dataclasses
+    import pickle
+
+    a = HealthSpec("http", path="/health", interval=1.0)
+    assert hash(a) == hash(HealthSpec("http", path="/health", interval=1.0)) and {a: 1}[dataclasses.replace(a)] == 1
+    edits = {
+        "kind": "tcp",
+        "path": "/other",
+        "service": "s",
+        "port": 9000,
+        "interval": 2.0,
+        "timeout": 0.5,
+        "healthy_threshold": 3,
+        "unhealthy_threshold": 4,
+        "expected_statuses": ((200, 200),),
+        "tls": True,
+    }
+    assert set(edits) == {f.name for f in dataclasses.fields(HealthSpec) if f.compare}
+    for name, value in edits.items():
+        b = dataclasses.replace(a, **{name: value})
+        assert b != a and hash(b) != hash(a) and a not in {b}, name
+    for again in (pickle.loads(pickle.dumps(a)), copy.copy(a), copy.deepcopy(a)):
+        assert again == a and hash(again) == hash(a) and {a: 1}[again] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a._hash = 0  # type: ignore[misc]
