@@ -31,6 +31,32 @@ from tests.support.grpc_harness import SOURCE, STREAM, Harness, cla_of, first, g
 from tests.support.h2frames import GOAWAY, PING, PREFACE, frame, split
 from tests.support.waiting import wait_for
 
+# a StreamEndpoints call's request headers, for the raw HTTP/2 clients below
+REQUEST_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", STREAM),
+    (":authority", "test"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
+
+
+def raw_client(window: int = 0, stream_window: int = 0) -> Any:
+    """h2's client connection, its preface and SETTINGS queued: `window` opens both the stream and
+    the connection windows that far, `stream_window` sets the streams' alone."""
+    import h2.config
+    import h2.connection
+    from h2.settings import SettingCodes
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    if window or stream_window:
+        conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: window or stream_window})
+    if window:
+        conn.increment_flow_control_window(window)
+    return conn
+
 
 async def test_nothing_is_sent_before_sources_load(harness: Harness) -> None:
     async with harness.stream() as stream:
@@ -294,9 +320,6 @@ async def test_a_client_busy_sending_requests_is_alive_though_its_answer_is_late
     answers no PING: only its requests (new streams, each with a request) keep it."""
     import socket
 
-    import h2.config
-    import h2.connection
-
     store = Store(encode_group)  # no source loaded: nothing is sent on the streams
     server = make_server(
         EdsService(store),
@@ -307,16 +330,7 @@ async def test_a_client_busy_sending_requests_is_alive_though_its_answer_is_late
         http2=os.environ.get("EDS_HTTP2", "auto"),
     )
     await server.start("127.0.0.1", 0)
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", STREAM),
-        (":authority", "test"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]
+    conn = raw_client()
     body = bytes(first("web"))
     sock = socket.socket()
     sock.setblocking(False)
@@ -325,7 +339,7 @@ async def test_a_client_busy_sending_requests_is_alive_though_its_answer_is_late
         await loop.sock_connect(sock, ("127.0.0.1", server.port))
         for n in range(20):  # bounded: a stream with its request every 0.1 s, 2 s in all
             sid = 1 + 2 * n
-            conn.send_headers(sid, headers)
+            conn.send_headers(sid, REQUEST_HEADERS)
             conn.send_data(sid, b"\x00" + len(body).to_bytes(4, "big") + body)
             await loop.sock_sendall(sock, conn.data_to_send())
             await asyncio.sleep(0.1)
@@ -390,10 +404,6 @@ async def test_keepalive_closes_a_connection_that_never_reads() -> None:
     stream: its connection, stream and socket are released, not left waiting for a flush."""
     import socket
 
-    import h2.config
-    import h2.connection
-    from h2.settings import SettingCodes
-
     store = Store(encode_group)
     store.add_source(SOURCE)
     store.update(SOURCE, {"web": group("web", *range(1000, 9000))})  # a response of about 200 KB
@@ -407,19 +417,8 @@ async def test_keepalive_closes_a_connection_that_never_reads() -> None:
         http2=os.environ.get("EDS_HTTP2", "auto"),
     )
     await server.start("127.0.0.1", 0)
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})  # flow control never stops the server
-    conn.increment_flow_control_window(1 << 24)
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", STREAM),
-        (":authority", "test"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]
-    conn.send_headers(1, headers)
+    conn = raw_client(window=1 << 24)  # flow control never stops the server
+    conn.send_headers(1, REQUEST_HEADERS)
     body = bytes(first("web"))
     conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
     sock = socket.socket()
@@ -447,10 +446,6 @@ async def test_a_client_taking_our_output_slowly_is_alive_though_its_answer_is_l
     and the connection is closed. The client here reads raw bytes and answers no PING."""
     import socket
 
-    import h2.config
-    import h2.connection
-    from h2.settings import SettingCodes
-
     store = Store(encode_group)
     store.add_source(SOURCE)
     store.update(SOURCE, {"web": group("web", *range(1000, 9000))})  # a response of about 200 KB
@@ -464,19 +459,8 @@ async def test_a_client_taking_our_output_slowly_is_alive_though_its_answer_is_l
         http2=os.environ.get("EDS_HTTP2", "auto"),
     )
     await server.start("127.0.0.1", 0)
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 1 << 24})  # flow control never stops the server
-    conn.increment_flow_control_window(1 << 24)
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", STREAM),
-        (":authority", "test"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]
-    conn.send_headers(1, headers)
+    conn = raw_client(window=1 << 24)  # flow control never stops the server
+    conn.send_headers(1, REQUEST_HEADERS)
     body = bytes(first("web"))
     conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
     sock = socket.socket()
@@ -507,26 +491,13 @@ async def test_a_client_taking_our_output_slowly_is_alive_though_its_answer_is_l
 async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import h2.config
-    import h2.connection
-    from h2.settings import SettingCodes
 
     harness.store.update(SOURCE, {"web": group("web", 1)})
     port = harness.channel._port
     # A raw HTTP/2 client that opens a StreamEndpoints call with a 10-byte flow-control window
     # and never reads: the server's first response cannot be sent.
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 10})
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", STREAM),
-        (":authority", "test"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]
-    conn.send_headers(1, headers)
+    conn = raw_client(stream_window=10)
+    conn.send_headers(1, REQUEST_HEADERS)
     body = bytes(first("web"))
     conn.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
     _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -548,8 +519,6 @@ async def test_a_client_that_stops_reading_is_dropped_and_holds_up_nobody(
 
 
 async def test_reset_flood_gets_goaway() -> None:
-    import h2.config
-    import h2.connection
     import h2.events
 
     store = Store(encode_group)
@@ -565,18 +534,9 @@ async def test_reset_flood_gets_goaway() -> None:
     )
     await server.start("127.0.0.1", 0)
     port = server.port
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", STREAM),
-        (":authority", "test"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]
+    conn = raw_client()
     for i in range(50):  # open and reset at once, as in an HTTP/2 rapid-reset attack
-        conn.send_headers(1 + 2 * i, headers)
+        conn.send_headers(1 + 2 * i, REQUEST_HEADERS)
         conn.reset_stream(1 + 2 * i)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
