@@ -22,6 +22,10 @@ from tests.support.waiting import wait_for
 MB = 1 << 20
 FRAME = 16_000  # DATA frames within the 16 KiB both paths take before our SETTINGS
 INITIAL_WINDOW = 65_535
+# the queued-requests test's request size: a connection's write (~250 KB) within one read of the
+# socket, so every request waits in our queue and none in the kernel's buffer behind reading the
+# scheduler paused (which this check cannot see: 20 KB requests flaked under load)
+QUEUED_REQUEST = 12_000
 
 
 def big_request(node: str, size: int) -> bytes:
@@ -180,9 +184,12 @@ async def test_a_first_flight_of_headers_alone_is_still_bounded() -> None:
             spender.close()
 
 
+# when the host is busy, the server's first read of a connection may take only part of its write,
+# and the rest waits in the kernel, where this check cannot see it (2 of 4 runs with two busy loops)
+@pytest.mark.alone
 async def test_streams_whose_requests_wait_in_our_read_queue_do_not_trip_the_server_wide_watermark() -> None:
     """Twelve connections from distinct addresses each write twenty HEADERS and then their
-    twenty 20 KB requests at once; the read scheduler is slowed to one slice a turn, so each
+    twenty 12 KB requests at once; the read scheduler is slowed to one slice a turn, so each
     connection's first slice opens its streams and their requests wait in our queue behind the
     other connections' HEADERS. The watermark of streams awaiting a request (scaled to 50)
     closed the connections holding most of them; now streams whose requests wait there are not counted, and
@@ -201,7 +208,7 @@ async def test_streams_whose_requests_wait_in_our_read_queue_do_not_trip_the_ser
             for n, client in enumerate(clients):
                 opened = [client.new_stream() for _ in range(20)]
                 sids[client] = [sid for sid, _ in opened]
-                bodies = [b"".join(data_frames(sid, big_request(f"c{n}-{sid}", 20_000))) for sid, _ in opened]
+                bodies = [b"".join(data_frames(sid, big_request(f"c{n}-{sid}", QUEUED_REQUEST))) for sid, _ in opened]
                 await client.send(b"".join(opening for _, opening in opened) + b"".join(bodies))
             peers = [server.gate.peers[src] for src in srcs]
             checks, started = 0, False
