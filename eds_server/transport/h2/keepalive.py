@@ -48,7 +48,7 @@ class KeepaliveCounts:
     def __init__(self) -> None:
         self.pings = 0
         self.answered = 0
-        self.busy = 0  # unanswered, but the client was sending requests: asked again
+        self.busy = 0  # unanswered, but the client sent requests or took our output: asked again
 
     def as_dict(self) -> dict[str, int]:
         return {"pings": self.pings, "answered": self.answered, "busy": self.busy}
@@ -173,7 +173,8 @@ class Keepalive:
         self.send(self.payload)
 
     def _due(self) -> None:
-        """The ACK is late: unless our own queue may hold it, the connection ends."""
+        """The ACK is late: unless our own queue may hold it, or the client has plainly been alive
+        since the PING (sent requests, taken our output), the connection ends."""
         loop = asyncio.get_running_loop()
         if self._deferral.holds(self.queued(), loop.time()):
             self._handle = loop.call_later(HELD_RECHECK, self._due)
