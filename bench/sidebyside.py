@@ -214,15 +214,16 @@ def one_round(cfg: Config, shape: Shape, command: list[str], tag: str) -> dict[s
         try:
             server.settle()
             rss0 = server.rss()
-            workers.open(server.port, ["g0"] * streams, shape.node_every, per_conn=PER_CONN)
-            if workers.wait({}, 180):
-                raise RuntimeError(f"{tag}: not every stream got its first response")
+            python = command is EDS_SERVER  # py-spy samples Python servers only
+            with profiled(cfg, server.p.pid, f"sidebyside-{tag}-connect") if python else contextlib.nullcontext():
+                workers.open(server.port, ["g0"] * streams, shape.node_every, per_conn=PER_CONN)
+                if workers.wait({}, 180):
+                    raise RuntimeError(f"{tag}: not every stream got its first response")
             server.settle()
             time.sleep(IDLE_WAIT)  # idle: what either server gives back once a burst is over counts
             rss1 = server.rss()
             cpus = []
             user0, sys0 = server.user_sys()
-            python = command is EDS_SERVER  # py-spy samples Python servers only
             with profiled(cfg, server.p.pid, f"sidebyside-{tag}") if python else contextlib.nullcontext():
                 for k in range(1, shape.changes + 1):
                     base = min(r["g0"] for r in workers.all([{"cmd": "counts"}] * len(workers.procs)))
