@@ -419,13 +419,10 @@ class FastProtocol(TransportReading, H2Protocol):
             self.h2.ping(payload)
             self.connection.flush()
 
-    def _unsent(self) -> int:
-        return unsent(self._transport)
-
     def _unanswered(self, why: str) -> None:
         """Our keepalive's PING went unanswered: the client is gone, or never reads (or reads too
         slowly: what of ours it has not taken is said)."""
-        why += f", {self._unsent()} bytes of ours unsent"
+        why += f", {unsent(self._transport)} bytes of ours unsent"
         if not self._dead and self._peer_budgets is not None:
             self.gate.shed("keepalive", self._peer, f"closing (GOAWAY NO_ERROR): {why}")
             self._goaway(ErrorCodes.NO_ERROR, why, "Keepalive")
@@ -555,19 +552,15 @@ class FastProtocol(TransportReading, H2Protocol):
         self.connection.flush()
         self.connection.initialize()
         self.processor = PingCheckingProcessor(self.handler, self.connection)
-        limits = self.gate.limits
-        keepalive = Keepalive(
-            limits.keepalive_time,
-            limits.keepalive_timeout,
+        self.processor.keepalive = self._keepalive = Keepalive.started(
+            self.gate.limits,
+            self.gate.keepalive,
             self._ping,
             self._unanswered,
             lambda: self._input,
-            lambda: self._guard.requests,
-            self._unsent,
-            self.gate.keepalive,
+            lambda: self._guard,
+            lambda: self._transport,
         )
-        self.processor.keepalive = self._keepalive = keepalive
-        keepalive.start()
         self._input = MeteredInput(self.gate.reads, admitted.cost, self, self._process)
         self._stall_deferral, self._sweep_deferral = Deferral(), Deferral()
         self._deadline = asyncio.get_running_loop().call_later(self.gate.limits.request_timeout, self._check_idle)

@@ -33,8 +33,13 @@ import itertools
 import struct
 import termios
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .fair import HELD_RECHECK, Deferral, MeteredInput
+
+if TYPE_CHECKING:  # limits and guard import this module
+    from .guard import FrameGuard
+    from .limits import ConnectionLimits
 
 _PAYLOAD = struct.Struct(">Q")
 _COUNTER = itertools.count(1)  # payloads differ across connections and pings: no ACK is guessed from another
@@ -131,6 +136,32 @@ class Keepalive:
         self._unsent = 0  # bytes of ours the client had not taken when the PING was written
         self._handle: asyncio.TimerHandle | None = None
         self._deferral = Deferral()
+
+    @classmethod
+    def started(
+        cls,
+        limits: ConnectionLimits,
+        counts: KeepaliveCounts,
+        send: Callable[[bytes], None],
+        expire: Callable[[str], None],
+        queued: Callable[[], MeteredInput | None],
+        guard: Callable[[], FrameGuard],
+        transport: Callable[[], asyncio.Transport | None],
+    ) -> Keepalive:
+        """One connection's, running: what counts as alive is the same on both paths (the bytes of
+        requests its frame guard read, what of its transport's output the client has not taken)."""
+        keepalive = cls(
+            limits.keepalive_time,
+            limits.keepalive_timeout,
+            send,
+            expire,
+            queued,
+            lambda: guard().requests,
+            lambda: unsent(transport()),
+            counts,
+        )
+        keepalive.start()
+        return keepalive
 
     def start(self) -> None:
         if self.interval > 0:

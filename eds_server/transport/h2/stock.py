@@ -212,17 +212,15 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
-        self._keepalive = Keepalive(
-            limits.keepalive_time,
-            limits.keepalive_timeout,
+        self._keepalive = Keepalive.started(
+            limits,
+            self.gate.keepalive,
             self._ping,
             self._unanswered,
             lambda: self._input,
-            lambda: self._guard.requests,
-            self._unsent,
-            self.gate.keepalive,
+            lambda: self._guard,
+            lambda: self._transport,
         )
-        self._keepalive.start()
 
     def _received(self, ftype: int, flags: int, sid: int, length: int) -> Refusal | None:
         if ftype == 1:
@@ -467,13 +465,10 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         if not self._dead:
             self._tap.inject(PingFrame(0, opaque_data=payload).serialize())
 
-    def _unsent(self) -> int:
-        return unsent(self._transport)
-
     def _unanswered(self, why: str) -> None:
         """Our keepalive's PING went unanswered: the client is gone, or never reads (or reads too
         slowly: what of ours it has not taken is said)."""
-        why += f", {self._unsent()} bytes of ours unsent"
+        why += f", {unsent(self._transport)} bytes of ours unsent"
         if not self._dead:
             self.gate.shed("keepalive", self._peer_name, f"closing (GOAWAY NO_ERROR): {why}")
             self._goaway(ErrorCodes.NO_ERROR, why)
