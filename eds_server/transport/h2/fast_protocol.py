@@ -552,8 +552,10 @@ class FastProtocol(TransportReading, H2Protocol):
         self.connection.flush()
         self.connection.initialize()
         self.processor = PingCheckingProcessor(self.handler, self.connection)
+        limits = self.gate.limits
         self.processor.keepalive = self._keepalive = Keepalive.started(
-            self.gate.limits,
+            limits.keepalive_time,
+            limits.keepalive_timeout,
             self.gate.keepalive,
             self._ping,
             self._unanswered,

@@ -33,13 +33,16 @@ import itertools
 import struct
 import termios
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .fair import HELD_RECHECK, Deferral, MeteredInput
 
-if TYPE_CHECKING:  # limits and guard import this module
-    from .guard import FrameGuard
-    from .limits import ConnectionLimits
+
+class Reading(Protocol):
+    """A connection's frame guard, as the keepalive sees it (guard.FrameGuard)."""
+
+    requests: int  # bytes of DATA, HEADERS and CONTINUATION frames read
+
 
 _PAYLOAD = struct.Struct(">Q")
 _COUNTER = itertools.count(1)  # payloads differ across connections and pings: no ACK is guessed from another
@@ -140,19 +143,20 @@ class Keepalive:
     @classmethod
     def started(
         cls,
-        limits: ConnectionLimits,
+        interval: float,
+        timeout: float,
         counts: KeepaliveCounts,
         send: Callable[[bytes], None],
         expire: Callable[[str], None],
         queued: Callable[[], MeteredInput | None],
-        guard: Callable[[], FrameGuard],
+        guard: Callable[[], Reading],
         transport: Callable[[], asyncio.Transport | None],
     ) -> Keepalive:
         """One connection's, running: what counts as alive is the same on both paths (the bytes of
         requests its frame guard read, what of its transport's output the client has not taken)."""
         keepalive = cls(
-            limits.keepalive_time,
-            limits.keepalive_timeout,
+            interval,
+            timeout,
             send,
             expire,
             queued,

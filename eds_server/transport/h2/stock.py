@@ -213,7 +213,8 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
         self._keepalive = Keepalive.started(
-            limits,
+            limits.keepalive_time,
+            limits.keepalive_timeout,
             self.gate.keepalive,
             self._ping,
             self._unanswered,
