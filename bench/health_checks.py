@@ -16,6 +16,9 @@ packet in the sender's time: part of each backend's receiving is counted). Memor
 is measured apart, with tracemalloc, for 10,000 targets. Loopback only; every loop is bounded in
 time.
 
+The scenario itself: `--endpoints 10000 --interval 5 --seconds 15` (the backends are spread over
+processes of at most PER_BACKEND endpoints, two descriptors each).
+
 `--https`: the same with `tls: true` checks against backends serving TLS (a throwaway P-256
 certificate made here), eds-server's checker and fresh connections only (a handshake per fresh
 check: fewer endpoints, e.g. `--endpoints 100`, keep the fresh rate within reach of one core;
@@ -46,6 +49,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eds_server import gc_settings  # noqa: E402
 from eds_server.encode import encode_group  # noqa: E402
 from eds_server.health import probes  # noqa: E402
 from eds_server.health.checker import Checker  # noqa: E402
@@ -55,6 +59,7 @@ from eds_server.model import Endpoint, Group  # noqa: E402
 from eds_server.store import Store  # noqa: E402
 
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+PER_BACKEND = 4000  # endpoints a backend process serves, at most
 CLOSING = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 
 
@@ -204,6 +209,7 @@ def main() -> None:
     p.add_argument("--https", action="store_true", help="tls: true checks against TLS backends")
     p.add_argument("--kept-only", action="store_true", help="eds-server's checker alone (no fresh, naive rows)")
     args = p.parse_args()
+    gc_settings.tune()  # the collector as the server sets it once started, for every row
     spec = HealthSpec("http", path="/health", interval=args.interval, timeout=min(1.0, args.interval), tls=args.https)
     warm = 2 * args.interval + 1
     cert: tuple[str, str] | None = None
@@ -217,11 +223,18 @@ def main() -> None:
     scenarios: tuple[str, ...] = ("eds-server",)
     if not args.kept_only:
         scenarios += ("fresh connections",) if args.https else ("fresh connections", "naive aiohttp", "checker alone")
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_backends, args=(args.endpoints, q, len(scenarios) * (warm + args.seconds) + 10, cert), daemon=True
-    )
-    proc.start()
-    ports = q.get(timeout=30)
+    # each backend process listens on and accepts its endpoints' connections: two descriptors each,
+    # so a process takes at most PER_BACKEND endpoints (a descriptor limit of 20,000 is common)
+    k = -(-args.endpoints // PER_BACKEND)
+    shares = [args.endpoints // k + (i < args.endpoints % k) for i in range(k)]
+    lasting = len(scenarios) * (warm + args.seconds) + 10
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_backends, args=(n, q, lasting, cert), daemon=True)
+        for n in shares
+    ]
+    for proc in procs:
+        proc.start()
+    ports = [port for _ in procs for port in q.get(timeout=60)]
     rate = args.endpoints / args.interval
     results: dict[str, object] = {
         "endpoints": args.endpoints,
@@ -248,7 +261,8 @@ def main() -> None:
             f"{name:17} {checks / args.seconds:7.0f} checks/s  {per_check_us:6.1f} us CPU per check  "
             f"{share:5.1%} of a core here, {per_check_us * 2000 / 1e6:5.1%} at 10,000 endpoints every 5 s"
         )
-    proc.terminate()
+    for proc in procs:
+        proc.terminate()
     per_ep = asyncio.run(memory(10_000, spec))
     results["bytes_per_endpoint"] = round(per_ep)
     print(f"memory: {per_ep:.0f} bytes of checker state per checked endpoint (10,000 endpoints)")

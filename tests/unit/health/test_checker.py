@@ -204,3 +204,31 @@ async def test_checks_due_close_together_start_on_one_wake_never_more_than_their
         checks, woken = sum(script.calls.values()), ticks[0]
     assert max(early) <= 1.0  # never before its own window
     assert woken < 0.45 * checks, (woken, checks)  # about 4 a wake (300 a second, 10 ms); 1.6 with 2 ms
+
+
+def recount(checker: Checker) -> Counter[str]:
+    """by_health the slow way: every target's checked health as served, looked up."""
+    names = {None: "unchecked", True: "healthy", False: "unhealthy"}
+    return Counter(names[checker._published.get(key)] for key in checker.targets())
+
+
+async def test_counts_by_health_follow_flips_edits_and_removals() -> None:
+    """by_health is kept as results change, not walked: it must equal a recount through a fall, an
+    edited check (the health carried over), a rise, and targets leaving healthy and unhealthy."""
+    async with running({"web": Group("web", endpoints(1, 2, 3))}) as (store, checker, script):
+        await wait_for(lambda: checker.by_health(), lambda c: c == {"healthy": 3}, timeout=5)
+        script.up[2] = script.up[3] = False
+        await wait_for(lambda: checker.by_health(), lambda c: c == {"healthy": 1, "unhealthy": 2}, timeout=5)
+        assert checker.by_health() == recount(checker)
+        slower = dataclasses.replace(SPEC, interval=0.2)
+        store.update("file", {"web": Group("web", (*endpoints(1, 2), *endpoints(3, check=slower)))})
+        await wait_for(lambda: {k[2] for k in checker.targets()}, lambda s: s == {SPEC, slower}, timeout=5)
+        assert checker.by_health() == recount(checker) == {"healthy": 1, "unhealthy": 2}
+        script.up[3] = True
+        await wait_for(lambda: checker.by_health(), lambda c: c == {"healthy": 2, "unhealthy": 1}, timeout=5)
+        store.update("file", {"web": Group("web", endpoints(3, 4))})  # 1 (healthy) and 2 (unhealthy) leave
+        await wait_for(lambda: len(list(checker.targets())), lambda n: n == 2, timeout=5)
+        assert checker.by_health() == recount(checker)
+        await wait_for(lambda: checker.by_health(), lambda c: c == {"healthy": 2}, timeout=5)
+        store.update("file", {})
+        await wait_for(lambda: checker.by_health(), lambda c: c == {}, timeout=5)
