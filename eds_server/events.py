@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -73,6 +74,10 @@ class LeanQueue(Generic[T]):
 
     def empty(self) -> bool:
         return not self._items
+
+    def queued(self) -> Iterable[T]:
+        """What waits to be taken, oldest first (a view: read it before the next put or get)."""
+        return self._items or ()
 
     def put_nowait(self, item: T) -> None:
         if self._items is None:

@@ -377,6 +377,24 @@ async def test_a_message_drip_fed_past_the_request_timeout_ends_its_stream(caplo
     no_server_errors(caplog)
 
 
+async def test_a_first_request_whose_body_never_ends_ends_its_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """The same for a stream's first request: its HEADERS, the length prefix and part of the body in
+    one write, the rest never. The part that came is read at once; what is missing keeps the request
+    timeout (a read that cannot complete from what is buffered waits with a deadline)."""
+    caplog.set_level(logging.INFO)
+    limits = ConnectionLimits(request_timeout=0.5)
+    async with serving(limits) as (_, _, port), client_of(port) as client:
+        sid, opening = client.new_stream()
+        body = grpc(first_request("a", "web"))
+        await client.send(opening + data(sid, body[: len(body) // 2]))
+        assert await client.until(lambda: client.status(sid) is not None, wait=10), client.trailers
+        assert client.status(sid) == 4  # DEADLINE_EXCEEDED
+        assert "not complete within" in client.trailers[sid]["grpc-message"]
+        other = await client.request(first_request("b", "web"))
+        await client.response(other, 1)
+    no_server_errors(caplog)
+
+
 async def test_a_frame_drip_fed_past_the_request_timeout_ends_the_connection() -> None:
     """A DATA frame begun and fed a byte at a time, so that the same frame is still not complete a
     request timeout later: the connection is closed (counted as slow input), on either path."""
