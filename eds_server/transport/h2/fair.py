@@ -29,7 +29,7 @@ import math
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Collection, Container
 from typing import Protocol
 
 SLICE_FRAMES = 32  # whole frames handed on at once: ~1.5 ms of HEADERS through h2, the costliest kind
@@ -281,6 +281,13 @@ class MeteredInput:
         if not self.queued or self._arrivals is None:
             return 0.0
         return self.scheduler.clock() - self._arrivals[0][1]
+
+    def requests_behind(self, streams: Collection[int]) -> bool:
+        """Whether requests of some of `streams` wait in the scheduler's queue: then the rest of
+        theirs may wait behind them, past the frames looked at or in the kernel's buffer while this
+        connection's reading is paused, on us and not on the client. A flood of HEADERS queues
+        HEADERS, no request: never behind."""
+        return self.requests_for(streams, len(streams)) > 0
 
     def requests_for(self, streams: Container[int], count: int, most: int = SCAN_FRAMES) -> int:
         """How many of `streams` (`count` of them) have DATA waiting in the scheduler's queue, in

@@ -476,7 +476,9 @@ class FastProtocol(TransportReading, H2Protocol):
             self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}", "Connection limit")
 
     def held_back(self) -> bool:
-        return self._peer_budgets is not None and self.h2.held_back
+        if self._peer_budgets is None:
+            return False
+        return self.h2.held_back or (self._input is not None and self._input.requests_behind(self.h2.awaiting))
 
     def awaiting(self) -> int:
         """Its streams awaiting a request, less those whose requests wait in the read

@@ -116,7 +116,9 @@ class Holder(Protocol):
 
     def held_back(self) -> bool:
         """Whether those streams wait on a window the client does not know it has yet
-        (PeerBudgets.held_back): their requests come once it does."""
+        (PeerBudgets.held_back): their requests come once it does. Or on us: requests of some of
+        them wait in the read scheduler's queue, and the rest may be behind them, in the kernel's
+        buffer while its reading is paused (fair.MeteredInput.requests_behind)."""
 
 
 class PeerBudgets:

@@ -24,7 +24,11 @@ holding the most gives way (GOAWAY NO_ERROR), until the total is under it again;
 request with its stream, so it holds few. A stream whose request is received and waits in the
 read scheduler's queue (a DATA frame of it among the first SCAN_FRAMES frames queued) is not
 counted: a fleet connecting at once has each fresh connection's HEADERS read before the megabytes
-of requests queued behind earlier ones. A flood of HEADERS queues more HEADERS: its streams count.
+of requests queued behind earlier ones. The rest of such a connection's streams count against the
+watermark of streams held back (below), not this one: their requests may be queued past the
+frames looked at, or still in the kernel's buffer while the scheduler has its reading paused
+(1,000 addresses connecting 100,000 streams at once tripped this watermark that way). A flood
+of HEADERS queues more HEADERS, no request: its streams count here.
 
 Each action is logged and counted as `overload` with the address it hit. Sans-IO: the clock is the
 caller's (App.start checks every CHECK_INTERVAL), the resident size comes from a function.
@@ -48,7 +52,8 @@ AWAITING_WATERMARK = 32_768
 # 65,535 bytes, one Envoy request, and has not had our larger window): a fleet of 1,000 Envoys
 # connecting at once to a worker holds ~100 a connection until its requests come, 50,000 a worker
 # at 100,000 streams on two. On the fast path such a stream is an h2 stream alone, ~700 bytes (half
-# a million held 350 MB): 131,072 are ~90 MB. A flood of HEADERS alone never counts here
+# a million held 350 MB): 131,072 are ~90 MB. So do those whose requests may be behind input we
+# hold (fair.MeteredInput.requests_behind). A flood of HEADERS alone never counts here
 HELD_BACK_WATERMARK = 131_072
 LAG_WATERMARK = 1.0  # seconds a check came late: the loop was held that long
 LAG_SHARE = 0.5  # of the addresses' recent cost of the loop, taken by one, for it to be the one refused
@@ -180,7 +185,7 @@ class MemoryWatermark:
                 continue
             totals[waits] -= held
             self.closed += 1
-            what = "await a request" if not waits else "await the window the client does not know yet"
+            what = "await a request" if not waits else "await the window the client does not know yet, or our reading"
             why = f"{totals[waits] + held} streams {what} server-wide (limit {limits[waits]})"
             self.gate.release(peer, holder)
             self.gate.shed("overload", peer.ip, f"closing its connection holding {held} of them (GOAWAY): {why}")

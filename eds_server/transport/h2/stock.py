@@ -158,7 +158,11 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self._goaway(ErrorCodes.NO_ERROR, f"closing to make room: {why}")
 
     def held_back(self) -> bool:
-        return self.peer is not None and self._ledger.held_back
+        if self.peer is None:
+            return False
+        return self._ledger.held_back or (
+            self._input is not None and self._input.requests_behind(self._ledger.awaiting)
+        )
 
     def awaiting(self) -> int:
         """Its streams awaiting a request, less those whose requests wait in the read

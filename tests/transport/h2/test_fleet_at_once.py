@@ -244,6 +244,53 @@ async def test_streams_whose_requests_wait_in_our_read_queue_do_not_trip_the_ser
             assert await flood.until(lambda: flood.goaway is not None or flood.eof), "the flood is not closed"
 
 
+async def test_streams_whose_requests_wait_behind_our_paused_reading_count_as_held_back() -> None:
+    """As above, with requests of an Envoy's size (60 KB): a connection's write (1.2 MB) is more than
+    one read of the socket, so once the scheduler has paused its reading most of its requests wait
+    in the kernel's buffer, where no scan can see them. The requests found in our queue say the rest
+    are behind: its streams count against the watermark of streams held back (roomy here), not that
+    of streams that could send and do not (scaled to 50), and no connection is closed. Counted
+    there, the same streams closed connections."""
+    async with serving(ConnectionLimits(stream_budget=100_000)) as (server, _, port):
+        loop = asyncio.get_running_loop()
+        reads = server.gate.reads
+        watermark = MemoryWatermark(server.gate, 100 * MB, rss=lambda: 10 * MB, awaiting_watermark=50)
+        srcs = [f"127.0.4.{i}" for i in range(1, 7)]
+        clients = [await Client.open(port, src) for src in srcs]  # SETTINGS exchanged: the window is known
+        try:
+            reads.turn_budget = 1e-9  # one slice a turn, a turn every 0.05 s: input waits, reading paused
+            reads.call_soon = lambda f: loop.call_later(0.05, f)
+            sids: dict[Client, list[int]] = {}
+            for n, client in enumerate(clients):
+                opened = [client.new_stream() for _ in range(20)]
+                sids[client] = [sid for sid, _ in opened]
+                bodies = [b"".join(data_frames(sid, big_request(f"k{n}-{sid}", 60_000))) for sid, _ in opened]
+                await client.send(b"".join(opening for _, opening in opened) + b"".join(bodies))
+            peers = [server.gate.peers[src] for src in srcs]
+            checks = behind = 0
+            for _ in range(2_000):  # bounded: a check each round while it matters
+                awaiting = sum(p.pending for p in peers)
+                if awaiting > watermark.awaiting_watermark:
+                    holders = [h for p in peers for h in p.held]
+                    behind = max(behind, sum(h.awaiting() for h in holders if h.held_back()))
+                    watermark.check()
+                    checks += 1
+                if (checks and not awaiting) or server.gate.refused["overload"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert checks > 0, "the watermark was never crossed: the test shows nothing"
+            assert server.gate.refused["overload"] == 0, server.gate.refused
+            assert behind > watermark.awaiting_watermark, f"{behind} streams behind our reading: nothing shown"
+            reads.turn_budget, reads.call_soon = 0.004, None
+            for client in clients:
+                assert await client.until(lambda c=client: all(c.messages.get(s) for s in sids[c]) or c.eof)
+                assert client.goaway is None and not client.resets and not client.eof
+        finally:
+            reads.turn_budget, reads.call_soon = 0.004, None
+            for client in clients:
+                client.close()
+
+
 async def test_first_flights_waiting_on_their_window_do_not_trip_the_server_wide_watermark() -> None:
     """Twelve addresses write their first flights at once (twenty streams, one 60 KB request
     each, as much as HTTP/2's first window carries), and send the rest only once all twelve are
