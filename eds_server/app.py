@@ -195,7 +195,10 @@ class App:
             await self.grpc.start(host, port, sock=sock)
             self.grpc_port = self.grpc.port
             log.info("serving EDS (gRPC) on %s:%s", host, self.grpc_port)
-        self._spawn(overload.watch(self.grpc.gate, net.connection_limits.memory_limit), "memory watermark")
+        watermark = overload.watch(
+            self.grpc.gate, net.connection_limits.memory_limit, forgotten=self.service.heap.forgotten
+        )
+        self._spawn(watermark, "memory watermark")
         if adm.metrics_listen is not None and own.admin_unix is None:  # not a worker's
             # before the admin port: once that answers (a test, a supervisor), so does this one
             app = admin.make_app(

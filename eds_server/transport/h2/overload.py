@@ -99,8 +99,11 @@ class MemoryWatermark:
         rss: Callable[[], int] = process_rss,
         awaiting_watermark: int = AWAITING_WATERMARK,
         held_back_watermark: int = HELD_BACK_WATERMARK,
+        forgotten: Callable[[int], None] | None = None,
     ) -> None:
+        """`forgotten`: told how many addresses a check forgot (the heap's trim follows, see HeapTrim)."""
         self.gate = gate
+        self.forgotten = forgotten
         self.limit = limit
         self.awaiting_watermark = awaiting_watermark
         self.held_back_watermark = held_back_watermark
@@ -112,7 +115,8 @@ class MemoryWatermark:
 
     def check(self, lag: float = 0.0) -> None:
         """One check; `lag`: how late it came (seconds past its interval)."""
-        self.gate.sweep()
+        if (forgotten := self.gate.sweep()) and self.forgotten is not None:
+            self.forgotten(forgotten)
         self._streams()
         rss = self.rss()
         if rss < self.limit * PRESSURE:
@@ -200,9 +204,14 @@ class MemoryWatermark:
             self.throttles += 1
 
 
-async def watch(gate: Gate, limit: int = 0, interval: float = CHECK_INTERVAL) -> None:
+async def watch(
+    gate: Gate,
+    limit: int = 0,
+    interval: float = CHECK_INTERVAL,
+    forgotten: Callable[[int], None] | None = None,
+) -> None:
     """Check `gate`'s server against the watermark every `interval` (0: the default limit), until cancelled."""
-    watermark = MemoryWatermark(gate, limit or default_limit())
+    watermark = MemoryWatermark(gate, limit or default_limit(), forgotten=forgotten)
     loop = asyncio.get_running_loop()
     while True:
         started = loop.time()

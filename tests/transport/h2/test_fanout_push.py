@@ -356,3 +356,34 @@ async def test_a_long_burst_is_trimmed_again_when_it_ends() -> None:
     await wait_for(lambda: trim.trims > 1)  # once quiet
     assert trim.trims == 2
     trim.stop()
+
+
+async def test_addresses_forgotten_have_the_heap_collected_and_trimmed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However few (a fleet's last stragglers), addresses forgotten bring a trim that collects first,
+    the event loop's free lists renewed before it: their state is freed seconds after their streams
+    ended, and what it leaves in the free lists would keep the streams' arenas."""
+    from eds_server import heap
+
+    collected: list[int] = []
+    renewed: list[int] = []
+    take = heap._take_free_lists
+
+    def counting_take(loop: asyncio.AbstractEventLoop) -> tuple[list[object], list[object]]:
+        old, new = take(loop)
+        renewed.append(len(new))
+        return old, new
+
+    def counting_collect() -> int:
+        collected.append(1)
+        return 0
+
+    monkeypatch.setattr(heap, "_take_free_lists", counting_take)
+    monkeypatch.setattr(heap.gc, "collect", counting_collect)
+    trim = heap.HeapTrim(after=16, delay=0.01)
+    if not trim.available:
+        pytest.skip("no malloc_trim in this C library")
+    trim.forgotten(1)
+    assert trim.churned >= trim.after  # one address is enough
+    await wait_for(lambda: trim.trims and not trim.trimming, interval=0.01)
+    assert collected == [1] and renewed == [3 * heap.FREE_LISTS]
+    trim.stop()

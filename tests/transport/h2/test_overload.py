@@ -63,6 +63,23 @@ def test_the_heaviest_address_opens_no_stream_under_pressure_and_gives_way_past_
     assert not attacker.throttled and attacker.may_open()
 
 
+def test_each_check_tells_how_many_idle_addresses_it_forgot() -> None:
+    """What the check's sweep forgot is passed on (the server has its heap trimmed then: each address's
+    state was allocated among its streams, and is freed only now, seconds after they ended)."""
+    gate = Gate(ConnectionLimits())
+    told: list[int] = []
+    watermark = MemoryWatermark(gate, 100 * MB, rss=lambda: 10 * MB, forgotten=told.append)
+    gone = [Holding(0) for _ in range(3)]
+    peers = [gate.admit(f"127.0.0.{i + 1}", h) for i, h in enumerate(gone)]
+    watermark.check()
+    assert told == []  # every address holds a connection
+    for peer, holding in zip(peers, gone, strict=True):
+        gate.release(peer, holding)
+    watermark.check()
+    watermark.check()
+    assert told == [3]  # once, with how many
+
+
 def test_past_the_watermark_of_streams_awaiting_a_request_the_connections_holding_most_give_way() -> None:
     gate = Gate(ConnectionLimits())
     envoy = Holding(0, awaiting=5)
