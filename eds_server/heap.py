@@ -75,11 +75,15 @@ class HeapTrim:
     its first request, Node and all, has been read and dropped) has been quiet for `delay` seconds
     (or has gone on for `most` seconds: a steady trickle still gets trimmed now and then)."""
 
-    def __init__(self, after: int = 16, delay: float = 0.5, most: float = 10.0) -> None:
+    def __init__(
+        self, after: int = 16, delay: float = 0.5, most: float = 10.0, live: Callable[[], int] | None = None
+    ) -> None:
+        """`live`: the streams open now, read when a trim is due (a collection walks them all)."""
         self.after = after
+        self.live = live
         self.delay = delay
         self.most = most
-        self.churned = 0  # streams come (first request read) or gone since the last trim
+        self.churned = 0  # streams come (first request read) or gone, and addresses forgotten, since the last trim
         self.trims = 0
         self._trim = _TRIM
         self._timer: asyncio.TimerHandle | None = None
@@ -87,7 +91,8 @@ class HeapTrim:
         self._running: asyncio.Future[int] | None = None
         self._long_burst = False
         self._ended = False  # a stream ended in this burst
-        self._live = 0  # streams open after the latest one ended
+        self._live = 0  # streams open after the latest one ended (when no `live` is given)
+        self._stopped = False
         self._collecting: asyncio.TimerHandle | None = None  # a collection and trim, due once the loop lets go
 
     @property
@@ -101,7 +106,7 @@ class HeapTrim:
 
     def churn(self, live: int | None = None, count: int = 1) -> None:
         """A stream's first request was read, or (`live`: the streams still open) `count` streams ended."""
-        if self._trim is None:
+        if self._trim is None or self._stopped:
             return
         if live is not None:
             self._ended, self._live = True, live
@@ -117,7 +122,7 @@ class HeapTrim:
         """Idle client addresses forgotten (seconds after their last connection closed): their state,
         allocated among their streams, is freed only now. However few (a burst's last stragglers), a
         trim collecting first follows once it is quiet: what each leaves in a free list keeps an arena."""
-        self.churn(self._live, max(addresses, self.after))
+        self.churn(self._live, max(addresses, self.after))  # the count of streams open is read when due
 
     def _due(self) -> None:
         loop = asyncio.get_running_loop()
@@ -131,7 +136,8 @@ class HeapTrim:
         self._long_burst = quiet_at > now  # trimmed while it goes on: trim again when it ends
         self.churned = 0
         self.trims += 1
-        collect, self._ended = self._ended and self._live <= COLLECT_BELOW, False
+        live = self.live() if self.live is not None else self._live  # now: streams opened since count
+        collect, self._ended = self._ended and live <= COLLECT_BELOW, False
         if collect:
             self._collecting = loop.call_later(RELEASE_AFTER, self._collect, *_take_free_lists(loop))
             return
@@ -148,6 +154,8 @@ class HeapTrim:
         self._running = asyncio.get_running_loop().run_in_executor(None, self._trim, 0)  # type: ignore[arg-type]
 
     def stop(self) -> None:
+        """No trim after this: the server is stopping (its executor may be gone)."""
+        self._stopped = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -76,7 +76,8 @@ class _Target:
 
 class _Served(dict[TargetKey, bool]):
     """Checked health as served, its unhealthy entries counted as they change: `by_health` is asked
-    for on every scrape (and by the benchmark every 0.1 s), over every target."""
+    for on every scrape (and by the benchmark every 0.1 s), over every target. Entries are set with
+    [] and removed with `pop` or `del`; the other ways to change a dict would skip the count."""
 
     __slots__ = ("unhealthy",)
 
@@ -88,10 +89,22 @@ class _Served(dict[TargetKey, bool]):
         self.unhealthy += (not healthy) - (self.get(key) is False)
         super().__setitem__(key, healthy)
 
-    def drop(self, key: TargetKey) -> bool | None:
-        healthy = super().pop(key, None)
+    def pop(self, key: TargetKey, default: bool | None = None) -> bool | None:  # type: ignore[override]
+        if key not in self:
+            return default
+        healthy = super().pop(key)
         self.unhealthy -= healthy is False
         return healthy
+
+    def __delitem__(self, key: TargetKey) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self.pop(key)
+
+    def _uncounted(self, *args: object, **kwargs: object) -> Any:
+        raise TypeError("checked health is set with [] and removed with pop or del: the count follows those")
+
+    update = setdefault = popitem = clear = __ior__ = _uncounted
 
 
 class CheckedStore(Protocol):
@@ -192,7 +205,7 @@ class Checker:
                 if not target.groups:
                     del self._targets[key]
                     self.connections.forget(key)
-                    gone[key[:2]] = (target.tracker.healthy, self._published.drop(key))
+                    gone[key[:2]] = (target.tracker.healthy, self._published.pop(key))
                     self.cut.forget(key)
             for key in wanted - had:
                 found = self._targets.get(key)

@@ -96,6 +96,8 @@ class EdsService:
 
     def __post_init__(self) -> None:
         self.observers.observers[:0] = [self.counters, self.stream_log, _HeapTrimOnChurn(self)]
+        if self.heap.live is None:
+            self.heap.live = lambda: len(self.sessions)
         self._unwatch = self.store.watch(self._on_store_change)
         if self.store.ready:
             self._ready.set()

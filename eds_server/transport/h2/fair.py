@@ -286,8 +286,9 @@ class MeteredInput:
         """Whether requests of some of `streams` wait in the scheduler's queue: then the rest of
         theirs may wait behind them, past the frames looked at or in the kernel's buffer while this
         connection's reading is paused, on us and not on the client. A flood of HEADERS queues
-        HEADERS, no request: never behind."""
-        return self.requests_for(streams, len(streams)) > 0
+        HEADERS, no request: never behind. One that mixes in DATA frames is taken for behind: its
+        streams then count against the held-back watermark (overload.py), still bounded per address."""
+        return self.requests_for(streams, 1) > 0  # the first found will do
 
     def requests_for(self, streams: Container[int], count: int, most: int = SCAN_FRAMES) -> int:
         """How many of `streams` (`count` of them) have DATA waiting in the scheduler's queue, in

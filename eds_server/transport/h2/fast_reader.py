@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpclib.protocol
 import grpclib.server
 from grpclib import GRPCError
 from grpclib.const import Status
@@ -67,13 +68,14 @@ class MessageReader:
             reader.leave()  # if cancelled: the call is over
 
 
-def _buffered(buffer: Any, size: int) -> bool:
+def _buffered(buffer: grpclib.protocol.Buffer, size: int) -> bool:
     """Whether reading `size` bytes of a stream's data completes without waiting (all received, or
     the stream's end is): then no deadline is kept for it. An Envoy's request comes with its
     HEADERS, so a stream's first request is nearly always here already when its handler reads it:
-    two asyncio timeouts a stream (a timer, the task's uncancel bookkeeping) were 5% of the CPU of
-    connecting 10,000 streams. grpclib's buffer: what is taken in `_acked_size`, the rest queued in
-    `_unacked` (ours, events.LeanQueue, on the fast path), an item acking nothing being its end."""
+    two asyncio timeouts a stream (a timer, the task's uncancel bookkeeping), 7-9 us, 2-3% of the
+    CPU of connecting a stream (docs/performance.md). grpclib's buffer: what is taken in
+    `_acked_size`, the rest queued in `_unacked` (ours, events.LeanQueue, on the fast path), an
+    item acking nothing being its end."""
     need = size - buffer._acked_size
     if need <= 0:
         return True

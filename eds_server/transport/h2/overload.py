@@ -37,10 +37,13 @@ caller's (App.start checks every CHECK_INTERVAL), the resident size comes from a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 
 from .limits import Gate, PeerBudgets
+
+log = logging.getLogger("eds_server.grpc")
 
 CHECK_INTERVAL = 0.5  # seconds between checks of the resident size
 PRESSURE = 0.85  # of the limit: the heaviest address opens no new stream
@@ -116,7 +119,10 @@ class MemoryWatermark:
     def check(self, lag: float = 0.0) -> None:
         """One check; `lag`: how late it came (seconds past its interval)."""
         if (forgotten := self.gate.sweep()) and self.forgotten is not None:
-            self.forgotten(forgotten)
+            try:
+                self.forgotten(forgotten)
+            except Exception:  # the heap's trim: never the end of the watermark's checks
+                log.exception("after %d addresses forgotten", forgotten)
         self._streams()
         rss = self.rss()
         if rss < self.limit * PRESSURE:
@@ -171,8 +177,10 @@ class MemoryWatermark:
         client's first window), the connections holding the most of them give way, the heaviest
         first, until the total is under it."""
         peers = self.gate.peers.values()
-        back = sum(p.held_back for p in peers)
-        if sum(p.pending for p in peers) - back <= self.awaiting_watermark and back <= self.held_back_watermark:
+        back, pending = sum(p.held_back for p in peers), sum(p.pending for p in peers)
+        # `back` counts those held back by the window alone; those whose requests may be behind
+        # input we hold are found below, so the quick way out assumes every stream might be
+        if pending - back <= self.awaiting_watermark and pending <= self.held_back_watermark:
             return
         holders = sorted(
             ((h.awaiting(), h.held_back(), peer, h) for peer in peers for h in peer.held), key=lambda x: -x[0]

@@ -14,7 +14,7 @@ from eds_server.transport.h2.fast_reader import _buffered
 
 def lean_buffer() -> Buffer:
     buffer = Buffer(lambda size: None)  # whichever queue grpclib's module makes now
-    buffer._unacked = LeanQueue()  # as the fast server makes grpclib's queues
+    buffer._unacked = LeanQueue()  # type: ignore[assignment]  # as the fast server makes grpclib's queues
     return buffer
 
 

@@ -251,7 +251,7 @@ async def test_streams_whose_requests_wait_behind_our_paused_reading_count_as_he
     in the kernel's buffer, where no scan can see them. The requests found in our queue say the rest
     are behind: its streams count against the watermark of streams held back (roomy here), not that
     of streams that could send and do not (scaled to 50), and no connection is closed. Counted
-    there, the same streams closed connections."""
+    there, the same streams closed a connection (one, in the runs of that mutant)."""
     async with serving(ConnectionLimits(stream_budget=100_000)) as (server, _, port):
         loop = asyncio.get_running_loop()
         reads = server.gate.reads

@@ -232,3 +232,20 @@ async def test_counts_by_health_follow_flips_edits_and_removals() -> None:
         await wait_for(lambda: checker.by_health(), lambda c: c == {"healthy": 2}, timeout=5)
         store.update("file", {})
         await wait_for(lambda: checker.by_health(), lambda c: c == {}, timeout=5)
+
+
+def test_served_health_is_changed_only_in_ways_that_keep_its_count() -> None:
+    from eds_server.health.checker import _Served
+
+    served = _Served()
+    a, b = ("10.0.0.1", 80, SPEC), ("10.0.0.2", 80, SPEC)
+    served[a], served[b] = False, False
+    served[a] = True
+    assert served.unhealthy == 1
+    assert served.pop(a) is True and served.pop(a) is None and served.pop(a, False) is False
+    del served[b]
+    assert served.unhealthy == 0 and not served
+    for change in (lambda: served.update({a: False}), served.clear, lambda: served.setdefault(a, False)):
+        with pytest.raises(TypeError):
+            change()
+    assert served.unhealthy == 0 and not served
