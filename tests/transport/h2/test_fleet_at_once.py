@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,22 @@ def split_frames(raw: bytes) -> list[bytes]:
 
 def data_frames(sid: int, body: bytes) -> list[bytes]:
     return [data(sid, body[at : at + FRAME]) for at in range(0, len(body), FRAME)]
+
+
+async def headers_then_requests(server: Any, clients: list[Client], size: int, tag: str) -> dict[Client, list[int]]:
+    """The read scheduler slowed to one slice a turn, a turn every 0.05 s (input waits, reading
+    paused); then each client writes twenty HEADERS and their twenty requests of `size` bytes at
+    once. Each client's stream ids."""
+    loop = asyncio.get_running_loop()
+    server.gate.reads.turn_budget = 1e-9
+    server.gate.reads.call_soon = lambda f: loop.call_later(0.05, f)
+    sids: dict[Client, list[int]] = {}
+    for n, client in enumerate(clients):
+        opened = [client.new_stream() for _ in range(20)]
+        sids[client] = [sid for sid, _ in opened]
+        bodies = [b"".join(data_frames(sid, big_request(f"{tag}{n}-{sid}", size))) for sid, _ in opened]
+        await client.send(b"".join(opening for _, opening in opened) + b"".join(bodies))
+    return sids
 
 
 class FirstFlight:
@@ -202,14 +219,7 @@ async def test_streams_whose_requests_wait_in_our_read_queue_do_not_trip_the_ser
         srcs = [f"127.0.2.{i}" for i in range(1, 13)]
         clients = [await Client.open(port, src) for src in srcs]  # SETTINGS exchanged: the window is known
         try:
-            reads.turn_budget = 1e-9  # one slice a turn
-            reads.call_soon = lambda f: loop.call_later(0.05, f)
-            sids: dict[Client, list[int]] = {}
-            for n, client in enumerate(clients):
-                opened = [client.new_stream() for _ in range(20)]
-                sids[client] = [sid for sid, _ in opened]
-                bodies = [b"".join(data_frames(sid, big_request(f"c{n}-{sid}", QUEUED_REQUEST))) for sid, _ in opened]
-                await client.send(b"".join(opening for _, opening in opened) + b"".join(bodies))
+            sids = await headers_then_requests(server, clients, QUEUED_REQUEST, "c")
             peers = [server.gate.peers[src] for src in srcs]
             checks, started = 0, False
             for _ in range(2_000):  # bounded: a check each round while it matters, until all is read
@@ -253,20 +263,12 @@ async def test_streams_whose_requests_wait_behind_our_paused_reading_count_as_he
     of streams that could send and do not (scaled to 50), and no connection is closed. Counted
     there, the same streams closed a connection (one, in the runs of that mutant)."""
     async with serving(ConnectionLimits(stream_budget=100_000)) as (server, _, port):
-        loop = asyncio.get_running_loop()
         reads = server.gate.reads
         watermark = MemoryWatermark(server.gate, 100 * MB, rss=lambda: 10 * MB, awaiting_watermark=50)
         srcs = [f"127.0.4.{i}" for i in range(1, 7)]
         clients = [await Client.open(port, src) for src in srcs]  # SETTINGS exchanged: the window is known
         try:
-            reads.turn_budget = 1e-9  # one slice a turn, a turn every 0.05 s: input waits, reading paused
-            reads.call_soon = lambda f: loop.call_later(0.05, f)
-            sids: dict[Client, list[int]] = {}
-            for n, client in enumerate(clients):
-                opened = [client.new_stream() for _ in range(20)]
-                sids[client] = [sid for sid, _ in opened]
-                bodies = [b"".join(data_frames(sid, big_request(f"k{n}-{sid}", 60_000))) for sid, _ in opened]
-                await client.send(b"".join(opening for _, opening in opened) + b"".join(bodies))
+            sids = await headers_then_requests(server, clients, 60_000, "k")
             peers = [server.gate.peers[src] for src in srcs]
             checks = behind = 0
             for _ in range(2_000):  # bounded: a check each round while it matters
