@@ -211,7 +211,8 @@ def one_round(
             time.sleep(IDLE_WAIT)
             rss1 = server.rss()
             client_rss = sum(rss_of(w.p.pid) for w in workers.procs)
-            client_cpu0 = workers.dump(clear=True)["cpu"]
+            got = workers.dump(clear=True)
+            client_cpu0, client_sys0 = got["cpu"], got["cpu_sys"]
             cpus, origin_cpus, latencies = [], [], []
             user0, sys0 = server.user_sys()
             ouser0, osys0 = origin.user_sys() if origin else (0.0, 0.0)
@@ -236,7 +237,7 @@ def one_round(
                     origin_cpus.append(origin.cpu() - o0)
                 cpus.append(server.cpu() - c0 + (origin_cpus[-1] if origin else 0.0))
                 got = workers.dump(clear=True)
-                client_cpu1 = got["cpu"]
+                client_cpu1, client_sys1 = got["cpu"], got["cpu_sys"]
                 for _, recv, _ in got["streams"]:
                     after = [t for _, t in recv if t >= t_change]
                     if after:
@@ -277,6 +278,7 @@ def one_round(
         "user_per_change_s": (user1 - user0 + ouser1 - ouser0) / shape.changes,
         "sys_per_change_s": (sys1 - sys0 + osys1 - osys0) / shape.changes,
         "client_cpu_per_change_s": (client_cpu1 - client_cpu0) / shape.changes,
+        "client_sys_per_change_s": (client_sys1 - client_sys0) / shape.changes,
         "client_rss_b": client_rss,
         "peak_memory_growth_b": cap.peak,
         "refused": refused,
@@ -309,7 +311,8 @@ def describe(got: dict[str, Any]) -> str:
         f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change "
         f"(user {got['user_per_change_s'] * 1000:.0f}, system {got['sys_per_change_s'] * 1000:.0f}), "
         f"{got['rss_per_stream_b'] / 1000:.1f} KB/stream; load generators {got['load_generators']}: "
-        f"{got['client_cpu_per_change_s'] * 1000:.0f} ms CPU/change, RSS {got['client_rss_b'] / 1e6:.0f} MB; "
+        f"{got['client_cpu_per_change_s'] * 1000:.0f} ms CPU/change (system "
+        f"{got['client_sys_per_change_s'] * 1000:.0f}), RSS {got['client_rss_b'] / 1e6:.0f} MB; "
         f"memory peak +{got['peak_memory_growth_b'] / 1e9:.1f} GB"
         + (f"; refused {got['refused']}" if got.get("refused") else "")
     )

@@ -159,6 +159,7 @@ class Workers:
             "errors": [e for r in replies for e in r["errors"]],
             "n_errors": sum(r["n_errors"] for r in replies),
             "cpu": sum(r["cpu"] for r in replies),
+            "cpu_sys": sum(r["cpu_sys"] for r in replies),
             "t_start": min(r["t_start"] for r in replies),
         }
 
