@@ -259,7 +259,7 @@ class MeteredInput:
         end = self.cutter.cut(buf, start)
         if end == start:
             return False
-        chunk = bytes(buf[start:end])
+        chunk = bytes(memoryview(buf)[start:end])  # one copy (a bytearray slice would be two)
         self._pos = end
         self.scheduler.held -= end - start
         self._out += end - start
