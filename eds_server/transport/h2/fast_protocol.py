@@ -555,7 +555,7 @@ class FastProtocol(TransportReading, H2Protocol):
         self.connection.initialize()
         self.processor = PingCheckingProcessor(self.handler, self.connection)
         limits = self.gate.limits
-        self.processor.keepalive = self._keepalive = Keepalive.started(
+        self.processor.keepalive = self._keepalive = Keepalive(
             limits.keepalive_time,
             limits.keepalive_timeout,
             self.gate.keepalive,

@@ -117,15 +117,18 @@ class Keepalive:
         self,
         interval: float,
         timeout: float,
+        counts: KeepaliveCounts,
         send: Callable[[bytes], None],
         expire: Callable[[str], None],
         queued: Callable[[], MeteredInput | None],
-        requests: Callable[[], int],
-        unsent: Callable[[], int],
-        counts: KeepaliveCounts,
+        guard: Callable[[], Reading],
+        transport: Callable[[], asyncio.Transport | None],
     ) -> None:
-        self.requests = requests
-        self.unsent = unsent
+        """Running from here (its first PING an interval away): what counts as alive is the same
+        on both paths, the bytes of requests its frame guard read and what of its transport's
+        output the client has not taken."""
+        self.requests: Callable[[], int] = lambda: guard().requests
+        self.unsent: Callable[[], int] = lambda: unsent(transport())
         self.counts = counts
         self.interval = interval
         self.timeout = timeout
@@ -139,37 +142,8 @@ class Keepalive:
         self._unsent = 0  # bytes of ours the client had not taken when the PING was written
         self._handle: asyncio.TimerHandle | None = None
         self._deferral = Deferral()
-
-    @classmethod
-    def started(
-        cls,
-        interval: float,
-        timeout: float,
-        counts: KeepaliveCounts,
-        send: Callable[[bytes], None],
-        expire: Callable[[str], None],
-        queued: Callable[[], MeteredInput | None],
-        guard: Callable[[], Reading],
-        transport: Callable[[], asyncio.Transport | None],
-    ) -> Keepalive:
-        """One connection's, running: what counts as alive is the same on both paths (the bytes of
-        requests its frame guard read, what of its transport's output the client has not taken)."""
-        keepalive = cls(
-            interval,
-            timeout,
-            send,
-            expire,
-            queued,
-            lambda: guard().requests,
-            lambda: unsent(transport()),
-            counts,
-        )
-        keepalive.start()
-        return keepalive
-
-    def start(self) -> None:
-        if self.interval > 0:
-            self._handle = asyncio.get_running_loop().call_later(self.interval, self._ping)
+        if interval > 0:
+            self._handle = asyncio.get_running_loop().call_later(interval, self._ping)
 
     def stop(self) -> None:
         """No more PINGs; what it was handed is let go (the connection's protocol holds it: a cycle)."""

@@ -216,7 +216,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         self.inner.connection_made(cast(asyncio.Transport, self._tap))
         self._input = MeteredInput(self.gate.reads, self.peer.cost, self, self._process)
         self._timer = loop.call_later(min(limits.request_timeout, limits.idle_timeout), self._check)
-        self._keepalive = Keepalive.started(
+        self._keepalive = Keepalive(
             limits.keepalive_time,
             limits.keepalive_timeout,
             self.gate.keepalive,
