@@ -2,10 +2,12 @@
 
 An Envoy stream sends one small request (an ACK) per response, and through h2 and grpclib each one
 costs a frame object and its repr, h2's stream and flow-control state machines, an event, a queue
-put and get, a task switch and two buffered reads: most of the CPU of a fan-out. Once a stream's
-first request has been read the usual way, the fast path's protocol (fast_protocol.py) hands the
-stream's plain DATA frames (no END_STREAM, no padding) to a `DirectReader`, which cuts them into
-gRPC messages and gives each to the session at once, inside data_received. Everything else
+put and get, a task switch and two buffered reads: most of the CPU of a fan-out. A stream's first
+request, sent with its HEADERS, is joined from its frames before its handler runs (`EarlyRequest`,
+below) or, if it cannot be, read the usual way; after it, the fast path's protocol
+(fast_protocol.py) hands the stream's plain DATA frames (no END_STREAM, no padding) to a
+`DirectReader`, which cuts them into gRPC messages and gives each to the session at once, inside
+data_received. Everything else
 (HEADERS, RST_STREAM, END_STREAM, padded DATA) makes the stream fall back to h2 and grpclib first,
 with any partly received message put back in front of grpclib's buffer, so nothing is lost or
 reordered.
@@ -182,6 +184,9 @@ class DirectReader:
         if not self.done.done():
             self.done.set_exception(exc)
 
+    def call_ended(self) -> None:
+        """Nothing: the call's read (MessageReader.direct) let go of it as the call ended."""
+
     def fall_back(self) -> None:
         """Hand the stream back to grpclib, with the bytes of a message begun in front of its buffer."""
         self.leave()
@@ -193,3 +198,72 @@ class DirectReader:
             buffer._acked_size += len(held)
         if not self.done.done():
             self.done.set_result(None)
+
+
+class EarlyRequest:
+    """A stream's first request, read straight from its DATA frames before its handler has run.
+
+    An Envoy sends a stream's HEADERS and its first request (a 60 KB Node, four DATA frames)
+    together. Through h2 and grpclib each of those frames cost a frame object, h2's flow-control
+    and stream state machines, an event and a buffered read; here they are joined as they come,
+    and the handler's first read takes the whole message. Only that: a message not whole when the
+    handler reads, or more than one message, or any frame but plain DATA (fast_protocol's split
+    hands those to `fall_back`), puts every byte received in front of grpclib's buffer, and the
+    stream is read the usual way (size limit, deadlines, partial-message budget) from there.
+
+    Flow control is h2's own: each frame is counted against the stream's and the connection's
+    receive windows as h2 counts a DATA frame it reads (one that would overrun either is left to
+    h2, which refuses it as it always did), and the bytes are acknowledged to h2 when the handler
+    takes them or grpclib's buffer does, so h2 grants them back by its own rule, as for any read.
+    """
+
+    __slots__ = ("_buf", "_windows", "connection", "h2", "raw", "stream_id")
+
+    def __init__(self, raw: Any, windows: tuple[Any, Any]) -> None:
+        self.raw = raw  # grpclib's protocol.Stream
+        self.connection: FlushingConnection = raw.connection
+        self.h2: GuardedH2Connection = self.connection.h2
+        self.stream_id: int = raw.id
+        self._windows = windows  # h2's receive window accounting: the connection's, the stream's
+        self._buf = bytearray()
+
+    def fits(self, length: int) -> bool:
+        """Whether a DATA frame of `length` bytes is within both receive windows (else h2 reads it)."""
+        connection, stream = self._windows
+        return bool(length <= connection.current_window_size and length <= stream.current_window_size)
+
+    def take(self, payload: memoryview) -> None:
+        for window in self._windows:  # counted as h2 counts the frames it reads
+            window.window_consumed(len(payload))
+        self._buf += payload
+
+    def message(self) -> bytes | None:
+        """The stream's whole first request, taken; None if it is not whole (it is then in grpclib's
+        buffer, to be read the usual way)."""
+        buf = self._buf
+        if len(buf) >= 5 and not buf[0] and len(buf) == 5 + _PREFIX.unpack_from(buf)[1]:
+            self._leave()
+            self.h2.early_taken += 1
+            return bytes(memoryview(buf)[5:])
+        self.fall_back()
+        return None
+
+    def fall_back(self) -> None:
+        """Hand the stream to h2 and grpclib, what came so far first in grpclib's buffer: acknowledged
+        to h2 as grpclib reads it, as if h2 had read it."""
+        buf = self._leave(acknowledge=False)
+        self.h2.early_returned += 1
+        if buf:
+            self.raw.buffer.add(bytes(buf), len(buf))
+
+    def call_ended(self) -> None:
+        """Its call ended without reading it: what came is granted back, and let go."""
+        self._leave()
+
+    def _leave(self, acknowledge: bool = True) -> bytearray:
+        if self.h2.direct.get(self.stream_id) is self:
+            del self.h2.direct[self.stream_id]
+        buf, self._buf = self._buf, bytearray()
+        if buf and acknowledge:
+            self.connection.ack(self.stream_id, len(buf))  # h2 grants them back by its own rule
+        return buf

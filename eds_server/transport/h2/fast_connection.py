@@ -47,6 +47,7 @@ class DirectStream(Protocol):
 
     def take(self, payload: memoryview) -> None: ...
     def fall_back(self) -> None: ...
+    def call_ended(self) -> None: ...
 
 
 def _nothing() -> None:
@@ -88,6 +89,7 @@ class GuardedH2Connection(H2Connection):
         self.refused: set[int] = set()  # new streams to refuse (REFUSED_STREAM): too many await a request
         self.bad: dict[int, str] = {}  # streams whose headers were malformed, and why (answered PROTOCOL_ERROR)
         self.direct: dict[int, DirectStream] = {}  # streams whose DATA frames skip h2 (direct.py)
+        self.early_taken = self.early_returned = 0  # first requests read past h2, or handed back (the tests count)
         self.on_calm: Callable[[str], None] | None = None  # ends the connection over a budget, outside a frame
         self.on_active: Callable[[], None] = _nothing  # a stream opened or a request sent: the connection is busy
         self.on_shed: Callable[[str, str, int], None] = _ignore  # refusals (reason, detail, count): counted, logged
@@ -102,6 +104,11 @@ class GuardedH2Connection(H2Connection):
         self.peer.pending -= 1
         if self.held_back:
             self.peer.held_back -= 1
+
+    def request_begun(self, stream_id: int) -> None:
+        """A stream's first request began past h2 (direct.EarlyRequest): as its DATA would tell _charge."""
+        if stream_id in self.awaiting:
+            self._answered(stream_id)
 
     def spend(self, length: int) -> None:
         """`length` bytes of DATA received while the client may not know our raise of its window:

@@ -34,7 +34,7 @@ from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
-from .direct import window_update
+from .direct import EarlyRequest, window_update
 from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, TransportReading
 from .fast_connection import Calm, GuardedH2Connection
 from .fast_writer import Flusher, FlushingConnection
@@ -128,10 +128,7 @@ class FastProtocol(TransportReading, H2Protocol):
             self._goaway(refusal.code, refusal.detail.split(": ", 1)[-1], "Frame guard")
             return False
         h2 = self.h2
-        if h2.direct or self._held:
-            self._split(h2, data)
-        elif self._feed(h2, data):
-            self.connection.flush()
+        self._split(h2, data)  # first requests and direct streams' requests past h2, the rest through it
         if self._closed():  # by what the slice held: grpclib has let go of h2 and the transport
             return False
         if self._stall is None and not self._guard.between_frames and not self._dead:
@@ -374,7 +371,20 @@ class FastProtocol(TransportReading, H2Protocol):
             if after > end:
                 break
             if ftype == 0:  # DATA
-                reader = direct.get(sid & 0x7FFFFFFF) if direct else None
+                sid &= 0x7FFFFFFF
+                reader = direct.get(sid) if direct else None
+                if (
+                    reader is None
+                    and flags == 0
+                    and length
+                    and not in_headers
+                    and (sid > h2.highest_inbound_stream_id or sid in h2.held)
+                ):
+                    # a stream's first request begins (its HEADERS, if in this run, go to h2 first)
+                    if run < pos and not self._feed(h2, view[run:pos]):
+                        return
+                    run = pos
+                    reader = self._early(h2, sid)
                 if reader is not None:
                     if flags == 0 and not length and not in_headers and h2.control.take():
                         # an empty DATA frame: nothing, for the price of a control frame (grpclib
@@ -382,10 +392,16 @@ class FastProtocol(TransportReading, H2Protocol):
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
                         run = after
-                    elif flags == 0 and length and not in_headers:
+                    elif (
+                        flags == 0
+                        and length
+                        and not in_headers
+                        and (type(reader) is not EarlyRequest or reader.fits(length))
+                    ):
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
-                        self._direct_unacked += length
+                        if type(reader) is not EarlyRequest:  # h2's windows count an early request's
+                            self._direct_unacked += length
                         if h2.window_unknown:
                             h2.spend(length)
                         self._active()
@@ -413,6 +429,24 @@ class FastProtocol(TransportReading, H2Protocol):
             self.connection.queue(window_update(0, self._direct_unacked))
             self._direct_unacked = 0
         self.connection.flush()
+
+    def _early(self, h2: GuardedH2Connection, sid: int) -> EarlyRequest | None:
+        """A held stream's first DATA: grpclib hears of the stream now (as it would from h2's
+        event), and its first request is read past h2 (direct.EarlyRequest)."""
+        stream = h2.streams.get(sid)
+        if stream is None or sid not in h2.held:  # not awaiting its request, or gone: h2 reads on
+            return None
+        begun = h2.held.pop(sid)
+        h2.request_begun(sid)
+        self.processor.process(begun[0])
+        if self._input is not None:
+            self._input.charge(STREAM_ESTIMATE)
+        raw = self.processor.streams.get(sid)
+        if raw is None or self._closed():
+            return None
+        windows = (h2._inbound_flow_control_window_manager, stream._inbound_window_manager)
+        reader = h2.direct[sid] = EarlyRequest(raw, windows)
+        return reader
 
     def _ping(self, payload: bytes) -> None:
         if not self._dead:

@@ -20,7 +20,7 @@ from grpclib.encoding.base import CodecBase
 
 from ...events import LeanQueue
 from .base import PassThroughCodec
-from .direct import DirectReader
+from .direct import DirectReader, EarlyRequest
 from .fast_writer import guarded_h2
 from .limits import PartialBudget
 
@@ -37,6 +37,14 @@ class MessageReader:
     codec: CodecBase = field(default_factory=PassThroughCodec)  # the server's: requests decoded as its handlers'
 
     async def read(self, stream: grpclib.server.Stream[Any, Any], message_type: Any, first: bool = False) -> Any:
+        if first:
+            raw = stream._stream
+            h2 = guarded_h2(raw)
+            early = h2.direct.get(raw.id) if h2 is not None and raw.id is not None else None
+            if isinstance(early, EarlyRequest):
+                message = early.message()  # else it is in grpclib's buffer now: read below
+                if message is not None:
+                    return self.codec.decode(message, message_type)
         return await recv_limited(
             stream,
             message_type,

@@ -212,6 +212,12 @@ class FlushingConnection(Connection):
                 self.queued.pending.append(data)
                 self._flusher.later(self)
 
+    def call_ended(self, stream_id: int) -> None:
+        """A call's handler ended: a first request read past h2 and never taken is let go."""
+        reader = self.h2.direct.get(stream_id)
+        if reader is not None:
+            reader.call_ended()
+
     def flush(self) -> None:
         queued = self.queued
         data = self.h2.data_to_send()

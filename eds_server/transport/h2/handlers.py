@@ -49,6 +49,9 @@ class ReleasingHandler(grpclib.server.Handler):
         table); neither the stream nor the task are held any longer, nor the error its Wrapper
         raised (a cycle through that error's traceback)."""
         release()
+        call_ended = getattr(stream.connection, "call_ended", None)  # the fast path's connections'
+        if call_ended is not None and stream.id is not None:
+            call_ended(stream.id)
         if self._tasks.get(stream) is task:
             del self._tasks[stream]
         self._cancelled.discard(task)
