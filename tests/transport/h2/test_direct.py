@@ -20,7 +20,6 @@ from eds_server.pb.envoy.service.discovery.v3 import (
     DeltaDiscoveryRequest,
     DeltaDiscoveryResponse,
 )
-from eds_server.transport.grpc import StreamSession
 from eds_server.transport.h2 import ConnectionLimits
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import serving
@@ -52,21 +51,6 @@ from tests.support.hostile_clients import STREAM, headers
 from tests.support.waiting import wait_for
 
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED = 0, 3, 4, 8, 12
-
-
-@pytest.fixture
-def handled(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[bytes]]:
-    """The requests every session handled, in order (by either path); called with a node id: that
-    stream's."""
-    seen: list[tuple[StreamSession, bytes]] = []
-    original = StreamSession.receive
-
-    def spy(self: StreamSession, data: bytes, first: bool) -> None:
-        seen.append((self, bytes(data)))
-        original(self, data, first)
-
-    monkeypatch.setattr(StreamSession, "receive", spy)
-    return lambda node: [d for s, d in seen if s.node == node]
 
 
 def no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:

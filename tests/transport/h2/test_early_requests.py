@@ -17,7 +17,7 @@ import pytest
 
 from eds_server.pb.envoy.config.core.v3 import Node
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest
-from eds_server.transport.grpc import EdsService, StreamSession
+from eds_server.transport.grpc import EdsService
 from eds_server.transport.h2 import ConnectionLimits
 from eds_server.xds.common import EDS_TYPE_URL
 from tests.support.grpc_harness import serving
@@ -30,20 +30,6 @@ pytestmark = pytest.mark.fast_path
 
 FETCH = "/envoy.service.endpoint.v3.EndpointDiscoveryService/FetchEndpoints"
 OK, FLOW_CONTROL_ERROR, RESOURCE_EXHAUSTED = 0, 3, 8
-
-
-@pytest.fixture
-def handled(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[bytes]]:
-    """The requests each session handled, in order; called with a node id: that stream's."""
-    seen: list[tuple[StreamSession, bytes]] = []
-    original = StreamSession.receive
-
-    def spy(self: StreamSession, data: bytes, first: bool) -> None:
-        seen.append((self, bytes(data)))
-        original(self, data, first)
-
-    monkeypatch.setattr(StreamSession, "receive", spy)
-    return lambda node: [d for s, d in seen if s.node == node]
 
 
 def h2_of(service: EdsService) -> Any:
