@@ -128,14 +128,38 @@ def make_node(target: int = 60_000) -> bytes:
 
 def scan_response(msg: bytes | memoryview) -> tuple[str, str]:
     """(version_info, nonce) of an encoded DiscoveryResponse; the resources are skipped unread."""
-    pos, end, version, nonce = 0, len(msg), "", ""
-    while pos < end:
-        key = msg[pos]
+    return scan_parts([memoryview(msg)])
+
+
+def scan_parts(parts: list[memoryview]) -> tuple[str, str]:
+    """scan_response over a message held in pieces (the DATA frames' payloads, not joined): the
+    resources are skipped by arithmetic, so a response is read without copying it. Anything that
+    straddles two pieces (a key, a length, version_info or the nonce) is read from the joined bytes."""
+    try:
+        return _scan(parts)
+    except IndexError:
+        if len(parts) == 1:
+            raise  # cut short: not a whole message
+        return _scan([memoryview(b"".join(parts))])
+
+
+def _scan(parts: list[memoryview]) -> tuple[str, str]:
+    """The field walk of scan_parts; IndexError where a field straddles two pieces (or the end)."""
+    version = nonce = ""
+    i, part, pos = 0, parts[0], 0
+    while True:
+        while pos >= len(part):
+            pos -= len(part)
+            i += 1
+            if i == len(parts):
+                return version, nonce
+            part = parts[i]
+        key = part[pos]
         pos += 1
         if key & 0x80:  # multi-byte key: not one of DiscoveryResponse's fields 1-7
             raise ValueError("unexpected field")
         if key & 7 == 0:
-            while msg[pos] & 0x80:
+            while part[pos] & 0x80:
                 pos += 1
             pos += 1
             continue
@@ -143,66 +167,21 @@ def scan_response(msg: bytes | memoryview) -> tuple[str, str]:
             raise ValueError(f"unexpected wire type in key {key}")
         size = shift = 0
         while True:
-            b = msg[pos]
+            b = part[pos]
             pos += 1
             size |= (b & 0x7F) << shift
             shift += 7
             if not b & 0x80:
                 break
-        if key == 0x0A:
-            version = bytes(msg[pos : pos + size]).decode()
-        elif key == 0x2A:
-            nonce = bytes(msg[pos : pos + size]).decode()
+        if key == 0x0A or key == 0x2A:
+            if pos + size > len(part):
+                raise IndexError
+            text = bytes(part[pos : pos + size]).decode()
+            if key == 0x0A:
+                version = text
+            else:
+                nonce = text
         pos += size
-    return version, nonce
-
-
-def scan_parts(parts: list[memoryview]) -> tuple[str, str]:
-    """scan_response over a message held in pieces (the DATA frames' payloads, not joined): the
-    resources are skipped by arithmetic, so a response is read without copying it. Anything that
-    straddles two pieces (a key, a length, version_info or the nonce) is read from the joined bytes."""
-    if len(parts) == 1:
-        return scan_response(parts[0])
-    version = nonce = ""
-    i, part, pos = 0, parts[0], 0
-    try:
-        while True:
-            while pos >= len(part):
-                pos -= len(part)
-                i += 1
-                if i == len(parts):
-                    return version, nonce
-                part = parts[i]
-            key = part[pos]
-            pos += 1
-            if key & 0x80:
-                raise ValueError("unexpected field")
-            if key & 7 == 0:
-                while part[pos] & 0x80:
-                    pos += 1
-                pos += 1
-                continue
-            if key & 7 != 2:
-                raise ValueError(f"unexpected wire type in key {key}")
-            size = shift = 0
-            while True:
-                b = part[pos]
-                pos += 1
-                size |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
-            if key == 0x0A or key == 0x2A:
-                if pos + size > len(part):
-                    raise IndexError
-                text = bytes(part[pos : pos + size]).decode()
-                if key == 0x0A:
-                    version = text
-                else:
-                    nonce = text
-            pos += size
-    except IndexError:
-        return scan_response(b"".join(parts))
 
 
 class Stream:
