@@ -386,6 +386,7 @@ class FastProtocol(TransportReading, H2Protocol):
                     run = pos
                     reader = self._early(h2, sid)
                 if reader is not None:
+                    early = type(reader) is EarlyRequest  # its bytes counted in h2's windows, not ours
                     if flags == 0 and not length and not in_headers and h2.control.take():
                         # an empty DATA frame: nothing, for the price of a control frame (grpclib
                         # would take it for the end of the stream); over budget, h2 says so
@@ -396,11 +397,11 @@ class FastProtocol(TransportReading, H2Protocol):
                         flags == 0
                         and length
                         and not in_headers
-                        and (type(reader) is not EarlyRequest or reader.fits(length))
+                        and (not early or cast(EarlyRequest, reader).fits(length))
                     ):
                         if run < pos and not self._feed(h2, view[run:pos]):
                             return
-                        if type(reader) is not EarlyRequest:  # h2's windows count an early request's
+                        if not early:
                             self._direct_unacked += length
                         if h2.window_unknown:
                             h2.spend(length)
