@@ -4,7 +4,6 @@ and a client whose stream window is smaller than a response; each for the Python
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import signal
@@ -26,7 +25,7 @@ from eds_server.encode import encode_group
 from eds_server.encoded import Resource, content_version
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryResponse
 from eds_server.xds.wire import discovery_response
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, bench_module
 from tests.support.ports import free_port
 from tests.support.server_process import write_atomically
 from tests.support.waiting import wait_for_blocking
@@ -38,11 +37,7 @@ GROUP = "groups:\n  g0:\n    endpoints:\n" + "".join(
 
 
 def floor_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_floor", BENCH / "floor.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("floor")
 
 
 @pytest.fixture(params=["python", "native"])

@@ -4,22 +4,17 @@ ACKs each with its own version and nonce, wherever the reads cut the frames and 
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.support.paths import ROOT
+from tests.support.paths import bench_module
 
 
 def loadgen() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_loadgen", ROOT / "bench" / "loadgen.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("loadgen")
 
 
 class Written:

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 DATA = ROOT / "tests" / "data"  # recorded API output (docker/, kubernetes/, swarm/)
+
+
+def bench_module(name: str) -> ModuleType:
+    """A script of bench/ loaded as a module (bench/ is not a package: its scripts run by path)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
