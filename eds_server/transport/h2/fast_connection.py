@@ -31,6 +31,7 @@ from hyperframe.frame import (
 
 from ...ratelimit import Bucket
 from .limits import BUDGET_WINDOW, ConnectionLimits, FirstWindow, PeerBudgets
+from .repeat_decoder import RepeatDecoder
 
 WINDOW_CREDIT_PER_DATA_FRAME = 10  # WINDOW_UPDATEs a client may send per DATA frame we send (as Envoy)
 OPEN_WINDOW = 65_535  # bytes of connection window left: the client could have sent its requests
@@ -73,6 +74,7 @@ class GuardedH2Connection(H2Connection):
         self.window_unknown = False  # first.unknown, read per DATA frame: one attribute, not two
         self.held_back = False  # the window the client knows is spent: its streams awaiting a request wait on it
         super().__init__(config=config)
+        self.decoder = RepeatDecoder(self.decoder.max_header_list_size)  # Envoy's repeated blocks from memory
         self.peer = peer
         self.control = Bucket(limits.control_budget, BUDGET_WINDOW)
         self.pending_limit = limits.pending_streams

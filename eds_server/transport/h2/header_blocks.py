@@ -14,11 +14,12 @@ request headers, 1.9 times h2's own decoding of them (callgrind, docs/limits.md)
 
 from __future__ import annotations
 
-from hpack import Decoder, HPACKError, OversizedHeaderListError
+from hpack import HPACKError, OversizedHeaderListError
 from hyperframe.exceptions import HyperframeError
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from .headers import request_problem, trailers_problem
+from .repeat_decoder import RepeatDecoder
 
 END_STREAM = 0x1
 END_HEADERS = 0x4
@@ -44,7 +45,7 @@ class HeaderRelay:
     __slots__ = ("_decoder", "max_frame_size", "priority")
 
     def __init__(self, max_frame_size: int, max_header_list_size: int) -> None:
-        self._decoder = Decoder(max_header_list_size=max_header_list_size)
+        self._decoder = RepeatDecoder(max_header_list_size)
         self.max_frame_size = max_frame_size  # the library's SETTINGS_MAX_FRAME_SIZE: frames passed on fit it
         self.priority: tuple[int, int, bool] | None = None  # the last block's (depends on, weight, exclusive)
 
