@@ -237,14 +237,14 @@ class EarlyRequest:
             window.window_consumed(len(payload))
         self._buf += payload
 
-    def message(self) -> bytes | None:
+    def message(self) -> memoryview | None:
         """The stream's whole first request, taken; None if it is not whole (it is then in grpclib's
         buffer, to be read the usual way)."""
         buf = self._buf
         if len(buf) >= 5 and not buf[0] and len(buf) == 5 + _PREFIX.unpack_from(buf)[1]:
             self._leave()
             self.h2.early_taken += 1
-            return bytes(memoryview(buf)[5:])
+            return memoryview(buf)[5:]
         self.fall_back()
         return None
 
