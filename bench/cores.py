@@ -195,6 +195,7 @@ def one_round(
             server.settle()
             rss0 = server.rss()
             t0, connect_cpu0 = time.monotonic(), server.cpu() + (origin.cpu() if origin else 0.0)
+            connect_sys0 = server.user_sys()[1] + (origin.user_sys()[1] if origin else 0.0)
             every = ["g0"] * streams
             workers.open(server.port, every, False, PER_CONN, own_addresses=cfg.own_addresses, rate=cfg.connect_rate)
             missing = sum(
@@ -205,6 +206,7 @@ def one_round(
             )
             connect = time.monotonic() - t0
             connect_cpu = server.cpu() + (origin.cpu() if origin else 0.0) - connect_cpu0
+            connect_sys = server.user_sys()[1] + (origin.user_sys()[1] if origin else 0.0) - connect_sys0
             if missing:
                 raise RuntimeError(f"{name}: {missing} streams never got a first response")
             server.settle()
@@ -270,6 +272,7 @@ def one_round(
         "load_generators": n_workers,
         "connect_s": connect,
         "connect_cpu_s": connect_cpu,
+        "connect_sys_s": connect_sys,  # its system part (clock ticks: to 10 ms)
         "p50_s": quantile(latencies, 0.5),
         "p99_s": quantile(latencies, 0.99),
         "cpu_per_change_s": statistics.median(cpus),
@@ -306,7 +309,8 @@ def rss_of(pid: int) -> int:
 def describe(got: dict[str, Any]) -> str:
     """One round's figures on one line."""
     return (
-        f"connect {got['connect_s']:.2f} s ({got['connect_cpu_s']:.2f} s CPU), "
+        f"connect {got['connect_s']:.2f} s ({got['connect_cpu_s']:.2f} s CPU, "
+        f"system {got.get('connect_sys_s', 0):.2f}), "
         f"p50 {got['p50_s'] * 1000:.0f} ms, p99 {got['p99_s'] * 1000:.0f} ms, "
         f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change "
         f"(user {got['user_per_change_s'] * 1000:.0f}, system {got['sys_per_change_s'] * 1000:.0f}), "

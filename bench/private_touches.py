@@ -17,6 +17,9 @@ Cases (NAME):
   their DATA frames (direct.py) against through h2 and grpclib;
 - queue: the same fan-out, responses queued as shared frames and written once per connection and
   batch (fast_writer.queue_message) against each stream's own send;
+- acknowledge: a first request's bytes acknowledged to h2 (its WINDOW_UPDATEs), by the window
+  managers and frames as bytes (GuardedH2Connection.acknowledged) against h2's own
+  acknowledge_received_data;
 - data_to_send: taking h2's output before queueing a message when it holds none (every message
   of a fan-out): a test of h2's private `_data_to_send` first against the public `data_to_send()`.
 
@@ -116,6 +119,33 @@ def open_streams_case(variant: str, n: int) -> Callable[[], None]:
         for i in range(n):
             block = encoder.encode(HEADERS)
             server.receive_data(hyperframe.frame.HeadersFrame(1 + 2 * i, data=block, flags=["END_HEADERS"]).serialize())
+
+    return run
+
+
+def acknowledge_case(variant: str, n: int) -> Callable[[], float]:
+    """n first requests (48 KB each, on streams of their own) acknowledged to h2, their WINDOW_UPDATEs
+    taken: GuardedH2Connection.acknowledged (h2's window managers, `_inbound_flow_control_window_manager`
+    and `_inbound_window_manager`, frames as bytes) against h2's acknowledge_received_data and
+    data_to_send. Returns the CPU of the acknowledgements alone."""
+    _, server = _pair(GuardedH2Connection)
+    encoder = hpack.Encoder()
+    for i in range(n):
+        sid = 1 + 2 * i
+        block = encoder.encode(HEADERS)
+        opening = hyperframe.frame.HeadersFrame(sid, data=block, flags=["END_HEADERS"]).serialize()
+        server.receive_data(opening + hyperframe.frame.DataFrame(sid, data=b"x" * 16_000).serialize() * 3)
+    server.data_to_send()
+
+    def run() -> float:
+        start = time.process_time()
+        for i in range(n):
+            if variant == "touch":
+                server.acknowledged(48_000, 1 + 2 * i)  # type: ignore[attr-defined]
+            else:
+                server.acknowledge_received_data(48_000, 1 + 2 * i)
+                server.data_to_send()
+        return time.process_time() - start
 
     return run
 
@@ -281,6 +311,7 @@ CASES: dict[str, tuple[Callable[[str, int], Callable[[], Any]], int]] = {
     "repr": (repr_case, 200),
     "open_streams": (open_streams_case, 2_000),
     "data_to_send": (data_to_send_case, 200_000),
+    "acknowledge": (acknowledge_case, 2_000),
 }
 
 

@@ -29,6 +29,7 @@ from grpclib import GRPCError
 from grpclib.const import Status
 from grpclib.protocol import AckedData
 
+from .fast_connection import window_update
 from .limits import PartialBudget
 
 if TYPE_CHECKING:
@@ -37,11 +38,6 @@ if TYPE_CHECKING:
 
 
 _PREFIX = struct.Struct(">BL")  # a gRPC message's compressed flag and length
-
-
-def window_update(stream_id: int, increment: int) -> bytes:
-    """A WINDOW_UPDATE frame (type 8, no flags)."""
-    return b"\x00\x00\x04\x08\x00" + stream_id.to_bytes(4, "big") + increment.to_bytes(4, "big")
 
 
 class ReadLimits(Protocol):

@@ -34,9 +34,9 @@ from h2.exceptions import ProtocolError as H2ProtocolError
 from h2.settings import SettingCodes, Settings
 
 from ...observe import clip
-from .direct import EarlyRequest, window_update
+from .direct import EarlyRequest
 from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, TransportReading
-from .fast_connection import Calm, GuardedH2Connection
+from .fast_connection import Calm, GuardedH2Connection, window_update
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
 from .headers import request_problem, trailers_problem

@@ -205,9 +205,7 @@ class FlushingConnection(Connection):
         """grpclib writes the WINDOW_UPDATEs for every read at once: one write per stream as 10,000
         connect (a tenth of their CPU). Here they join the connection's next write, this turn of the loop."""
         if size:
-            h2 = self.h2
-            h2.acknowledge_received_data(size, stream_id)
-            data = h2.data_to_send()
+            data = self.h2.acknowledged(size, stream_id)
             if data:
                 self.queued.pending.append(data)
                 self._flusher.later(self)
