@@ -1,0 +1,100 @@
+"""Connecting streams in one process: eds-server's fast path and the load generator (bench/loadgen.py)
+together, each stream an Envoy's (its HEADERS as Envoy encodes them, a 60 KB Node in its first
+request) answered its first response; the CPU per stream, and the collector's share of it.
+
+    .venv/bin/python bench/connect_cycle.py [--streams 4000] [--connections 4] [--runs 3]
+
+The client's work is in the figure too, the same for any two versions of the server: compare runs
+of one version with another's (another checkout first on PYTHONPATH, run from another directory),
+not with bench/run.py's connect figures, which are the server's alone, over real sockets to other
+processes, with the kernel's part. The collector's share is timed with `gc.callbacks`, with the
+server's collector settings (gc_settings.tune).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen
+import uvloop
+
+from eds_server import gc_settings
+from eds_server.encode import encode_group
+from eds_server.model import Endpoint, Group
+from eds_server.store import Store
+from eds_server.transport import grpc
+from eds_server.transport.h2.limits import ConnectionLimits
+
+NODE = 60_000  # bytes of an Envoy's Node, about
+UNBOUNDED = ConnectionLimits(stream_budget=10**9, pending_streams=10**9, reset_budget=10**9, control_budget=10**9)
+
+
+async def one_run(streams: int, connections: int) -> tuple[float, float, int]:
+    """CPU seconds per stream, the collector's seconds per stream, the collections."""
+    store = Store(encode_group)
+    store.add_source("bench")
+    store.update("bench", {"web": Group("web", tuple(Endpoint("127.0.0.1", 1000 + p) for p in range(1000)))})
+    service = grpc.EdsService(store, send_timeout=5)
+    server = grpc.make_server(
+        service,
+        max_streams_per_connection=streams,
+        keepalive_time=30,
+        keepalive_timeout=10,
+        max_message_size=1 << 20,
+        limits=UNBOUNDED,
+        http2="fast",
+    )
+    await server.start("127.0.0.1", 0)
+    generator = loadgen.Generator(NODE)
+    gc_settings.tune()
+    collecting = {"since": 0.0, "spent": 0.0, "count": 0}
+
+    def timing(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collecting["since"] = time.process_time()
+        else:
+            collecting["spent"] += time.process_time() - collecting["since"]
+            collecting["count"] += 1
+
+    gc.callbacks.append(timing)
+    try:
+        start = time.process_time()
+        await generator.open(server.port, [["web"] * (streams // connections)] * connections, node_every=False)
+        done = await generator.wait({}, 120, {"web": 1})
+        assert done["ok"], done
+        spent = time.process_time() - start
+    finally:
+        gc.callbacks.remove(timing)
+        generator.close()
+        service.stop()
+        server.close()
+        await server.wait_closed()
+    return spent / streams, collecting["spent"] / streams, int(collecting["count"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=4_000)
+    parser.add_argument("--connections", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    per_stream = []
+    for n in range(args.runs):
+        cpu, collector, collections = uvloop.run(one_run(args.streams, args.connections))
+        per_stream.append(cpu)
+        gc_part = f"the collector {collector * 1e6:.1f} us ({collections} collections)"
+        print(f"run {n + 1}: {cpu * 1e6:.1f} us a stream, {gc_part}")
+    median = statistics.median(per_stream) * 1e6
+    print(f"median {median:.1f} us a stream ({args.streams} streams, {args.connections} connections)")
+
+
+if __name__ == "__main__":
+    main()
