@@ -436,7 +436,7 @@ class StreamSession(SessionDriver):
             # stream needs grpclib again (its end, a reset): then on as above.
             await io.read_direct(self._on_message)
 
-    def _on_message(self, data: bytes, first: bool = False) -> None:
+    def _on_message(self, data: bytes | memoryview, first: bool = False) -> None:
         self.receive(data, first)
         # An ACK with nothing new to send wakes no one (one task switch per stream per change saved)
         if self.sm.wants_poll:

@@ -46,15 +46,15 @@ class StreamKind:
     """What differs between a StreamEndpoints and a DeltaEndpoints call."""
 
     name: str
-    decode: Callable[[bytes, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
+    decode: Callable[[bytes | memoryview, int], tuple[Any, memoryview | None]]  # (bytes, max names) -> (request, node)
     machine: Callable[[Resources, SubscriptionLimits, Nonces], Machine]
     encode: Callable[[Any, wire.Responses], bytes]  # the state machine's response -> wire bytes
     version: Callable[[Any], str]  # the response's version
     # (machine, request bytes) -> the names a plain ACK settled, or None (nothing done: `receive` reads it)
-    ack: Callable[[Any, bytes], tuple[str, ...] | None] | None = None
+    ack: Callable[[Any, bytes | memoryview], tuple[str, ...] | None] | None = None
 
 
-def sotw_ack(sm: SotwStream, data: bytes) -> tuple[str, ...] | None:
+def sotw_ack(sm: SotwStream, data: bytes | memoryview) -> tuple[str, ...] | None:
     """A request that is, byte for byte, the plain ACK of the one-resource response in flight
     (`wire.plain_ack`), settled without a decode: a bytes comparison instead of a parse, a Request
     and the general `receive`. None for anything else, which is read the usual way."""
@@ -84,7 +84,9 @@ DELTA = StreamKind(
 
 
 def decode_request(
-    decode: Callable[[bytes, int], tuple[Any, memoryview | None]], data: bytes, limits: SubscriptionLimits
+    decode: Callable[[bytes | memoryview, int], tuple[Any, memoryview | None]],
+    data: bytes | memoryview,
+    limits: SubscriptionLimits,
 ) -> tuple[Any, memoryview | None]:
     """A request and its raw Node; ProtocolError (INVALID_ARGUMENT, or past a limit) if it cannot be."""
     try:
@@ -188,7 +190,7 @@ class SessionDriver:
         """The store changed `names` (None: anything): the transport also sends what is due."""
         self.sm.changed(names)
 
-    def receive(self, data: bytes, first: bool) -> None:
+    def receive(self, data: bytes | memoryview, first: bool) -> None:
         """One request; raises ProtocolError when the stream must end."""
         observers = self.observers
         observers.request(self)

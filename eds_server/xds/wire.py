@@ -121,7 +121,7 @@ def _too_many(what: str, limit: int) -> ProtocolError:
     return ProtocolError("RESOURCE_EXHAUSTED", f"more than {limit} {what} in one request (limit {limit})")
 
 
-def sotw_request(data: bytes, max_names: int = sys.maxsize) -> tuple[Request, memoryview | None]:
+def sotw_request(data: bytes | memoryview, max_names: int = sys.maxsize) -> tuple[Request, memoryview | None]:
     """A DiscoveryRequest, and its encoded Node if it carries one.
 
     Past `max_names` names, parsing stops at once: a 4 MiB request of tiny names would otherwise cost
@@ -129,7 +129,7 @@ def sotw_request(data: bytes, max_names: int = sys.maxsize) -> tuple[Request, me
     return _sotw_plain(data, max_names) or _sotw_request(data, max_names)
 
 
-def _sotw_plain(data: bytes, max_names: int) -> tuple[Request, memoryview | None] | None:
+def _sotw_plain(data: bytes | memoryview, max_names: int) -> tuple[Request, memoryview | None] | None:
     """The request every ACK is, read in one tight loop: only string and Node fields with one-byte
     keys, well formed, no error_detail, within `max_names`. None for anything else, which the
     general parse reads (or refuses) the same as ever. A third of the cost of an ACK's parse."""
@@ -177,7 +177,7 @@ def _sotw_plain(data: bytes, max_names: int) -> tuple[Request, memoryview | None
     return Request(version, node is not None, tuple(names), type_url, nonce, None), node
 
 
-def _sotw_request(data: bytes, max_names: int) -> tuple[Request, memoryview | None]:
+def _sotw_request(data: bytes | memoryview, max_names: int) -> tuple[Request, memoryview | None]:
     version = type_url = nonce = ""
     names: list[str] = []
     node: memoryview | None = None
@@ -202,7 +202,7 @@ def _sotw_request(data: bytes, max_names: int) -> tuple[Request, memoryview | No
     return request, node
 
 
-def delta_request(data: bytes, max_names: int = sys.maxsize) -> tuple[DeltaRequest, memoryview | None]:
+def delta_request(data: bytes | memoryview, max_names: int = sys.maxsize) -> tuple[DeltaRequest, memoryview | None]:
     """A DeltaDiscoveryRequest, and its encoded Node if it carries one; each list of names (subscribe,
     unsubscribe, initial versions) is refused past `max_names` without reading the rest."""
     type_url = nonce = ""

@@ -43,7 +43,7 @@ class Framed:
 class StreamIO(Protocol):
     """One gRPC call's stream, as the EDS service drives it."""
 
-    async def read(self, first: bool = False) -> bytes | None:
+    async def read(self, first: bool = False) -> bytes | memoryview | None:
         """The next request message; None once the client ended its side."""
 
     async def read_direct(self, on_message: Callable[[bytes], None]) -> None:

@@ -130,9 +130,12 @@ class GuardedH2Connection(H2Connection):
 
     def acknowledged(self, size: int, stream_id: int) -> bytes:
         """h2's acknowledge_received_data, its WINDOW_UPDATEs returned as bytes: the same windows'
-        own rule (each manager's process_bytes) decides the grants, with no frame objects built
-        (measured: a hyperframe frame built and serialized per grant was most of a first request's
-        acknowledgement)."""
+        own rule (each manager's process_bytes) decides the grants, with no hyperframe frame built
+        (0.94 against 3.81 us: bench/private_touches.py acknowledge). Unlike h2's, a stream it no
+        longer knows still has the connection's grant written. The frames join the connection's
+        next write ahead of output h2 holds then: WINDOW_UPDATEs may go in any order."""
+        if stream_id <= 0:
+            raise ValueError(f"Stream ID {stream_id} is not valid for acknowledged")
         if size < 0:
             raise ValueError(f"Cannot acknowledge negative data, got {size}")
         frames = b""

@@ -238,7 +238,7 @@ class FastIO:
         self._flusher = flusher
         self._headers = headers
 
-    async def read(self, first: bool = False) -> bytes | None:
+    async def read(self, first: bool = False) -> bytes | memoryview | None:
         data: bytes | None = await self._reader.read(self.stream, bytes, first=first)
         return data
 

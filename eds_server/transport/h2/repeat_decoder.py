@@ -7,13 +7,14 @@ is never added to it. hpack decodes those bytes against the same table to the sa
 remembered with the table it was decoded against and what it decoded to: the same bytes against
 the same table and limits get the same list back without decoding. Pure: hpack's public API only.
 
-The table is known unchanged from two things: its newest entry, compared by identity (every field
-added is a new tuple at the front, and the one remembered here is held, so no other object can take
-its place: equal fields added anew are another table), and its length (only a resize removes
-without adding, and it shortens the table). A block that changed the table is remembered with the
-table before it, which never comes back. The limits a block is checked against (our SETTINGS) are
-part of what must match. Nothing over `MAX_KEPT` bytes is remembered: a connection holds at most
-that much for it.
+The table is known unchanged from three things: its newest entry, compared by identity (every
+field added is a new tuple at the front, and the one remembered here is held, so no other object can
+take its place: equal fields added anew are another table), its length (only a resize removes
+without adding, and it shortens the table) and its size limit (a field added that is larger than
+the limit empties the table and leaves it as it was, empty: the same block under a larger limit
+adds it). A block that changed the table is remembered with the table before it, which never comes
+back. The limits a block is checked against (our SETTINGS) are part of what must match. Nothing
+over `MAX_KEPT` bytes is remembered: a connection holds at most that much for it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class RepeatDecoder(Decoder):
     def _table(self, raw: bool) -> tuple[object, tuple[object, ...]]:
         """What decoding a block depends on besides its bytes: the newest entry (compared by
         identity) and the rest."""
-        entries = self.header_table.dynamic_entries
+        table = self.header_table
+        entries = table.dynamic_entries
         newest = entries[0] if entries else None
-        return newest, (len(entries), self.max_allowed_table_size, self.max_header_list_size, raw)
+        return newest, (len(entries), table.maxsize, self.max_allowed_table_size, self.max_header_list_size, raw)
 
     def decode(self, data: bytes, raw: bool = False) -> Iterable[HeaderTuple]:
         newest, rest = self._table(raw)

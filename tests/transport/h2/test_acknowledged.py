@@ -93,6 +93,8 @@ def test_a_stream_h2_no_longer_knows_has_its_bytes_granted_on_the_connection_onl
     assert len(frames) == 13 and frames[3] == 8 and frames[5:9] == bytes(4)  # one WINDOW_UPDATE, stream 0
 
 
-def test_a_negative_size_is_refused_as_h2_refuses_it() -> None:
+def test_a_negative_size_or_the_connections_id_is_refused_as_h2_refuses_them() -> None:
     with pytest.raises(ValueError, match="negative"):
         server().acknowledged(-1, 1)
+    with pytest.raises(ValueError, match="not valid"):
+        server().acknowledged(1, 0)

@@ -97,6 +97,16 @@ def test_a_resize_that_evicts_makes_a_new_table() -> None:
     assert (ours.repeats, errors) == (0, 1)
 
 
+def test_a_field_too_large_for_the_table_is_added_once_the_table_has_room() -> None:
+    """A field larger than the table's limit empties it and leaves it as it was (empty); the same
+    block after the limit was raised (in a block too long to be remembered) adds the field, which
+    the next block reads at index 62. Found in review: the limit was not part of what must match."""
+    field = added("a", "v" * 100)  # 133 bytes in a table
+    raise_limit = size_update(150) + not_indexed("x", "y" * MAX_KEPT)
+    ours, errors = both([size_update(100), field, raise_limit, field, indexed(62)])
+    assert (ours.repeats, errors) == (0, 0)
+
+
 def test_a_lower_limit_on_the_header_list_applies_to_a_repeated_block() -> None:
     def lower(decoder: hpack.Decoder) -> None:
         decoder.max_header_list_size = 100
