@@ -274,7 +274,7 @@ def _fanout(variant: str, n: int, touch: str) -> Callable[[], float]:
             direct, queue = fast_reader.MessageReader.direct, fast_server.queue_message
             if variant != "touch" and touch == "direct":
 
-                async def never(self: object, stream: object, on_message: object) -> None:
+                def never(self: object, stream: object, on_message: object) -> None:
                     return None
 
                 fast_reader.MessageReader.direct = never  # type: ignore[assignment,method-assign]

@@ -8,16 +8,22 @@ gives every stream one for its incoming data, which the fast path's streams most
 Same behaviour: `wait()` returns True once set (at once if set already), `set()` wakes every waiter,
 `clear()` lets the next `wait()` block; the queue is unbounded, first in first out, and a `get()`
 cancelled after a `put_nowait()` woke it passes the wake-up on, as asyncio's does.
+
+And `NO_CONTEXT`, for a done callback that reads no context variable: asyncio otherwise keeps a
+copy of the current context with each callback, one more object a stream for as long as it waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+NO_CONTEXT = contextvars.Context()  # empty, shared: callbacks given it read no context variable
 
 
 class LeanEvent:

@@ -22,7 +22,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 
 from ..encoded import Resource
-from ..events import LeanEvent
+from ..events import NO_CONTEXT, LeanEvent
 from ..heap import HeapTrim
 from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
@@ -380,7 +380,9 @@ class StreamSession(SessionDriver):
         self.io = io
         self.state = _SENDING  # until run() starts: what comes due is left to it
         self._wake = LeanEvent()  # the task has work: a response, the reader's end, CLOSED
-        self._reader: asyncio.Task[None] | None = None
+        # what reads the client's requests: a task while they go through grpclib, the direct
+        # reader's future while they are read from their DATA frames (no task waits on it)
+        self._reader: asyncio.Future[None] | None = None
         self._handed: tuple[Framed, Iterable[Resource]] | None = None  # taken from the machine, not queued
 
     def on_change(self, names: frozenset[str] | None) -> None:
@@ -422,8 +424,7 @@ class StreamSession(SessionDriver):
         elif state is _SENDING:
             self._wake.set()
 
-    async def read(self) -> None:
-        first = True
+    async def read(self, first: bool = True) -> None:
         io = self.io
         while True:
             data = await io.read(first=first)
@@ -433,8 +434,24 @@ class StreamSession(SessionDriver):
             del data  # not kept while idle: a request may carry a 60 KB Node
             first = False
             # Further requests are read straight from their DATA frames, as they arrive, until the
-            # stream needs grpclib again (its end, a reset): then on as above.
-            await io.read_direct(self._on_message)
+            # stream needs grpclib again (its end, a reset): this task ends, and the direct reader's
+            # future stands for it (a task, its coroutines and its context less a stream).
+            direct = io.read_direct(self._on_message)
+            if direct is not None:
+                self._reader = direct
+                direct.add_done_callback(self._direct_done, context=NO_CONTEXT)
+                return
+
+    def _direct_done(self, direct: asyncio.Future[None]) -> None:
+        """The direct reader ended: failed (the task finds out), or the stream needs grpclib again,
+        read on by a new reader task."""
+        if direct is not self._reader or direct.cancelled():
+            return  # the call is over
+        if direct.exception() is None:
+            reader = self._reader = asyncio.create_task(self.read(first=False))
+            reader.add_done_callback(self._reader_done)
+            return
+        self._reader_done(direct)
 
     def _on_message(self, data: bytes | memoryview, first: bool = False) -> None:
         self.receive(data, first)
@@ -444,8 +461,8 @@ class StreamSession(SessionDriver):
 
     async def run(self) -> None:
         """The stream's task: sends what it is handed, until CLOSED or the reader ends."""
-        reader = self._reader = asyncio.create_task(self.read())
-        reader.add_done_callback(self._reader_done)
+        self._reader = asyncio.create_task(self.read())
+        self._reader.add_done_callback(self._reader_done)
         wake = self._wake
         try:
             while True:
@@ -457,9 +474,12 @@ class StreamSession(SessionDriver):
                 if self.state is _CLOSED or self.service.stopping:
                     return
                 self._move(SendStep.WAKE)
+                reader: asyncio.Future[None] | None = self._reader  # the task, or the direct reader's future
+                assert reader is not None
                 ended = reader.done()
                 if ended and (failure := _failure(reader)) is not None:
                     raise failure
+                reader = None  # not held while waiting: a reader task that handed over has ended
                 if self._handed is not None:
                     handed, self._handed = self._handed, None
                     await self._send(*handed)
@@ -470,17 +490,22 @@ class StreamSession(SessionDriver):
                     return  # the client ended its side (after the answer already due, if any)
         finally:
             self._move(SendStep.END)
-            reader.cancel()
-            if reader.done() and not reader.cancelled():
-                reader.exception()  # retrieved: raised above, or moot once the call ends
+            reader = self._reader
+            if reader is not None:
+                reader.cancel()
+                if reader.done() and not reader.cancelled():
+                    reader.exception()  # retrieved: raised above, or moot once the call ends
             # A failed or cancelled reader keeps its error, whose traceback holds the frames that
             # hold this session (and, raised here, this frame too): no reference back to the task,
             # so the stream's objects go as the call ends, not at the collector's next full pass.
             self._reader = self._handed = None
-            reader = failure = None  # type: ignore[assignment]
+            reader = failure = None
 
-    def _reader_done(self, _: asyncio.Task[None]) -> None:
-        """The reader ended (the client's side closed, or it failed): the task finds out which."""
+    def _reader_done(self, reader: asyncio.Future[None]) -> None:
+        """The reader ended (the client's side closed, or it failed): the task finds out which. A
+        reader task that handed the stream to the direct reader ended too: nothing to tell."""
+        if reader is not self._reader:
+            return
         self._move(SendStep.HAND_OVER)
         self._wake.set()
 
@@ -497,7 +522,7 @@ class StreamSession(SessionDriver):
         self.service.observers.responded(self, resources)
 
 
-def _failure(reader: asyncio.Task[None]) -> BaseException | None:
+def _failure(reader: asyncio.Future[None]) -> BaseException | None:
     """What a finished reader failed with, as the call should end."""
     exc = reader.exception()
     if isinstance(exc, ProtocolError):

@@ -46,9 +46,10 @@ class StreamIO(Protocol):
     async def read(self, first: bool = False) -> bytes | memoryview | None:
         """The next request message; None once the client ended its side."""
 
-    async def read_direct(self, on_message: Callable[[bytes], None]) -> None:
+    def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
         """Give further messages to `on_message` as they arrive, until the stream needs `read`
-        again (returns at once where the path cannot do this); raises what ended the stream."""
+        again: the future is done then (its exception what ended the stream), and cancelling it
+        stops the reading. None where the path cannot do this now: `read` on."""
 
     def ready(self) -> bool:
         """A message can be queued now, without waiting (headers sent, transport not paused)."""

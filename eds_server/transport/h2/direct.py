@@ -173,6 +173,9 @@ class DirectReader:
             self.unacked = 0
         self._release()
 
+    def left(self, _: asyncio.Future[None]) -> None:
+        self.leave()
+
     def fail(self, exc: BaseException) -> None:
         """End the direct path with `exc`, raised where the session waits on it."""
         self.leave()
@@ -181,7 +184,7 @@ class DirectReader:
             self.done.set_exception(exc)
 
     def call_ended(self) -> None:
-        """Nothing: the call's read (MessageReader.direct) let go of it as the call ended."""
+        """Nothing: the call's end cancels its future (MessageReader.direct), which lets go of it."""
 
     def fall_back(self) -> None:
         """Hand the stream back to grpclib, with the bytes of a message begun in front of its buffer."""

@@ -18,7 +18,7 @@ from grpclib import GRPCError
 from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 
-from ...events import LeanQueue
+from ...events import NO_CONTEXT, LeanQueue
 from .base import PassThroughCodec
 from .direct import DirectReader, EarlyRequest
 from .fast_writer import guarded_h2
@@ -55,25 +55,27 @@ class MessageReader:
             codec=self.codec,
         )
 
-    async def direct(self, stream: grpclib.server.Stream[Any, Any], on_message: Callable[[bytes], None]) -> None:
+    def direct(
+        self, stream: grpclib.server.Stream[Any, Any], on_message: Callable[[bytes], None]
+    ) -> asyncio.Future[None] | None:
         """Give the stream's further messages to `on_message` as their DATA frames arrive (direct.py),
-        until the stream needs grpclib again (returns: read on with `read`); raises what ended it.
-        Returns at once where that cannot be done (not our h2 connection, data already buffered)."""
+        until the stream needs grpclib again: the future returned is done then (read on with
+        `read`), or fails with what ended the stream; cancelled (the call is over), the reading
+        stops. None where that cannot be done (not our h2 connection, data already buffered).
+        No task waits meanwhile: a stream's reader task ends here (grpc.StreamSession.read)."""
         raw = stream._stream
         h2 = guarded_h2(raw)
         buffer = raw.buffer
         if h2 is None or raw.id is None or raw.id in h2.direct:
-            return
+            return None
         if buffer._eof or buffer._acked_size or not buffer._unacked.empty() or raw.id not in h2.streams:
-            return
+            return None
         if h2.incoming_buffer._data:  # h2 holds a frame begun, maybe this stream's: it must read it
-            return
+            return None
         reader = DirectReader(raw, on_message, self, grant_at=max(1, h2.local_settings.initial_window_size // 2))
         h2.direct[raw.id] = reader
-        try:
-            await reader.done
-        finally:
-            reader.leave()  # if cancelled: the call is over
+        reader.done.add_done_callback(reader.left, context=NO_CONTEXT)  # however it ends: cancelled, the call is over
+        return reader.done
 
 
 def _buffered(buffer: grpclib.protocol.Buffer, size: int) -> bool:

@@ -242,8 +242,8 @@ class FastIO:
         data: bytes | None = await self._reader.read(self.stream, bytes, first=first)
         return data
 
-    async def read_direct(self, on_message: Callable[[bytes], None]) -> None:
-        await self._reader.direct(self.stream, on_message)
+    def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
+        return self._reader.direct(self.stream, on_message)
 
     def ready(self) -> bool:
         stream = self.stream

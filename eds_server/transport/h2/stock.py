@@ -71,7 +71,7 @@ class StockIO:
         data: bytes | None = await self.stream.recv_message()
         return data
 
-    async def read_direct(self, on_message: Callable[[bytes], None]) -> None:
+    def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
         return None
 
     def ready(self) -> bool:

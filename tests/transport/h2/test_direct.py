@@ -76,6 +76,12 @@ async def test_sotw_acks_are_read_directly_and_responses_keep_flowing() -> None:
         assert reader_of(service, "a") is reader  # never left the direct path...
         assert reader is not None and reader.messages == 41  # ...and read every ACK
         assert service.counters.nacks == 0 and service.counters.responses == 41
+        assert reader_tasks() == []  # no task waits on the direct reader: its future stands for it
+
+
+def reader_tasks() -> list[asyncio.Task[object]]:
+    """The streams' reader tasks (StreamSession.read) alive now."""
+    return [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == "StreamSession.read"]
 
 
 # 2. Messages cut across DATA frames and TCP writes, and several in one frame
@@ -336,6 +342,7 @@ async def test_falling_back_and_returning_keeps_the_stream_window(
             expected.append(back)
             await wait_for(lambda: len(handled("a")) == count + 1, timeout=WAIT, what=f"round {round_}")  # noqa: B023
             await wait_for(lambda: reader_of(service, "a") not in (None, reader), timeout=WAIT)  # noqa: B023  # direct again
+            await wait_for(lambda: reader_tasks() == [], timeout=WAIT)  # the task that read through grpclib ended
         assert handled("a")[2:] == expected
 
 
