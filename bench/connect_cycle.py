@@ -25,36 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen
 import uvloop
+from in_process import serving
 
 from eds_server import gc_settings
-from eds_server.encode import encode_group
 from eds_server.model import Endpoint, Group
-from eds_server.store import Store
-from eds_server.transport import grpc
-from eds_server.transport.h2.limits import ConnectionLimits
 
 NODE = 60_000  # bytes of an Envoy's Node, about
-UNBOUNDED = ConnectionLimits(stream_budget=10**9, pending_streams=10**9, reset_budget=10**9, control_budget=10**9)
 
 
 async def one_run(streams: int, connections: int) -> tuple[float, float, int]:
     """CPU seconds per stream, the collector's seconds per stream, the collections."""
-    store = Store(encode_group)
-    store.add_source("bench")
-    store.update("bench", {"web": Group("web", tuple(Endpoint("127.0.0.1", 1000 + p) for p in range(1000)))})
-    service = grpc.EdsService(store, send_timeout=5)
-    server = grpc.make_server(
-        service,
-        max_streams_per_connection=streams,
-        keepalive_time=30,
-        keepalive_timeout=10,
-        max_message_size=1 << 20,
-        limits=UNBOUNDED,
-        http2="fast",
-    )
-    await server.start("127.0.0.1", 0)
-    generator = loadgen.Generator(NODE)
-    gc_settings.tune()
+    group = Group("web", tuple(Endpoint("127.0.0.1", 1000 + p) for p in range(1000)))
     collecting = {"since": 0.0, "spent": 0.0, "count": 0}
 
     def timing(phase: str, info: dict[str, Any]) -> None:
@@ -64,19 +45,19 @@ async def one_run(streams: int, connections: int) -> tuple[float, float, int]:
             collecting["spent"] += time.process_time() - collecting["since"]
             collecting["count"] += 1
 
-    gc.callbacks.append(timing)
-    try:
-        start = time.process_time()
-        await generator.open(server.port, [["web"] * (streams // connections)] * connections, node_every=False)
-        done = await generator.wait({}, 120, {"web": 1})
-        assert done["ok"], done
-        spent = time.process_time() - start
-    finally:
-        gc.callbacks.remove(timing)
-        generator.close()
-        service.stop()
-        server.close()
-        await server.wait_closed()
+    async with serving(group, streams) as (_store, port):
+        generator = loadgen.Generator(NODE)
+        gc_settings.tune()
+        gc.callbacks.append(timing)
+        try:
+            start = time.process_time()
+            await generator.open(port, [["web"] * (streams // connections)] * connections, node_every=False)
+            done = await generator.wait({}, 120, {"web": 1})
+            assert done["ok"], done
+            spent = time.process_time() - start
+        finally:
+            gc.callbacks.remove(timing)
+            generator.close()
     return spent / streams, collecting["spent"] / streams, int(collecting["count"])
 
 

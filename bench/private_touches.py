@@ -47,8 +47,10 @@ import hyperframe.frame
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from in_process import UNBOUNDED
+
 from eds_server.transport.h2.fast_connection import GuardedH2Connection, short_frame_reprs
-from eds_server.transport.h2.limits import ConnectionLimits, PeerBudgets
+from eds_server.transport.h2.limits import PeerBudgets
 
 PATH = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
 HEADERS = [
@@ -59,7 +61,6 @@ HEADERS = [
     ("content-type", "application/grpc"),
     ("te", "trailers"),
 ]
-BIG_LIMITS = ConnectionLimits(stream_budget=10**9, pending_streams=10**9, reset_budget=10**9, control_budget=10**9)
 
 
 Connection = h2.connection.H2Connection
@@ -71,7 +72,7 @@ def _pair(server_class: type[Connection]) -> tuple[Connection, Connection]:
     if server_class is h2.connection.H2Connection:
         server = h2.connection.H2Connection(config)
     else:
-        server = server_class(config, PeerBudgets(BIG_LIMITS), BIG_LIMITS)  # type: ignore[call-arg]
+        server = server_class(config, PeerBudgets(UNBOUNDED), UNBOUNDED)  # type: ignore[call-arg]
     server.local_settings = h2.settings.Settings(
         client=False, initial_values={h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 1 << 20}
     )
@@ -181,43 +182,25 @@ def headers_case(variant: str, n: int) -> Callable[[], None]:
     import asyncio
 
     import loadgen
+    from in_process import serving
 
-    from eds_server.encode import encode_group
     from eds_server.model import Endpoint, Group
-    from eds_server.store import Store
-    from eds_server.transport import grpc
     from eds_server.transport.h2 import fast_server
 
     def run() -> None:
         async def main() -> None:
-            store = Store(encode_group)
-            store.add_source("bench")
-            store.update("bench", {"web": Group("web", (Endpoint("127.0.0.1", 8080),))})
-            service = grpc.EdsService(store, send_timeout=5)
-            server = grpc.make_server(
-                service,
-                max_streams_per_connection=n,
-                keepalive_time=30,
-                keepalive_timeout=10,
-                max_message_size=1 << 20,
-                limits=BIG_LIMITS,
-                http2="fast",
-            )
-            await server.start("127.0.0.1", 0)
-            queue = fast_server.queue_initial_headers
-            if variant != "touch":
-                fast_server.queue_initial_headers = lambda stream, headers: False  # type: ignore[assignment]
-            generator = loadgen.Generator(2_000)
-            try:
-                await generator.open(server.port, [["web"] * (n // 4)] * 4, node_every=False)
-                done = await generator.wait({}, 60, {"web": 1})
-                assert done["ok"], done
-            finally:
-                fast_server.queue_initial_headers = queue
-                generator.close()
-                service.stop()
-                server.close()
-                await server.wait_closed()
+            async with serving(Group("web", (Endpoint("127.0.0.1", 8080),)), n) as (_store, port):
+                queue = fast_server.queue_initial_headers
+                if variant != "touch":
+                    fast_server.queue_initial_headers = lambda stream, headers: False  # type: ignore[assignment]
+                generator = loadgen.Generator(2_000)
+                try:
+                    await generator.open(port, [["web"] * (n // 4)] * 4, node_every=False)
+                    done = await generator.wait({}, 60, {"web": 1})
+                    assert done["ok"], done
+                finally:
+                    fast_server.queue_initial_headers = queue
+                    generator.close()
 
         asyncio.run(main())
 
@@ -243,11 +226,9 @@ def _fanout(variant: str, n: int, touch: str) -> Callable[[], float]:
     import asyncio
 
     import loadgen
+    from in_process import serving
 
-    from eds_server.encode import encode_group
     from eds_server.model import Endpoint, Group
-    from eds_server.store import Store
-    from eds_server.transport import grpc
     from eds_server.transport.h2 import fast_reader, fast_server
 
     streams = 1_000
@@ -257,46 +238,30 @@ def _fanout(variant: str, n: int, touch: str) -> Callable[[], float]:
 
     def run() -> float:
         async def main() -> float:
-            store = Store(encode_group)
-            store.add_source("bench")
-            store.update("bench", {"web": group(0)})
-            service = grpc.EdsService(store, send_timeout=5)
-            server = grpc.make_server(
-                service,
-                max_streams_per_connection=streams,
-                keepalive_time=30,
-                keepalive_timeout=10,
-                max_message_size=1 << 20,
-                limits=BIG_LIMITS,
-                http2="fast",
-            )
-            await server.start("127.0.0.1", 0)
-            direct, queue = fast_reader.MessageReader.direct, fast_server.queue_message
-            if variant != "touch" and touch == "direct":
+            async with serving(group(0), streams) as (store, port):
+                direct, queue = fast_reader.MessageReader.direct, fast_server.queue_message
+                if variant != "touch" and touch == "direct":
 
-                def never(self: object, stream: object, on_message: object) -> None:
-                    return None
+                    def never(self: object, stream: object, on_message: object) -> None:
+                        return None
 
-                fast_reader.MessageReader.direct = never  # type: ignore[assignment,method-assign]
-            elif variant != "touch":
-                fast_server.queue_message = lambda stream, message: False  # type: ignore[assignment]
-            generator = loadgen.Generator(2_000)
-            try:
-                await generator.open(server.port, [["web"] * (streams // 4)] * 4, node_every=False)
-                assert (await generator.wait({}, 60, {"web": 1}))["ok"]
-                start = time.process_time()
-                for i in range(1, n + 1):
-                    store.update("bench", {"web": group(i)})
-                    done = await generator.wait({}, 60, {"web": i + 1})
-                    assert done["ok"], done
-                spent = time.process_time() - start
-            finally:
-                fast_reader.MessageReader.direct = direct  # type: ignore[method-assign]
-                fast_server.queue_message = queue
-                generator.close()
-                service.stop()
-                server.close()
-                await server.wait_closed()
+                    fast_reader.MessageReader.direct = never  # type: ignore[assignment,method-assign]
+                elif variant != "touch":
+                    fast_server.queue_message = lambda stream, message: False  # type: ignore[assignment]
+                generator = loadgen.Generator(2_000)
+                try:
+                    await generator.open(port, [["web"] * (streams // 4)] * 4, node_every=False)
+                    assert (await generator.wait({}, 60, {"web": 1}))["ok"]
+                    start = time.process_time()
+                    for i in range(1, n + 1):
+                        store.update("bench", {"web": group(i)})
+                        done = await generator.wait({}, 60, {"web": i + 1})
+                        assert done["ok"], done
+                    spent = time.process_time() - start
+                finally:
+                    fast_reader.MessageReader.direct = direct  # type: ignore[method-assign]
+                    fast_server.queue_message = queue
+                    generator.close()
             return spent
 
         return asyncio.run(main())
