@@ -310,7 +310,7 @@ def describe(got: dict[str, Any]) -> str:
     """One round's figures on one line."""
     return (
         f"connect {got['connect_s']:.2f} s ({got['connect_cpu_s']:.2f} s CPU, "
-        f"system {got.get('connect_sys_s', 0):.2f}), "
+        f"system {got['connect_sys_s']:.2f}), "
         f"p50 {got['p50_s'] * 1000:.0f} ms, p99 {got['p99_s'] * 1000:.0f} ms, "
         f"{got['cpu_per_change_s'] * 1000:.0f} ms CPU/change "
         f"(user {got['user_per_change_s'] * 1000:.0f}, system {got['sys_per_change_s'] * 1000:.0f}), "

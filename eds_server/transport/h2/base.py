@@ -68,7 +68,8 @@ class StreamIO(Protocol):
 
 
 class PassThroughCodec(CodecBase):
-    """Protobuf codec that sends `bytes` as they are and can leave requests undecoded."""
+    """Protobuf codec that sends `bytes` as they are and can leave requests undecoded (a request read
+    as a view of its frames stays one: no copy of an Envoy's 60 KB Node)."""
 
     __content_subtype__ = "proto"
 
@@ -77,7 +78,7 @@ class PassThroughCodec(CodecBase):
             return message
         return bytes(cast(betterproto2.Message, message))
 
-    def decode(self, data: bytes, message_type: Any) -> Any:
+    def decode(self, data: bytes | memoryview, message_type: Any) -> Any:
         if message_type is bytes:
             return data
         try:

@@ -34,7 +34,7 @@ class MessageReader:
     max_size: int = 4 * 1024 * 1024
     timeout: float | None = None  # first message of a stream; every message's body
     budget: PartialBudget | None = None
-    codec: CodecBase = field(default_factory=PassThroughCodec)  # the server's: requests decoded as its handlers'
+    codec: PassThroughCodec = field(default_factory=PassThroughCodec)  # the server's: requests decoded as its handlers'
 
     async def read(self, stream: grpclib.server.Stream[Any, Any], message_type: Any, first: bool = False) -> Any:
         if first:
@@ -44,7 +44,7 @@ class MessageReader:
             if isinstance(early, EarlyRequest):
                 message = early.message()  # else it is in grpclib's buffer now: read below
                 if message is not None:  # a view of the joined request (60 KB from Envoy), not a copy
-                    return message if message_type is bytes else self.codec.decode(bytes(message), message_type)
+                    return self.codec.decode(message, message_type)
         return await recv_limited(
             stream,
             message_type,
