@@ -406,7 +406,7 @@ class StreamSession(SessionDriver):
             if self.service.stopping:
                 self.end()  # it takes no more changes: as on shutdown
                 return
-            reader = self._reader
+            reader: asyncio.Future[None] | None = self._reader
             if self.io.ready() and reader is not None and not reader.done():
                 response = self.sm.poll()
                 if response is None:
@@ -474,12 +474,9 @@ class StreamSession(SessionDriver):
                 if self.state is _CLOSED or self.service.stopping:
                     return
                 self._move(SendStep.WAKE)
-                reader: asyncio.Future[None] | None = self._reader  # the task, or the direct reader's future
-                assert reader is not None
-                ended = reader.done()
-                if ended and (failure := _failure(reader)) is not None:
+                ended, failure = _ended(self._reader)  # the task, or the direct reader's future
+                if failure is not None:
                     raise failure
-                reader = None  # not held while waiting: a reader task that handed over has ended
                 if self._handed is not None:
                     handed, self._handed = self._handed, None
                     await self._send(*handed)
@@ -490,7 +487,7 @@ class StreamSession(SessionDriver):
                     return  # the client ended its side (after the answer already due, if any)
         finally:
             self._move(SendStep.END)
-            reader = self._reader
+            reader: asyncio.Future[None] | None = self._reader
             if reader is not None:
                 reader.cancel()
                 if reader.done() and not reader.cancelled():
@@ -522,12 +519,14 @@ class StreamSession(SessionDriver):
         self.service.observers.responded(self, resources)
 
 
-def _failure(reader: asyncio.Future[None]) -> BaseException | None:
-    """What a finished reader failed with, as the call should end."""
+def _ended(reader: asyncio.Future[None] | None) -> tuple[bool, BaseException | None]:
+    """Whether the reader has ended, and what it failed with, as the call should end."""
+    if reader is None or not reader.done():
+        return False, None
     exc = reader.exception()
     if isinstance(exc, ProtocolError):
-        return GRPCError(Status[exc.status], exc.message)
-    return exc
+        return True, GRPCError(Status[exc.status], exc.message)
+    return True, exc
 
 
 class _HeapTrimOnChurn(StreamObserver):
