@@ -468,8 +468,9 @@ class StreamSession(SessionDriver):
             while True:
                 if self.state is _CLOSED:
                     return
-                self._move(SendStep.WAIT)
-                await wake.wait()
+                if not wake.is_set():  # else work came due while this task was at work: on at once
+                    self._move(SendStep.WAIT)
+                    await wake.wait()
                 wake.clear()
                 if self.state is _CLOSED or self.service.stopping:
                     return

@@ -13,7 +13,7 @@ import pytest
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 from eds_server.pb.google.rpc import Status as RpcStatus
 from eds_server.xds.common import EDS_TYPE_URL
-from tests.support.h2_client import WINDOW_UPDATE, Client, ack, data, first_request, frame, grpc
+from tests.support.h2_client import END_STREAM, WINDOW_UPDATE, Client, ack, data, first_request, frame, grpc
 from tests.support.memory_io import MODES, MemoryServer, memory_server
 from tests.support.waiting import wait_for
 
@@ -160,3 +160,20 @@ async def test_a_reader_that_stops_is_dropped_and_holds_up_no_one(server: Memory
         assert await slow.until(lambda: slow.status(s_sid) is not None)
         assert slow.status(s_sid) == UNAVAILABLE and len(slow.messages[s_sid]) == 1
     assert server.service.counters.dropped == len(dropped)
+
+
+async def test_a_client_that_ends_its_side_while_a_response_waits_gets_it_and_status_ok(server: MemoryServer) -> None:
+    """The client half-closes while a response waits on its window: the reader's end comes due
+    while the stream's task is at work. The response still goes out once the window opens, and the
+    call ends with status OK (Envoy keeps its endpoints). The task used to wait on work already
+    due, a move its table forbids: the call ended UNKNOWN."""
+    tight = await server.client(window=1000)
+    sid, _ = await subscribed(tight, "tight", "web")
+    server.update(*range(1, 101))  # some 3 KB: waits on the window
+    await tight.ping()
+    await tight.send(data(sid, b"", END_STREAM))
+    await tight.ping()
+    await tight.send(frame(WINDOW_UPDATE, 0, sid, (1 << 20).to_bytes(4, "big")))
+    assert len((await tight.response(sid, 2)).resources) == 1
+    assert await tight.until(lambda: tight.status(sid) is not None)
+    assert tight.status(sid) == 0
