@@ -442,14 +442,36 @@ class StreamSession(SessionDriver):
                 direct.add_done_callback(self._direct_done, context=NO_CONTEXT)
                 return
 
+    def _start_reading(self) -> None:
+        """Read the first request here if it is here already (an Envoy's comes with the stream's
+        HEADERS), and read on directly: then no reader task is ever made, and its first response
+        is this task's to send. Else a reader task reads it (and what follows) as it comes."""
+        data = self.io.first_request()
+        if data is None:
+            self._read_in_task(first=True)
+            return
+        direct = self.io.read_direct(self._on_message)
+        if direct is None:
+            self._read_in_task(first=False)
+        else:
+            self._reader = direct
+            direct.add_done_callback(self._direct_done, context=NO_CONTEXT)
+        try:
+            self._on_message(data, True)
+        except ProtocolError as e:  # as a reader task's failure ends the call (_ended)
+            raise GRPCError(Status[e.status], e.message) from None
+
+    def _read_in_task(self, first: bool) -> None:
+        reader = self._reader = asyncio.create_task(self.read(first=first))
+        reader.add_done_callback(self._reader_done)
+
     def _direct_done(self, direct: asyncio.Future[None]) -> None:
         """The direct reader ended: failed (the task finds out), or the stream needs grpclib again,
         read on by a new reader task."""
         if direct is not self._reader or direct.cancelled():
             return  # the call is over
         if direct.exception() is None:
-            reader = self._reader = asyncio.create_task(self.read(first=False))
-            reader.add_done_callback(self._reader_done)
+            self._read_in_task(first=False)
             return
         self._reader_done(direct)
 
@@ -461,10 +483,9 @@ class StreamSession(SessionDriver):
 
     async def run(self) -> None:
         """The stream's task: sends what it is handed, until CLOSED or the reader ends."""
-        self._reader = asyncio.create_task(self.read())
-        self._reader.add_done_callback(self._reader_done)
         wake = self._wake
         try:
+            self._start_reading()
             while True:
                 if self.state is _CLOSED:
                     return

@@ -46,6 +46,10 @@ class StreamIO(Protocol):
     async def read(self, first: bool = False) -> bytes | memoryview | None:
         """The next request message; None once the client ended its side."""
 
+    def first_request(self) -> bytes | memoryview | None:
+        """The stream's first request if it is here whole already (an Envoy sends it with the
+        stream's HEADERS), taken without waiting; None: `read(first=True)` reads it."""
+
     def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
         """Give further messages to `on_message` as they arrive, until the stream needs `read`
         again: the future is done then (its exception what ended the stream), and cancelling it

@@ -36,15 +36,23 @@ class MessageReader:
     budget: PartialBudget | None = None
     codec: PassThroughCodec = field(default_factory=PassThroughCodec)  # the server's: requests decoded as its handlers'
 
+    def early(self, stream: grpclib.server.Stream[Any, Any], message_type: Any) -> Any:
+        """The stream's first request, if it was joined from its DATA frames whole (EarlyRequest),
+        as a view (60 KB from Envoy, not copied); None: it is in grpclib's buffer, or to come."""
+        raw = stream._stream
+        h2 = guarded_h2(raw)
+        early = h2.direct.get(raw.id) if h2 is not None and raw.id is not None else None
+        if isinstance(early, EarlyRequest):
+            message = early.message()  # else it is in grpclib's buffer now, to be read as usual
+            if message is not None:
+                return self.codec.decode(message, message_type)
+        return None
+
     async def read(self, stream: grpclib.server.Stream[Any, Any], message_type: Any, first: bool = False) -> Any:
         if first:
-            raw = stream._stream
-            h2 = guarded_h2(raw)
-            early = h2.direct.get(raw.id) if h2 is not None and raw.id is not None else None
-            if isinstance(early, EarlyRequest):
-                message = early.message()  # else it is in grpclib's buffer now: read below
-                if message is not None:  # a view of the joined request (60 KB from Envoy), not a copy
-                    return self.codec.decode(message, message_type)
+            message = self.early(stream, message_type)
+            if message is not None:
+                return message
         return await recv_limited(
             stream,
             message_type,

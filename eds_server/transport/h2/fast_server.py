@@ -242,6 +242,9 @@ class FastIO:
         data: bytes | None = await self._reader.read(self.stream, bytes, first=first)
         return data
 
+    def first_request(self) -> bytes | memoryview | None:
+        return self._reader.early(self.stream, bytes)
+
     def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
         return self._reader.direct(self.stream, on_message)
 

@@ -71,6 +71,9 @@ class StockIO:
         data: bytes | None = await self.stream.recv_message()
         return data
 
+    def first_request(self) -> bytes | None:
+        return None
+
     def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
         return None
 

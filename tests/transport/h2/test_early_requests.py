@@ -9,8 +9,9 @@ session received, in order. Nothing measures time; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -46,6 +47,23 @@ def big_first_request(node: str, size: int = 60_000) -> DiscoveryRequest:
     )
 
 
+@contextlib.contextmanager
+def tasks_made() -> Iterator[list[str]]:
+    """The qualified names of the coroutines of every task made meanwhile on the running loop."""
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(factory)
+    try:
+        yield made
+    finally:
+        loop.set_task_factory(None)
+
+
 def frames_of(sid: int, message: bytes, size: int = 16_384) -> bytes:
     return b"".join(data(sid, message[i : i + size]) for i in range(0, len(message), size))
 
@@ -53,16 +71,19 @@ def frames_of(sid: int, message: bytes, size: int = 16_384) -> bytes:
 async def test_first_flights_of_many_streams_are_read_past_h2(handled: Callable[[str], list[bytes]]) -> None:
     """Twenty streams, each its HEADERS and a 60 KB first request in four DATA frames, in one write
     (as an Envoy starts): every first request is taken whole, every stream answered, then ACKs go
-    the direct way."""
+    the direct way. No stream ever made a reader task: its call's task reads the first request
+    there and then, and the direct reader reads the rest."""
     async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         flight, sids = b"", []
         for i in range(20):
             sid, opening = client.new_stream()
             sids.append(sid)
             flight += opening + frames_of(sid, grpc(big_first_request(f"n{i}")))
-        await client.send(flight)
-        for sid in sids:
-            await client.response(sid, 1)
+        with tasks_made() as made:
+            await client.send(flight)
+            for sid in sids:
+                await client.response(sid, 1)
+        assert made.count("request_handler") == 20 and "StreamSession.read" not in made
         h2 = h2_of(service)
         assert (h2.early_taken, h2.early_returned) == (20, 0)
         for i in range(20):
