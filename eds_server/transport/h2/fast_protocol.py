@@ -118,7 +118,7 @@ class FastProtocol(TransportReading, H2Protocol):
         if self._input is not None:
             self._input.feed(data)
 
-    def _process(self, data: bytes) -> bool:
+    def _process(self, data: bytes | memoryview) -> bool:
         """One slice of input; False once the connection is being closed."""
         if self._peer_budgets is None or self._dead:
             return False  # refused or closing
@@ -337,7 +337,7 @@ class FastProtocol(TransportReading, H2Protocol):
         if stream is not None and not stream.closed:  # the client may have reset it already
             h2.reset_stream(sid, code)
 
-    def _split(self, h2: GuardedH2Connection, data: bytes) -> None:
+    def _split(self, h2: GuardedH2Connection, data: bytes | memoryview) -> None:
         """Cut the input into frames: plain DATA frames of direct streams go to their DirectReader,
         runs of every other frame to h2, in order. Any other frame on a direct stream that changes
         its state (HEADERS, RST_STREAM, DATA with END_STREAM or padding) hands the stream back to
@@ -351,7 +351,7 @@ class FastProtocol(TransportReading, H2Protocol):
                 # a frame still incomplete: appended, not copied again (held is a bytearray)
                 cast(bytearray, held).extend(data)
                 return
-            buf: bytes | bytearray = held + data
+            buf: bytes | bytearray | memoryview = held + data
         else:
             buf = data
         self._held = b""

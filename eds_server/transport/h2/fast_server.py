@@ -243,7 +243,8 @@ class FastIO:
         return data
 
     def first_request(self) -> bytes | memoryview | None:
-        return self._reader.early(self.stream, bytes)
+        data: bytes | memoryview | None = self._reader.early(self.stream, bytes)
+        return data
 
     def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
         return self._reader.direct(self.stream, on_message)

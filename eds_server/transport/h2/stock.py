@@ -375,7 +375,7 @@ class GuardedProtocol(TransportReading, asyncio.Protocol):
         if self._input is not None:
             self._input.feed(data)
 
-    def _process(self, data: bytes) -> bool:
+    def _process(self, data: bytes | memoryview) -> bool:
         """One slice of input; False once the connection is being closed."""
         if self._dead:
             return False
