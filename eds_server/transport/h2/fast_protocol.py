@@ -39,7 +39,7 @@ from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, Transpo
 from .fast_connection import Calm, GuardedH2Connection, window_update
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
-from .headers import request_problem, trailers_problem
+from .headers import RequestCheck, trailers_problem
 from .keepalive import Keepalive, unsent
 from .limits import Gate, PeerBudgets
 from .overload import STREAM_MEMORY
@@ -240,7 +240,7 @@ class FastProtocol(TransportReading, H2Protocol):
                         f"{h2.peer.pending} of its streams await a request",
                     )
                     continue
-                problem = request_problem(request.headers)  # type: ignore[arg-type]  # str: header_encoding
+                problem = self._request_check(request.headers)  # type: ignore[arg-type]  # str: header_encoding
                 if problem is not None:
                     self._refuse(h2, sid, ErrorCodes.PROTOCOL_ERROR, "bad_headers", problem)
                     h2.no_request(sid)
@@ -558,6 +558,7 @@ class FastProtocol(TransportReading, H2Protocol):
         h2_conn.on_calm = self._calm
         h2_conn.on_active = self._active
         h2_conn.on_shed = self._shed
+        self._request_check = RequestCheck()
         self._guard = FrameGuard(
             max_frame_size=MAX_INBOUND_FRAME,
             max_header_block=self.gate.limits.max_header_block,

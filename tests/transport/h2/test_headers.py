@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eds_server.transport.h2.headers import request_problem, trailers_problem
+from eds_server.transport.h2 import headers as headers_module
+from eds_server.transport.h2.headers import RequestCheck, request_problem, trailers_problem
 
 GOOD = [
     (":method", "POST"),
@@ -44,6 +45,30 @@ def test_a_grpc_request_passes() -> None:
 def test_malformed_requests_are_named(headers: list[tuple[str, str]], why: str) -> None:
     problem = request_problem(headers)
     assert problem is not None and why in problem
+
+
+def test_a_connection_checks_a_repeated_header_list_once_and_every_other_one_fully(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection's check remembers the last list it passed: the same fields again (an Envoy's
+    every stream) are not checked again; anything else is, a malformed list always, and a list
+    that passed once does not let a malformed one through after it."""
+    checked: list[object] = []
+
+    def counted(fields: object) -> str | None:
+        checked.append(fields)
+        return request_problem(fields)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(headers_module, "request_problem", counted)
+    check = RequestCheck()
+    bad = [*GOOD, ("x-a", "b\r\nc")]
+    assert [check(list(GOOD)) for _ in range(5)] == [None] * 5 and len(checked) == 1
+    for _ in range(3):
+        assert check(bad) is not None
+    assert len(checked) == 4  # a refusal is never remembered
+    other = [*GOOD, ("x-b", "1")]
+    assert check(other) is None and check(GOOD) is None and len(checked) == 6  # only the last is remembered
+    assert check([*GOOD[:5], ("te", "gzip")]) is not None
 
 
 def test_trailers_hold_no_pseudo_headers() -> None:
