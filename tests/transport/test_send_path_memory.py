@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import grpclib.server
 import pytest
 
 from eds_server.pb.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
@@ -177,3 +178,24 @@ async def test_a_client_that_ends_its_side_while_a_response_waits_gets_it_and_st
     assert len((await tight.response(sid, 2)).resources) == 1
     assert await tight.until(lambda: tight.status(sid) is not None)
     assert tight.status(sid) == 0
+
+
+async def test_a_connection_of_many_calls_is_not_walked_for_each_new_one(
+    server: MemoryServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Envoy opens one call per EDS cluster on one connection (thousands). grpclib's handler
+    walks every call it holds on every tenth new one (quadratic); ours drops each call as it ends,
+    and walks none."""
+    walks: list[int] = []
+    walk = grpclib.server.Handler.__gc_collect__
+
+    def counted(handler: grpclib.server.Handler) -> None:
+        walks.append(len(handler._tasks))
+        walk(handler)
+
+    monkeypatch.setattr(grpclib.server.Handler, "__gc_collect__", counted)
+    client = await server.client()
+    sids = [await client.request(first_request(f"n{i}", "web")) for i in range(100)]
+    for sid in sids:
+        await client.response(sid, 1)
+    assert len(server.service.sessions) == 100 and walks == []
