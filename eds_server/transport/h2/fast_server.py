@@ -171,7 +171,7 @@ class Server(grpclib.server.Server):
 
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
-        mine = FastProtocol(releasing(self, protocol.handler), protocol.config, protocol.h2_config)
+        mine = FastProtocol(releasing(self, protocol.handler, plain=True), protocol.config, protocol.h2_config)
         mine.gate = self.gate
         mine.flusher = self.flusher
         mine.open = self.open  # joined once admitted (a failed TLS handshake never is, nor ever leaves)

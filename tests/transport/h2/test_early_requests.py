@@ -83,7 +83,8 @@ async def test_first_flights_of_many_streams_are_read_past_h2(handled: Callable[
             await client.send(flight)
             for sid in sids:
                 await client.response(sid, 1)
-        assert made.count("request_handler") == 20 and "StreamSession.read" not in made
+        calls = [name for name in made if name.startswith("ReleasingHandler.")]  # (the client's own are the rest)
+        assert len(calls) == 20 and "StreamSession.read" not in made
         h2 = h2_of(service)
         assert (h2.early_taken, h2.early_returned) == (20, 0)
         for i in range(20):
