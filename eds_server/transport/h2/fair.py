@@ -29,7 +29,7 @@ import math
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Container
+from collections.abc import Callable, Collection, Container, Iterator
 from typing import Protocol
 
 SLICE_FRAMES = 32  # whole frames handed on at once: ~1.5 ms of HEADERS through h2, the costliest kind
@@ -95,7 +95,7 @@ class FrameCutter:
         self.frames = max(SLICE_FRAMES, min(SLICE_MAX_FRAMES, fit, 2 * self.frames))
         self.most = SLICE_BYTES if self.frames == SLICE_FRAMES else SLICE_MAX_BYTES
 
-    def cut(self, buf: bytes | bytearray, start: int) -> int:
+    def cut(self, buf: bytes | bytearray | memoryview, start: int) -> int:
         """The end of the next slice of `buf[start:]`: `start` when nothing can go yet."""
         end = len(buf)
         pos = start
@@ -168,11 +168,17 @@ class AddressCost:
 
 class MeteredInput:
     """One connection's input: held, cut into slices of whole frames, each handed to `process`
-    when the scheduler says so. `process` returns False once the connection is being closed."""
+    when the scheduler says so. `process` returns False once the connection is being closed.
+
+    What is held is kept as it came, the transport's own (immutable) reads, never copied into a
+    buffer of ours: each slice is a view of one read. Only a frame header split across two reads
+    is joined, with the rest of the read after it; a frame split across reads is handed on in two
+    parts (as when its second part has not come yet), which the layers below join."""
 
     __slots__ = (
         "_arrivals",
-        "_buf",
+        "_chunks",
+        "_held",
         "_in",
         "_out",
         "_pos",
@@ -199,8 +205,9 @@ class MeteredInput:
         self.reader = reader
         self.process = process
         self.cutter = FrameCutter()
-        self._buf = bytearray()
-        self._pos = 0
+        self._chunks: list[memoryview] = []  # reads held, oldest first (views of immutable bytes)
+        self._pos = 0  # in the first of them: what is before was handed on
+        self._held = 0
         self.queued = False  # in the scheduler's queue (its reading paused)
         self.waiting = False  # reading paused by the scheduler
         self.dead = False
@@ -214,7 +221,7 @@ class MeteredInput:
     @property
     def held(self) -> int:
         """Bytes received, not yet handed on."""
-        return len(self._buf) - self._pos
+        return self._held
 
     def feed(self, data: bytes) -> None:
         """New input from the transport: what may run now runs, the rest is held (and queued)."""
@@ -252,17 +259,9 @@ class MeteredInput:
         scheduler.check_watermark()
 
     def _keep(self, data: bytes | memoryview) -> None:
-        """Hold `data` after what is held: in the same buffer, moved up in place, or in a new one
-        if a slice handed on (a view of this buffer) is still alive somewhere (it cannot be resized
-        then): whatever holds the view keeps its bytes as they were."""
-        try:
-            if self._pos:
-                del self._buf[: self._pos]
-                self._pos = 0
-            self._buf += data
-        except BufferError:
-            self._buf = self._buf[self._pos :] + data
-            self._pos = 0
+        """Hold `data` after what is held: the read itself (or a view of it), not a copy."""
+        self._chunks.append(data if isinstance(data, memoryview) else memoryview(data))
+        self._held += len(data)
 
     def _runnable(self) -> bool:
         """Whether what is held can be handed on (a frame header's worth, or a frame's remainder)."""
@@ -271,25 +270,50 @@ class MeteredInput:
 
     def step(self) -> bool:
         """Hand on the next slice (measured and charged); True if more could run now."""
-        buf, start = self._buf, self._pos
-        end = self.cutter.cut(buf, start)
-        if end == start:
+        chunks = self._chunks
+        if not chunks:
             return False
-        # A view, not a copy (60 KB of an Envoy's first request, copied once more for nothing):
-        # what the layers below keep of it they copy, and the view ends with this call
-        chunk = memoryview(buf)[start:end]
-        self._pos = end
-        self.scheduler.held -= end - start
-        self._out += end - start
+        while True:
+            first, start = chunks[0], self._pos
+            end = self.cutter.cut(first, start)
+            if end > start:
+                break
+            if len(chunks) < 2:  # a frame header begun: the rest of it is still to come
+                return False
+            # a frame header begun at the end of this read: that frame joined (its header and as
+            # much of its payload as the next read holds), the next read's rest left as it is
+            tail, after = first[start:], chunks[1]
+            self._pos = 0
+            need = 9 - len(tail)
+            if len(after) < need:  # a read shorter than the header's rest
+                chunks[1] = memoryview(b"".join((tail, after)))
+                del chunks[0]
+                continue
+            header = b"".join((tail, after[:need]))
+            taken = min(len(after), need + (_LENGTH.unpack_from(header)[0] >> 8))
+            chunks[0] = memoryview(b"".join((tail, after[:taken])))
+            if taken < len(after):
+                chunks[1] = after[taken:]
+            else:
+                del chunks[1]
+        # a view of the read, not a copy (60 KB of an Envoy's first request): what the layers
+        # below keep of it they copy
+        chunk = first[start:end]
+        if end == len(first):
+            del chunks[0]
+            self._pos = 0
+        else:
+            self._pos = end
+        size = end - start
+        self._held -= size
+        self.scheduler.held -= size
+        self._out += size
         arrivals = self._arrivals
         if arrivals is not None:
             while arrivals and arrivals[0][0] <= self._out:
                 arrivals.popleft()
             if not arrivals:
                 self._arrivals = None
-        if end == len(buf):
-            self._buf = bytearray()
-            self._pos = 0
         self.scheduler.run(self, chunk)
         return not self.dead and self._runnable()
 
@@ -314,19 +338,45 @@ class MeteredInput:
         queued). A flood of HEADERS queues HEADERS, not requests: its streams are found in none."""
         if not self.queued or not count:
             return 0
-        buf, end = self._buf, len(self._buf)
-        pos = self._pos + self.cutter.inside  # a frame's rest first: its header was read already
+        frames = self._frames_held()
         found: set[int] = set()
         for _ in range(most):
-            if end - pos < 9:
+            header = next(frames, None)
+            if header is None:
                 break
-            high, low, ftype, _, sid = _HEADER.unpack_from(buf, pos)
+            _, _, ftype, _, sid = _HEADER.unpack(header)
             if ftype == 0 and sid in streams:  # DATA (a reserved bit set matches no stream)
                 found.add(sid)
                 if len(found) == count:
                     break
-            pos += 9 + (high << 8 | low)
         return len(found)
+
+    def _frames_held(self) -> Iterator[bytes | memoryview]:
+        """The header of each whole frame header held, in order, across the reads held (a frame's
+        rest first: its header was read already)."""
+        skip = self._pos + self.cutter.inside
+        carry = b""  # a header begun at the end of one read
+        for chunk in self._chunks:
+            pos, end = skip, len(chunk)
+            if carry:
+                need = 9 - len(carry)
+                if end < need:
+                    carry += bytes(chunk)
+                    skip = 0
+                    continue
+                header = carry + bytes(chunk[:need])
+                carry = b""
+                yield header
+                pos = need + (_LENGTH.unpack_from(header)[0] >> 8)
+            while end - pos >= 9:
+                yield chunk[pos : pos + 9]
+                pos += 9 + (_LENGTH.unpack_from(chunk, pos)[0] >> 8)
+            if pos < end:
+                carry = bytes(chunk[pos:])
+                skip = 0
+            else:
+                skip = pos - end  # into the reads after this one
+        return
 
     def charge(self, seconds: float) -> None:
         """Work this input caused that runs later (a stream's handler): charged now, to the turn
@@ -339,8 +389,8 @@ class MeteredInput:
         if not self.dead:
             self.dead = True
             self.scheduler.held -= self.held
-            self._buf = bytearray()
-            self._pos = 0
+            self._chunks.clear()
+            self._held = self._pos = 0
             self._arrivals = None
 
 
