@@ -166,6 +166,9 @@ class AddressCost:
         self.value = self.now(t) + seconds
 
 
+PIN_RATIO = 8  # a held part of a read smaller than 1/PIN_RATIO of it is copied, not the read kept
+
+
 class MeteredInput:
     """One connection's input: held, cut into slices of whole frames, each handed to `process`
     when the scheduler says so. `process` returns False once the connection is being closed.
@@ -259,9 +262,13 @@ class MeteredInput:
         scheduler.check_watermark()
 
     def _keep(self, data: bytes | memoryview) -> None:
-        """Hold `data` after what is held: the read itself (or a view of it), not a copy."""
-        self._chunks.append(data if isinstance(data, memoryview) else memoryview(data))
-        self._held += len(data)
+        """Hold `data` after what is held: the read itself (or a view of it), not a copy, unless it
+        is a small part of its read (what is held keeps at most PIN_RATIO times its size alive)."""
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if len(view) * PIN_RATIO < len(view.obj):  # type: ignore[arg-type]  # a read: bytes
+            view = memoryview(bytes(view))
+        self._chunks.append(view)
+        self._held += len(view)
 
     def _runnable(self) -> bool:
         """Whether what is held can be handed on (a frame header's worth, or a frame's remainder)."""
@@ -301,6 +308,9 @@ class MeteredInput:
         chunk = first[start:end]
         if end == len(first):
             del chunks[0]
+            self._pos = 0
+        elif len(chunks) == 1 and len(first) - end < 9:  # a frame header begun, waiting on the
+            chunks[0] = memoryview(bytes(first[end:]))  # client: its bytes, not its whole read
             self._pos = 0
         else:
             self._pos = end

@@ -164,6 +164,34 @@ def test_held_input_is_handed_on_as_views_of_the_reads_themselves() -> None:
     assert conn.received == sent and scheduler.held == 0
 
 
+def test_a_frame_header_begun_keeps_its_bytes_not_its_read() -> None:
+    """A read that ends in the first bytes of a frame header, the client then silent: what is held
+    is those bytes, copied, not a view keeping the whole read alive (at most PIN_RATIO times what is
+    held is kept alive), whether the read ran at once or waited its turn."""
+    scheduler, clock, loop = setup()
+    conn = Conn(scheduler, clock, AddressCost(), cost=1e-10)  # cheap: every slice within the turn
+    body = b"".join(frame(DATA, 0, 1, b"d" * 16_000) for _ in range(6))
+    begun = frame(PING, 0, 0, b"12345678")[:5]
+    conn.input.feed(body + begun)  # runs at once, a slice at a time
+    assert conn.input.held == 5 and [len(c.obj) for c in conn.input._chunks] == [5]  # type: ignore[arg-type]
+    assert conn.received == body
+
+    one = Conn(scheduler, clock, AddressCost(), cost=1e-10)
+    one.input.feed(frame(DATA, 0, 1, b"d" * 1_000) + begun)  # one slice, and the header begun
+    assert one.input.held == 5 and [len(c.obj) for c in one.input._chunks] == [5]  # type: ignore[arg-type]
+
+    queued = Conn(scheduler, clock, AddressCost(), cost=1e-6)
+    queued.input.feed(headers(10_000))  # more than a turn: the rest waits its turn
+    assert queued.input.queued
+    queued.input.feed(body + begun)
+    for _ in range(10_000):
+        if not loop.ready:
+            break
+        loop.turn()
+    assert queued.received == headers(10_000) + body
+    assert queued.input.held == 5 and [len(c.obj) for c in queued.input._chunks] == [5]  # type: ignore[arg-type]
+
+
 def requests_in(held: bytes, skip: int, streams: set[int], most: int) -> int:
     """What MeteredInput.requests_for answers, from what it holds joined into one buffer."""
     found: set[int] = set()
