@@ -344,17 +344,29 @@ class FastProtocol(TransportReading, H2Protocol):
         h2 before h2 reads it. h2 gets whole frames only, so its own buffer stays empty between
         calls; until it is (the preface, a frame begun before the first stream went direct),
         everything goes through h2."""
-        incoming = h2.incoming_buffer
         held = self._held
         if held:
-            if len(held) >= 9 and len(held) + len(data) < 9 + int.from_bytes(held[:3], "big"):
+            have = len(held) + len(data)
+            head = bytes(held[:9]) if len(held) >= 9 else bytes(held) + bytes(data[: 9 - len(held)])
+            if len(head) < 9 or have < 9 + int.from_bytes(head[:3], "big"):
                 # a frame still incomplete: appended, not copied again (held is a bytearray)
                 cast(bytearray, held).extend(data)
                 return
-            buf: bytes | bytearray | memoryview = held + data
-        else:
-            buf = data
-        self._held = b""
+            # the frame begun, completed from the start of this input on its own: the rest of the
+            # input after it is not copied to put the frame's first part in front of it
+            take = 9 + int.from_bytes(head[:3], "big") - len(held)
+            self._held = b""
+            view = memoryview(data)
+            self._split_whole(h2, held + view[:take])
+            if take == len(data) or self._closed():
+                return
+            data = view[take:]
+        self._split_whole(h2, data)
+
+    def _split_whole(self, h2: GuardedH2Connection, buf: bytes | bytearray | memoryview) -> None:
+        """`_split` of input that begins with a frame's start (the rest of a frame begun before is
+        in front of it already)."""
+        incoming = h2.incoming_buffer
         if incoming._preamble_len or incoming._data:
             if self._feed(h2, buf):
                 self.connection.flush()
