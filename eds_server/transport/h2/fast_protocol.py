@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import socket
 import struct
 from typing import Any, cast
@@ -39,7 +40,7 @@ from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, Transpo
 from .fast_connection import Calm, GuardedH2Connection, window_update
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
-from .headers import RequestCheck, trailers_problem
+from .headers import HeaderText, RequestCheck, trailers_problem
 from .keepalive import Keepalive, unsent
 from .limits import Gate, PeerBudgets
 from .overload import STREAM_MEMORY
@@ -221,6 +222,13 @@ class FastProtocol(TransportReading, H2Protocol):
             self._protocol_error(h2, "a header that is not ASCII")
             return False
         self.connection.flush()
+        try:
+            for event in events:
+                if type(event) is RequestReceived or type(event) is TrailersReceived:
+                    event.headers = self._header_text(event.headers)  # type: ignore[assignment]
+        except UnicodeDecodeError:  # a header name or value that is not ASCII
+            self._protocol_error(h2, "a header that is not ASCII")
+            return False
         processors = getattr(self.processor, "processors", {})
         held = h2.held
         started = 0  # streams handed to grpclib, which starts a handler for each
@@ -566,11 +574,14 @@ class FastProtocol(TransportReading, H2Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as grpclib's own protocol does
-        h2_conn = GuardedH2Connection(self.h2_config, admitted, self.gate.limits)
+        raw_headers = copy.copy(self.h2_config)  # grpclib's, but headers handed on as h2 decoded them:
+        raw_headers.header_encoding = None  # as text here (HeaderText), once while they repeat
+        h2_conn = GuardedH2Connection(raw_headers, admitted, self.gate.limits)
         h2_conn.on_calm = self._calm
         h2_conn.on_active = self._active
         h2_conn.on_shed = self._shed
         self._request_check = RequestCheck()
+        self._header_text = HeaderText()
         self._guard = FrameGuard(
             max_frame_size=MAX_INBOUND_FRAME,
             max_header_block=self.gate.limits.max_header_block,

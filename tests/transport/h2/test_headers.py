@@ -4,9 +4,10 @@ transport/h2/test_attacks.py sends to a real server."""
 from __future__ import annotations
 
 import pytest
+from hpack import HeaderTuple, NeverIndexedHeaderTuple
 
 from eds_server.transport.h2 import headers as headers_module
-from eds_server.transport.h2.headers import RequestCheck, request_problem, trailers_problem
+from eds_server.transport.h2.headers import HeaderText, RequestCheck, request_problem, trailers_problem
 
 GOOD = [
     (":method", "POST"),
@@ -69,6 +70,21 @@ def test_a_connection_checks_a_repeated_header_list_once_and_every_other_one_ful
     other = [*GOOD, ("x-b", "1")]
     assert check(other) is None and check(GOOD) is None and len(checked) == 6  # only the last is remembered
     assert check([*GOOD[:5], ("te", "gzip")]) is not None
+
+
+def test_a_connections_headers_become_text_once_while_they_repeat() -> None:
+    """h2 hands a list of raw fields; it becomes text, each field keeping its tuple type. The same
+    list again (an Envoy's every stream) gets the same tuples, decoded once, in a new list; another
+    list is decoded anew; anything not ASCII raises as h2's own decoding did."""
+    text = HeaderText()
+    raw = [HeaderTuple(b":method", b"POST"), NeverIndexedHeaderTuple(b":path", b"/x.Y/Z")]
+    first, again = text(raw), text(list(raw))
+    assert first == again == [(":method", "POST"), (":path", "/x.Y/Z")]
+    assert first is not again and all(a is b for a, b in zip(first, again, strict=True))
+    assert [type(f) for f in first] == [HeaderTuple, NeverIndexedHeaderTuple]
+    assert text([HeaderTuple(b":method", b"GET")]) == [(":method", "GET")]
+    with pytest.raises(UnicodeDecodeError):
+        text([HeaderTuple(b"x-name", "caf\u00e9".encode())])
 
 
 def test_trailers_hold_no_pseudo_headers() -> None:
