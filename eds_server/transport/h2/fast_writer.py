@@ -180,6 +180,9 @@ class QueuedTransport:
     def is_closing(self) -> bool:  # asked per stream per change: not through __getattr__
         return self._transport.is_closing()
 
+    def get_extra_info(self, name: str, default: Any = None) -> Any:  # asked per new stream (its peer)
+        return self._transport.get_extra_info(name, default)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
