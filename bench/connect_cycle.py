@@ -2,7 +2,7 @@
 together, each stream an Envoy's (its HEADERS as Envoy encodes them, a 60 KB Node in its first
 request) answered its first response; the CPU per stream, and the collector's share of it.
 
-    .venv/bin/python bench/connect_cycle.py [--streams 4000] [--connections 4] [--runs 3]
+    .venv/bin/python bench/connect_cycle.py [--streams 4000] [--connections 4] [--runs 3] [--callgrind]
 
 The client's work is in the figure too, the same for any two versions of the server: compare runs
 of one version with another's (another checkout first on PYTHONPATH, run from another directory),
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,12 +63,44 @@ async def one_run(streams: int, connections: int) -> tuple[float, float, int]:
     return spent / streams, collecting["spent"] / streams, int(collecting["count"])
 
 
+def instructions(streams: int, connections: int) -> int:
+    """Instructions of one run of this script under callgrind (the interpreter's start included)."""
+    out = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            __file__,
+            "--streams",
+            str(streams),
+            "--connections",
+            str(connections),
+            "--runs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    assert found, out.stderr[-2000:]
+    return int(found.group(1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=4_000)
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--callgrind", action="store_true", help="instructions per stream (valgrind)")
     args = parser.parse_args()
+    if args.callgrind:
+        small = instructions(args.streams // 4, max(1, args.connections // 4))
+        big = instructions(args.streams, args.connections)
+        per = (big - small) / (args.streams - args.streams // 4)
+        print(f"{per:,.0f} instructions a stream (streams {args.streams // 4:,} to {args.streams:,})")
+        return
     per_stream = []
     for n in range(args.runs):
         cpu, collector, collections = uvloop.run(one_run(args.streams, args.connections))
