@@ -29,6 +29,7 @@ from grpclib import GRPCError
 from grpclib.const import Status
 from grpclib.protocol import AckedData
 
+from .fair import PIN_RATIO
 from .fast_connection import window_update
 from .limits import PartialBudget
 
@@ -199,13 +200,20 @@ class DirectReader:
             self.done.set_result(None)
 
 
+def _whole(data: bytearray | memoryview) -> bool:
+    """Whether `data` is exactly one uncompressed gRPC message, prefix and all."""
+    return len(data) >= 5 and not data[0] and len(data) == 5 + _PREFIX.unpack_from(data)[1]
+
+
 class EarlyRequest:
     """A stream's first request, read straight from its DATA frames before its handler has run.
 
     An Envoy sends a stream's HEADERS and its first request (a 60 KB Node, four DATA frames)
     together. Through h2 and grpclib each of those frames cost a frame object, h2's flow-control
-    and stream state machines, an event and a buffered read; here they are joined as they come,
-    and the handler's first read takes the whole message. Only that: a message not whole when the
+    and stream state machines, an event and a buffered read; here they are joined as they come (a
+    request in one frame, as an Envoy sends it under our frame size, is kept as it was read: a view
+    of an immutable read, not a copy, unless that would keep more than PIN_RATIO times its size
+    alive), and the handler's first read takes the whole message. Only that: a message not whole when the
     handler reads, or more than one message, or any frame but plain DATA (fast_protocol's split
     hands those to `fall_back`), puts every byte received in front of grpclib's buffer, and the
     stream is read the usual way (size limit, deadlines, partial-message budget) from there.
@@ -224,7 +232,7 @@ class EarlyRequest:
         self.h2: GuardedH2Connection = self.connection.h2
         self.stream_id: int = raw.id
         self._windows = windows  # h2's receive window accounting: the connection's, the stream's
-        self._buf = bytearray()
+        self._buf: bytearray | memoryview = bytearray()
 
     def fits(self, length: int) -> bool:
         """Whether a DATA frame of `length` bytes is within both receive windows (else h2 reads it)."""
@@ -234,13 +242,22 @@ class EarlyRequest:
     def take(self, payload: memoryview) -> None:
         for window in self._windows:  # counted as h2 counts the frames it reads
             window.window_consumed(len(payload))
-        self._buf += payload
+        buf = self._buf
+        if not buf and _whole(payload) and len(payload) * PIN_RATIO >= len(payload.obj):  # type: ignore[arg-type]
+            # the whole request in one frame (an Envoy's: a DATA frame of up to 1 MB), kept as it was
+            # read, not copied: the read is immutable, and at most PIN_RATIO times its size
+            self._buf = payload
+            self.h2.early_kept += 1
+            return
+        if isinstance(buf, memoryview):  # more after a whole request: joined after all
+            self._buf = buf = bytearray(buf)
+        buf += payload
 
     def message(self) -> memoryview | None:
         """The stream's whole first request, taken; None if it is not whole (it is then in grpclib's
         buffer, to be read the usual way)."""
         buf = self._buf
-        if len(buf) >= 5 and not buf[0] and len(buf) == 5 + _PREFIX.unpack_from(buf)[1]:
+        if _whole(buf):
             self._leave()
             self.h2.early_taken += 1
             return memoryview(buf)[5:]
@@ -259,7 +276,7 @@ class EarlyRequest:
         """Its call ended without reading it: what came is granted back, and let go."""
         self._leave()
 
-    def _leave(self, acknowledge: bool = True) -> bytearray:
+    def _leave(self, acknowledge: bool = True) -> bytearray | memoryview:
         if self.h2.direct.get(self.stream_id) is self:
             del self.h2.direct[self.stream_id]
         buf, self._buf = self._buf, bytearray()

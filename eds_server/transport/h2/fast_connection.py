@@ -97,6 +97,7 @@ class GuardedH2Connection(H2Connection):
         self.bad: dict[int, str] = {}  # streams whose headers were malformed, and why (answered PROTOCOL_ERROR)
         self.direct: dict[int, DirectStream] = {}  # streams whose DATA frames skip h2 (direct.py)
         self.early_taken = self.early_returned = 0  # first requests read past h2, or handed back (the tests count)
+        self.early_kept = 0  # of those read past h2, kept as they were read (one frame), not joined
         self.on_calm: Callable[[str], None] | None = None  # ends the connection over a budget, outside a frame
         self.on_active: Callable[[], None] = _nothing  # a stream opened or a request sent: the connection is busy
         self.on_shed: Callable[[str, str, int], None] = _ignore  # refusals (reason, detail, count): counted, logged

@@ -96,6 +96,32 @@ async def test_first_flights_of_many_streams_are_read_past_h2(handled: Callable[
         assert reader is not None and reader.messages == 1  # the direct reader took over
 
 
+async def test_a_first_request_in_one_frame_is_kept_as_read_unless_small_in_its_read(
+    handled: Callable[[str], list[bytes]],
+) -> None:
+    """A request in one DATA frame (an Envoy's, under our 1 MB frame size) is kept as it was read,
+    not joined into a copy; a small one in a big read is copied, so it does not keep that read
+    alive (at most PIN_RATIO times its size). Either way the session gets it whole."""
+    async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
+        flight, sids = b"", []
+        for i in range(4):
+            sid, opening = client.new_stream()
+            sids.append(sid)
+            flight += opening + data(sid, grpc(big_first_request(f"big{i}")))  # 60 KB, one frame
+        for i in range(20):
+            sid, opening = client.new_stream()
+            sids.append(sid)
+            flight += opening + data(sid, grpc(first_request(f"small{i}", "web")))  # tens of bytes
+        await client.send(flight)
+        for sid in sids:
+            await client.response(sid, 1)
+        h2 = h2_of(service)
+        assert (h2.early_taken, h2.early_returned) == (24, 0)
+        assert h2.early_kept == 4  # the big ones; the small ones copied
+        assert all(handled(f"big{i}") == [bytes(big_first_request(f"big{i}"))] for i in range(4))
+        assert all(len(handled(f"small{i}")) == 1 for i in range(20))
+
+
 async def test_a_first_request_not_whole_when_its_handler_reads_is_read_the_usual_way(
     handled: Callable[[str], list[bytes]],
 ) -> None:
