@@ -27,7 +27,7 @@ test: $(STAMP)  ## the whole suite on both HTTP/2 paths, real Envoy included: in
 
 FAST := not (envoy or docker or kubernetes or etcd or browser or hostile or alone)
 
-test-fast: $(STAMP)  ## the inner loop (under a minute): all but real Envoy, Docker, Kubernetes, etcd, Chromium and the attacks, on every core, a fifth of the hypothesis examples
+test-fast: $(STAMP)  ## the inner loop (under two minutes on two cores): all but real Envoy, Docker, Kubernetes, etcd, Chromium and the attacks, on every core, a fifth of the hypothesis examples
 	EDS_HYPOTHESIS_SCALE=$${EDS_HYPOTHESIS_SCALE:-0.2} $(PY) -m pytest -q -n auto -m "$(FAST)"
 
 test-stock: $(STAMP)  ## the stock HTTP/2 path's share of `make test` alone, one test at a time (docs/limits.md)
