@@ -71,8 +71,10 @@ def frames_of(sid: int, message: bytes, size: int = 16_384) -> bytes:
 async def test_first_flights_of_many_streams_are_read_past_h2(handled: Callable[[str], list[bytes]]) -> None:
     """Twenty streams, each its HEADERS and a 60 KB first request in four DATA frames, in one write
     (as an Envoy starts): every first request is taken whole, every stream answered, then ACKs go
-    the direct way. No stream ever made a reader task: its call's task reads the first request
-    there and then, and the direct reader reads the rest."""
+    the direct way. A stream whose request is whole when its call starts makes no reader task: its
+    call's task reads the request there and then, and the direct reader reads the rest. (On a
+    loaded host a call may start between two of its request's frames, the rest of the write still
+    queued: that request is read the usual way, by a reader task. A few may; most may not.)"""
     async with serving(ConnectionLimits()) as (_server, service, port), client_of(port) as client:
         flight, sids = b"", []
         for i in range(20):
@@ -84,9 +86,9 @@ async def test_first_flights_of_many_streams_are_read_past_h2(handled: Callable[
             for sid in sids:
                 await client.response(sid, 1)
         calls = [name for name in made if name.startswith("ReleasingHandler.")]  # (the client's own are the rest)
-        assert len(calls) == 20 and "StreamSession.read" not in made
         h2 = h2_of(service)
-        assert (h2.early_taken, h2.early_returned) == (20, 0)
+        assert h2.early_taken + h2.early_returned == 20 and h2.early_returned <= 5
+        assert len(calls) == 20 and made.count("StreamSession.read") <= 5
         for i in range(20):
             assert handled(f"n{i}") == [bytes(big_first_request(f"n{i}"))]
         assert not [s for s in h2.direct if s not in sids]  # nothing left behind
