@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import in_process
 import loadgen
 import uvloop
 from in_process import serving
@@ -65,27 +64,9 @@ async def one_run(streams: int, connections: int) -> tuple[float, float, int]:
 
 def instructions(streams: int, connections: int) -> int:
     """Instructions of one run of this script under callgrind (the interpreter's start included)."""
-    out = subprocess.run(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
-            sys.executable,
-            __file__,
-            "--streams",
-            str(streams),
-            "--connections",
-            str(connections),
-            "--runs",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    return in_process.instructions(
+        __file__, "--streams", str(streams), "--connections", str(connections), "--runs", "1"
     )
-    found = re.search(r"Collected : (\d+)", out.stderr)
-    assert found, out.stderr[-2000:]
-    return int(found.group(1))
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """eds-server's fast path started in this process, for the benches that run it beside the load
-generator (bench/loadgen.py) in one process: bench/connect_cycle.py and bench/private_touches.py.
+generator (bench/loadgen.py) in one process: bench/connect_cycle.py and bench/private_touches.py;
+and their instruction counts under callgrind.
 
 One source, "bench", holding one group; every per-client limit out of the way (these measure work,
 not refusals); the usual stream settings.
@@ -8,6 +9,9 @@ not refusals); the usual stream settings.
 from __future__ import annotations
 
 import contextlib
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 from eds_server.encode import encode_group
@@ -42,3 +46,17 @@ async def serving(group: Group, max_streams: int) -> AsyncIterator[tuple[Store, 
         service.stop()
         server.close()
         await server.wait_closed()
+
+
+def instructions(script: str, *args: str) -> int:
+    """Instructions of one run of `script` with `args` under valgrind's callgrind (the
+    interpreter's start included: take differences of two runs)."""
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, script, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    assert found, out.stderr[-2000:]
+    return int(found.group(1))

@@ -29,9 +29,7 @@ The results go to private.py's table by hand (the figure per touch).
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +45,7 @@ import hyperframe.frame
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import in_process
 from in_process import UNBOUNDED
 
 from eds_server.transport.h2.fast_connection import GuardedH2Connection, short_frame_reprs
@@ -296,25 +295,7 @@ def timed(name: str, rounds: int) -> tuple[float, float]:
 
 def instructions(name: str, variant: str, n: int) -> int:
     """Instructions of one run of the case under callgrind (setup included: see per_op)."""
-    out = subprocess.run(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
-            sys.executable,
-            __file__,
-            "--one",
-            name,
-            variant,
-            str(n),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    found = re.search(r"Collected : (\d+)", out.stderr)
-    assert found, out.stderr[-2000:]
-    return int(found.group(1))
+    return in_process.instructions(__file__, "--one", name, variant, str(n))
 
 
 def per_op(name: str, variant: str, n: int) -> float:
