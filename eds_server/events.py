@@ -66,6 +66,39 @@ class LeanEvent:
         return f"<LeanEvent [{state}, waiters:{len(self._waiters or ())}]>"
 
 
+class Wake:
+    """A LeanEvent with one waiter, its own task, which checks `is_set` before it waits: it awaits
+    the future `waiter` gives. A stream's task waits on it at every change: no coroutine and no
+    list of waiters a wait, and no list kept while it waits."""
+
+    __slots__ = ("_value", "_waiter")
+
+    def __init__(self) -> None:
+        self._value = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def is_set(self) -> bool:
+        return self._value
+
+    def set(self) -> None:
+        if not self._value:
+            self._value = True
+            waiter = self._waiter
+            if waiter is not None:
+                self._waiter = None
+                if not waiter.done():  # its task cancelled it
+                    waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._value = False
+
+    def waiter(self) -> asyncio.Future[None]:
+        """What to await until `set`; only while unset (else it would wait for the next one)."""
+        assert not self._value
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        return waiter
+
+
 class LeanQueue(Generic[T]):
     """asyncio.Queue's unbounded get/put side (no join, no maxsize): what grpclib's stream buffer uses."""
 

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from ssl import SSLContext
 from typing import Any
@@ -22,7 +22,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 
 from ..encoded import Resource
-from ..events import NO_CONTEXT, LeanEvent
+from ..events import NO_CONTEXT, Wake
 from ..heap import HeapTrim
 from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
@@ -226,33 +226,34 @@ class EdsService:
         """One page of /v1/streams (see StreamRegistry.describe)."""
         return self.sessions.describe(after, limit)
 
-    async def stream_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
+    # Plain functions handing grpclib `_serve`'s coroutine: a coroutine less for every stream to
+    # hold, and to pass through each time its task wakes.
+    def stream_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> Coroutine[Any, Any, None]:
+        return self._serve(stream, SOTW)
+
+    def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> Coroutine[Any, Any, None]:
+        return self._serve(stream, DELTA)
+
+    async def _serve(self, stream: grpclib.server.Stream[bytes, bytes], kind: StreamKind) -> None:
         io = self.open_io(stream)
         async with io.status_in_trailers():
-            await self._serve(StreamSession(self, stream, io, SOTW))
-
-    async def delta_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
-        io = self.open_io(stream)
-        async with io.status_in_trailers():
-            await self._serve(StreamSession(self, stream, io, DELTA))
-
-    async def _serve(self, session: StreamSession) -> None:
-        if self.stopping:
-            raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
-        ip = _ip(session.stream)
-        if not self._room(ip):
-            session.io.refused()
-            raise self._full()
-        self.sessions.add(session)
-        self.addresses.add(ip, 1)
-        self.observers.started(session)
-        try:
-            await session.run()
-        finally:
-            self.sessions.discard(session)
-            self.addresses.add(ip, -1)
-            self.store.unfollow(session.on_change)
-            self.observers.closed(session)
+            if self.stopping:
+                raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
+            session = StreamSession(self, stream, io, kind)
+            ip = _ip(stream)
+            if not self._room(ip):
+                io.refused()
+                raise self._full()
+            self.sessions.add(session)
+            self.addresses.add(ip, 1)
+            self.observers.started(session)
+            try:
+                await session.run()
+            finally:
+                self.sessions.discard(session)
+                self.addresses.add(ip, -1)
+                self.store.unfollow(session.on_change)
+                self.observers.closed(session)
 
     async def fetch_endpoints(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         io = self.open_io(stream)
@@ -372,14 +373,14 @@ class StreamSession(SessionDriver):
             service.nonces,
             service.observers,
             _peer(stream),
-            stream.peer.cert,
+            stream.peer.cert if service.authorize is not None else _no_cert,  # not a bound method a stream
             service.authorize,
         )
         self.service = service
         self.stream = stream
         self.io = io
         self.state = _SENDING  # until run() starts: what comes due is left to it
-        self._wake = LeanEvent()  # the task has work: a response, the reader's end, CLOSED
+        self._wake = Wake()  # the task has work: a response, the reader's end, CLOSED
         # what reads the client's requests: a task while they go through grpclib, the direct
         # reader's future while they are read from their DATA frames (no task waits on it)
         self._reader: asyncio.Future[None] | None = None
@@ -491,7 +492,7 @@ class StreamSession(SessionDriver):
                     return
                 if not wake.is_set():  # else work came due while this task was at work: on at once
                     self._move(SendStep.WAIT)
-                    await wake.wait()
+                    await wake.waiter()
                 wake.clear()
                 if self.state is _CLOSED or self.service.stopping:
                     return
@@ -539,6 +540,10 @@ class StreamSession(SessionDriver):
             self.service.observers.stopped_reading(self)
             raise GRPCError(Status.UNAVAILABLE, "send timed out") from None
         self.service.observers.responded(self, resources)
+
+
+def _no_cert() -> None:
+    """Not asked for: the client's certificate is read only to authorize it."""
 
 
 def _ended(reader: asyncio.Future[None] | None) -> tuple[bool, BaseException | None]:

@@ -12,7 +12,7 @@ doing). The rules first, the code after them.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..encoded import Resource
@@ -126,8 +126,9 @@ class SotwStream(StreamState[Response]):
     # IN_FLIGHT_DROPPED: what stale requests (written before the client read the response in flight)
     # left out of the subscribed names: any of them (`_dropped`), and the latest (`_unwanted`, what
     # the client did not want when it read the response). See `_asked_again`.
-    _dropped: set[str] = field(default_factory=set)
-    _unwanted: set[str] = field(default_factory=set)
+    # Frozen, replaced whole: most streams never drop a name, and share the one empty set.
+    _dropped: frozenset[str] = frozenset()
+    _unwanted: frozenset[str] = frozenset()
 
     def _move(self, step: Step) -> None:
         self.phase = moved(MOVES, self.phase, step, "SotW")
@@ -153,8 +154,8 @@ class SotwStream(StreamState[Response]):
             # none, the client has read every response, so it has no reason to send an old nonce.
             if self.in_flight is not None:
                 listed = set(req.resource_names)
-                self._unwanted = {n for n in self.subscribed if n not in listed}
-                self._dropped |= self._unwanted
+                self._unwanted = frozenset(n for n in self.subscribed if n not in listed)
+                self._dropped = self._dropped | self._unwanted
                 self._move(Step.STALE_DROPPING if self._dropped else Step.STALE)
             return [StaleNonce(req.response_nonce)]
         elif self.in_flight is not None:  # the latest nonce: this answers the response in flight
@@ -215,7 +216,7 @@ class SotwStream(StreamState[Response]):
         if not self._dropped:
             return ()
         dropped, unwanted = self._dropped, self._unwanted
-        self._dropped, self._unwanted = set(), set()
+        self._dropped = self._unwanted = frozenset()
         got = {r.name for r in answered}
         subscribed = self.subscribed
         again = tuple(n for n in wanted if n in dropped and n in subscribed and (n in unwanted or n not in got))

@@ -1,4 +1,5 @@
-"""LeanEvent and LeanQueue behave as asyncio.Event and asyncio.Queue do, at a tenth of the memory while idle."""
+"""LeanEvent and LeanQueue behave as asyncio.Event and asyncio.Queue do, at a tenth of the memory while idle;
+Wake is a LeanEvent for its one waiting task."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import contextlib
 import tracemalloc
 
-from eds_server.events import LeanEvent, LeanQueue
+from eds_server.events import LeanEvent, LeanQueue, Wake
 
 
 async def test_it_wakes_every_waiter_once_set_and_blocks_again_once_cleared() -> None:
@@ -93,3 +94,36 @@ async def test_a_cancelled_get_woken_by_a_put_passes_the_item_on() -> None:
 def test_the_queue_costs_a_tenth_of_an_asyncio_queue() -> None:
     lean, stock = _bytes_each(LeanQueue), _bytes_each(asyncio.Queue)
     assert lean * 10 < stock, (lean, stock)  # measured: ~100 against ~2,700 bytes
+
+
+async def test_a_wake_wakes_its_task_once_set_and_blocks_it_again_once_cleared() -> None:
+    wake = Wake()
+    waiting = asyncio.ensure_future(wake.waiter())
+    await asyncio.sleep(0)
+    assert not waiting.done() and not wake.is_set()
+    wake.set()
+    await waiting
+    assert wake.is_set()
+    wake.set()  # set again: nothing waits, nothing happens
+    wake.clear()
+    again = wake.waiter()
+    await asyncio.sleep(0)
+    assert not again.done()
+    wake.set()
+    await again
+    assert wake._waiter is None  # nothing kept once woken
+
+
+async def test_a_wake_whose_waiter_was_cancelled_sets_without_error() -> None:
+    wake = Wake()
+    task = asyncio.create_task(_wait(wake))
+    await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    wake.set()
+    assert wake.is_set() and wake._waiter is None
+
+
+async def _wait(wake: Wake) -> None:
+    await wake.waiter()

@@ -20,7 +20,7 @@ import struct
 from typing import Any, cast
 
 from grpclib.const import Status
-from grpclib.protocol import EventsProcessor, H2Protocol
+from grpclib.protocol import EventsProcessor, H2Protocol, Stream
 from h2.errors import ErrorCodes
 from h2.events import (
     DataReceived,
@@ -40,6 +40,7 @@ from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, Transpo
 from .fast_connection import Calm, GuardedH2Connection, window_update
 from .fast_writer import Flusher, FlushingConnection
 from .guard import FrameGuard
+from .handlers import ProcessorRelease
 from .headers import HeaderText, RequestCheck, trailers_problem
 from .keepalive import Keepalive, unsent
 from .limits import Gate, PeerBudgets
@@ -73,6 +74,11 @@ class PingCheckingProcessor(EventsProcessor):
             h2.window_before_read = 1
             self.wakes += 1
         super().process_window_updated(event)
+
+    def register(self, stream: Stream) -> ProcessorRelease:
+        assert stream.id is not None
+        self.streams[stream.id] = stream
+        return ProcessorRelease(self, stream)
 
     def process_data_received(self, event: DataReceived) -> None:
         """An empty DATA frame that does not end its stream carries nothing: grpclib's reader would

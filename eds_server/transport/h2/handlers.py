@@ -22,7 +22,6 @@ and deadline parsing, 12-15 us a stream). Touches grpclib internals (private.py 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from grpclib.metadata import decode_metadata
 from grpclib.utils import Wrapper
 from multidict import MultiDict
+
+from ...events import NO_CONTEXT
 
 _Headers = Any  # grpclib's header list
 _grpclib_log = logging.getLogger("grpclib.server")  # a call's errors are logged as grpclib logs them
@@ -60,13 +61,15 @@ class ReleasingHandler(grpclib.server.Handler):
         calls, and an Envoy opens one per EDS cluster on one connection (thousands)."""
 
     def accept(self, stream: grpclib.protocol.Stream, headers: _Headers, release_stream: Callable[[], Any]) -> None:
-        release = Release(release_stream)
+        release = release_stream if isinstance(release_stream, Release) else Release(release_stream)
+        release.handler, release.stream = self, stream
         call = self._plain(headers) if self.plain else None
         if call is None:
             super().accept(stream, headers, release)
         else:
             self._tasks[stream] = self.loop.create_task(self._serve_plain(stream, call, release))
-        self._tasks[stream].add_done_callback(functools.partial(self.ended, stream, release))
+        # `ended` reads no context variable: no copy of the context kept a stream
+        self._tasks[stream].add_done_callback(release, context=NO_CONTEXT)
 
     def _plain(self, headers: _Headers) -> PlainCall | None:
         """The call the headers start, if plain: remembered while the headers repeat (an Envoy's
@@ -195,18 +198,50 @@ class PlainCall:
 
 
 class Release:
-    """grpclib's release_stream, called once: by the call's task as it ends, or after it."""
+    """grpclib's release_stream, called once: by the call's task as it ends, or after it; and the
+    task's done callback (given the task), which ends the call in its handler (`ended`). One object
+    a stream where a partial of a bound method made three."""
 
-    __slots__ = ("done", "release_stream")
+    __slots__ = ("done", "handler", "release_stream", "stream")
 
-    def __init__(self, release_stream: Callable[[], Any]) -> None:
+    handler: ReleasingHandler
+    stream: grpclib.protocol.Stream
+
+    def __init__(self, release_stream: Callable[[], Any] | None = None) -> None:
         self.release_stream = release_stream
         self.done = False
 
-    def __call__(self) -> None:
-        if not self.done:
+    def __call__(self, task: asyncio.Task[None] | None = None) -> None:
+        if task is not None:
+            self.handler.ended(self.stream, self, task)
+        elif not self.done:
             self.done = True
-            self.release_stream()
+            self.release()
+
+    def release(self) -> None:
+        assert self.release_stream is not None
+        self.release_stream()
+
+
+class ProcessorRelease(Release):
+    """grpclib's release_stream (the closure its EventsProcessor.register makes: a function, two
+    cells, a dict and two tuples a stream) as a Release itself, doing what that closure does."""
+
+    __slots__ = ("processor",)
+
+    def __init__(self, processor: grpclib.protocol.EventsProcessor, stream: grpclib.protocol.Stream) -> None:
+        super().__init__()
+        self.processor = processor
+        self.stream = stream
+
+    def release(self) -> None:
+        stream, processor = self.stream, self.processor
+        assert stream.id is not None
+        processor.streams.pop(stream.id)
+        connection = processor.connection
+        connection.stream_close_waiter.set()
+        if not connection.is_closing():
+            connection.ack(stream.id, stream.buffer.unacked_size())
 
 
 def releasing(
