@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import gc
 import logging
 import time
 from collections.abc import Callable
+
+from . import gc_settings
 
 log = logging.getLogger("eds_server.heap")
 
@@ -149,7 +150,7 @@ class HeapTrim:
         started = time.perf_counter()
         new.clear()
         old.clear()
-        found = gc.collect()
+        found = gc_settings.collect()  # the old objects, frozen, too
         log.debug("collected %d objects in %.1f ms before the trim", found, 1e3 * (time.perf_counter() - started))
         self._running = asyncio.get_running_loop().run_in_executor(None, self._trim, 0)  # type: ignore[arg-type]
 

@@ -1,18 +1,117 @@
-"""The collector settings a started server runs with (in a process of its own: they are global)."""
+"""The collector settings a started server runs with (each test in a process of its own: they are
+global): start-up objects frozen, each young collection's survivors frozen so the middle generation
+never walks them again, and the old objects collected by Python's rule for its oldest generation."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
+
+
+def run(code: str) -> list[str]:
+    script = textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+PRELUDE = """
+import asyncio, gc, weakref
+from eds_server import gc_settings
+
+class Node:  # one of a cycle
+    def __init__(self): self.me = self
+"""
 
 
 def test_tune_freezes_the_start_up_objects_and_raises_the_young_threshold() -> None:
-    code = (
-        "import gc\n"
-        "from eds_server import gc_settings\n"
-        "older = gc.get_threshold()[1:]\n"
-        "gc_settings.tune()\n"
-        "print(gc.get_threshold()[0], gc.get_threshold()[1:] == older, gc.get_freeze_count() > 1000)\n"
+    out = run(
+        PRELUDE
+        + """
+async def main():
+    older = gc.get_threshold()[1:]
+    gc_settings.tune()
+    print(gc.get_threshold()[0], gc.get_threshold()[1:] == older, gc.get_freeze_count() > 1000)
+asyncio.run(main())
+"""
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["20000", "True", "True"]
+    assert out == ["20000", "True", "True"]
+
+
+def test_a_young_collections_survivors_are_frozen_and_never_walked_again() -> None:
+    out = run(
+        PRELUDE
+        + """
+async def main():
+    gc_settings.tune()
+    before = gc.get_freeze_count()
+    kept = [[] for _ in range(30_000)]
+    gc.collect(0)
+    print(gc.get_freeze_count() - before >= 30_000, len(gc.get_objects(1)), len(gc.get_objects(2)))
+asyncio.run(main())
+"""
+    )
+    assert out == ["True", "0", "0"]
+
+
+def test_cycles_among_old_objects_are_collected_once_they_grew_a_quarter_after_121_young_collections() -> None:
+    out = run(
+        PRELUDE
+        + """
+async def main():
+    gc_settings.tune()
+    generations = gc_settings.generations
+    cycle = Node()
+    dead = weakref.ref(cycle)
+    gc.collect(0)  # survives, frozen: old
+    del cycle  # garbage in a cycle, among the old objects
+    kept = []
+    grow = int(generations.old * gc_settings.OLD_GROWTH) // 100 + 1
+    for i in range(gc_settings.OLD_AFTER - 2):  # grown enough, not enough young collections yet
+        kept.extend([] for _ in range(grow))
+        gc.collect(0)
+    await asyncio.sleep(0)
+    print(dead() is not None, generations.old_collections)
+    gc.collect(0)
+    await asyncio.sleep(0)  # the old collection, on the loop's next turn
+    print(dead() is None, generations.old_collections, generations.grown, generations.young)
+asyncio.run(main())
+"""
+    )
+    assert out == ["True", "0", "True", "1", "0", "0"]
+
+
+def test_an_old_collection_waits_for_a_quarter_more_old_objects() -> None:
+    out = run(
+        PRELUDE
+        + """
+async def main():
+    gc_settings.tune()
+    generations = gc_settings.generations
+    for i in range(gc_settings.OLD_AFTER * 2):  # young collections, nothing surviving
+        gc.collect(0)
+    await asyncio.sleep(0)
+    print(generations.old_collections, generations.young >= gc_settings.OLD_AFTER * 2)
+asyncio.run(main())
+"""
+    )
+    assert out == ["0", "True"]
+
+
+def test_collect_collects_cycles_among_frozen_objects_and_freezes_what_is_left() -> None:
+    out = run(
+        PRELUDE
+        + """
+async def main():
+    gc_settings.tune()
+    cycle = Node()
+    dead = weakref.ref(cycle)
+    gc.collect(0)
+    del cycle
+    gc.collect()  # Python's own full collection does not see frozen objects
+    print(dead() is not None, gc_settings.collect() >= 1, dead() is None, len(gc.get_objects()) < 100)
+asyncio.run(main())
+"""
+    )
+    assert out == ["True", "True", "True", "True"]

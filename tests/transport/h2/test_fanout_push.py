@@ -378,7 +378,7 @@ async def test_addresses_forgotten_have_the_heap_collected_and_trimmed(monkeypat
         return 0
 
     monkeypatch.setattr(heap, "_take_free_lists", counting_take)
-    monkeypatch.setattr(heap.gc, "collect", counting_collect)
+    monkeypatch.setattr(heap.gc_settings, "collect", counting_collect)
     live = [0]
     trim = heap.HeapTrim(after=16, delay=0.01, live=lambda: live[0])
     if not trim.available:
