@@ -15,7 +15,7 @@ import grpclib.server
 from grpclib import GRPCError
 from grpclib.events import SendInitialMetadata
 from grpclib.metadata import encode_grpc_message
-from grpclib.protocol import Connection
+from grpclib.protocol import Connection, Peer
 from h2.connection import ConnectionInputs, ConnectionState
 from h2.exceptions import StreamClosedError
 from h2.stream import StreamInputs, StreamState
@@ -197,6 +197,11 @@ class FlushingConnection(Connection):
         self.queued = QueuedTransport(transport)
         super().__init__(h2, cast(asyncio.Transport, self.queued), config=config)
         self._flusher = flusher
+        self._peer = super().get_peer()
+
+    def get_peer(self) -> Peer:
+        """One for all the connection's streams (grpclib made one a stream): it holds only the transport."""
+        return self._peer
 
     def queue(self, frame: bytes) -> None:
         """A frame built outside h2 (a WINDOW_UPDATE for DATA read past it), written with the
