@@ -22,7 +22,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 
 from ..encoded import Resource
-from ..events import NO_CONTEXT, Wake
+from ..events import Wake
 from ..heap import HeapTrim
 from ..observe import Counters, Observers, StreamLog, StreamObserver, StreamView, names_shown
 from ..pb.grpc.health.v1 import HealthBase, HealthCheckRequest, HealthCheckResponse
@@ -437,10 +437,9 @@ class StreamSession(SessionDriver):
             # Further requests are read straight from their DATA frames, as they arrive, until the
             # stream needs grpclib again (its end, a reset): this task ends, and the direct reader's
             # future stands for it (a task, its coroutines and its context less a stream).
-            direct = io.read_direct(self._on_message)
+            direct = io.read_direct(self._on_message, self._direct_done)
             if direct is not None:
                 self._reader = direct
-                direct.add_done_callback(self._direct_done, context=NO_CONTEXT)
                 return
 
     def _start_reading(self) -> None:
@@ -451,12 +450,11 @@ class StreamSession(SessionDriver):
         if data is None:
             self._read_in_task(first=True)
             return
-        direct = self.io.read_direct(self._on_message)
+        direct = self.io.read_direct(self._on_message, self._direct_done)
         if direct is None:
             self._read_in_task(first=False)
         else:
             self._reader = direct
-            direct.add_done_callback(self._direct_done, context=NO_CONTEXT)
         try:
             self._on_message(data, True)
         except ProtocolError as e:  # as a reader task's failure ends the call (_ended)

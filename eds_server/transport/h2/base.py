@@ -50,10 +50,13 @@ class StreamIO(Protocol):
         """The stream's first request if it is here whole already (an Envoy sends it with the
         stream's HEADERS), taken without waiting; None: `read(first=True)` reads it."""
 
-    def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
+    def read_direct(
+        self, on_message: Callable[[bytes], None], on_end: Callable[[asyncio.Future[None]], None]
+    ) -> asyncio.Future[None] | None:
         """Give further messages to `on_message` as they arrive, until the stream needs `read`
-        again: the future is done then (its exception what ended the stream), and cancelling it
-        stops the reading. None where the path cannot do this now: `read` on."""
+        again: the future is done then (its exception what ended the stream), and `on_end` is
+        called with it, as its done callback; cancelling it stops the reading. None where the path
+        cannot do this now: `read` on."""
 
     def ready(self) -> bool:
         """A message can be queued now, without waiting (headers sent, transport not paused)."""

@@ -66,18 +66,27 @@ class DirectReader:
         "h2",
         "limits",
         "messages",
+        "on_end",
         "on_message",
         "raw",
         "stream_id",
         "unacked",
     )
 
-    def __init__(self, raw: Any, on_message: Callable[[bytes], None], limits: ReadLimits, grant_at: int) -> None:
+    def __init__(
+        self,
+        raw: Any,
+        on_message: Callable[[bytes], None],
+        on_end: Callable[[asyncio.Future[None]], None],
+        limits: ReadLimits,
+        grant_at: int,
+    ) -> None:
         self.raw = raw  # grpclib's protocol.Stream
         self.connection: FlushingConnection = raw.connection
         self.h2: GuardedH2Connection = self.connection.h2
         self.stream_id: int = raw.id
         self.on_message = on_message
+        self.on_end = on_end  # told once `done` is, after the reader has let go
         self.limits = limits
         self.grant_at = grant_at  # bytes consumed before the stream's window is topped up
         self.unacked = 0
@@ -174,8 +183,9 @@ class DirectReader:
             self.unacked = 0
         self._release()
 
-    def left(self, _: asyncio.Future[None]) -> None:
+    def ended(self, done: asyncio.Future[None]) -> None:
         self.leave()
+        self.on_end(done)
 
     def fail(self, exc: BaseException) -> None:
         """End the direct path with `exc`, raised where the session waits on it."""

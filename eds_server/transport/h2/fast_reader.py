@@ -64,7 +64,10 @@ class MessageReader:
         )
 
     def direct(
-        self, stream: grpclib.server.Stream[Any, Any], on_message: Callable[[bytes], None]
+        self,
+        stream: grpclib.server.Stream[Any, Any],
+        on_message: Callable[[bytes], None],
+        on_end: Callable[[asyncio.Future[None]], None],
     ) -> asyncio.Future[None] | None:
         """Give the stream's further messages to `on_message` as their DATA frames arrive (direct.py),
         until the stream needs grpclib again: the future returned is done then (read on with
@@ -80,9 +83,12 @@ class MessageReader:
             return None
         if h2.incoming_buffer._data:  # h2 holds a frame begun, maybe this stream's: it must read it
             return None
-        reader = DirectReader(raw, on_message, self, grant_at=max(1, h2.local_settings.initial_window_size // 2))
+        reader = DirectReader(
+            raw, on_message, on_end, self, grant_at=max(1, h2.local_settings.initial_window_size // 2)
+        )
         h2.direct[raw.id] = reader
-        reader.done.add_done_callback(reader.left, context=NO_CONTEXT)  # however it ends: cancelled, the call is over
+        # however it ends (cancelled: the call is over), one callback: a list of them less a stream
+        reader.done.add_done_callback(reader.ended, context=NO_CONTEXT)
         return reader.done
 
 

@@ -246,8 +246,10 @@ class FastIO:
         data: bytes | memoryview | None = self._reader.early(self.stream, bytes)
         return data
 
-    def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
-        return self._reader.direct(self.stream, on_message)
+    def read_direct(
+        self, on_message: Callable[[bytes], None], on_end: Callable[[asyncio.Future[None]], None]
+    ) -> asyncio.Future[None] | None:
+        return self._reader.direct(self.stream, on_message, on_end)
 
     def ready(self) -> bool:
         stream = self.stream

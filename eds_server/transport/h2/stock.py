@@ -74,7 +74,9 @@ class StockIO:
     def first_request(self) -> bytes | None:
         return None
 
-    def read_direct(self, on_message: Callable[[bytes], None]) -> asyncio.Future[None] | None:
+    def read_direct(
+        self, on_message: Callable[[bytes], None], on_end: Callable[[asyncio.Future[None]], None]
+    ) -> asyncio.Future[None] | None:
         return None
 
     def ready(self) -> bool:
