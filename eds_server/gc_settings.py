@@ -63,7 +63,11 @@ class Generations:
         if not self.due and self.young >= OLD_AFTER and self.grown > self.old * OLD_GROWTH:
             self.due = True
             with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
-                self.loop.call_soon_threadsafe(collect)  # not in here: the collector is running
+                self.loop.call_soon_threadsafe(self.collect_if_due)  # not in here: the collector is running
+
+    def collect_if_due(self) -> None:
+        if self.due:  # not if a collection ran meanwhile (the heap trim's)
+            self.collect()
 
     def collect(self) -> int:
         self.collecting = True

@@ -115,3 +115,25 @@ asyncio.run(main())
 """
     )
     assert out == ["True", "True", "True", "True"]
+
+
+def test_an_old_collection_due_is_not_run_again_after_another_full_one() -> None:
+    out = run(
+        PRELUDE
+        + """
+async def main():
+    gc_settings.tune()
+    generations = gc_settings.generations
+    kept = []
+    grow = int(generations.old * gc_settings.OLD_GROWTH) // 100 + 1
+    for i in range(gc_settings.OLD_AFTER):
+        kept.extend([] for _ in range(grow))
+        gc.collect(0)
+    print(generations.due)
+    gc_settings.collect()  # the heap trim's, say, before the loop's turn
+    await asyncio.sleep(0)
+    print(generations.old_collections, generations.due)
+asyncio.run(main())
+"""
+    )
+    assert out == ["True", "1", "False"]
