@@ -431,13 +431,13 @@ class StreamSession(SessionDriver):
             data = await io.read(first=first)
             if data is None:
                 return  # the client ended its side
-            self._on_message(data, first)
+            self.on_message(data, first)
             del data  # not kept while idle: a request may carry a 60 KB Node
             first = False
             # Further requests are read straight from their DATA frames, as they arrive, until the
             # stream needs grpclib again (its end, a reset): this task ends, and the direct reader's
             # future stands for it (a task, its coroutines and its context less a stream).
-            direct = io.read_direct(self._on_message, self._direct_done)
+            direct = io.read_direct(self)
             if direct is not None:
                 self._reader = direct
                 return
@@ -450,13 +450,13 @@ class StreamSession(SessionDriver):
         if data is None:
             self._read_in_task(first=True)
             return
-        direct = self.io.read_direct(self._on_message, self._direct_done)
+        direct = self.io.read_direct(self)
         if direct is None:
             self._read_in_task(first=False)
         else:
             self._reader = direct
         try:
-            self._on_message(data, True)
+            self.on_message(data, True)
         except ProtocolError as e:  # as a reader task's failure ends the call (_ended)
             raise GRPCError(Status[e.status], e.message) from None
 
@@ -464,7 +464,7 @@ class StreamSession(SessionDriver):
         reader = self._reader = asyncio.create_task(self.read(first=first))
         reader.add_done_callback(self._reader_done)
 
-    def _direct_done(self, direct: asyncio.Future[None]) -> None:
+    def direct_ended(self, direct: asyncio.Future[None]) -> None:
         """The direct reader ended: failed (the task finds out), or the stream needs grpclib again,
         read on by a new reader task."""
         if direct is not self._reader or direct.cancelled():
@@ -474,7 +474,7 @@ class StreamSession(SessionDriver):
             return
         self._reader_done(direct)
 
-    def _on_message(self, data: bytes | memoryview, first: bool = False) -> None:
+    def on_message(self, data: bytes | memoryview, first: bool = False) -> None:
         self.receive(data, first)
         # An ACK with nothing new to send wakes no one (one task switch per stream per change saved)
         if self.sm.wants_poll:

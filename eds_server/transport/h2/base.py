@@ -40,6 +40,13 @@ class Framed:
         return cut
 
 
+class DirectClient(Protocol):
+    """Who a stream's direct reading tells (the session, itself: no bound method kept a stream)."""
+
+    def on_message(self, data: bytes) -> None: ...
+    def direct_ended(self, done: asyncio.Future[None]) -> None: ...
+
+
 class StreamIO(Protocol):
     """One gRPC call's stream, as the EDS service drives it."""
 
@@ -50,13 +57,11 @@ class StreamIO(Protocol):
         """The stream's first request if it is here whole already (an Envoy sends it with the
         stream's HEADERS), taken without waiting; None: `read(first=True)` reads it."""
 
-    def read_direct(
-        self, on_message: Callable[[bytes], None], on_end: Callable[[asyncio.Future[None]], None]
-    ) -> asyncio.Future[None] | None:
-        """Give further messages to `on_message` as they arrive, until the stream needs `read`
-        again: the future is done then (its exception what ended the stream), and `on_end` is
-        called with it, as its done callback; cancelling it stops the reading. None where the path
-        cannot do this now: `read` on."""
+    def read_direct(self, client: DirectClient) -> asyncio.Future[None] | None:
+        """Give further messages to `client.on_message` as they arrive, until the stream needs
+        `read` again: the future is done then (its exception what ended the stream), and
+        `client.direct_ended` is called with it, as its done callback; cancelling it stops the
+        reading. None where the path cannot do this now: `read` on."""
 
     def ready(self) -> bool:
         """A message can be queued now, without waiting (headers sent, transport not paused)."""

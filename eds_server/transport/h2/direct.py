@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from grpclib import GRPCError
@@ -34,6 +33,7 @@ from .fast_connection import window_update
 from .limits import PartialBudget
 
 if TYPE_CHECKING:
+    from .base import DirectClient
     from .fast_connection import GuardedH2Connection
     from .fast_writer import FlushingConnection
 
@@ -60,14 +60,13 @@ class DirectReader:
         "_deadline",
         "_need",
         "_taken",
+        "client",
         "connection",
         "done",
         "grant_at",
         "h2",
         "limits",
         "messages",
-        "on_end",
-        "on_message",
         "raw",
         "stream_id",
         "unacked",
@@ -76,8 +75,7 @@ class DirectReader:
     def __init__(
         self,
         raw: Any,
-        on_message: Callable[[bytes], None],
-        on_end: Callable[[asyncio.Future[None]], None],
+        client: DirectClient,
         limits: ReadLimits,
         grant_at: int,
     ) -> None:
@@ -85,8 +83,7 @@ class DirectReader:
         self.connection: FlushingConnection = raw.connection
         self.h2: GuardedH2Connection = self.connection.h2
         self.stream_id: int = raw.id
-        self.on_message = on_message
-        self.on_end = on_end  # told once `done` is, after the reader has let go
+        self.client = client  # each message; `done`, once it is, after the reader has let go
         self.limits = limits
         self.grant_at = grant_at  # bytes consumed before the stream's window is topped up
         self.unacked = 0
@@ -98,7 +95,7 @@ class DirectReader:
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def take(self, payload: memoryview) -> None:
-        """A DATA frame's payload (no padding): every message it completes goes to on_message."""
+        """A DATA frame's payload (no padding): every message it completes goes to the client."""
         self.unacked += len(payload)
         if self.unacked >= self.grant_at:
             self.connection.queue(window_update(self.stream_id, self.unacked))
@@ -143,7 +140,7 @@ class DirectReader:
             if self._taken or self._deadline is not None:  # it was the message begun before
                 self._release()
             self.messages += 1
-            self.on_message(message)
+            self.client.on_message(message)
             if self.done.done():  # the session ended the stream, or it fell back meanwhile
                 break
         return data[pos:]
@@ -185,7 +182,7 @@ class DirectReader:
 
     def ended(self, done: asyncio.Future[None]) -> None:
         self.leave()
-        self.on_end(done)
+        self.client.direct_ended(done)
 
     def fail(self, exc: BaseException) -> None:
         """End the direct path with `exc`, raised where the session waits on it."""

@@ -8,7 +8,6 @@ why), on the versions compat.py verified only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 
 from ...events import NO_CONTEXT, LeanQueue
-from .base import PassThroughCodec
+from .base import DirectClient, PassThroughCodec
 from .direct import DirectReader, EarlyRequest
 from .fast_writer import guarded_h2
 from .limits import PartialBudget
@@ -66,10 +65,9 @@ class MessageReader:
     def direct(
         self,
         stream: grpclib.server.Stream[Any, Any],
-        on_message: Callable[[bytes], None],
-        on_end: Callable[[asyncio.Future[None]], None],
+        client: DirectClient,
     ) -> asyncio.Future[None] | None:
-        """Give the stream's further messages to `on_message` as their DATA frames arrive (direct.py),
+        """Give the stream's further messages to `client` as their DATA frames arrive (direct.py),
         until the stream needs grpclib again: the future returned is done then (read on with
         `read`), or fails with what ended the stream; cancelled (the call is over), the reading
         stops. None where that cannot be done (not our h2 connection, data already buffered).
@@ -83,9 +81,7 @@ class MessageReader:
             return None
         if h2.incoming_buffer._data:  # h2 holds a frame begun, maybe this stream's: it must read it
             return None
-        reader = DirectReader(
-            raw, on_message, on_end, self, grant_at=max(1, h2.local_settings.initial_window_size // 2)
-        )
+        reader = DirectReader(raw, client, self, grant_at=max(1, h2.local_settings.initial_window_size // 2))
         h2.direct[raw.id] = reader
         # however it ends (cancelled: the call is over), one callback: a list of them less a stream
         reader.done.add_done_callback(reader.ended, context=NO_CONTEXT)

@@ -32,7 +32,7 @@ from grpclib.protocol import H2Protocol
 from h2.exceptions import H2Error
 
 from ...events import LeanEvent, LeanQueue
-from .base import Framed
+from .base import DirectClient, Framed
 from .direct import DirectReader
 from .fast_connection import short_frame_reprs
 from .fast_protocol import FastProtocol
@@ -224,11 +224,12 @@ def charge_refusal(stream: Stream) -> None:
         h2.no_request(raw.id, "refused at the stream limits", defer=True)
 
 
-class FastIO:
+class FastIO(StatusInTrailers):
     """A stream on the fast path: requests read with limits (and straight from DATA frames once
-    the first is read), responses queued as shared frames and flushed once per connection and batch."""
+    the first is read), responses queued as shared frames and flushed once per connection and
+    batch; and its own StatusInTrailers (one object less a stream)."""
 
-    __slots__ = ("_flusher", "_headers", "_reader", "stream")
+    __slots__ = ("_flusher", "_headers", "_reader")
 
     def __init__(
         self, stream: grpclib.server.Stream[Any, Any], reader: MessageReader, flusher: Flusher, headers: ResponseHeaders
@@ -246,10 +247,8 @@ class FastIO:
         data: bytes | memoryview | None = self._reader.early(self.stream, bytes)
         return data
 
-    def read_direct(
-        self, on_message: Callable[[bytes], None], on_end: Callable[[asyncio.Future[None]], None]
-    ) -> asyncio.Future[None] | None:
-        return self._reader.direct(self.stream, on_message, on_end)
+    def read_direct(self, client: DirectClient) -> asyncio.Future[None] | None:
+        return self._reader.direct(self.stream, client)
 
     def ready(self) -> bool:
         stream = self.stream
@@ -282,7 +281,7 @@ class FastIO:
         await send_frames(self.stream, message)
 
     def status_in_trailers(self) -> contextlib.AbstractAsyncContextManager[None]:
-        return StatusInTrailers(self.stream)
+        return self
 
     @property
     def direct(self) -> DirectReader | None:

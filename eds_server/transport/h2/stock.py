@@ -34,7 +34,7 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from ...ratelimit import Bucket
-from .base import Framed, plain_status
+from .base import DirectClient, Framed, plain_status
 from .fair import HELD_RECHECK, STREAM_ESTIMATE, Deferral, MeteredInput, TransportReading
 from .guard import END_STREAM, FrameGuard, MessageMeter, Refusal, SendWindows, StreamLedger, over_budget
 from .handlers import releasing
@@ -74,9 +74,7 @@ class StockIO:
     def first_request(self) -> bytes | None:
         return None
 
-    def read_direct(
-        self, on_message: Callable[[bytes], None], on_end: Callable[[asyncio.Future[None]], None]
-    ) -> asyncio.Future[None] | None:
+    def read_direct(self, client: DirectClient) -> asyncio.Future[None] | None:
         return None
 
     def ready(self) -> bool:

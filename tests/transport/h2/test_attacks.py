@@ -102,13 +102,17 @@ async def test_reassembling_a_big_message_from_small_frames_allocates_linearly(
         reader = reader_of(service, "a")
         assert reader is not None
         handed: list[bytes] = []
-        on_message = reader.on_message
+        session = reader.client
 
-        def spy(message: bytes, *args: Any) -> None:
-            handed.append(message)
-            on_message(message, *args)
+        class Spy:
+            def on_message(self, message: bytes) -> None:
+                handed.append(message)
+                session.on_message(message)
 
-        reader.on_message = spy
+            def direct_ended(self, done: asyncio.Future[None]) -> None:
+                session.direct_ended(done)
+
+        reader.client = Spy()
         body = tagged("big", size=BIG)
         view = memoryview(grpc(body))
         for i in range(0, len(view), PIECE):
