@@ -16,9 +16,11 @@ young threshold alone; `bench/run.py --only cores`, docs/performance.md). So, on
   once the survivors frozen since the last such collection are more than a quarter of what it left
   (`OLD_GROWTH`), and at least 121 young collections have run since (`OLD_AFTER`, what Python's
   default thresholds for the older two generations come to), the event loop's next turn unfreezes
-  everything, collects it in full and freezes what is left (`collect`). Garbage in cycles among
-  old objects is bounded as with the settings before; an object freed by its last reference goes
-  at once, frozen or not.
+  everything, collects it in full and freezes what is left (`collect`). Garbage in a cycle that
+  outlived a young collection now waits for that (before, for the middle generation's next
+  collection, 11 young ones at most), as garbage that had reached the oldest generation always
+  did: bounded by the same rule. An object freed by its last reference goes at once, frozen or
+  not, and a stream's objects are (the calls break their cycles as they end: handlers.py).
 
 `collect` is that full collection, for whoever needs one now (the heap trim after streams ended).
 """
