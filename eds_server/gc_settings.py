@@ -11,13 +11,13 @@ young threshold alone; `bench/run.py --only cores`, docs/performance.md). So, on
   out of every collection of Python's;
 - a young collection runs every 20,000 new objects (`YOUNG_THRESHOLD`), and its survivors are
   frozen at once, so each object is walked once while young, not again in the middle generation
-  (connecting 10,000 streams: the collector's time in the window 123-170 ms less, docs/performance.md);
+  (connecting 10,000 streams: 70-74 ms of collection against 157-160, docs/performance.md);
 - the old objects, all frozen, are collected by the rule Python keeps for its oldest generation:
   once the survivors frozen since the last such collection are more than a quarter of what it left
   (`OLD_GROWTH`), and at least 121 young collections have run since (`OLD_AFTER`, what Python's
   default thresholds for the older two generations come to), the event loop's next turn unfreezes
   everything, collects it in full and freezes what is left (`collect`). Garbage in a cycle that
-  outlived a young collection now waits for that (before, for the middle generation's next
+  outlived a young collection now waits for the old collection (before, for the middle generation's next
   collection, 11 young ones at most), as garbage that had reached the oldest generation always
   did: bounded by the same rule. An object freed by its last reference goes at once, frozen or
   not, and a stream's objects are (the calls break their cycles as they end: handlers.py).
