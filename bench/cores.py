@@ -12,7 +12,10 @@ the machine hits each alike. Per shape and configuration, medians over rounds of
   response carrying the change (CLOCK_MONOTONIC in both processes), over every stream and change;
 - CPU per change: CPU of every process of the server (the owner and its workers; both tiers) from
   the change until each stream has it and the CPU settles; for two tiers also the origin's share;
-- RSS per stream: all its processes' RSS with the streams open and idle, less before, per stream.
+- RSS per stream: all its processes' RSS with the streams open and idle, less before, per stream;
+- the canary's delay p50/p99 (eds-server only; bench/canary.py): one stream from an address of its
+  own, its group changed through the registration API every 50 ms while as many changes again fan
+  out to every stream (after the measured ones: its writes are not in the CPU per change).
 
 "two tiers" is an origin (upstreams file) and a relay (`--upstream-eds`) that the streams reach:
 its latency less one tier's is the cost of a hop. "floor" is bench/floor.py (unless --no-floor): the
@@ -45,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import canary
 from run import CORES, Config, Workers, table
 from sidebyside import EDS_SERVER, IDLE_WAIT, PER_CONN, Served, cell, floors, ratio, upstreams_text, write_atomically
 
@@ -177,12 +181,12 @@ def one_round(
         elif name.startswith("floor"):
             assert extra is not None
             server = Served(extra, path, log, pin=False)
-        elif extra is None:  # two tiers: the streams reach the relay
-            origin = Served(EDS_SERVER, path, log, extra=tuning, pin=False)
+        elif extra is None:  # two tiers: the streams reach the relay; the canary's group is written to the origin
+            origin = Served(EDS_SERVER, path, log, extra=[*tuning, *canary.ARGS], pin=False, env=canary.ENV)
             wait_ready(origin)
             server = Served(EDS_SERVER, None, log, extra=["--upstream-eds", f"127.0.0.1:{origin.port}"], pin=False)
         else:
-            server = Served(EDS_SERVER, path, log, extra=[*extra, *tuning], pin=False)
+            server = Served(EDS_SERVER, path, log, extra=[*extra, *tuning, *canary.ARGS], pin=False, env=canary.ENV)
         workers = Workers(n_workers, cfg.node_bytes, log)
         cap = MemoryCap(
             cfg.memory_cap,
@@ -218,10 +222,10 @@ def one_round(
             cpus, origin_cpus, latencies = [], [], []
             user0, sys0 = server.user_sys()
             ouser0, osys0 = origin.user_sys() if origin else (0.0, 0.0)
-            for k in range(1, shape.changes + 1):
+
+            def change(k: int, settle: bool = True) -> int:
+                """Change k written, every stream holding it (and the server's CPU settled); when it was written."""
                 base = min(r["g0"] for r in workers.all([{"cmd": "counts"}] * len(workers.procs)))
-                c0 = server.cpu()
-                o0 = origin.cpu() if origin else 0.0
                 weights[k % endpoints] = k + 1
                 t_change = time.monotonic_ns()
                 write_atomically(path, upstreams_text(weights))
@@ -233,9 +237,17 @@ def one_round(
                 )
                 if missing:
                     raise RuntimeError(f"{name}: change {k} missed {missing} streams")
-                server.settle()
+                if settle:
+                    server.settle()
+                    if origin:
+                        origin.settle()
+                return t_change
+
+            for k in range(1, shape.changes + 1):
+                c0 = server.cpu()
+                o0 = origin.cpu() if origin else 0.0
+                t_change = change(k)
                 if origin:
-                    origin.settle()
                     origin_cpus.append(origin.cpu() - o0)
                 cpus.append(server.cpu() - c0 + (origin_cpus[-1] if origin else 0.0))
                 got = workers.dump(clear=True)
@@ -246,6 +258,18 @@ def one_round(
                         latencies.append((min(after) - t_change) / 1e9)
             user1, sys1 = server.user_sys()
             ouser1, osys1 = origin.user_sys() if origin else (0.0, 0.0)
+            beside = {}
+            if eds:  # as many changes again, with the canary's group changing meanwhile (not in the CPU above)
+                bird = canary.Canary(server.port, (origin or server).admin, cfg.node_bytes, log)
+                try:
+                    with bird.changing():
+                        for k in range(shape.changes + 1, 2 * shape.changes + 1):
+                            change(k, settle=False)  # its writes keep the CPU from settling
+                            workers.dump(clear=True)
+                            time.sleep(canary.GAP)
+                    beside = bird.figures()
+                finally:
+                    bird.stop()
             end = workers.dump()
             errors = end["n_errors"]
             if errors:
@@ -285,6 +309,7 @@ def one_round(
         "client_rss_b": client_rss,
         "peak_memory_growth_b": cap.peak,
         "refused": refused,
+        **beside,
     }
 
 
@@ -306,6 +331,15 @@ def rss_of(pid: int) -> int:
         return 0
 
 
+def canary_cell(runs: list[dict[str, Any]]) -> str:
+    """The canary's delay p50 / p99 in ms (medians of the rounds), or "-" where it did not run."""
+    ran = [x for x in runs if "canary_p99_s" in x]
+    if not ran:
+        return "-"
+    p50, p99 = (statistics.median(x[k] for x in ran) * 1000 for k in ("canary_p50_s", "canary_p99_s"))
+    return f"{p50:.0f} / {p99:.0f}"
+
+
 def describe(got: dict[str, Any]) -> str:
     """One round's figures on one line."""
     return (
@@ -318,6 +352,14 @@ def describe(got: dict[str, Any]) -> str:
         f"{got['client_cpu_per_change_s'] * 1000:.0f} ms CPU/change (system "
         f"{got['client_sys_per_change_s'] * 1000:.0f}), RSS {got['client_rss_b'] / 1e6:.0f} MB; "
         f"memory peak +{got['peak_memory_growth_b'] / 1e9:.1f} GB"
+        + (
+            f"; canary: {got['canary_changes']} changes, delay p50 {got['canary_p50_s'] * 1000:.0f} ms, "
+            f"p99 {got['canary_p99_s'] * 1000:.0f} ms, max {got['canary_max_s'] * 1000:.0f} ms, "
+            f"{got['canary_missed']} missed"
+            + (f", {got['canary_refused']} refused: {got['canary_refused_why']}" if got["canary_refused"] else "")
+            if "canary_p99_s" in got
+            else ""
+        )
         + (f"; refused {got['refused']}" if got.get("refused") else "")
     )
 
@@ -361,6 +403,7 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
             "connect CPU s",
             "p50 ms",
             "p99 ms",
+            "canary p50/p99 ms",
             "CPU/change ms",
             "user ms",
             "sys ms",
@@ -406,6 +449,8 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
                 "rss_per_stream_b",
             )
             figures = {k: med(k) for k in keys}
+            if all("canary_p99_s" in x for x in runs):
+                figures |= {k: med(k) for k in ("canary_p50_s", "canary_p99_s", "canary_max_s")}
             if name == "eds two tiers":
                 figures["origin_cpu_per_change_s"] = med("origin_cpu_per_change_s")
             out["shapes"][shape.name][name] = {**figures, "rounds": runs}
@@ -422,6 +467,7 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
                     f"{figures['connect_cpu_s']:.2f}",
                     f"{figures['p50_s'] * 1000:.0f}",
                     f"{figures['p99_s'] * 1000:.0f}",
+                    canary_cell(figures["rounds"]),
                     f"{figures['cpu_per_change_s'] * 1000:.0f}",
                     f"{figures['user_per_change_s'] * 1000:.1f}",
                     f"{figures['sys_per_change_s'] * 1000:.1f}",
@@ -440,6 +486,7 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
                 f"{big['connect_cpu_s']:.2f}",
                 f"{big['p50_s'] * 1000:.0f}",
                 f"{big['p99_s'] * 1000:.0f}",
+                canary_cell([big]),
                 f"{big['cpu_per_change_s'] * 1000:.0f}",
                 f"{big['user_per_change_s'] * 1000:.1f}",
                 f"{big['sys_per_change_s'] * 1000:.1f}",
@@ -452,7 +499,7 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
     for i, x in enumerate(top_rounds):
         assert top is not None
         if "error" in x:
-            rows.append((top.name, f"round {i + 1}: {x['error']}"[:60], *["-"] * 11))
+            rows.append((top.name, f"round {i + 1}: {x['error']}"[:60], *["-"] * 12))
             continue
         rows.append(
             (
@@ -462,6 +509,7 @@ def scenario_cores(cfg: Config) -> dict[str, Any]:
                 f"{x['connect_cpu_s']:.2f}",
                 f"{x['p50_s'] * 1000:.0f}",
                 f"{x['p99_s'] * 1000:.0f}",
+                canary_cell([x]),
                 f"{x['cpu_per_change_s'] * 1000:.0f}",
                 f"{x['user_per_change_s'] * 1000:.1f}",
                 f"{x['sys_per_change_s'] * 1000:.1f}",

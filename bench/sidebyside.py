@@ -100,9 +100,10 @@ class Served:
         log: IO[str],
         extra: list[str] | None = None,
         pin: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         """`extra`: more arguments (e.g. `--workers 2`, `--upstream-eds ...` with no upstreams file);
-        `pin`: on the server core (else on every core, as users run it)."""
+        `pin`: on the server core (else on every core, as users run it); `env`: more variables."""
         self.port, self.admin = free_port(), free_port()
         admin = self.admin
         args = [
@@ -121,7 +122,7 @@ class Served:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
-            env={**os.environ, **PER_IP_ENV},
+            env={**os.environ, **PER_IP_ENV, **(env or {})},
             preexec_fn=lambda: os.sched_setaffinity(0, cores),
         )
         for _ in range(600):  # bounded: 60 s
