@@ -177,7 +177,10 @@ def one_round(
         origin: Served | None = None
         if name == "peer":
             assert peer is not None
-            server = Served(peer, path, log, pin=False)
+            if cfg.peer_eds:  # another version of eds-server: its settings as this one's
+                server = Served(peer, path, log, extra=[*tuning, *canary.ARGS], pin=False, env=canary.ENV)
+            else:
+                server = Served(peer, path, log, pin=False)
         elif name.startswith("floor"):
             assert extra is not None
             server = Served(extra, path, log, pin=False)
@@ -192,7 +195,7 @@ def one_round(
             cfg.memory_cap,
             lambda: [*server.pids(), *(origin.pids() if origin else []), *(w.p.pid for w in workers.procs)],
         )
-        eds = name != "peer" and not name.startswith("floor")
+        eds = (name != "peer" or cfg.peer_eds) and not name.startswith("floor")
         try:
             if eds:
                 wait_ready(server)

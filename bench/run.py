@@ -66,6 +66,7 @@ class Config:
     memory_cap: float = 16e9  # bytes a cores round may add to the machine's used memory before it is stopped
     own_addresses: bool = False  # cores: each load generator connection from its own loopback address
     connect_rate: float = 0.0  # cores: connections opened per second in all (0: all at once)
+    peer_eds: bool = False  # cores: the peer is an eds-server (another version): the canary runs beside it too
 
     def size(self, full: int) -> int:
         return max(1, full // 10) if self.quick else full
@@ -646,6 +647,9 @@ def main() -> None:
     p.add_argument(
         "--memory-cap", type=float, default=16, help="GB of memory use a cores round may add before it is stopped"
     )
+    p.add_argument(
+        "--peer-eds", action="store_true", help="cores: the peer is another eds-server, run with the canary too"
+    )
     args = p.parse_args()
     if args.profile and not (Path(PY).parent / "py-spy").exists():
         p.error(f"--profile needs py-spy beside {PY}: {Path(PY).parent / 'pip'} install py-spy")
@@ -675,6 +679,7 @@ def main() -> None:
         args.memory_cap * 1e9,
         args.own_addresses,
         args.connect_rate,
+        args.peer_eds,
     )
 
     def too_long(*_: Any) -> None:
