@@ -67,12 +67,16 @@ class Canary:
         self.written: list[int] = []
         self.refused = 0  # writes the API did not take
         self.why: list[str] = []  # the first few of them, why
-        deadline = time.monotonic() + 30
-        while not self.put() and time.monotonic() < deadline:  # the admin port may still be starting
-            time.sleep(0.1)
-        if not self.written:
-            raise RuntimeError(f"the canary's first write was refused: {self.why}")
-        self.refused, self.why = 0, []  # the group exists before the stream asks for it: its first response is served
+        deadline, tries = time.monotonic() + 30, 1
+        while (why := self.put()) is not None:  # the group exists before the stream asks for it
+            if why.startswith("HTTP ") or time.monotonic() > deadline:  # an answer: asking again changes nothing
+                raise RuntimeError(
+                    f"the canary's first write was refused ({why}; writes tried: {tries}): the server needs "
+                    f"{' '.join(ARGS)} and EDS_ADMIN_TOKEN={TOKEN} (canary.ARGS and canary.ENV)"
+                )
+            time.sleep(0.1)  # not listening yet: the admin port may still be starting
+            tries += 1
+        self.refused, self.why = 0, []
         self.workers = Workers(1, node_bytes, log)
         self.nice = 0
         with contextlib.suppress(PermissionError):  # not root: it queues with the fleet's load generators
@@ -91,8 +95,9 @@ class Canary:
         self.workers.dump(clear=True)
         self.written.clear()
 
-    def put(self) -> bool:
-        """One change of the canary's group, its time taken just before the write; whether it was taken."""
+    def put(self) -> str | None:
+        """One change of the canary's group, its time taken just before the write; None if it was
+        taken, else why not (an answer of the server's as "HTTP <status>: <body>")."""
         self.seq += 1
         body = json.dumps({"address": "127.0.0.1", "port": BASE_PORT + self.seq % 40000}).encode()
         request = urllib.request.Request(
@@ -105,13 +110,17 @@ class Canary:
         try:
             with urllib.request.urlopen(request, timeout=10) as r:
                 r.read()
+        except urllib.error.HTTPError as e:
+            why = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace').strip()}"
         except (urllib.error.URLError, OSError) as e:
-            self.refused += 1
-            if len(self.why) < 3:
-                self.why.append(str(e)[:200])
-            return False
-        self.written.append(t)
-        return True
+            why = str(e)[:200]
+        else:
+            self.written.append(t)
+            return None
+        self.refused += 1
+        if len(self.why) < 3:
+            self.why.append(why)
+        return why
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[None]:

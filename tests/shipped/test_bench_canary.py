@@ -58,3 +58,24 @@ def test_the_canary_gets_its_changes_from_a_real_server(bench: dict[str, ModuleT
     assert (figures["canary_missed"], figures["canary_refused"]) == (0, 0), figures
     assert figures["canary_p50_s"] <= figures["canary_p99_s"] <= figures["canary_max_s"]
     assert "127.0.0.2" in (tmp_path / "server.log").read_text()  # its stream came from its own address
+
+
+def test_a_server_without_the_registration_api_is_named_at_the_first_answer(
+    bench: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """A 404 is an answer: the canary says what the server needs at once (its first write only), with
+    the server's own hint, rather than asking again until its start-up bound."""
+    canary, sidebyside = bench["canary"], bench["sidebyside"]
+    path = tmp_path / "upstreams.yaml"
+    sidebyside.write_atomically(path, sidebyside.upstreams_text([1]))
+    with open(tmp_path / "server.log", "a") as log:
+        server = sidebyside.Served(sidebyside.EDS_SERVER, path, log, pin=False)  # no registration API
+        try:
+            with pytest.raises(RuntimeError) as refused:
+                canary.Canary(server.port, server.admin, 2000, log)
+        finally:
+            server.stop()
+    said = str(refused.value)
+    assert "HTTP 404" in said and "the registration API is off" in said, said
+    assert "writes tried: 1)" in said, said
+    assert "--registration-allow-cidr 127.0.0.0/8" in said and "EDS_ADMIN_TOKEN=" in said, said
