@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import IO, Any
 
-from run import Workers
+from run import Workers, dist
 
 GROUP = "canary"
 ADDRESS = "127.0.0.2"  # the canary's own client address (loopback)
@@ -147,20 +147,16 @@ class Canary:
             while time.monotonic() < deadline and not any(t >= last for t in self._received(clear=False)):
                 time.sleep(0.05)
         got, missed = delays(self.written, self._received(clear=True))
-        ordered = sorted(got)
-
-        def at(q: float) -> float:
-            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
+        spread = dist(got)
         return {
             "canary_changes": len(self.written),
             "canary_nice": self.nice,
             "canary_missed": missed,
             "canary_refused": self.refused,
             "canary_refused_why": self.why,
-            "canary_p50_s": at(0.5),
-            "canary_p99_s": at(0.99),
-            "canary_max_s": ordered[-1] if ordered else float("nan"),
+            "canary_p50_s": spread["p50"],
+            "canary_p99_s": spread["p99"],
+            "canary_max_s": spread["max"],
         }
 
     def _received(self, clear: bool) -> list[int]:
